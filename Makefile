@@ -1,0 +1,32 @@
+# Set-up and everyday commands. `make demo` and `make test` install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test,plots]"
+	touch $(STAMP)
+
+demo: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m planner.demo
+
+test: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+test-fast: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not multiprocess"
+
+bench: install
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/plan_time.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,71 @@
+"""Resolve a model spec (zoo name, ``file.py:factory`` or ``package.module:factory``).
+
+A user factory is a zero-argument callable returning ``(model, example_inputs)``.
+It is called under ``torch.device(device)`` after ``torch.manual_seed(seed)``, so a
+factory that builds its modules and inputs without naming a device gets meta
+tensors for planning and identical real weights on every rank for running.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Any
+
+import torch
+
+
+class ModelSourceError(ValueError):
+    """The model spec names nothing that can be built."""
+
+
+def _load_factory(spec: str):
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ModelSourceError(
+            f"model '{spec}' is neither a zoo name nor PATH.py:FACTORY / package.module:FACTORY")
+    if target.endswith(".py"):
+        if not os.path.isfile(target):
+            raise ModelSourceError(f"model file {target} does not exist")
+        name = "user_model_" + os.path.splitext(os.path.basename(target))[0]
+        mod_spec = importlib.util.spec_from_file_location(name, os.path.abspath(target))
+        module = importlib.util.module_from_spec(mod_spec)
+        sys.modules[name] = module
+        try:
+            mod_spec.loader.exec_module(module)
+        except Exception as err:  # noqa: BLE001 - user code
+            raise ModelSourceError(f"importing {target} failed: {type(err).__name__}: {err}") from err
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as err:
+            raise ModelSourceError(f"cannot import module '{target}' for model '{spec}': {err}") from err
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ModelSourceError(f"'{attr}' in {target} is not a callable factory")
+    return factory
+
+
+def build_model(spec: str, *, device: str = "meta", seed: int = 0, **zoo_kwargs: Any):
+    """Return ``(model, example_inputs)`` for a zoo name or a user factory spec.
+
+    Args:
+        spec: zoo name (``gpt-tiny``, ``gpt3-175b``, ...) or ``file.py:factory``.
+        device: ``meta`` for planning, ``cpu``/``cuda`` for running.
+        seed: torch seed set before building, so every rank builds the same weights.
+        zoo_kwargs: batch_size / seq_len overrides for zoo models.
+    """
+    from ir import zoo
+
+    torch.manual_seed(seed)
+    if ":" not in spec or spec.split(":")[0] in zoo.names():
+        return zoo.build(spec, device=device, **zoo_kwargs)
+    factory = _load_factory(spec)
+    with torch.device(device):
+        result = factory()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        raise ModelSourceError(f"factory {spec} must return (model, example_inputs)")
+    model, inputs = result
+    return model, inputs if isinstance(inputs, tuple) else tuple(inputs) if isinstance(inputs, list) else (inputs,)

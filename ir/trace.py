@@ -1,0 +1,162 @@
+"""Capture a model's forward program as an aten-level graph.
+
+``capture`` runs ``torch.export.export(strict=False)`` and decomposes the result to
+core ATen, which is the op set DTensor shards at run time; ``trace`` turns that
+program into the planner's :class:`ir.graph.Graph` with shapes, FLOPs and bytes.
+Works on the meta device, so a 175B-parameter model is captured without memory.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Sequence
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from ir.graph import BUFFER, INPUT, OP, PARAM, Graph, Node, TensorInfo
+
+
+class TraceError(RuntimeError):
+    """Neither torch.export nor torch.fx could capture the model."""
+
+
+# Ops that only re-describe memory; they move no bytes.
+_VIEW_OPS = {
+    "aten.view.default", "aten._unsafe_view.default", "aten.permute.default",
+    "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dims",
+    "aten.squeeze.dim", "aten.t.default", "aten.transpose.int", "aten.slice.Tensor",
+    "aten.select.int", "aten.alias.default", "aten.split_with_sizes.default",
+    "aten.split.Tensor", "aten.unbind.int", "aten.detach.default",
+}
+
+
+def _as_tuple(example_inputs: Any) -> tuple:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    return (example_inputs,)
+
+
+def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.ExportedProgram:
+    """Export ``model(*example_inputs)`` and decompose it to core ATen.
+
+    Tries ``torch.export.export(strict=False)`` first, then the ``torch.fx``
+    front-end (``symbolic_trace`` followed by export of the traced module).
+
+    Raises:
+        TraceError: naming the module and the construct that failed in both.
+    """
+    args = _as_tuple(example_inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ep = torch.export.export(model, args, strict=False)
+        except Exception as export_err:  # noqa: BLE001 - both errors are reported
+            try:
+                gm = torch.fx.symbolic_trace(model)
+                ep = torch.export.export(gm, args, strict=False)
+            except Exception as fx_err:  # noqa: BLE001
+                raise TraceError(
+                    f"cannot capture {type(model).__name__}: torch.export failed with "
+                    f"'{_first_line(export_err)}' and torch.fx.symbolic_trace failed with "
+                    f"'{_first_line(fx_err)}'; remove data-dependent Python control flow "
+                    f"from its forward() or wrap that part in a leaf module"
+                ) from fx_err
+        return ep.run_decompositions()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _tensor_info(val: Any) -> TensorInfo | None:
+    if isinstance(val, torch.Tensor):
+        return TensorInfo(tuple(int(d) for d in val.shape), val.dtype)
+    return None
+
+
+def _outputs_of(val: Any) -> tuple[TensorInfo, ...]:
+    if isinstance(val, (tuple, list)):
+        return tuple(t for t in (_tensor_info(v) for v in val) if t is not None)
+    t = _tensor_info(val)
+    return (t,) if t is not None else ()
+
+
+def _module_path(fx_node: torch.fx.Node) -> str:
+    stack = fx_node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+def _flops(fx_node: torch.fx.Node) -> float:
+    target = fx_node.target
+    packet = getattr(target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0.0
+    args, kwargs = torch.fx.node.map_arg(
+        (fx_node.args, fx_node.kwargs), lambda n: n.meta.get("val"))
+    return float(formula(*args, **kwargs, out_val=fx_node.meta.get("val")))
+
+
+def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "") -> Graph:
+    """Build a :class:`Graph` from a (decomposed) exported program."""
+    sig = ep.graph_signature
+    params = dict(sig.inputs_to_parameters)
+    buffers = dict(sig.inputs_to_buffers)
+    nodes: list[Node] = []
+    output_names: tuple[str, ...] = ()
+    for fx_node in ep.graph.nodes:
+        val = fx_node.meta.get("val")
+        if fx_node.op == "placeholder":
+            if fx_node.name in params:
+                kind, fqn = PARAM, params[fx_node.name]
+            elif fx_node.name in buffers:
+                kind, fqn = BUFFER, buffers[fx_node.name]
+            else:
+                kind, fqn = INPUT, None
+            nodes.append(Node(name=fx_node.name, kind=kind, target=fqn or "input",
+                              outputs=_outputs_of(val), fqn=fqn))
+        elif fx_node.op == "call_function":
+            tensor_args = [a for a in fx_node.all_input_nodes]
+            flat_args = []
+            torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), flat_args.append)
+            arg_names = tuple(a.name for a in flat_args)
+            inputs = tuple(_tensor_info(a.meta.get("val")) for a in flat_args)
+            outputs = _outputs_of(val)
+            if fx_node.target is operator.getitem:
+                nodes.append(Node(name=fx_node.name, kind=OP, target="getitem",
+                                  args=(fx_node.args[0].name,), arg_index=int(fx_node.args[1]),
+                                  inputs=(), outputs=outputs,
+                                  module_path=_module_path(fx_node)))
+                continue
+            target = str(fx_node.target)
+            moved = 0 if target in _VIEW_OPS else (
+                sum(t.nbytes for t in inputs if t) + sum(t.nbytes for t in outputs))
+            read_params = tuple(params[a.name] for a in tensor_args if a.name in params)
+            nodes.append(Node(
+                name=fx_node.name, kind=OP, target=target, args=arg_names,
+                inputs=tuple(t if t else TensorInfo((), torch.float32) for t in inputs),
+                outputs=outputs, flops=_flops(fx_node), bytes_moved=float(moved),
+                params=read_params, module_path=_module_path(fx_node)))
+        elif fx_node.op == "output":
+            outs = []
+            torch.fx.node.map_arg(fx_node.args, outs.append)
+            output_names = tuple(o.name for o in outs)
+    return Graph(nodes=nodes, output_names=output_names, model_name=model_name, exported=ep)
+
+
+def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any) -> Graph:
+    """Capture ``model`` called on ``example_inputs`` as a planner Graph.
+
+    Pass a model built on the meta device (and meta example inputs) to plan
+    models of any size without allocating weights.
+    """
+    ep = capture(model, example_inputs)
+    return graph_from_exported(ep, model_name=type(model).__name__)

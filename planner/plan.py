@@ -1,0 +1,175 @@
+"""The Plan: what the planner decided, and its plan.json form.
+
+A plan.json is meant to be read by people: parameters by FQN with one placement per
+mesh axis ("R", "S(d)", "P"), the placement of every op's inputs and outputs, the
+points where the plan reshards, and the predicted time (seconds) and memory (bytes)
+per device. ``Plan.to_json()`` and ``load_plan()`` round-trip exactly, and the
+same inputs always give the same bytes (no timestamps, no wall-clock times).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan.json that cannot be used; the message says what is wrong and what to do."""
+
+
+@dataclass
+class SolverReport:
+    """How the intra-op ILP was solved.
+
+    ``objective_s`` and ``bound_s`` are in seconds; ``gap`` is relative
+    ((objective - bound) / objective, 0 when proven optimal).
+    """
+
+    solver: str
+    status: str
+    objective_s: float
+    bound_s: float
+    gap: float
+    time_limit_s: float
+    num_variables: int = 0
+    num_constraints: int = 0
+
+
+@dataclass
+class OpPlacement:
+    """Placements of one op's tensor inputs (in argument order) and outputs."""
+
+    op: str
+    module: str
+    inputs: list[list[str]]
+    outputs: list[list[str]]
+
+
+@dataclass
+class Reshard:
+    """A tensor moved between placements before ``node`` reads it from ``arg``."""
+
+    node: str
+    arg: str
+    module: str
+    src: list[str]
+    dst: list[str]
+    time_s: float
+
+
+@dataclass
+class Plan:
+    """A complete parallelization plan for one model on one cluster.
+
+    Attributes:
+        model: what the plan was made for: ``name``, ``source`` (zoo name or
+            ``file.py:factory``), ``fingerprint`` (ir.Graph.fingerprint of the
+            captured program) and ``num_parameters``.
+        cluster: the cluster spec (costmodel.Cluster.to_dict()).
+        mesh: ``shape`` (list of ints) and ``axis_names``.
+        parameters: parameter FQN -> placements (one string per mesh axis).
+        inputs: user input name -> placements.
+        nodes: op node name -> placements of its inputs and outputs.
+        reshards: every point where a tensor changes placement, in program order.
+        predicted: ``step_time_s`` with its breakdown (``compute_s``,
+            ``communication_s``, ``resharding_s``) and ``memory_bytes_per_device``.
+        solver: the ILP report.
+        training: batch and optimiser settings the prediction assumed.
+    """
+
+    model: dict[str, Any]
+    cluster: dict[str, Any]
+    mesh: dict[str, Any]
+    parameters: dict[str, list[str]]
+    inputs: dict[str, list[str]]
+    nodes: dict[str, OpPlacement]
+    reshards: list[Reshard]
+    predicted: dict[str, Any]
+    solver: SolverReport
+    training: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(int(d) for d in self.mesh["shape"])
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for d in self.mesh_shape:
+            n *= d
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        ordered = {"format_version": d.pop("format_version")}
+        ordered.update(d)
+        return ordered
+
+    def to_json(self) -> str:
+        """The plan as JSON text; deterministic for equal plans."""
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write plan.json; refuses to replace a file that is not a plan."""
+        path = os.fspath(path)
+        if os.path.exists(path) and not _is_plan_file(path):
+            raise PlanError(
+                f"{path} exists and is not a plan.json; choose another output path "
+                f"or remove it yourself")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(self.to_json())
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict):
+            raise PlanError("plan.json must hold a JSON object; regenerate it with `planner plan`")
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise PlanError(
+                f"plan.json has format_version {version!r} but this planner reads version "
+                f"{FORMAT_VERSION}; regenerate it with `planner plan`")
+        required = ("model", "cluster", "mesh", "parameters", "inputs", "nodes",
+                    "reshards", "predicted", "solver")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise PlanError(f"plan.json lacks {', '.join(missing)}; regenerate it with `planner plan`")
+        try:
+            return cls(
+                model=d["model"], cluster=d["cluster"], mesh=d["mesh"],
+                parameters={k: list(v) for k, v in d["parameters"].items()},
+                inputs={k: list(v) for k, v in d["inputs"].items()},
+                nodes={k: OpPlacement(**v) for k, v in d["nodes"].items()},
+                reshards=[Reshard(**r) for r in d["reshards"]],
+                predicted=d["predicted"], solver=SolverReport(**d["solver"]),
+                training=d.get("training", {}), format_version=version)
+        except (TypeError, AttributeError) as err:
+            raise PlanError(f"plan.json is malformed ({err}); regenerate it with `planner plan`") from err
+
+
+def _is_plan_file(path: str) -> bool:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return isinstance(data, dict) and "format_version" in data
+    except (OSError, ValueError):
+        return False
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read and validate a plan.json written by :meth:`Plan.save`."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise PlanError(f"no plan file at {path}; create one with `planner plan ... -o {path}`") from None
+    except json.JSONDecodeError as err:
+        raise PlanError(f"{path} is not valid JSON ({err.msg} at line {err.lineno})") from None
+    return Plan.from_dict(data)
