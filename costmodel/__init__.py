@@ -1,0 +1,54 @@
+"""Cost model: cluster description, communication, compute and memory costs.
+
+Units everywhere: seconds, bytes, FLOPs, bytes/s, FLOP/s. This package never
+imports ``planner`` or ``codegen``.
+"""
+
+from .cluster import (
+    BACKENDS,
+    DEFAULT_FLOP_EFFICIENCY,
+    DEFAULT_KERNEL_OVERHEAD,
+    DEFAULT_MEMORY_EFFICIENCY,
+    Cluster,
+    ClusterError,
+    DeviceSpec,
+    Link,
+    canonical_dtype,
+    load_cluster,
+)
+from .collectives import COLLECTIVES, axis_links, collective_time
+from .compute import DEFAULT_HALF_SATURATION_FLOPS, matmul_efficiency, op_time
+from .memory import OPTIMIZER_STATES, gpt_activation_bytes_per_layer, reserve_bytes, training_state_bytes
+from .presets import PRESETS, local_cpu_cluster, preset
+from .resharding import ReshardStep, parse_placement, placement_str, reshard_steps, reshard_time
+
+__all__ = [
+    "BACKENDS",
+    "COLLECTIVES",
+    "DEFAULT_FLOP_EFFICIENCY",
+    "DEFAULT_HALF_SATURATION_FLOPS",
+    "DEFAULT_KERNEL_OVERHEAD",
+    "DEFAULT_MEMORY_EFFICIENCY",
+    "OPTIMIZER_STATES",
+    "PRESETS",
+    "Cluster",
+    "ClusterError",
+    "DeviceSpec",
+    "Link",
+    "ReshardStep",
+    "axis_links",
+    "canonical_dtype",
+    "collective_time",
+    "gpt_activation_bytes_per_layer",
+    "load_cluster",
+    "local_cpu_cluster",
+    "matmul_efficiency",
+    "op_time",
+    "parse_placement",
+    "placement_str",
+    "preset",
+    "reserve_bytes",
+    "reshard_steps",
+    "reshard_time",
+    "training_state_bytes",
+]

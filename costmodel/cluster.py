@@ -1,0 +1,419 @@
+"""Cluster description: devices, links and how many of them there are.
+
+Units everywhere: seconds, bytes, FLOPs, bytes/s, FLOP/s.
+
+A :class:`Cluster` is ``num_nodes`` identical nodes of ``devices_per_node``
+identical devices. Devices inside a node talk over ``intra_node`` (NVLink,
+loopback, ...); devices in different nodes talk over ``inter_node``
+(InfiniBand, Ethernet). Link bandwidths are *per device, per direction*:
+the rate one device can push into the link while it also receives at the same
+rate (what NCCL calls bus bandwidth).
+
+The JSON form (``Cluster.to_dict`` / ``Cluster.from_dict``) is what a cluster
+file holds; ``load_cluster`` accepts a preset name, ``PRESET:NODES`` or such
+a file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+__all__ = [
+    "ClusterError",
+    "canonical_dtype",
+    "Link",
+    "DeviceSpec",
+    "Cluster",
+    "load_cluster",
+    "BACKENDS",
+    "DEFAULT_KERNEL_OVERHEAD",
+    "DEFAULT_FLOP_EFFICIENCY",
+    "DEFAULT_MEMORY_EFFICIENCY",
+]
+
+#: Communication backends a cluster may name.
+BACKENDS = ("nccl", "gloo")
+
+#: Fixed cost of launching one GPU kernel, seconds (CUDA launch + tail, ~5 us).
+DEFAULT_KERNEL_OVERHEAD = 5e-6
+#: Fraction of dense peak FLOP/s a large, well-shaped GEMM reaches (60-80% is
+#: typical for transformer GEMMs on A100/H100; calibrated by profiling later).
+DEFAULT_FLOP_EFFICIENCY = 0.7
+#: Fraction of peak memory bandwidth a streaming kernel reaches (STREAM-like
+#: kernels reach 80-90% of HBM peak).
+DEFAULT_MEMORY_EFFICIENCY = 0.8
+
+# dtype spellings accepted by DeviceSpec.flops, mapped to the canonical names
+# used as keys of DeviceSpec.peak_flops.
+_DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "f32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16", "half": "float16", "f16": "float16",
+    "fp64": "float64", "double": "float64",
+    "tf32": "tfloat32",
+    "fp8": "float8_e4m3fn",
+}
+
+
+class ClusterError(ValueError):
+    """A cluster description is missing, malformed or asks for something impossible.
+
+    The message is always one line naming the offending field and the fix.
+    """
+
+
+def canonical_dtype(dtype: Any) -> str:
+    """Canonical dtype name: ``torch.bfloat16``/``'bf16'`` -> ``'bfloat16'``."""
+    name = str(dtype).strip().lower()
+    if name.startswith("torch."):
+        name = name[len("torch."):]
+    return _DTYPE_ALIASES.get(name, name)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _need_positive(where: str, value: Any, unit: str) -> float:
+    if not _is_number(value) or value <= 0:
+        raise ClusterError(
+            f"cluster field '{where}' must be a positive number ({unit}), got {value!r}; fix that field"
+        )
+    return value
+
+
+def _need_nonnegative(where: str, value: Any, unit: str) -> float:
+    if not _is_number(value) or value < 0:
+        raise ClusterError(
+            f"cluster field '{where}' must be a number >= 0 ({unit}), got {value!r}; fix that field"
+        )
+    return value
+
+
+def _need_positive_int(where: str, value: Any, unit: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ClusterError(
+            f"cluster field '{where}' must be an integer >= 1 ({unit}), got {value!r}; fix that field"
+        )
+    return value
+
+
+def _integral(value: Any) -> Any:
+    """``8e10`` (a whole float, as JSON writers may emit) -> ``80000000000``."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _need_fraction(where: str, value: Any) -> float:
+    if not _is_number(value) or not 0 < value <= 1:
+        raise ClusterError(
+            f"cluster field '{where}' must be a number in (0, 1], got {value!r}; fix that field"
+        )
+    return value
+
+
+def _need_name(where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ClusterError(
+            f"cluster field '{where}' must be a non-empty string, got {value!r}; fix that field"
+        )
+    return value
+
+
+def _need_mapping(where: str, d: Any) -> Mapping[str, Any]:
+    if not isinstance(d, Mapping):
+        raise ClusterError(
+            f"cluster field '{where}' must be a JSON object, got {type(d).__name__}; fix that field"
+        )
+    return d
+
+
+def _check_keys(where: str, d: Mapping[str, Any], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    prefix = f"{where}." if where else ""
+    for key in required:
+        if key not in d:
+            raise ClusterError(
+                f"cluster field '{prefix}{key}' is missing; add it (see Cluster.to_dict() of a preset for the schema)"
+            )
+    allowed = set(required) | set(optional)
+    for key in d:
+        if key not in allowed:
+            raise ClusterError(
+                f"cluster field '{prefix}{key}' is not known; allowed fields: {', '.join(required + optional)}"
+            )
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of connection between devices.
+
+    Attributes:
+        name: e.g. ``"nvlink"``, ``"infiniband"``, ``"loopback"``.
+        bandwidth: bytes/s one device sends per direction (half of a
+            bidirectional "aggregate" figure).
+        latency: seconds per message step (the alpha of the alpha-beta model).
+    """
+
+    name: str
+    bandwidth: float
+    latency: float
+
+    def __post_init__(self) -> None:
+        _need_name("link.name", self.name)
+        _need_positive(f"{self.name}.bandwidth", self.bandwidth, "bytes/s")
+        _need_nonnegative(f"{self.name}.latency", self.latency, "seconds")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, keys in a fixed order."""
+        return {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "link") -> "Link":
+        """Build from :meth:`to_dict` output; ``where`` names the field in errors."""
+        d = _need_mapping(where, d)
+        _check_keys(where, d, ("name", "bandwidth", "latency"))
+        return cls(
+            name=_need_name(f"{where}.name", d["name"]),
+            bandwidth=_need_positive(f"{where}.bandwidth", d["bandwidth"], "bytes/s"),
+            latency=_need_nonnegative(f"{where}.latency", d["latency"], "seconds"),
+        )
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank).
+
+    Attributes:
+        name: e.g. ``"A100-SXM4-80GB"``.
+        peak_flops: dtype name (``'float32'``, ``'bfloat16'``, ``'float16'``,
+            optionally ``'tfloat32'``, ``'float8_e4m3fn'``) -> dense FLOP/s.
+            Stored as a plain dict copied at construction; excluded from the
+            hash (the dataclass is still hashable and comparable).
+        memory: device memory, bytes.
+        memory_bandwidth: device memory bandwidth, bytes/s.
+        kernel_overhead: fixed seconds added to every kernel (launch + tail).
+        flop_efficiency: fraction of ``peak_flops`` a large GEMM reaches.
+        memory_efficiency: fraction of ``memory_bandwidth`` a streaming kernel reaches.
+    """
+
+    name: str
+    peak_flops: dict[str, float] = field(hash=False)
+    memory: int
+    memory_bandwidth: float
+    kernel_overhead: float = DEFAULT_KERNEL_OVERHEAD
+    flop_efficiency: float = DEFAULT_FLOP_EFFICIENCY
+    memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+
+    def __post_init__(self) -> None:
+        _need_name("device.name", self.name)
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise ClusterError(
+                f"cluster field 'device.peak_flops' must be a non-empty object dtype -> FLOP/s, "
+                f"got {self.peak_flops!r}; fix that field"
+            )
+        flops: dict[str, float] = {}
+        for key in sorted(self.peak_flops):
+            if not isinstance(key, str):
+                raise ClusterError(f"cluster field 'device.peak_flops' has a non-string key {key!r}; use dtype names")
+            flops[canonical_dtype(key)] = _need_positive(f"device.peak_flops.{key}", self.peak_flops[key], "FLOP/s")
+        object.__setattr__(self, "peak_flops", dict(sorted(flops.items())))
+        _need_positive_int("device.memory", self.memory, "bytes")
+        _need_positive("device.memory_bandwidth", self.memory_bandwidth, "bytes/s")
+        _need_nonnegative("device.kernel_overhead", self.kernel_overhead, "seconds")
+        _need_fraction("device.flop_efficiency", self.flop_efficiency)
+        _need_fraction("device.memory_efficiency", self.memory_efficiency)
+
+    def flops(self, dtype: Any) -> float:
+        """Dense peak FLOP/s for ``dtype`` (a name like ``'bf16'`` or a ``torch.dtype``).
+
+        Fallback (decided): a dtype not listed is priced at the ``float32``
+        rate (e.g. bfloat16 on a V100, which has no bf16 units, or int64/float64
+        index arithmetic). Raises :class:`ClusterError` only when neither the
+        dtype nor ``float32`` is listed.
+        """
+        name = canonical_dtype(dtype)
+        if name in self.peak_flops:
+            return self.peak_flops[name]
+        if "float32" in self.peak_flops:
+            return self.peak_flops["float32"]
+        raise ClusterError(
+            f"device '{self.name}' lists no peak FLOP/s for dtype '{name}' and no float32 fallback; "
+            f"add it to device.peak_flops (listed: {', '.join(self.peak_flops)})"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, keys in a fixed order."""
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "memory": self.memory,
+            "memory_bandwidth": self.memory_bandwidth,
+            "kernel_overhead": self.kernel_overhead,
+            "flop_efficiency": self.flop_efficiency,
+            "memory_efficiency": self.memory_efficiency,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "device") -> "DeviceSpec":
+        """Build from :meth:`to_dict` output; the last three fields are optional."""
+        d = _need_mapping(where, d)
+        _check_keys(
+            where, d,
+            ("name", "peak_flops", "memory", "memory_bandwidth"),
+            ("kernel_overhead", "flop_efficiency", "memory_efficiency"),
+        )
+        peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
+        kwargs: dict[str, Any] = {}
+        for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency"):
+            if key in d:
+                kwargs[key] = d[key]
+        return cls(
+            name=d["name"],
+            peak_flops=dict(peak),
+            memory=_need_positive_int(f"{where}.memory", _integral(d["memory"]), "bytes"),
+            memory_bandwidth=d["memory_bandwidth"],
+            **kwargs,
+        )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``num_nodes`` x ``devices_per_node`` identical devices.
+
+    Device ids are row-major: ``id = node * devices_per_node + local``.
+
+    Attributes:
+        name: e.g. ``"dgx-a100-80g:2"``.
+        num_nodes: nodes (machines).
+        devices_per_node: devices (GPUs, or CPU ranks) per node.
+        device: the device every slot holds.
+        intra_node: link between two devices of one node.
+        inter_node: link between devices of different nodes; its bandwidth
+            is per device (node NIC bandwidth / devices_per_node).
+        backend: ``'nccl'`` or ``'gloo'``.
+    """
+
+    name: str
+    num_nodes: int
+    devices_per_node: int
+    device: DeviceSpec
+    intra_node: Link
+    inter_node: Link
+    backend: str
+
+    def __post_init__(self) -> None:
+        _need_name("name", self.name)
+        _need_positive_int("num_nodes", self.num_nodes, "nodes")
+        _need_positive_int("devices_per_node", self.devices_per_node, "devices")
+        for fname, typ in (("device", DeviceSpec), ("intra_node", Link), ("inter_node", Link)):
+            if not isinstance(getattr(self, fname), typ):
+                raise ClusterError(f"cluster field '{fname}' must be a {typ.__name__}, got {type(getattr(self, fname)).__name__}")
+        if self.backend not in BACKENDS:
+            raise ClusterError(
+                f"cluster field 'backend' must be one of {', '.join(BACKENDS)}, got {self.backend!r}; fix that field"
+            )
+
+    @property
+    def num_devices(self) -> int:
+        """Total devices: num_nodes * devices_per_node."""
+        return self.num_nodes * self.devices_per_node
+
+    def node_of(self, device_id: int) -> int:
+        """Node index that holds ``device_id`` (row-major numbering)."""
+        if not 0 <= device_id < self.num_devices:
+            raise ClusterError(f"device id {device_id} is outside 0..{self.num_devices - 1} of cluster '{self.name}'")
+        return device_id // self.devices_per_node
+
+    def sub_cluster(self, num_nodes: int, devices_per_node: int) -> "Cluster":
+        """The same hardware cut down to ``num_nodes`` x ``devices_per_node``.
+
+        For pricing a pipeline stage's sub-mesh (Alpa's sub-meshes are either
+        part of one node or whole nodes).
+        """
+        if not 1 <= num_nodes <= self.num_nodes:
+            raise ClusterError(f"sub_cluster num_nodes must be in 1..{self.num_nodes}, got {num_nodes}")
+        if not 1 <= devices_per_node <= self.devices_per_node:
+            raise ClusterError(f"sub_cluster devices_per_node must be in 1..{self.devices_per_node}, got {devices_per_node}")
+        return replace(self, num_nodes=num_nodes, devices_per_node=devices_per_node)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form with a fixed key order; ``from_dict`` inverts it exactly."""
+        return {
+            "name": self.name,
+            "num_nodes": self.num_nodes,
+            "devices_per_node": self.devices_per_node,
+            "backend": self.backend,
+            "device": self.device.to_dict(),
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+        }
+
+    def to_json(self) -> str:
+        """``to_dict`` as indented JSON text."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "Cluster":
+        """Validate and build; any bad field raises a one-line :class:`ClusterError`."""
+        d = _need_mapping("<cluster>", d)
+        _check_keys("", d, ("name", "num_nodes", "devices_per_node", "backend", "device", "intra_node", "inter_node"))
+        return cls(
+            name=d["name"],
+            num_nodes=d["num_nodes"],
+            devices_per_node=d["devices_per_node"],
+            device=DeviceSpec.from_dict(d["device"], "device"),
+            intra_node=Link.from_dict(d["intra_node"], "intra_node"),
+            inter_node=Link.from_dict(d["inter_node"], "inter_node"),
+            backend=d["backend"],
+        )
+
+
+def _parse_count(spec: str, text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text.strip():
+        raise ClusterError(f"cluster spec '{spec}': '{text}' after ':' must be a positive integer (nodes, or ranks for local-cpu)")
+    return n
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A cluster from ``PRESET``, ``PRESET:N`` or a JSON cluster file path.
+
+    ``PRESET:N`` means N nodes (``dgx-a100-80g:2`` = 16 GPUs), except for
+    ``local-cpu:N``, which is N CPU ranks on this machine. A path (anything
+    that exists, ends in ``.json`` or contains a path separator) is read as
+    :meth:`Cluster.to_dict` JSON. Every failure is a :class:`ClusterError`.
+    """
+    from .presets import PRESETS, preset  # local: presets imports this module
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ClusterError(f"cluster spec must be a preset name or a JSON file path, got {spec!r}; presets: {', '.join(PRESETS)}")
+    spec = spec.strip()
+    looks_like_path = spec.endswith(".json") or os.sep in spec or (os.altsep is not None and os.altsep in spec)
+    if os.path.isfile(spec) or looks_like_path:
+        if not os.path.isfile(spec):
+            raise ClusterError(f"cluster file '{spec}' does not exist; give an existing JSON file or a preset ({', '.join(PRESETS)})")
+        try:
+            with open(spec, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"cluster file '{spec}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except OSError as e:
+            raise ClusterError(f"cluster file '{spec}' cannot be read: {e.strerror}") from None
+        try:
+            return Cluster.from_dict(data)
+        except ClusterError as e:
+            raise ClusterError(f"cluster file '{spec}': {e}") from None
+    name, sep, count = spec.partition(":")
+    if name not in PRESETS:
+        raise ClusterError(f"unknown cluster preset '{name}'; presets: {', '.join(PRESETS)} (or give a JSON cluster file)")
+    if sep:
+        return preset(name, _parse_count(spec, count))
+    return preset(name)

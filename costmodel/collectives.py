@@ -1,0 +1,124 @@
+"""Collective communication time: alpha-beta model per logical mesh axis.
+
+Units: seconds, bytes, bytes/s.
+
+A logical mesh is laid over the cluster's devices in row-major order
+(device id = node * devices_per_node + local; the last mesh axis varies
+fastest). :func:`axis_links` says which physical :class:`Link` the groups of
+each mesh axis use; :func:`collective_time` prices one collective on one group
+with the alpha-beta model (alpha = ``link.latency`` per step,
+beta = 1 / ``link.bandwidth``).
+
+Formulas (n = group size, B = bytes, bw = bytes/s, a = seconds):
+
+============== ===================================================== =================
+kind           time                                                  B is
+============== ===================================================== =================
+all_reduce     min(ring 2(n-1)/n B/bw + 2(n-1) a,                    the tensor
+               tree 2 ceil(log2 n) (a + B/bw))
+all_gather     (n-1)/n B/bw + (n-1) a                                the gathered tensor
+reduce_scatter (n-1)/n B/bw + (n-1) a                                the unsharded input
+all_to_all     (n-1)/n B/bw + (n-1) a                                bytes per device
+broadcast      min(pipelined ring B/bw + (n-1) a,                    the tensor
+               binomial tree ceil(log2 n) (a + B/bw))
+p2p            B/bw + a                                              the message
+============== ===================================================== =================
+
+``group_size == 1`` or ``nbytes == 0`` costs nothing (no collective is issued).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from .cluster import Cluster, ClusterError, Link
+
+__all__ = ["COLLECTIVES", "axis_links", "collective_time"]
+
+#: Collective kinds :func:`collective_time` knows.
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
+
+
+def _check_mesh_shape(mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    shape = tuple(mesh_shape)
+    if not shape or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in shape):
+        raise ClusterError(f"mesh shape must be a non-empty tuple of integers >= 1, got {mesh_shape!r}")
+    return shape
+
+
+def axis_links(cluster: Cluster, mesh_shape: Sequence[int]) -> list[Link]:
+    """The physical link each axis of a logical mesh over ``cluster`` uses.
+
+    An axis whose every group stays inside one node gets ``cluster.intra_node``;
+    an axis whose groups span nodes gets ``cluster.inter_node`` (the network
+    is the bottleneck). Size-1 axes get ``intra_node`` (they never communicate).
+
+    Assumption (documented, not modelled further): when a spanning group also
+    holds several devices of the same node (e.g. mesh ``(16,)`` on two 8-GPU
+    nodes), the whole collective is priced at the per-device inter-node
+    bandwidth. That is what NCCL's multi-ring/tree algorithms reach on DGX
+    systems (one NIC per GPU, so each GPU's share of the network is the
+    bottleneck); a hierarchical intra+inter decomposition would be at most
+    marginally cheaper there.
+
+    Raises:
+        ClusterError: ``prod(mesh_shape) != cluster.num_devices`` or a bad shape.
+            (For a pipeline stage's sub-mesh, use ``cluster.sub_cluster``.)
+    """
+    shape = _check_mesh_shape(mesh_shape)
+    if math.prod(shape) != cluster.num_devices:
+        raise ClusterError(
+            f"mesh shape {shape} holds {math.prod(shape)} devices but cluster '{cluster.name}' has "
+            f"{cluster.num_devices}; use a mesh whose sizes multiply to {cluster.num_devices}"
+        )
+    links: list[Link] = []
+    dpn = cluster.devices_per_node
+    for k, size in enumerate(shape):
+        stride = math.prod(shape[k + 1:])
+        # Device ids in a group are base + j*stride, j < size; node ids are
+        # monotonic in device id, so a group is inside one node iff its first
+        # and last device are.
+        span = (size - 1) * stride
+        inside = all(
+            d // dpn == (d + span) // dpn
+            for d in range(cluster.num_devices)
+            if (d // stride) % size == 0
+        )
+        links.append(cluster.intra_node if inside else cluster.inter_node)
+    return links
+
+
+def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> float:
+    """Seconds for one collective of ``kind`` over ``group_size`` devices on ``link``.
+
+    Args:
+        kind: one of :data:`COLLECTIVES`.
+        nbytes: bytes, as the table in the module docstring defines per kind
+            (full tensor for all_gather/reduce_scatter, per-device for all_to_all).
+        group_size: devices in the group (>= 1).
+        link: the link the group communicates over.
+
+    Raises:
+        ValueError: unknown kind, negative bytes, or group_size < 1.
+    """
+    if kind not in COLLECTIVES:
+        raise ValueError(f"unknown collective kind {kind!r}; known: {', '.join(COLLECTIVES)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    if not nbytes >= 0:  # also rejects NaN
+        raise ValueError(f"nbytes must be >= 0, got {nbytes!r}")
+    n = group_size
+    if n == 1 or nbytes == 0:
+        return 0.0
+    a, t = link.latency, nbytes / link.bandwidth
+    steps = math.ceil(math.log2(n))
+    if kind == "all_reduce":
+        ring = 2 * (n - 1) / n * t + 2 * (n - 1) * a
+        tree = 2 * steps * (a + t)
+        return min(ring, tree)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * t + (n - 1) * a
+    if kind == "broadcast":
+        return min(t + (n - 1) * a, steps * (a + t))
+    return t + a  # p2p

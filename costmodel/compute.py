@@ -1,0 +1,84 @@
+"""Compute time of one kernel: a roofline plus a fixed launch overhead.
+
+Units: seconds, FLOPs, bytes, FLOP/s, bytes/s.
+
+    time = max(flops / (peak_flops[dtype] * efficiency),
+               bytes_moved / (memory_bandwidth * memory_efficiency))
+           + kernel_overhead
+
+The efficiencies and the overhead default to the :class:`DeviceSpec`'s
+(calibrated by profiling later). For GEMMs, :func:`matmul_efficiency` gives a
+size-dependent efficiency to pass as ``efficiency``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cluster import DEFAULT_FLOP_EFFICIENCY, DeviceSpec
+
+__all__ = ["op_time", "matmul_efficiency", "DEFAULT_HALF_SATURATION_FLOPS"]
+
+#: FLOPs at which a GEMM reaches half its maximum efficiency. ~1e9 FLOPs (a
+#: 800^3 GEMM) matches the usual picture on A100-class GPUs: small GEMMs cannot
+#: fill the SMs, 4096^3 (1.4e11 FLOPs) is within 1% of the plateau.
+DEFAULT_HALF_SATURATION_FLOPS = 1e9
+
+
+def matmul_efficiency(
+    flops: float,
+    max_efficiency: float = DEFAULT_FLOP_EFFICIENCY,
+    half_saturation_flops: float = DEFAULT_HALF_SATURATION_FLOPS,
+) -> float:
+    """Fraction of peak FLOP/s a GEMM of ``flops`` FLOPs reaches.
+
+    ``max_efficiency * flops / (flops + half_saturation_flops)``: rises from 0,
+    is ``max_efficiency / 2`` at ``half_saturation_flops`` and saturates at
+    ``max_efficiency`` for large problems. A placeholder curve until profiling
+    calibrates one per device.
+    """
+    if not flops >= 0:
+        raise ValueError(f"flops must be >= 0, got {flops!r}")
+    if not 0 < max_efficiency <= 1:
+        raise ValueError(f"max_efficiency must be in (0, 1], got {max_efficiency!r}")
+    if not half_saturation_flops > 0:
+        raise ValueError(f"half_saturation_flops must be > 0, got {half_saturation_flops!r}")
+    return max_efficiency * flops / (flops + half_saturation_flops)
+
+
+def op_time(
+    flops: float,
+    bytes_moved: float,
+    device: DeviceSpec,
+    dtype: Any,
+    efficiency: float | None = None,
+    memory_efficiency: float | None = None,
+) -> float:
+    """Seconds one kernel takes on ``device``.
+
+    Args:
+        flops: floating-point operations of the kernel, FLOPs.
+        bytes_moved: bytes read + written from device memory.
+        device: the device (peak FLOP/s per dtype, memory bandwidth, overhead).
+        dtype: compute dtype name or ``torch.dtype`` (see ``DeviceSpec.flops``).
+        efficiency: fraction of peak FLOP/s reached; default
+            ``device.flop_efficiency``.
+        memory_efficiency: fraction of memory bandwidth reached; default
+            ``device.memory_efficiency``.
+
+    Returns 0.0 when both ``flops`` and ``bytes_moved`` are 0 (no kernel runs,
+    e.g. a view); otherwise the roofline time plus ``device.kernel_overhead``.
+    """
+    if not flops >= 0 or not bytes_moved >= 0:
+        raise ValueError(f"flops and bytes_moved must be >= 0, got {flops!r} and {bytes_moved!r}")
+    eff = device.flop_efficiency if efficiency is None else efficiency
+    mem_eff = device.memory_efficiency if memory_efficiency is None else memory_efficiency
+    if flops > 0 and not 0 < eff <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {eff!r}")
+    if bytes_moved > 0 and not 0 < mem_eff <= 1:
+        raise ValueError(f"memory_efficiency must be in (0, 1], got {mem_eff!r}")
+    if flops == 0 and bytes_moved == 0:
+        return 0.0
+    compute = flops / (device.flops(dtype) * eff) if flops > 0 else 0.0
+    memory = bytes_moved / (device.memory_bandwidth * mem_eff) if bytes_moved > 0 else 0.0
+    return max(compute, memory) + device.kernel_overhead

@@ -1,0 +1,181 @@
+"""The public entry point: ``plan(model, cluster, ...)`` -> :class:`planner.plan.Plan`."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from costmodel.cluster import Cluster, load_cluster
+from costmodel.memory import training_state_bytes
+from costmodel.resharding import placement_str
+from ir.graph import INPUT, OP, PARAM, Graph
+from ir.trace import trace
+from planner.intra_op import IntraOpResult, local_numel, solve_intra_op
+from planner.plan import OpPlacement, Plan, Reshard, SolverReport
+
+
+class PlanningError(ValueError):
+    """The request cannot be planned; the message says what to change."""
+
+
+def _strs(placements) -> list[str]:
+    return [placement_str(p) for p in placements]
+
+
+def mesh_candidates(num_devices: int) -> list[tuple[int, ...]]:
+    """Logical mesh shapes tried when the user gives none: (N,) and every (a, N/a)."""
+    shapes: list[tuple[int, ...]] = [(num_devices,)]
+    for a in range(2, num_devices):
+        if num_devices % a == 0:
+            shapes.append((a, num_devices // a))
+    return shapes
+
+
+def _check_mesh(mesh_shape: Sequence[int], cluster: Cluster) -> tuple[int, ...]:
+    shape = tuple(int(d) for d in mesh_shape)
+    if not shape or any(d < 1 for d in shape):
+        raise PlanningError(f"mesh {mesh_shape} must be positive sizes such as 2x2")
+    size = 1
+    for d in shape:
+        size *= d
+    if size != cluster.num_devices:
+        raise PlanningError(
+            f"mesh {'x'.join(map(str, shape))} has {size} devices but cluster "
+            f"'{cluster.name}' has {cluster.num_devices}; give a mesh whose sizes multiply "
+            f"to {cluster.num_devices}")
+    return shape
+
+
+def _param_dtype(graph: Graph) -> torch.dtype:
+    dtypes = [t.dtype for t in graph.parameters.values()]
+    return dtypes[0] if dtypes else torch.float32
+
+
+def predicted_memory(result: IntraOpResult, optimizer: str = "adam") -> dict[str, int]:
+    """Bytes per device: parameters, gradients, optimizer states, saved activations.
+
+    Parameters, gradients and optimizer states follow each parameter's planned
+    placement; activations are the outputs of the ops that backward needs
+    (every non-view op on the gradient path), at their planned placements.
+    """
+    graph, mesh = result.graph, result.mesh_shape
+    param_elems = 0.0
+    for n in graph.nodes:
+        if n.kind == PARAM:
+            param_elems += local_numel(n.output, result.chosen[n.name].outputs[0], mesh)
+    dtype = _param_dtype(graph)
+    state = training_state_bytes(int(round(param_elems)), param_bytes=dtype.itemsize,
+                                 optimizer=optimizer)
+    activations = 0.0
+    for n in graph.nodes:
+        if n.kind == OP and n.bytes_moved > 0 and n.outputs and n.outputs[0].is_float:
+            s = result.chosen[n.name]
+            activations += sum(local_numel(o, p, mesh) * o.itemsize
+                               for o, p in zip(n.outputs, s.outputs))
+    out = {k: int(v) for k, v in state.items() if k != "total"}
+    out["activations"] = int(activations)
+    out["total"] = sum(out.values())
+    return out
+
+
+def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, Any],
+               training: dict[str, Any]) -> Plan:
+    """Turn an intra-op solution into a Plan."""
+    graph, chosen = result.graph, result.chosen
+    parameters = {n.fqn: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == PARAM}
+    inputs = {n.name: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == INPUT}
+    nodes: dict[str, OpPlacement] = {}
+    reshards: list[Reshard] = []
+    from planner.intra_op import IntraOpCost  # local: pricing of the reported reshards
+
+    cost = IntraOpCost(graph, cluster, result.mesh_shape, training["dtype"])
+    for n in graph.nodes:
+        if n.kind != OP:
+            continue
+        s = chosen[n.name]
+        nodes[n.name] = OpPlacement(op=n.target, module=n.module_path,
+                                    inputs=[_strs(p) for p in s.inputs],
+                                    outputs=[_strs(p) for p in s.outputs])
+        for k, arg in enumerate(n.args):
+            producer = graph[arg]
+            idx = n.arg_index if n.target == "getitem" else 0
+            src = chosen[arg].outputs[idx]
+            if src != s.inputs[k]:
+                info = producer.outputs[idx]
+                reshards.append(Reshard(node=n.name, arg=arg, module=n.module_path,
+                                        src=_strs(src), dst=_strs(s.inputs[k]),
+                                        time_s=cost.reshard(src, s.inputs[k], info)))
+    sol = result.solution
+    b = result.breakdown
+    predicted = {
+        "step_time_s": sol.objective_s,
+        "compute_s": b.compute_s,
+        "communication_s": b.communication_s,
+        "resharding_s": b.resharding_s,
+        "memory_bytes_per_device": predicted_memory(result, training.get("optimizer", "adam")),
+    }
+    return Plan(
+        model=model_info, cluster=cluster.to_dict(),
+        mesh={"shape": list(result.mesh_shape),
+              "axis_names": [f"mesh{i}" for i in range(len(result.mesh_shape))]},
+        parameters=parameters, inputs=inputs, nodes=nodes, reshards=reshards,
+        predicted=predicted,
+        solver=SolverReport(solver=sol.solver, status=sol.status, objective_s=sol.objective_s,
+                            bound_s=sol.bound_s, gap=sol.gap, time_limit_s=result.time_limit_s,
+                            num_variables=sol.num_variables,
+                            num_constraints=sol.num_constraints),
+        training=training)
+
+
+def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
+         mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
+         time_limit_s: float = 30.0, optimizer: str = "adam",
+         zoo_kwargs: dict[str, Any] | None = None) -> Plan:
+    """Find the fastest sharding of one training step of ``model`` on ``cluster``.
+
+    Args:
+        model: the module (build it on the meta device for large models).
+        cluster: a Cluster or a spec string (``dgx-a100-80g:2``, ``local-cpu:4``,
+            path to a cluster JSON).
+        example_inputs: arguments of one forward call; ``model(*example_inputs)``
+            must return the scalar loss.
+        mesh_shape: logical device mesh such as ``(2, 2)``; None tries every 1-D
+            and 2-D shape and keeps the fastest.
+        model_source: how ``planner run`` rebuilds the model (zoo name or
+            ``file.py:factory``); recorded in the plan.
+        time_limit_s: limit for each ILP solve, seconds.
+        zoo_kwargs: batch_size / seq_len used to build a zoo model (recorded so
+            the runner builds the same shapes).
+    """
+    if isinstance(cluster, str):
+        cluster = load_cluster(cluster)
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    graph = trace(model, tuple(example_inputs))
+    if not graph.parameters:
+        raise PlanningError(f"{type(model).__name__} has no parameters to shard")
+    shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
+        cluster.num_devices)
+    dtype = str(_param_dtype(graph)).replace("torch.", "")
+    best: IntraOpResult | None = None
+    for shape in shapes:
+        result = solve_intra_op(graph, cluster, shape, dtype=dtype, time_limit_s=time_limit_s)
+        if best is None or result.solution.objective_s < best.solution.objective_s:
+            best = result
+    assert best is not None
+    model_info = {
+        "name": model_source or type(model).__name__,
+        "source": model_source,
+        "class": type(model).__name__,
+        "fingerprint": graph.fingerprint(),
+        "num_parameters": graph.num_parameters,
+    }
+    training = {
+        "dtype": dtype,
+        "optimizer": optimizer,
+        "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
+                         for t in example_inputs],
+        "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())),
+    }
+    return build_plan(best, cluster, model_info, training)

@@ -1,0 +1,167 @@
+"""The strategy-assignment ILP, solved with OR-Tools (SCIP by default).
+
+Abstract form (Alpa's intra-op formulation): pick one strategy per node to
+minimise the sum of node costs plus, on every edge (u, v), the cost of the pair
+of strategies chosen at its ends. All costs are seconds.
+
+Edge matrices are compressed exactly before solving: producer strategies with an
+identical cost row (and consumer strategies with an identical column) share edge
+variables, and an edge whose cost depends on one end only is folded into that
+node's cost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from ortools.linear_solver import pywraplp
+
+_STATUS = {
+    pywraplp.Solver.OPTIMAL: "OPTIMAL",
+    pywraplp.Solver.FEASIBLE: "FEASIBLE",
+    pywraplp.Solver.INFEASIBLE: "INFEASIBLE",
+    pywraplp.Solver.UNBOUNDED: "UNBOUNDED",
+    pywraplp.Solver.ABNORMAL: "ABNORMAL",
+    pywraplp.Solver.NOT_SOLVED: "NOT_SOLVED",
+}
+
+
+class InfeasibleError(RuntimeError):
+    """No assignment satisfies the constraints."""
+
+
+@dataclass
+class AssignmentProblem:
+    """Strategy choice problem.
+
+    Attributes:
+        node_costs: ``node_costs[v][i]``: seconds if node v takes strategy i.
+        edges: ``(u, v, cost)`` with ``cost[i][j]`` seconds when u takes i and
+            v takes j; ``math.inf`` forbids the pair.
+    """
+
+    node_costs: list[list[float]]
+    edges: list[tuple[int, int, list[list[float]]]] = field(default_factory=list)
+
+    def evaluate(self, choice: list[int]) -> float:
+        """Total seconds of an assignment (inf if it uses a forbidden pair)."""
+        total = sum(c[i] for c, i in zip(self.node_costs, choice))
+        for u, v, m in self.edges:
+            total += m[choice[u]][choice[v]]
+        return total
+
+
+@dataclass
+class Solution:
+    choice: list[int]
+    objective_s: float
+    bound_s: float
+    status: str
+    solver: str
+    num_variables: int
+    num_constraints: int
+
+    @property
+    def gap(self) -> float:
+        if self.objective_s <= 0:
+            return 0.0
+        return max(0.0, (self.objective_s - self.bound_s) / self.objective_s)
+
+
+def _groups(vectors: list[tuple[float, ...]]) -> tuple[list[tuple[float, ...]], list[int]]:
+    """Distinct vectors (in first-seen order) and the group index of each input."""
+    index: dict[tuple[float, ...], int] = {}
+    of = []
+    for v in vectors:
+        of.append(index.setdefault(v, len(index)))
+    return list(index), of
+
+
+SOLVERS = ("SCIP", "HIGHS", "CBC", "CP_SAT")
+
+
+def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
+          hint: list[int] | None = None, solver: str = "SCIP") -> Solution:
+    """Solve the assignment problem with an OR-Tools backend.
+
+    ``solver`` is one of :data:`SOLVERS`. The MIP backends (HiGHS, SCIP, CBC) are
+    deterministic, so the same problem always gives the same answer; edge
+    variables are continuous there because the transport constraints make them
+    integral once the node variables are.
+
+    Raises:
+        InfeasibleError: when every assignment uses a forbidden pair.
+    """
+    name = solver.upper().replace("-", "_")
+    if name not in SOLVERS:
+        raise ValueError(f"unknown solver '{solver}'; choose one of {', '.join(SOLVERS)}")
+    mip = pywraplp.Solver.CreateSolver(name)
+    if mip is None:
+        raise ValueError(f"OR-Tools was built without the {name} backend; use another solver")
+    mip.SuppressOutput()
+    integral_edges = name == "CP_SAT"
+    node_costs = [list(c) for c in problem.node_costs]
+    x = [[mip.BoolVar(f"x{v}_{i}") for i in range(len(c))] for v, c in enumerate(node_costs)]
+    for v, xs in enumerate(x):
+        if not xs:
+            raise InfeasibleError(f"node {v} has no strategy")
+        mip.Add(mip.Sum(xs) == 1)
+    objective = mip.Objective()
+    for u, v, m in problem.edges:
+        rows, row_of = _groups([tuple(r) for r in m])
+        cols, col_of = _groups([tuple(c) for c in zip(*rows)])
+        if len(rows) == 1:  # cost depends on v only
+            for j in range(len(node_costs[v])):
+                node_costs[v][j] += cols[col_of[j]][0]
+            continue
+        if len(cols) == 1:  # cost depends on u only
+            for i in range(len(node_costs[u])):
+                node_costs[u][i] += cols[0][row_of[i]]
+            continue
+        e = {}
+        for r, c in itertools.product(range(len(rows)), range(len(cols))):
+            cost = cols[c][r]
+            if not math.isfinite(cost):
+                continue  # forbidden pair: no variable, so it can never be chosen
+            e[r, c] = mip.BoolVar("") if integral_edges else mip.NumVar(0.0, 1.0, "")
+            objective.SetCoefficient(e[r, c], cost)
+        for r in range(len(rows)):
+            mip.Add(mip.Sum([e[r, c] for c in range(len(cols)) if (r, c) in e]) ==
+                    mip.Sum([x[u][i] for i in range(len(row_of)) if row_of[i] == r]))
+        for c in range(len(cols)):
+            mip.Add(mip.Sum([e[r, c] for r in range(len(rows)) if (r, c) in e]) ==
+                    mip.Sum([x[v][j] for j in range(len(col_of)) if col_of[j] == c]))
+    for v, c in enumerate(node_costs):
+        for i, k in enumerate(c):
+            if math.isfinite(k):
+                objective.SetCoefficient(x[v][i], k)
+            else:
+                x[v][i].SetUb(0)
+    objective.SetMinimization()
+    if hint is not None:
+        mip.SetHint([var for xs in x for var in xs],
+                    [1.0 if j == hint[v] else 0.0 for v, xs in enumerate(x) for j in range(len(xs))])
+    mip.SetTimeLimit(int(time_limit_s * 1000))
+    status = mip.Solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        raise InfeasibleError(f"{name} ended with status {_STATUS.get(status, status)}")
+    choice = [max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x]
+    value = problem.evaluate(choice)
+    bound = objective.BestBound() if status != pywraplp.Solver.OPTIMAL else value
+    return Solution(choice=choice, objective_s=value, bound_s=min(value, bound),
+                    status=_STATUS[status], solver=name, num_variables=mip.NumVariables(),
+                    num_constraints=mip.NumConstraints())
+
+
+def brute_force(problem: AssignmentProblem) -> tuple[list[int], float]:
+    """Exhaustive optimum (for tests on small problems)."""
+    best, best_cost = None, math.inf
+    for choice in itertools.product(*(range(len(c)) for c in problem.node_costs)):
+        cost = problem.evaluate(list(choice))
+        if cost < best_cost:
+            best, best_cost = list(choice), cost
+    if best is None:
+        raise InfeasibleError("every assignment uses a forbidden pair")
+    return best, best_cost

@@ -1,0 +1,203 @@
+"""Intra-op pass: choose every op's sharding strategy on one device mesh.
+
+Builds the assignment problem of :mod:`planner.ilp` from a Graph, its DTensor
+strategies and the cost model, and solves it. Costs are seconds of one training
+step (forward, backward and gradient synchronisation):
+
+* node cost: compute time of the op under the strategy (FLOPs and bytes divided
+  by the devices it is split over; backward counted as twice the forward FLOPs),
+  plus the backward all-reduce an input needs when it is replicated on a mesh axis
+  over which the op's output is split (for parameters this is the gradient
+  synchronisation of data parallelism; for activations it is Megatron's ``f``);
+* edge cost: forward resharding of the producer's output placement into the
+  consumer's input placement, plus the reverse resharding of its gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from costmodel.collectives import axis_links, collective_time
+from costmodel.compute import op_time
+from costmodel.resharding import reshard_time
+from costmodel.cluster import Cluster
+from ir.graph import OP, PARAM, Graph, Node, TensorInfo
+from planner.ilp import AssignmentProblem, Solution, solve
+from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
+
+# Backward of an op with FLOPs costs twice its forward (input and weight gradients).
+_BACKWARD_FLOPS_FACTOR = 2.0
+# Backward of a memory-bound op reads and writes about as much as its forward.
+_BACKWARD_BYTES_FACTOR = 1.0
+
+
+def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int],
+                skip_axis: int | None = None) -> float:
+    """Elements of ``info`` held by one device (ignoring mesh axis ``skip_axis``)."""
+    n = float(info.numel)
+    for a, (p, size) in enumerate(zip(placements, mesh_shape)):
+        if a != skip_axis and isinstance(p, Shard):
+            n /= size
+    return n
+
+
+def _grad_placements(placements: Placements) -> Placements:
+    """Placement of the gradient flowing back into a tensor of ``placements``."""
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+@dataclass
+class CostBreakdown:
+    """Predicted seconds of one training step on one device, by kind."""
+
+    compute_s: float = 0.0
+    communication_s: float = 0.0
+    resharding_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.communication_s + self.resharding_s
+
+
+@dataclass
+class IntraOpResult:
+    graph: Graph
+    mesh_shape: tuple[int, ...]
+    strategies: list[NodeStrategies]
+    chosen: dict[str, Strategy]
+    solution: Solution
+    breakdown: CostBreakdown
+    time_limit_s: float
+
+
+class IntraOpCost:
+    """Prices strategies and edges of one graph on one mesh of one cluster (seconds)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str):
+        self.graph = graph
+        self.cluster = cluster
+        self.mesh_shape = tuple(int(d) for d in mesh_shape)
+        self.links = axis_links(cluster, self.mesh_shape)
+        self.dtype = dtype
+        self.requires_grad = self._requires_grad()
+        self._reshard_cache: dict[tuple, float] = {}
+
+    def _requires_grad(self) -> set[str]:
+        out: set[str] = set()
+        for n in self.graph.nodes:
+            if n.kind == PARAM:
+                out.add(n.name)
+            elif n.kind == OP and n.outputs and any(o.is_float for o in n.outputs) and any(
+                    a in out for a in n.args):
+                out.add(n.name)
+        return out
+
+    def reshard(self, src: Placements, dst: Placements, info: TensorInfo) -> float:
+        if src == dst:
+            return 0.0
+        key = (src, dst, info.shape, info.itemsize)
+        t = self._reshard_cache.get(key)
+        if t is None:
+            t = reshard_time(src, dst, info.shape, info.itemsize, self.mesh_shape, self.links)
+            self._reshard_cache[key] = t
+        return t
+
+    def shard_factor(self, s: Strategy) -> int:
+        """Devices one op instance is split over under strategy ``s``."""
+        f = 1
+        for a, size in enumerate(self.mesh_shape):
+            if any(not isinstance(pl[a], Replicate) for pl in (*s.inputs, *s.outputs)):
+                f *= size
+        return f
+
+    def compute(self, node: Node, s: Strategy) -> float:
+        if node.kind != OP or (node.flops == 0 and node.bytes_moved == 0):
+            return 0.0
+        f = self.shard_factor(s)
+        fwd = op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
+        if node.name not in self.requires_grad:
+            return fwd
+        factor = _BACKWARD_FLOPS_FACTOR if node.flops > 0 else _BACKWARD_BYTES_FACTOR
+        bwd = op_time(factor * node.flops / f, factor * node.bytes_moved / f,
+                      self.cluster.device, self.dtype)
+        return fwd + bwd
+
+    def backward_collectives(self, node: Node, s: Strategy) -> float:
+        """All-reduce of input gradients that come out partial under ``s``."""
+        if node.kind != OP:
+            return 0.0
+        total = 0.0
+        for arg, info, pin in zip(node.args, node.inputs, s.inputs):
+            if arg not in self.requires_grad:
+                continue
+            for a, size in enumerate(self.mesh_shape):
+                if size > 1 and isinstance(pin[a], Replicate) and any(
+                        not isinstance(out[a], Replicate) for out in s.outputs):
+                    nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
+                    total += collective_time("all_reduce", nbytes, size, self.links[a])
+        return total
+
+    def edge(self, producer_out: Placements, consumer_in: Placements, info: TensorInfo,
+             requires_grad: bool) -> float:
+        t = self.reshard(producer_out, consumer_in, info)
+        if requires_grad:
+            t += self.reshard(_grad_placements(consumer_in), _grad_placements(producer_out), info)
+        return t
+
+
+def _distinct(specs: list[Placements]) -> tuple[list[Placements], list[int]]:
+    """Distinct placements (first-seen order) and the index of each input in them."""
+    index: dict[Placements, int] = {}
+    of = [index.setdefault(p, len(index)) for p in specs]
+    return list(index), of
+
+
+def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies]):
+    """The AssignmentProblem for ``strategies`` and the (u, v, arg index) of each edge."""
+    index = {ns.node.name: v for v, ns in enumerate(strategies)}
+    node_costs = []
+    for ns in strategies:
+        node_costs.append([cost.compute(ns.node, s) + cost.backward_collectives(ns.node, s)
+                           for s in ns.strategies])
+    edges = []
+    edge_args = []
+    for v, ns in enumerate(strategies):
+        node = ns.node
+        for k, arg in enumerate(node.args):
+            u = index[arg]
+            prod = strategies[u]
+            out_idx = node.arg_index if node.target == "getitem" else 0
+            info = node.inputs[k] if node.inputs else prod.node.outputs[out_idx]
+            rg = arg in cost.requires_grad and info.is_float
+            src_specs, src_of = _distinct([ps.outputs[out_idx] for ps in prod.strategies])
+            dst_specs, dst_of = _distinct([cs.inputs[k] for cs in ns.strategies])
+            priced = [[cost.edge(a, b, info, rg) for b in dst_specs] for a in src_specs]
+            matrix = [[priced[i][j] for j in dst_of] for i in src_of]
+            edges.append((u, v, matrix))
+            edge_args.append((u, v, k))
+    return AssignmentProblem(node_costs, edges), edge_args
+
+
+def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
+                   dtype: str = "float32", time_limit_s: float = 30.0) -> IntraOpResult:
+    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``."""
+    mesh_shape = tuple(int(d) for d in mesh_shape)
+    with fake_mesh(mesh_shape) as mesh:
+        strategies = build_strategies(graph, mesh)
+    cost = IntraOpCost(graph, cluster, mesh_shape, dtype)
+    problem, edge_args = build_problem(cost, strategies)
+    solution = solve(problem, time_limit_s=time_limit_s)
+    chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, solution.choice)}
+    breakdown = CostBreakdown()
+    for ns, i in zip(strategies, solution.choice):
+        s = ns.strategies[i]
+        breakdown.compute_s += cost.compute(ns.node, s)
+        breakdown.communication_s += cost.backward_collectives(ns.node, s)
+    for (u, v, m), _ in zip(problem.edges, edge_args):
+        breakdown.resharding_s += m[solution.choice[u]][solution.choice[v]]
+    assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-9, abs_tol=1e-15)
+    return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s)

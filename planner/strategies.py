@@ -1,0 +1,268 @@
+"""Per-op sharding strategies, read from DTensor's own registered op strategies.
+
+This is the one module that touches DTensor's private sharding-propagation API
+(``DTensor._op_dispatcher.sharding_propagator``). Strategies are evaluated on a
+fake process group of the mesh's world size, so every strategy the ILP can pick
+is one DTensor executes. A strategy fixes the placement of each tensor input (in
+argument order) and each output of one op.
+
+Only the placements the planner prices are kept: ``Replicate()``, ``Shard(d)``
+with ``d`` divisible by the devices sharding it, and ``Partial("sum")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ir.graph import Graph, Node, OP
+
+Placements = tuple[Placement, ...]
+
+
+class ReplicateFallbackWarning(UserWarning):
+    """An op had no DTensor strategy; the planner runs it replicated."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements of one op: ``inputs[k]`` for the k-th tensor argument
+    (aligned with ``Node.args``) and ``outputs[i]`` for the i-th output."""
+
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements, ...]
+
+
+@dataclass
+class NodeStrategies:
+    """All strategies considered for one graph node.
+
+    ``fallback`` names why the node is forced to replicate (None when the
+    strategies came from DTensor).
+    """
+
+    node: Node
+    strategies: list[Strategy]
+    fallback: str | None = None
+
+
+@contextlib.contextmanager
+def fake_mesh(mesh_shape: Sequence[int]) -> Iterator[DeviceMesh]:
+    """A DeviceMesh of ``mesh_shape`` on a fake process group (no processes).
+
+    The fake group lives only inside the ``with`` block.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("planning needs a process without an initialised process group; "
+                           "run the planner outside torchrun")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = 1
+    for d in mesh_shape:
+        world *= int(d)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield DeviceMesh("cpu", torch.arange(world).reshape(tuple(mesh_shape)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _is_kept(p: Placement) -> bool:
+    if isinstance(p, (Replicate, Shard)):
+        return type(p) in (Replicate, Shard)
+    return isinstance(p, Partial) and p.reduce_op == "sum"
+
+
+def _divisible(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+    split = [1] * len(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape) or p.dim < -len(shape):
+                return False
+            split[p.dim] *= n
+    return all(s % k == 0 for s, k in zip(shape, split))
+
+
+def enumerate_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> list[Placements]:
+    """Every Replicate/Shard combination for a tensor of ``shape`` (evenly divisible)."""
+    options: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    out = []
+    for combo in itertools.product(options, repeat=len(mesh_shape)):
+        if _divisible(shape, combo, mesh_shape):
+            out.append(tuple(combo))
+    return out
+
+
+def _spec(mesh: DeviceMesh, placements: Placements, val: torch.Tensor) -> DTensorSpec:
+    meta = TensorMeta(val.shape, val.stride(), val.dtype)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def _out_meta(val):
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(val.shape, val.stride(), val.dtype)
+    if isinstance(val, (list, tuple)):
+        return tuple(_out_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def _spec_list(output_specs) -> list[DTensorSpec | None]:
+    if isinstance(output_specs, DTensorSpec):
+        return [output_specs]
+    return list(output_specs)
+
+
+class StrategyBuilder:
+    """Enumerates strategies for every node of a Graph on one mesh shape."""
+
+    def __init__(self, graph: Graph, mesh: DeviceMesh):
+        self.graph = graph
+        self.mesh = mesh
+        self.mesh_shape = tuple(mesh.shape)
+        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self.fx_nodes = {n.name: n for n in graph.exported.graph.nodes}
+        # node name -> candidate placements of each output (distinct, ordered)
+        self._out_candidates: dict[str, list[list[Placements]]] = {}
+
+    # -- candidates flowing along edges -------------------------------------------------
+    def _record(self, ns: NodeStrategies) -> None:
+        n_out = max((len(s.outputs) for s in ns.strategies), default=0)
+        cands: list[list[Placements]] = [[] for _ in range(n_out)]
+        for s in ns.strategies:
+            for i, o in enumerate(s.outputs):
+                if o is not None and o not in cands[i]:
+                    cands[i].append(o)
+        self._out_candidates[ns.node.name] = cands
+
+    def candidates_of(self, name: str, index: int = 0) -> list[Placements]:
+        return self._out_candidates[name][index]
+
+    # -- per node ------------------------------------------------------------------------
+    def build(self) -> list[NodeStrategies]:
+        out = []
+        for node in self.graph.nodes:
+            ns = self.node_strategies(node)
+            self._record(ns)
+            out.append(ns)
+        return out
+
+    def node_strategies(self, node: Node) -> NodeStrategies:
+        if node.kind != OP:
+            shape = node.output.shape
+            return NodeStrategies(node, [Strategy((), (p,)) for p in
+                                         enumerate_placements(shape, self.mesh_shape)])
+        if node.target == "getitem":
+            src = node.args[0]
+            return NodeStrategies(node, [Strategy((p,), (p,)) for p in
+                                         self.candidates_of(src, node.arg_index)])
+        if not node.args:  # factory op (arange, full, ...): computed locally everywhere
+            return NodeStrategies(node, [self._replicated(node)])
+        try:
+            strategies = self._from_dtensor(node)
+            reason = None if strategies else "no strategy with even sharding"
+        except _NoStrategy as err:
+            strategies, reason = [], str(err)
+        if not strategies:
+            warnings.warn(f"{node.target} ({node.name}, module '{node.module_path}') has no "
+                          f"usable DTensor sharding strategy ({reason}); planning it replicated",
+                          ReplicateFallbackWarning, stacklevel=2)
+            return NodeStrategies(node, [self._replicated(node)], fallback=reason)
+        return NodeStrategies(node, strategies)
+
+    def _replicated(self, node: Node) -> Strategy:
+        r = tuple(Replicate() for _ in self.mesh_shape)
+        return Strategy(tuple(r for _ in node.args), tuple(r for _ in node.outputs))
+
+    def _from_dtensor(self, node: Node) -> list[Strategy]:
+        fx_node = self.fx_nodes[node.name]
+        op = fx_node.target
+        single = self.prop.op_single_dim_strategy_funcs.get(op)
+        func = self.prop.op_strategy_funcs.get(op)
+        if single is None and func is None:
+            raise _NoStrategy("op not registered with DTensor")
+
+        def to_strategy(a):
+            if isinstance(a, torch.fx.Node):
+                val = a.meta["val"]
+                if single is not None:
+                    # Single-dim strategies expand to every combination by themselves;
+                    # they only need to see which placement types occur (Shard here).
+                    probe = tuple(Shard(0) if (i == 0 and val.dim() > 0) else Replicate()
+                                  for i in range(self.mesh.ndim))
+                    return OpStrategy([OpSpec(_spec(self.mesh, probe, val))])
+                return OpStrategy([OpSpec(_spec(self.mesh, p, val))
+                                   for p in self.candidates_of(a.name, 0)])
+            if isinstance(a, (list, tuple)) and a and all(isinstance(x, torch.fx.Node) for x in a):
+                return TupleStrategy(tuple(to_strategy(x) for x in a))
+            return a
+
+        args = tuple(to_strategy(a) for a in fx_node.args)
+        kwargs = {k: to_strategy(v) for k, v in fx_node.kwargs.items()}
+        schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
+        try:
+            if single is not None:
+                from torch.distributed.tensor._ops.single_dim_strategy import (
+                    _expand_single_dim_strategy_to_mesh,
+                )
+                expand = _expand_single_dim_strategy_to_mesh(
+                    self.mesh, schema, single, _out_meta(fx_node.meta["val"]))
+                result = expand(op, schema.args_meta, schema.kwargs_meta)
+            else:
+                result = func(schema)
+        except Exception as err:  # noqa: BLE001 - DTensor rejects this op's inputs
+            first = (str(err).strip().splitlines() or [""])[0][:120]
+            raise _NoStrategy(f"{type(err).__name__}: {first}") from err
+        if not isinstance(result, OpStrategy):
+            raise _NoStrategy(f"{type(result).__name__} results are not supported yet")
+        return self._keep(node, result)
+
+    def _keep(self, node: Node, result: OpStrategy) -> list[Strategy]:
+        seen: dict[Strategy, None] = {}
+        for spec in result.strategies:
+            outs = _spec_list(spec.output_specs)
+            if spec.input_specs is None:
+                ins = [outs[0]] * len(node.args)
+            else:
+                ins = list(spec.input_specs)
+            if len(ins) != len(node.args):
+                continue
+            tensor_outs = [o for o in outs if o is not None]
+            if len(tensor_outs) != len(node.outputs):
+                continue
+            # Partial inputs are kept only where a contraction consumes them (the
+            # bias of a row-parallel addmm); elsewhere the plan reduces first, which
+            # costs the same collective and keeps the search small.
+            ok = node.flops > 0 or not any(
+                isinstance(p, Partial) for spec_ in ins for p in spec_.placements)
+            for s, info in itertools.chain(zip(ins, node.inputs), zip(tensor_outs, node.outputs)):
+                if not ok:
+                    break
+                if not all(_is_kept(p) for p in s.placements) or not _divisible(
+                        info.shape, s.placements, self.mesh_shape):
+                    ok = False
+                    break
+            if ok:
+                st = Strategy(tuple(tuple(s.placements) for s in ins),
+                              tuple(tuple(o.placements) for o in tensor_outs))
+                seen.setdefault(st, None)
+        return list(seen)
+
+
+class _NoStrategy(Exception):
+    pass
+
+
+def build_strategies(graph: Graph, mesh: DeviceMesh) -> list[NodeStrategies]:
+    """Strategies for every node of ``graph`` (topological order) on ``mesh``."""
+    return StrategyBuilder(graph, mesh).build()

@@ -1,0 +1,453 @@
+"""Cost model tests against closed forms, published figures and DTensor itself."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import itertools
+import json
+import math
+import pathlib
+
+import pytest
+import torch
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+import costmodel
+from costmodel import (
+    PRESETS,
+    Cluster,
+    ClusterError,
+    DeviceSpec,
+    Link,
+    axis_links,
+    collective_time,
+    gpt_activation_bytes_per_layer,
+    load_cluster,
+    local_cpu_cluster,
+    matmul_efficiency,
+    op_time,
+    parse_placement,
+    placement_str,
+    preset,
+    reserve_bytes,
+    reshard_steps,
+    reshard_time,
+    training_state_bytes,
+)
+
+LINK = Link("test", bandwidth=100e9, latency=5e-6)
+
+
+# --- collectives: closed forms ---------------------------------------------
+
+def test_ring_all_reduce_closed_form():
+    n, B = 8, 1e9
+    expected = 2 * (n - 1) / n * B / LINK.bandwidth + 2 * (n - 1) * LINK.latency
+    assert collective_time("all_reduce", B, n, LINK) == pytest.approx(expected, rel=1e-12)
+
+
+def test_tree_all_reduce_wins_for_small_messages():
+    n, B = 64, 8.0
+    ring = 2 * (n - 1) / n * B / LINK.bandwidth + 2 * (n - 1) * LINK.latency
+    tree = 2 * math.log2(n) * (LINK.latency + B / LINK.bandwidth)
+    assert tree < ring
+    assert collective_time("all_reduce", B, n, LINK) == pytest.approx(tree, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_to_all"])
+def test_gather_scatter_alltoall_closed_form(kind):
+    n, B = 4, 3e8
+    expected = (n - 1) / n * B / LINK.bandwidth + (n - 1) * LINK.latency
+    assert collective_time(kind, B, n, LINK) == pytest.approx(expected, rel=1e-12)
+
+
+def test_broadcast_and_p2p():
+    B = 1e9
+    # large message: pipelined ring B/bw + (n-1)a beats the tree's log2(n) B/bw
+    assert collective_time("broadcast", B, 8, LINK) == pytest.approx(B / LINK.bandwidth + 7 * LINK.latency)
+    # tiny message on a big group: binomial tree's log2(n) steps win
+    assert collective_time("broadcast", 4.0, 64, LINK) == pytest.approx(6 * (LINK.latency + 4.0 / LINK.bandwidth))
+    assert collective_time("p2p", B, 2, LINK) == pytest.approx(B / LINK.bandwidth + LINK.latency)
+
+
+def test_collective_edge_cases():
+    for kind in costmodel.COLLECTIVES:
+        assert collective_time(kind, 1e9, 1, LINK) == 0.0
+        assert collective_time(kind, 0, 8, LINK) == 0.0
+    with pytest.raises(ValueError, match="unknown collective"):
+        collective_time("allreduce", 1.0, 2, LINK)
+    with pytest.raises(ValueError):
+        collective_time("all_reduce", -1.0, 2, LINK)
+    with pytest.raises(ValueError):
+        collective_time("all_reduce", 1.0, 0, LINK)
+
+
+def test_collective_time_grows_with_bytes_and_group():
+    for kind in costmodel.COLLECTIVES:
+        assert collective_time(kind, 2e9, 8, LINK) > collective_time(kind, 1e9, 8, LINK)
+
+
+# --- mesh axis -> physical link ----------------------------------------------
+
+def test_axis_links_dgx_two_nodes():
+    cl = load_cluster("dgx-a100-80g:2")
+    assert cl.num_devices == 16
+    assert axis_links(cl, (2, 8)) == [cl.inter_node, cl.intra_node]
+    assert axis_links(cl, (16,)) == [cl.inter_node]
+    assert axis_links(cl, (8, 2)) == [cl.inter_node, cl.intra_node]  # axis 0 stride 2 spans nodes
+    assert axis_links(cl, (4, 4)) == [cl.inter_node, cl.intra_node]
+    assert axis_links(cl, (2, 1, 8)) == [cl.inter_node, cl.intra_node, cl.intra_node]
+    assert cl.inter_node.name == "infiniband" and cl.intra_node.name == "nvlink"
+
+
+def test_axis_links_single_node_and_local_cpu():
+    cl = load_cluster("dgx-h100")
+    assert axis_links(cl, (2, 4)) == [cl.intra_node, cl.intra_node]
+    cpu = load_cluster("local-cpu:4")
+    links = axis_links(cpu, (2, 2))
+    assert [l.name for l in links] == ["loopback", "loopback"]
+
+
+def test_axis_links_wrong_size():
+    with pytest.raises(ClusterError, match="16"):
+        axis_links(load_cluster("dgx-a100-80g:2"), (2, 4))
+    with pytest.raises(ClusterError):
+        axis_links(load_cluster("local-cpu:4"), (0, 4))
+
+
+def test_sub_cluster():
+    cl = load_cluster("dgx-a100-80g:4")
+    sub = cl.sub_cluster(1, 4)
+    assert sub.num_devices == 4 and axis_links(sub, (4,)) == [cl.intra_node]
+    with pytest.raises(ClusterError):
+        cl.sub_cluster(5, 8)
+
+
+# --- resharding ---------------------------------------------------------------
+
+SHAPE = (64, 32)  # float32: 8192 bytes
+NBYTES = 64 * 32 * 4
+
+
+def test_reshard_1d_matches_collectives():
+    mesh, links = (4,), [LINK]
+    def t(a, b):
+        return reshard_time([a], [b], SHAPE, 4, mesh, links)
+    assert t(Shard(0), Replicate()) == pytest.approx(collective_time("all_gather", NBYTES, 4, LINK))
+    assert t(Partial(), Replicate()) == pytest.approx(collective_time("all_reduce", NBYTES, 4, LINK))
+    assert t(Partial(), Shard(1)) == pytest.approx(collective_time("reduce_scatter", NBYTES, 4, LINK))
+    assert t(Shard(0), Shard(1)) == pytest.approx(collective_time("all_to_all", NBYTES / 4, 4, LINK))
+    assert t(Shard(1), Partial()) == pytest.approx(collective_time("all_gather", NBYTES, 4, LINK))
+    assert t(Replicate(), Shard(0)) == 0.0
+    assert t(Replicate(), Partial()) == 0.0
+    assert t(Shard(0), Shard(0)) == 0.0
+    assert t(Partial(), Partial()) == 0.0
+    assert t(Partial("sum"), Partial("avg")) == pytest.approx(collective_time("all_reduce", NBYTES, 4, LINK))
+    # JSON strings are accepted as well
+    assert reshard_time(["S(0)"], ["R"], SHAPE, 4, mesh, links) == t(Shard(0), Replicate())
+
+
+def test_reshard_2d_accounts_for_other_axis_sharding():
+    cl = load_cluster("dgx-a100-80g:2")
+    mesh = (2, 8)
+    links = axis_links(cl, mesh)
+    inter, intra = links
+    # axis 1 all-gather while axis 0 keeps the tensor split in 2
+    got = reshard_time([Shard(0), Shard(1)], [Shard(0), Replicate()], SHAPE, 4, mesh, links)
+    assert got == pytest.approx(collective_time("all_gather", NBYTES / 2, 8, intra))
+    # axis 0 all-reduce while axis 1 keeps it split in 8, priced on InfiniBand
+    got = reshard_time([Partial(), Shard(1)], [Replicate(), Shard(1)], SHAPE, 4, mesh, links)
+    assert got == pytest.approx(collective_time("all_reduce", NBYTES / 8, 2, inter))
+    # P -> S on axis 1 with axis 0 replicated: reduce-scatter of the whole tensor
+    got = reshard_time([Replicate(), Partial()], [Replicate(), Shard(0)], SHAPE, 4, mesh, links)
+    assert got == pytest.approx(collective_time("reduce_scatter", NBYTES, 8, intra))
+    # both axes gathered: DTensor goes inner axis first (still split on axis 0), then outer
+    got = reshard_time([Shard(0), Shard(1)], [Replicate(), Replicate()], SHAPE, 4, mesh, links)
+    expected = collective_time("all_gather", NBYTES / 2, 8, intra) + collective_time("all_gather", NBYTES, 2, inter)
+    assert got == pytest.approx(expected)
+
+
+def test_reshard_nested_sharding_goes_through_replicate():
+    # (S(0), S(0)) -> (R, S(0)): DTensor un-nests axis 1 first, then axis 0, then re-slices.
+    steps = reshard_steps(["S(0)", "S(0)"], ["R", "S(0)"], SHAPE, 4, (2, 4))
+    assert [(s.mesh_axis, s.src, s.dst, s.collective) for s in steps] == [
+        (1, "S(0)", "R", "all_gather"),
+        (0, "S(0)", "R", "all_gather"),
+        (1, "R", "S(0)", None),
+    ]
+    assert [s.nbytes for s in steps] == [NBYTES // 2, NBYTES, 0]
+
+
+def test_reshard_uneven_is_conservative():
+    # 10 rows over 4 devices: DTensor pads to ceil(10/4) = 3 rows per shard
+    steps = reshard_steps(["S(0)"], ["S(1)"], (10, 8), 2, (4,))
+    assert steps[0].collective == "all_to_all" and steps[0].nbytes == 3 * 8 * 2
+
+
+def test_reshard_bad_input():
+    with pytest.raises(ValueError, match="one placement per mesh axis"):
+        reshard_time(["R"], ["R", "R"], SHAPE, 4, (2, 2), [LINK, LINK])
+    with pytest.raises(ValueError, match="dim 2"):
+        reshard_time(["S(2)"], ["R"], SHAPE, 4, (2,), [LINK])
+    with pytest.raises(ValueError, match="one link per mesh axis"):
+        reshard_time(["R"], ["R"], SHAPE, 4, (2,), [])
+
+
+def test_reshard_steps_match_dtensor_planner():
+    """Our step list equals DTensor's own greedy planner on a fake 2x4 mesh."""
+    dist = pytest.importorskip("torch.distributed")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:  # private API moved: the closed-form tests still hold
+        pytest.skip(f"DTensor internals not available: {e}")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (2, 4))
+        shape = (8, 16, 4)
+        meta = TensorMeta(torch.Size(shape), (64, 4, 1), torch.float32)
+        choices = [Replicate(), Shard(0), Shard(1), Partial()]
+        checked = 0
+        for src in itertools.product(choices, repeat=2):
+            for dst in itertools.product(choices, repeat=2):
+                if any(isinstance(d, Partial) and isinstance(s, Shard) for s, d in zip(src, dst)):
+                    continue  # DTensor refuses S -> P
+                infos = _gen_transform_infos_non_cached(DTensorSpec(mesh, src, meta), DTensorSpec(mesh, dst, meta))
+                theirs = [(i.mesh_dim, placement_str(i.src_dst_placements[0]), placement_str(i.src_dst_placements[1])) for i in infos]
+                ours = [(s.mesh_axis, s.src, s.dst) for s in reshard_steps(src, dst, shape, 4, (2, 4))]
+                assert ours == theirs, (src, dst)
+                checked += 1
+        assert checked > 150
+    finally:
+        dist.destroy_process_group()
+
+
+def test_placement_strings():
+    for p, s in [(Replicate(), "R"), (Shard(0), "S(0)"), (Shard(3), "S(3)"), (Partial(), "P"), (Partial("avg"), "P(avg)")]:
+        assert placement_str(p) == s
+        assert parse_placement(s) == p
+    assert parse_placement("P(sum)") == Partial()
+    assert parse_placement(" S( 1 ) ") == Shard(1)
+    for bad in ["", "X", "S", "S(a)", "S(-1)", "P(foo)", "RR", "Shard(0)"]:
+        with pytest.raises(ValueError, match="placement"):
+            parse_placement(bad)
+
+
+# --- memory ---------------------------------------------------------------------
+
+def test_zero_memory_matches_paper():
+    psi, n = 7_500_000_000, 64
+    paper = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.9e9}
+    exact = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    for stage in range(4):
+        got = training_state_bytes(psi, mixed_precision=True, zero_stage=stage, dp_size=n)
+        assert got["total"] == pytest.approx(exact[stage], rel=1e-9)
+        assert got["total"] == pytest.approx(paper[stage], abs=0.06e9)
+        assert got["total"] == got["params"] + got["grads"] + got["optimizer"]
+    s0 = training_state_bytes(psi, mixed_precision=True)
+    assert (s0["params"], s0["grads"], s0["optimizer"]) == (2 * psi, 2 * psi, 12 * psi)
+
+
+def test_training_state_fp32_and_options():
+    psi = 1000
+    fp32 = training_state_bytes(psi)
+    assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
+    assert training_state_bytes(psi, optimizer="sgd")["total"] == 8 * psi
+    # ZeRO on one rank changes nothing; uneven shards round up
+    assert training_state_bytes(psi, zero_stage=3, dp_size=1) == fp32
+    assert training_state_bytes(1001, zero_stage=3, dp_size=4)["params"] == 4 * 251
+    with pytest.raises(ValueError, match="optimizer"):
+        training_state_bytes(psi, optimizer="lion")
+    with pytest.raises(ValueError, match="zero_stage"):
+        training_state_bytes(psi, zero_stage=4)
+
+
+def test_gpt_activation_bytes():
+    b, s, h, a = 1, 2048, 12288, 96
+    assert gpt_activation_bytes_per_layer(b, s, h, a) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+    assert gpt_activation_bytes_per_layer(b, s, h, a) == pytest.approx(34 * b * s * h + 5 * a * s * s * b)
+    assert gpt_activation_bytes_per_layer(b, s, h, a, recompute=True) == 2 * s * b * h
+    t = 8
+    assert gpt_activation_bytes_per_layer(b, s, h, a, tp=t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    full_sp = gpt_activation_bytes_per_layer(b, s, h, a, tp=t, sequence_parallel=True)
+    assert full_sp == pytest.approx(gpt_activation_bytes_per_layer(b, s, h, a) / t)
+    assert gpt_activation_bytes_per_layer(b, s, h, a, "selective", tp=t, sequence_parallel=True) == pytest.approx(34 * s * b * h / t)
+    with pytest.raises(ValueError):
+        gpt_activation_bytes_per_layer(b, s, h, a, recompute="some")
+
+
+def test_reserve_bytes():
+    assert reserve_bytes(80 * 10**9, 0.1) == 8 * 10**9
+    assert reserve_bytes(10, 0.25) == 3
+    with pytest.raises(ValueError):
+        reserve_bytes(10, 1.0)
+
+
+# --- compute ---------------------------------------------------------------------
+
+def test_op_time_roofline():
+    dev = load_cluster("dgx-a100-80g").device
+    # compute bound: 1 TFLOP of bf16
+    t = op_time(1e12, 1e6, dev, "bfloat16", efficiency=0.5)
+    assert t == pytest.approx(1e12 / (312e12 * 0.5) + dev.kernel_overhead)
+    # memory bound: 1 GB streamed, few FLOPs
+    t = op_time(1e6, 1e9, dev, torch.float32, memory_efficiency=1.0)
+    assert t == pytest.approx(1e9 / dev.memory_bandwidth + dev.kernel_overhead)
+    # defaults come from the device
+    assert op_time(1e12, 0, dev, "bf16") == pytest.approx(1e12 / (312e12 * dev.flop_efficiency) + dev.kernel_overhead)
+    assert op_time(0, 0, dev, "float32") == 0.0
+
+
+def test_matmul_efficiency_saturates():
+    assert matmul_efficiency(1e9, 0.8, 1e9) == pytest.approx(0.4)
+    effs = [matmul_efficiency(f) for f in (1e6, 1e8, 1e10, 1e12, 1e14)]
+    assert effs == sorted(effs)
+    assert effs[-1] == pytest.approx(costmodel.DEFAULT_FLOP_EFFICIENCY, rel=1e-4)
+
+
+# --- presets --------------------------------------------------------------------
+
+def test_preset_figures():
+    h100 = load_cluster("dgx-h100")
+    assert h100.device.flops("bfloat16") == 989e12
+    assert h100.intra_node.bandwidth == 450e9
+    assert h100.inter_node.bandwidth == 50e9
+    a100 = load_cluster("dgx-a100-80g:2")
+    assert (a100.num_nodes, a100.devices_per_node) == (2, 8)
+    assert a100.device.flops("float16") == 312e12 and a100.device.flops("float32") == 19.5e12
+    assert a100.intra_node.bandwidth == 300e9
+    assert a100.inter_node.bandwidth == 25e9  # 8 x 200 Gb/s per node over 8 GPUs
+    assert a100.device.memory == 80 * 10**9
+    p3 = load_cluster("p3.16xlarge")
+    assert p3.device.flops("float16") == 125e12 and p3.device.memory == 16 * 2**30
+    assert p3.intra_node.bandwidth == 150e9
+    assert p3.inter_node.bandwidth == pytest.approx(25e9 / 8 / 8)
+    assert p3.device.flops("bfloat16") == 15.7e12  # no bf16 units: float32 fallback
+    h200 = load_cluster("h200:3")
+    assert h200.device.memory == 141 * 10**9 and h200.device.memory_bandwidth == 4.8e12
+    assert h200.num_devices == 24 and h200.device.flops("bf16") == 989e12
+    for name in PRESETS:
+        cl = preset(name)
+        assert cl.intra_node.latency < 1e-3 and cl.backend in ("nccl", "gloo")
+
+
+def test_local_cpu():
+    cpu = load_cluster("local-cpu:4")
+    assert (cpu.num_nodes, cpu.devices_per_node, cpu.num_devices, cpu.backend) == (1, 4, 4, "gloo")
+    assert cpu.device.memory == 24 * 2**30 // 4
+    assert 1e9 <= cpu.intra_node.bandwidth <= 3e9 and 30e-6 <= cpu.intra_node.latency <= 100e-6
+    measured = local_cpu_cluster(2, {"peak_flops": {"float32": 12e9}, "link_bandwidth": 1.5e9, "link_latency": 70e-6})
+    assert measured.device.flops("float32") == 12e9
+    assert measured.intra_node == Link("loopback", 1.5e9, 70e-6)
+    with pytest.raises(ClusterError, match="profile key 'flops'"):
+        local_cpu_cluster(2, {"flops": 1})
+
+
+def test_device_flops_fallback_and_error():
+    dev = DeviceSpec("x", {"bfloat16": 1e12}, 10, 1e9)
+    assert dev.flops(torch.bfloat16) == 1e12
+    with pytest.raises(ClusterError, match="float32"):
+        dev.flops("float16")
+
+
+# --- JSON and loading --------------------------------------------------------------
+
+def test_cluster_json_round_trip(tmp_path):
+    for name in PRESETS:
+        cl = preset(name, 2)
+        d = cl.to_dict()
+        text = json.dumps(d)
+        again = Cluster.from_dict(json.loads(text))
+        assert again == cl and hash(again) == hash(cl)
+        assert again.to_dict() == d and json.dumps(again.to_dict()) == text  # same key order
+        path = tmp_path / f"{name}.json"
+        path.write_text(cl.to_json())
+        assert load_cluster(str(path)) == cl
+    assert list(d) == ["name", "num_nodes", "devices_per_node", "backend", "device", "intra_node", "inter_node"]
+
+
+def test_cluster_is_frozen():
+    cl = load_cluster("dgx-h100")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cl.num_nodes = 3  # type: ignore[misc]
+    assert {cl: 1}[load_cluster("dgx-h100")] == 1
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError) and "\n" not in msg and msg
+    return msg
+
+
+def test_load_cluster_errors(tmp_path):
+    with pytest.raises(ClusterError) as e:
+        load_cluster("dgx-z100")
+    msg = _one_line(e)
+    assert "dgx-z100" in msg and all(name in msg for name in PRESETS)
+    for bad in ["dgx-h100:0", "dgx-h100:x", "dgx-h100:-2", "local-cpu:"]:
+        with pytest.raises(ClusterError) as e:
+            load_cluster(bad)
+        assert "positive integer" in _one_line(e)
+    with pytest.raises(ClusterError) as e:
+        load_cluster(str(tmp_path / "nope.json"))
+    assert "does not exist" in _one_line(e)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ClusterError) as e:
+        load_cluster(str(broken))
+    assert "not valid JSON" in _one_line(e)
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda d: d.pop("backend"), "'backend' is missing"),
+        (lambda d: d.__setitem__("backend", "mpi"), "'backend' must be one of"),
+        (lambda d: d.__setitem__("num_nodes", 0), "'num_nodes'"),
+        (lambda d: d.__setitem__("num_nodes", "2"), "'num_nodes'"),
+        (lambda d: d["device"].pop("memory"), "'device.memory' is missing"),
+        (lambda d: d["device"].__setitem__("memory", -5), "'device.memory'"),
+        (lambda d: d["device"]["peak_flops"].__setitem__("bfloat16", "fast"), "'device.peak_flops.bfloat16'"),
+        (lambda d: d["intra_node"].__setitem__("bandwidth", 0), "'intra_node.bandwidth'"),
+        (lambda d: d["inter_node"].__setitem__("latency", -1e-6), "'inter_node.latency'"),
+        (lambda d: d.__setitem__("intra_node", [1, 2]), "'intra_node' must be a JSON object"),
+        (lambda d: d.__setitem__("gpus", 8), "'gpus' is not known"),
+    ],
+)
+def test_cluster_from_dict_validation(tmp_path, mutate, field):
+    d = json.loads(json.dumps(preset("dgx-a100-80g", 2).to_dict()))
+    mutate(d)
+    with pytest.raises(ClusterError) as e:
+        Cluster.from_dict(d)
+    assert field in _one_line(e)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ClusterError) as e:
+        load_cluster(str(path))
+    assert field in _one_line(e) and str(path) in str(e.value)
+
+
+def test_whole_float_memory_is_accepted():
+    d = preset("dgx-h100").to_dict()
+    d["device"]["memory"] = 8e10
+    assert Cluster.from_dict(d).device.memory == 80 * 10**9
+
+
+# --- package boundaries ------------------------------------------------------------
+
+def test_costmodel_does_not_import_planner_or_codegen():
+    root = pathlib.Path(costmodel.__file__).parent
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in ("planner", "codegen"), f"{path.name} imports {name}"
