@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 from ortools.linear_solver import pywraplp
 
+# Costs enter the solver in microseconds, so solver tolerances (about 1e-6 in
+# objective units) are far below any cost difference that matters.
+_SCALE = 1e6
 _STATUS = {
     pywraplp.Solver.OPTIMAL: "OPTIMAL",
     pywraplp.Solver.FEASIBLE: "FEASIBLE",
@@ -126,7 +129,7 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
             if not math.isfinite(cost):
                 continue  # forbidden pair: no variable, so it can never be chosen
             e[r, c] = mip.BoolVar("") if integral_edges else mip.NumVar(0.0, 1.0, "")
-            objective.SetCoefficient(e[r, c], cost)
+            objective.SetCoefficient(e[r, c], cost * _SCALE)
         for r in range(len(rows)):
             mip.Add(mip.Sum([e[r, c] for c in range(len(cols)) if (r, c) in e]) ==
                     mip.Sum([x[u][i] for i in range(len(row_of)) if row_of[i] == r]))
@@ -136,7 +139,7 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     for v, c in enumerate(node_costs):
         for i, k in enumerate(c):
             if math.isfinite(k):
-                objective.SetCoefficient(x[v][i], k)
+                objective.SetCoefficient(x[v][i], k * _SCALE)
             else:
                 x[v][i].SetUb(0)
     objective.SetMinimization()
@@ -144,12 +147,14 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
         mip.SetHint([var for xs in x for var in xs],
                     [1.0 if j == hint[v] else 0.0 for v, xs in enumerate(x) for j in range(len(xs))])
     mip.SetTimeLimit(int(time_limit_s * 1000))
-    status = mip.Solve()
+    params = pywraplp.MPSolverParameters()
+    params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-9)
+    status = mip.Solve(params)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise InfeasibleError(f"{name} ended with status {_STATUS.get(status, status)}")
     choice = [max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x]
     value = problem.evaluate(choice)
-    bound = objective.BestBound() if status != pywraplp.Solver.OPTIMAL else value
+    bound = objective.BestBound() / _SCALE if status != pywraplp.Solver.OPTIMAL else value
     return Solution(choice=choice, objective_s=value, bound_s=min(value, bound),
                     status=_STATUS[status], solver=name, num_variables=mip.NumVariables(),
                     num_constraints=mip.NumConstraints())

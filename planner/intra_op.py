@@ -4,7 +4,8 @@ Builds the assignment problem of :mod:`planner.ilp` from a Graph, its DTensor
 strategies and the cost model, and solves it. Costs are seconds of one training
 step (forward, backward and gradient synchronisation):
 
-* node cost: compute time of the op under the strategy (FLOPs and bytes divided
+* node cost: compute time of the op under the strategy (for a user input, the
+  time to load the device's part of the batch into memory) (FLOPs and bytes divided
   by the devices it is split over; backward counted as twice the forward FLOPs),
   plus the backward all-reduce an input needs when it is replicated on a mesh axis
   over which the op's output is split (for parameters this is the gradient
@@ -25,7 +26,7 @@ from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import op_time
 from costmodel.resharding import reshard_time
 from costmodel.cluster import Cluster
-from ir.graph import OP, PARAM, Graph, Node, TensorInfo
+from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
 from planner.ilp import AssignmentProblem, Solution, solve
 from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
 
@@ -115,6 +116,9 @@ class IntraOpCost:
         return f
 
     def compute(self, node: Node, s: Strategy) -> float:
+        if node.kind == INPUT:  # each device loads its part of the batch into memory
+            local = local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
+            return local / self.cluster.device.memory_bandwidth
         if node.kind != OP or (node.flops == 0 and node.bytes_moved == 0):
             return 0.0
         f = self.shard_factor(s)

@@ -1,0 +1,127 @@
+"""The ``planner`` command: ``plan``, ``show`` and ``run``.
+
+Every user error (unknown model or preset, bad mesh, wrong plan version, model
+mismatch) prints one line starting with ``planner: error:`` and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from typing import Sequence
+
+EXIT_USAGE = 2
+
+
+def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
+    from planner.api import PlanningError
+
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise PlanningError(f"mesh '{text}' is not like 4 or 2x2") from None
+    if any(d < 1 for d in shape):
+        raise PlanningError(f"mesh '{text}' must have positive sizes, like 2x2")
+    return shape
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from costmodel.cluster import ClusterError
+    from ir.source import ModelSourceError
+    from ir.trace import TraceError
+    from ir.zoo import UnknownModelError
+    from planner.api import PlanningError
+    from planner.plan import PlanError
+
+    errors: list[type[BaseException]] = [ClusterError, ModelSourceError, TraceError,
+                                         UnknownModelError, PlanningError, PlanError]
+    try:
+        from codegen.executor import PlanMismatchError
+        errors.append(PlanMismatchError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ir.source import build_model
+    from planner.api import plan
+    from planner.report import format_plan
+
+    mesh = _parse_mesh(args.mesh)
+    zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
+                  if v is not None}
+    model, inputs = build_model(args.model, device="meta", **zoo_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        result = plan(model, args.cluster, example_inputs=inputs, mesh_shape=mesh,
+                      model_source=args.model, time_limit_s=args.time_limit,
+                      zoo_kwargs=zoo_kwargs)
+    print(format_plan(result))
+    existed = os.path.exists(args.output)
+    result.save(args.output)
+    print(f"{'replaced' if existed else 'wrote'} {args.output}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from planner.plan import load_plan
+    from planner.report import format_plan
+
+    print(format_plan(load_plan(args.plan), verbose=True))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from codegen.launch import launch
+    from planner.plan import load_plan
+
+    plan = load_plan(args.plan)  # validates before any process starts
+    result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check)
+    return 0 if result.get("passed", True) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="find a parallelization plan and write plan.json")
+    p.add_argument("--model", required=True,
+                   help="zoo name (gpt-tiny, gpt3-175b, llama3-8b, ...) or path.py:factory")
+    p.add_argument("--cluster", required=True,
+                   help="preset[:count] (dgx-a100-80g:2, local-cpu:4) or cluster JSON path")
+    p.add_argument("--mesh", help="logical mesh such as 4 or 2x2 (default: searched)")
+    p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
+    p.add_argument("--batch-size", type=int, help="global batch size of the example step")
+    p.add_argument("--seq-len", type=int, help="sequence length of the example step")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds")
+    p.set_defaults(func=cmd_plan)
+
+    s = sub.add_parser("show", help="print a plan.json as tables")
+    s.add_argument("plan")
+    s.set_defaults(func=cmd_show)
+
+    r = sub.add_parser("run", help="run a plan on local ranks with torchrun")
+    r.add_argument("plan")
+    r.add_argument("--steps", type=int, default=2, help="training steps to run")
+    r.add_argument("--check", action="store_true",
+                   help="compare loss and gradients with a single-process run")
+    r.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except _user_errors() as err:
+        print(f"planner: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

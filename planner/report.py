@@ -1,0 +1,73 @@
+"""Human-readable text of a Plan (the tables `planner plan` and `planner show` print)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from planner.plan import Plan
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _placements(p: list[str]) -> str:
+    return "[" + ", ".join(p) + "]"
+
+
+def format_plan(plan: Plan, verbose: bool = False) -> str:
+    """Summary of a plan: mesh, predicted step, memory, parameter placements, reshards."""
+    pred = plan.predicted
+    mem = pred["memory_bytes_per_device"]
+    mesh = "x".join(str(d) for d in plan.mesh_shape)
+    lines = [
+        f"model {plan.model['name']} ({plan.model['num_parameters']:,} parameters) on "
+        f"{plan.cluster['name']} ({plan.cluster['num_nodes']} node(s) x "
+        f"{plan.cluster['devices_per_node']} devices), mesh {mesh}",
+        f"predicted step {_seconds(pred['step_time_s'])}: compute {_seconds(pred['compute_s'])}, "
+        f"communication {_seconds(pred['communication_s'])}, "
+        f"resharding {_seconds(pred['resharding_s'])}",
+        "memory per device: " + ", ".join(f"{k} {_bytes(v)}" for k, v in mem.items()),
+        f"solver {plan.solver.solver}: {plan.solver.status}, objective "
+        f"{_seconds(plan.solver.objective_s)}, gap {plan.solver.gap:.2%}, "
+        f"{plan.solver.num_variables} variables",
+        "",
+    ]
+    # Group parameters of repeated blocks (h.0, h.1, ...) with identical placements.
+    groups: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
+    for fqn, p in plan.parameters.items():
+        parts = fqn.split(".")
+        generic = ".".join("*" if part.isdigit() else part for part in parts)
+        groups.setdefault((generic, _placements(p)), []).append(fqn)
+    rows = [[name, pl, str(len(fqns))] for (name, pl), fqns in groups.items()]
+    lines.append(_table(["parameter", "placements", "count"], rows))
+    lines.append("")
+    lines.append(f"inputs: " + ", ".join(f"{k} {_placements(v)}" for k, v in plan.inputs.items()))
+    total = sum(r.time_s for r in plan.reshards)
+    lines.append(f"{len(plan.reshards)} reshard points, {_seconds(total)} forward")
+    if verbose and plan.reshards:
+        lines.append(_table(["node", "module", "from", "to", "time"],
+                            [[r.node, r.module or "-", _placements(r.src), _placements(r.dst),
+                              _seconds(r.time_s)] for r in plan.reshards]))
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""The assignment ILP finds the true optimum (checked against enumeration)."""
+
+import math
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from planner.ilp import SOLVERS, AssignmentProblem, InfeasibleError, brute_force, solve
+
+costs = st.sampled_from([0.0, 0.0, 1e-6, 1e-3, 0.25, 0.5, 1.0, 2.0])
+
+
+@st.composite
+def problems(draw, allow_inf=True):
+    n = draw(st.integers(2, 6))
+    sizes = [draw(st.integers(1, 4)) for _ in range(n)]
+    node_costs = [[draw(costs) for _ in range(k)] for k in sizes]
+    edge_cost = st.one_of(costs, st.just(math.inf)) if allow_inf else costs
+    edges = []
+    for v in range(1, n):
+        for u in sorted(set(draw(st.lists(st.integers(0, v - 1), min_size=1, max_size=2)))):
+            edges.append((u, v, [[draw(edge_cost) for _ in range(sizes[v])]
+                                 for _ in range(sizes[u])]))
+    return AssignmentProblem(node_costs, edges)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_ilp_optimum_equals_brute_force(problem):
+    try:
+        _, best = brute_force(problem)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve(problem)
+        return
+    solution = solve(problem)
+    assert solution.status == "OPTIMAL"
+    assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert problem.evaluate(solution.choice) == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert solution.gap == pytest.approx(0.0, abs=1e-9)
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_every_backend_agrees(solver):
+    problem = AssignmentProblem(
+        node_costs=[[1.0, 0.0], [0.0, 3.0], [2.0, 0.5]],
+        edges=[(0, 1, [[0.0, 5.0], [4.0, 0.0]]), (1, 2, [[0.0, 1.0], [1.0, 0.0]])])
+    _, best = brute_force(problem)
+    assert solve(problem, solver=solver).objective_s == pytest.approx(best)
+
+
+def test_unknown_solver_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown solver"):
+        solve(AssignmentProblem([[0.0]]), solver="gurobi")

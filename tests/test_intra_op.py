@@ -1,0 +1,70 @@
+"""The intra-op pass: real graphs, real DTensor strategies, the expected answers."""
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from costmodel.cluster import load_cluster
+from ir import trace
+from ir.zoo import GPTConfig, build_from_config
+from planner.api import plan
+from planner.ilp import brute_force, solve
+from planner.intra_op import IntraOpCost, build_problem
+from planner.strategies import build_strategies, fake_mesh
+
+
+class _Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).sum()
+
+
+def test_ilp_on_a_real_graph_equals_enumeration():
+    with torch.device("meta"):
+        model, x = _Linear(), torch.empty(4, 8)
+    graph = trace(model, (x,))
+    cluster = load_cluster("local-cpu:2")
+    with fake_mesh((2,)) as mesh:
+        strategies = build_strategies(graph, mesh)
+    problem, _ = build_problem(IntraOpCost(graph, cluster, (2,), "float32"), strategies)
+    assert 1 < len(list(itertools.product(*problem.node_costs))) < 200_000
+    _, best = brute_force(problem)
+    assert solve(problem).objective_s == pytest.approx(best, rel=1e-9)
+
+
+def _a100(n):
+    return load_cluster("dgx-a100-80g").sub_cluster(1, n)
+
+
+def test_small_batch_gpt_block_comes_out_megatron():
+    model, inputs = build_from_config(GPTConfig(1, 1024, 16, vocab_size=50304, block_size=1024),
+                                      batch_size=1)
+    p = plan(model, _a100(4), example_inputs=inputs, mesh_shape=(4,))
+    prm = p.parameters
+    block = "transformer.h.0."
+    # nn.Linear weights are [out, in]: column parallel = S(0), row parallel = S(1).
+    assert prm[block + "attn.c_attn.weight"] == ["S(0)"]
+    assert prm[block + "attn.c_proj.weight"] == ["S(1)"]
+    assert prm[block + "mlp.c_fc.weight"] == ["S(0)"]
+    assert prm[block + "mlp.c_proj.weight"] == ["S(1)"]
+    # attention by heads: both attention bmms keep their [batch*heads] dim sharded
+    bmms = [n for n in p.nodes.values() if n.op == "aten.bmm.default" and n.module.startswith(
+        "transformer.h.0")]
+    assert len(bmms) == 2
+    assert all(n.outputs == [["S(0)"]] for n in bmms)
+    assert p.solver.status == "OPTIMAL"
+
+
+def test_large_batch_small_model_comes_out_data_parallel():
+    model, inputs = build_from_config(GPTConfig(1, 256, 4, vocab_size=1024, block_size=128),
+                                      batch_size=256)
+    p = plan(model, _a100(4), example_inputs=inputs, mesh_shape=(4,))
+    assert p.inputs["idx"] == ["S(0)"]
+    assert all(pl == ["R"] for pl in p.parameters.values())
+    # gradient synchronisation of the replicated parameters is in the prediction
+    assert p.predicted["communication_s"] > 0
