@@ -1,0 +1,72 @@
+"""The `planner` command: summaries, files, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from planner.cli import main
+
+
+def test_plan_writes_json_and_prints_summary(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--mesh", "2",
+                 "-o", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "predicted step" in text and "transformer.h.*.mlp.c_fc.weight" in text
+    assert json.loads(out.read_text())["mesh"]["shape"] == [2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "no-such-model", "--cluster", "local-cpu:4"], "unknown model"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "no-such-preset:2"], "unknown cluster preset"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "3"], "has 4"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "2by2"], "2x2"),
+    (["show", "missing-plan.json"], "no plan file"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and err.startswith("planner: error:")
+
+
+def test_wrong_plan_version_exit_2(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({"format_version": 0}))
+    assert main(["run", str(path)]) == 2
+    assert "format_version 0" in capsys.readouterr().err
+
+
+def test_user_model_file_factory(tmp_path, capsys):
+    model_file = tmp_path / "my_model.py"
+    model_file.write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.up = nn.Linear(16, 64)
+                self.down = nn.Linear(64, 4)
+
+            def forward(self, x, y):
+                return nn.functional.mse_loss(self.down(torch.relu(self.up(x))), y)
+
+        def make():
+            return Net(), (torch.randn(32, 16), torch.randn(32, 4))
+    '''))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", f"{model_file}:make", "--cluster", "local-cpu:2",
+                 "-o", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["model"]["source"] == f"{model_file}:make"
+    assert set(d["parameters"]) == {"up.weight", "up.bias", "down.weight", "down.bias"}
+
+
+def test_console_command_is_installed():
+    proc = subprocess.run([sys.executable, "-m", "planner.cli", "--help"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0 and "plan" in proc.stdout
