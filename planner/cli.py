@@ -77,10 +77,11 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from codegen.launch import launch
     from planner.plan import load_plan
 
     plan = load_plan(args.plan)  # validates before any process starts
+    from codegen.launch import launch
+
     result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check)
     return 0 if result.get("passed", True) else 1
 

@@ -1,0 +1,107 @@
+"""The single-process reference a distributed run is checked against.
+
+Builds the same model spec with the same seed (hence the same weights and example
+inputs), runs one plain forward and backward on one device and returns the loss and
+every parameter gradient by FQN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ir.source import build_model
+
+__all__ = ["ReferenceResult", "loss_of", "make_optimizer", "reference_step", "relative_error",
+           "zoo_kwargs"]
+
+
+@dataclass
+class ReferenceResult:
+    """One process's training run.
+
+    Attributes:
+        loss: step-1 loss (a Python float).
+        grads: step-1 gradients, FQN -> tensor (None for parameters without one).
+        losses: the loss of every step.
+    """
+
+    loss: float
+    grads: dict[str, torch.Tensor | None]
+    losses: list[float] = field(default_factory=list)
+
+
+def loss_of(outputs: Any) -> Any:
+    """The training loss of a program's outputs: its first tensor, summed if not a scalar.
+
+    Applied the same way to the reference and to the distributed run.
+    """
+    if isinstance(outputs, (tuple, list)):
+        tensors = [o for o in outputs if isinstance(o, torch.Tensor)]
+        if not tensors:
+            raise ValueError("the model returned no tensor; cannot train it")
+        outputs = tensors[0]
+    if not isinstance(outputs, torch.Tensor):
+        raise ValueError(f"the model returned {type(outputs).__name__}, not a tensor loss")
+    return outputs if outputs.ndim == 0 else outputs.sum()
+
+
+def zoo_kwargs(training: dict[str, Any] | None) -> dict[str, Any]:
+    """batch_size / seq_len from a plan's ``training`` section, for build_model."""
+    training = training or {}
+    return {k: training[k] for k in ("batch_size", "seq_len") if training.get(k) is not None}
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor, tiny: float = 1e-12) -> float:
+    """``max|a - b| / max(max|b|, tiny)``, computed in float64."""
+    a = a.detach().to("cpu", torch.float64)
+    b = b.detach().to("cpu", torch.float64)
+    if a.shape != b.shape:
+        return float("inf")
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / max(float(b.abs().max()), tiny))
+
+
+def make_optimizer(params: Any, name: str = "sgd", lr: float = 1e-3) -> torch.optim.Optimizer:
+    """The optimizer both the reference and the distributed run use."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"unknown optimizer {name!r}; use sgd or adamw")
+
+
+def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: int = 1,
+                   optimizer: str = "sgd", lr: float = 1e-3,
+                   **model_kwargs: Any) -> ReferenceResult:
+    """Train ``source`` (zoo name or ``file.py:factory``) for ``steps`` steps on one device.
+
+    Args:
+        source: the plan's ``model.source``.
+        seed: the seed the distributed run built the model with.
+        device: where to run the reference.
+        steps: training steps (forward, backward, optimizer step).
+        optimizer, lr: as in the distributed run (see :func:`make_optimizer`).
+        model_kwargs: batch_size / seq_len for zoo models (see :func:`zoo_kwargs`).
+
+    Returns:
+        The step-1 loss and gradients and the loss of every step.
+    """
+    model, inputs = build_model(source, device=device, seed=seed, **model_kwargs)
+    model.train()
+    opt = make_optimizer(model.parameters(), optimizer, lr)
+    losses: list[float] = []
+    grads: dict[str, torch.Tensor | None] = {}
+    for step in range(max(1, steps)):
+        loss = loss_of(model(*inputs))
+        loss.backward()
+        losses.append(float(loss.detach()))
+        if step == 0:
+            grads = {fqn: (p.grad.detach().clone() if p.grad is not None else None)
+                     for fqn, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ReferenceResult(loss=losses[0], grads=grads, losses=losses)
