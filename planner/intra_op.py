@@ -179,7 +179,10 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies]):
             rg = arg in cost.requires_grad and info.is_float
             src_specs, src_of = _distinct([ps.outputs[out_idx] for ps in prod.strategies])
             dst_specs, dst_of = _distinct([cs.inputs[k] for cs in ns.strategies])
-            priced = [[cost.edge(a, b, info, rg) for b in dst_specs] for a in src_specs]
+            if node.target == "getitem":  # a tuple projection cannot reshard: it follows
+                priced = [[0.0 if a == b else math.inf for b in dst_specs] for a in src_specs]
+            else:
+                priced = [[cost.edge(a, b, info, rg) for b in dst_specs] for a in src_specs]
             matrix = [[priced[i][j] for j in dst_of] for i in src_of]
             edges.append((u, v, matrix))
             edge_args.append((u, v, k))
