@@ -45,7 +45,7 @@ from ir.trace import capture, graph_from_exported
 from planner.plan import OpPlacement, Plan, Reshard
 
 __all__ = [
-    "PlanExecutor", "PlanMismatchError", "ReshardEvent", "capture_for_run", "parse_placement",
+    "PlanExecutor", "PlanMismatchError", "ReshardEvent", "parse_placement",
     "placement_str", "placements_of", "record_plan", "redistribute",
 ]
 
@@ -199,7 +199,7 @@ def redistribute(value: DTensor, mesh: DeviceMesh, placements: Sequence[Placemen
     # gradient on those mesh dims first gives the gradient DTensor expects.
     dims = [i for i, (p, q) in enumerate(zip(value.placements, placements))
             if p.is_partial() and getattr(p, "reduce_op", "sum") != "sum" and p != q]
-    if False and dims and out.requires_grad:
+    if dims and out.requires_grad:
         def _reduce_partial_grad(grad: Any) -> Any:
             if isinstance(grad, DTensor) and any(grad.placements[i].is_partial() for i in dims):
                 fixed = [Replicate() if i in dims and p.is_partial() else p
@@ -290,21 +290,6 @@ def _tensor_leaves(value: Any) -> list[Any]:
     return [value] if isinstance(value, torch.Tensor) else []
 
 
-def capture_for_run(model: torch.nn.Module, example_inputs: Any) -> torch.export.ExportedProgram:
-    """``ir.capture`` with the math attention kernel selected.
-
-    Which fused attention kernel ``F.scaled_dot_product_attention`` picks depends on
-    the device, and its output strides change how the following ``linear``
-    decomposes; on the meta device (where plans are made) export takes the math
-    path. Selecting it here makes a real-device capture the program the plan was
-    made for.
-    """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.MATH):
-        return capture(model, example_inputs)
-
-
 # ---------------------------------------------------------------------------- executor
 class PlanExecutor:
     """Executes a captured program on DTensors as a Plan says.
@@ -336,7 +321,7 @@ class PlanExecutor:
             raise PlanMismatchError(
                 f"plan is for a mesh of shape {list(plan.mesh_shape)} but the device mesh "
                 f"has shape {list(mesh.shape)}; launch with {plan.world_size} ranks")
-        self.ep = capture_for_run(model, example_inputs)
+        self.ep = capture(model, example_inputs)
         self.graph = graph_from_exported(self.ep, model_name=type(model).__name__)
         fingerprint = self.graph.fingerprint()
         expected = plan.model.get("fingerprint")
@@ -355,6 +340,18 @@ class PlanExecutor:
         self._recording = True
         self._forwards = 0
         self._placeholder_placements: dict[str, list[str]] = {}
+        # node -> values read for the last time by it (freed right after it runs)
+        last_reader: dict[str, str] = {}
+        for node in self.ep.graph.nodes:
+            if node.op == "call_function":
+                for arg in node.all_input_nodes:
+                    last_reader[arg.name] = node.name
+            elif node.op == "output":
+                for arg in node.all_input_nodes:
+                    last_reader.pop(arg.name, None)
+        self._last_use: dict[str, list[str]] = {}
+        for value, reader in last_reader.items():
+            self._last_use.setdefault(reader, []).append(value)
         self._setup_state()
 
     # ----------------------------------------------------------------- state
@@ -446,6 +443,8 @@ class PlanExecutor:
                     env[node.name] = self._placeholders[node.name]
             elif node.op == "call_function":
                 env[node.name] = self._run_node(node, env)
+                for name in self._last_use.get(node.name, ()):
+                    env.pop(name, None)  # autograd keeps what backward needs
             elif node.op == "output":
                 outputs = torch.fx.node.map_arg(node.args[0], lambda n: env[n.name])
             else:

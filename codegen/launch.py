@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,20 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class LaunchError(RuntimeError):
     """The ranks did not produce a result; the message ends with their output's tail."""
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Terminate the launched torchrun and its ranks (their own process group)."""
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def _tail(text: str, lines: int = 40) -> str:
@@ -46,7 +61,8 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
            check: bool = False, record: str | os.PathLike | None = None,
            optimizer: str = "sgd", lr: float = 1e-3, rtol: float = 1e-5,
            timeout_s: float = 300.0, extra_args: Sequence[str] = (),
-           env: dict[str, str] | None = None) -> dict[str, Any]:
+           env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
+           ) -> dict[str, Any]:
     """Run a plan on ``nproc`` local processes and return rank 0's result JSON.
 
     Args:
@@ -61,6 +77,9 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         timeout_s: wall-clock limit for the whole launch.
         extra_args: more rank_main arguments.
         env: extra environment variables for the ranks.
+        cwd: working directory of the ranks (default: this process's), against
+            which a relative ``file.py:factory`` model source resolves; the repo
+            root is put on ``PYTHONPATH`` so the packages import from anywhere.
 
     Raises:
         LaunchError: the mesh size and ``nproc`` disagree, the ranks timed out, or
@@ -90,24 +109,29 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         run_env["OMP_NUM_THREADS"] = "1"
         run_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (REPO_ROOT, run_env.get("PYTHONPATH", "")) if p)
-        run_env.setdefault("TORCHELASTIC_ERROR_FILE", os.path.join(tmp, "error.json"))
         if env:
             run_env.update(env)
+        # torchrun and its ranks get their own process group, so that a timeout
+        # ends all of them (and nothing else).
+        proc = subprocess.Popen(cmd, cwd=os.fspath(cwd) if cwd else None, env=run_env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, cwd=REPO_ROOT, env=run_env, capture_output=True,
-                                  text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as err:
-            out = (err.stdout or "") + (err.stderr or "")
-            if isinstance(out, bytes):
-                out = out.decode(errors="replace")
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _end_group(proc)
+            stdout, stderr = proc.communicate()
             raise LaunchError(f"plan {plan_path} did not finish within {timeout_s:.0f} s on "
-                              f"{world} ranks; output tail:\n{_tail(out)}") from None
-        output = proc.stdout + proc.stderr
+                              f"{world} ranks; output tail:\n{_tail(stdout + stderr)}") from None
+        except BaseException:
+            _end_group(proc)
+            raise
+        output = stdout + stderr
         if os.path.exists(result_path):
             with open(result_path) as f:
                 result = json.load(f)
             result["returncode"] = proc.returncode
-            result["output"] = _tail(proc.stdout, 20)
+            result["output"] = _tail(stdout, 20)
             return result
         first = _first_error_line(output)
         head = first or f"ranks exited with status {proc.returncode} and no result"

@@ -13,6 +13,7 @@ import warnings
 from typing import Any, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import flop_registry
 
 from ir.graph import BUFFER, INPUT, OP, PARAM, Graph, Node, TensorInfo
@@ -45,12 +46,16 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
 
     Tries ``torch.export.export(strict=False)`` first, then the ``torch.fx``
     front-end (``symbolic_trace`` followed by export of the traced module).
+    The math attention kernel is selected: which fused kernel
+    ``scaled_dot_product_attention`` picks depends on the device, and it changes
+    the decomposed program, so the meta capture the planner sees and the real
+    capture the executor runs would otherwise differ.
 
     Raises:
         TraceError: naming the module and the construct that failed in both.
     """
     args = _as_tuple(example_inputs)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
         warnings.simplefilter("ignore")
         try:
             ep = torch.export.export(model, args, strict=False)

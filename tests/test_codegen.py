@@ -11,15 +11,13 @@ loss and in every gradient, and observe exactly the plan's placements.
 from __future__ import annotations
 
 import json
-import os
 import time
+import warnings
 
 import pytest
-import torch
 
 import ir
-from codegen.executor import (PlanExecutor, PlanMismatchError, parse_placement, placement_str,
-                              record_plan)
+from codegen.executor import PlanMismatchError, parse_placement, placement_str, record_plan
 from codegen.launch import LaunchError, launch
 from ir.source import build_model
 from planner.plan import Plan, SolverReport, load_plan
@@ -144,7 +142,6 @@ def test_record_plan_handles_masked_lookup_and_checks(tmp_path):
     source = toy_source(tmp_path)
     plan = skeleton_plan(source, [2], toy_rule, ["R"])
     model, inputs = build_model(source, device="cpu")
-    import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         recorded = record_plan(plan, model, inputs)
@@ -240,6 +237,34 @@ def test_sharded_lookup_partial_mean_and_checks_match_one_process(tmp_path):
     assert result["observed_match"] and result["fallback_ops"] == []
     assert result["max_rel_grad_err"] <= RTOL and result["max_loss_rel_err"] <= RTOL
     assert result["num_params_checked"] == 4
+
+
+@pytest.mark.multiprocess
+def test_output_placement_mismatch_is_reported(tmp_path):
+    source = toy_source(tmp_path)
+    model, inputs = build_model(source, device="cpu")
+    plan = record_plan(skeleton_plan(source, [2], toy_rule, ["R"]), model, inputs)
+    mean = next(n for n, e in plan.nodes.items() if e.op == "aten.mean.dim")
+    plan.nodes[mean].outputs = [["R"]]  # DTensor will make P(avg)
+    path = tmp_path / "toy_mismatch.json"
+    plan.save(path)
+    result = launch(path, check=True, timeout_s=120)
+    # The executor brings the output to the plan's placement, so numerics still hold,
+    # but the run does not pass: the plan did not say what DTensor does.
+    assert not result["passed"] and result["returncode"] == 1
+    assert result["num_mismatches"] == 1 and mean in result["mismatches"][0]
+    assert not result["observed_match"]
+    assert result["max_rel_grad_err"] <= RTOL
+
+
+@pytest.mark.multiprocess
+def test_launch_times_out_cleanly(tmp_path):
+    path = tmp_path / "plan.json"
+    skeleton_plan(MODEL, [2], lambda f: ["R"], ["S(0)"]).save(path)
+    start = time.perf_counter()
+    with pytest.raises(LaunchError, match="did not finish within 2 s"):
+        launch(path, timeout_s=2)
+    assert time.perf_counter() - start < 30
 
 
 @pytest.mark.multiprocess
