@@ -51,7 +51,8 @@ def loss_of(outputs: Any) -> Any:
 def zoo_kwargs(training: dict[str, Any] | None) -> dict[str, Any]:
     """batch_size / seq_len from a plan's ``training`` section, for build_model."""
     training = training or {}
-    return {k: training[k] for k in ("batch_size", "seq_len") if training.get(k) is not None}
+    source = training.get("zoo_kwargs", training)
+    return {k: source[k] for k in ("batch_size", "seq_len") if source.get(k) is not None}
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor, tiny: float = 1e-12) -> float:

@@ -7,12 +7,16 @@ from typing import Any, Sequence
 import torch
 
 from costmodel.cluster import Cluster, load_cluster
-from costmodel.memory import training_state_bytes
+from costmodel.memory import reserve_bytes
 from costmodel.resharding import placement_str
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.trace import trace
-from planner.intra_op import IntraOpResult, local_numel, solve_intra_op
+from planner.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
 from planner.plan import OpPlacement, Plan, Reshard, SolverReport
+
+
+# Fraction of device memory kept free for the allocator's fragmentation and workspaces.
+MEMORY_RESERVE = 0.1
 
 
 class PlanningError(ValueError):
@@ -52,31 +56,15 @@ def _param_dtype(graph: Graph) -> torch.dtype:
     return dtypes[0] if dtypes else torch.float32
 
 
-def predicted_memory(result: IntraOpResult, optimizer: str = "adam") -> dict[str, int]:
-    """Bytes per device: parameters, gradients, optimizer states, saved activations.
-
-    Parameters, gradients and optimizer states follow each parameter's planned
-    placement; activations are the outputs of the ops that backward needs
-    (every non-view op on the gradient path), at their planned placements.
-    """
-    graph, mesh = result.graph, result.mesh_shape
-    param_elems = 0.0
-    for n in graph.nodes:
-        if n.kind == PARAM:
-            param_elems += local_numel(n.output, result.chosen[n.name].outputs[0], mesh)
-    dtype = _param_dtype(graph)
-    state = training_state_bytes(int(round(param_elems)), param_bytes=dtype.itemsize,
-                                 optimizer=optimizer)
-    activations = 0.0
-    for n in graph.nodes:
-        if n.kind == OP and n.bytes_moved > 0 and n.outputs and n.outputs[0].is_float:
-            s = result.chosen[n.name]
-            activations += sum(local_numel(o, p, mesh) * o.itemsize
-                               for o, p in zip(n.outputs, s.outputs))
-    out = {k: int(v) for k, v in state.items() if k != "total"}
-    out["activations"] = int(activations)
+def _memory_report(memory: dict[str, float]) -> dict[str, int]:
+    out = {k: int(round(v)) for k, v in sorted(memory.items())}
     out["total"] = sum(out.values())
     return out
+
+
+def default_memory_budget(cluster: Cluster) -> float:
+    """Bytes per device a plan may use: device memory less the allocator reserve."""
+    return float(cluster.device.memory - reserve_bytes(cluster.device.memory, MEMORY_RESERVE))
 
 
 def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, Any],
@@ -113,7 +101,7 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
         "compute_s": b.compute_s,
         "communication_s": b.communication_s,
         "resharding_s": b.resharding_s,
-        "memory_bytes_per_device": predicted_memory(result, training.get("optimizer", "adam")),
+        "memory_bytes_per_device": _memory_report(result.memory),
     }
     return Plan(
         model=model_info, cluster=cluster.to_dict(),
@@ -131,6 +119,7 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
 def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
          mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
          time_limit_s: float = 30.0, optimizer: str = "adam",
+         memory_budget: float | None = None,
          zoo_kwargs: dict[str, Any] | None = None) -> Plan:
     """Find the fastest sharding of one training step of ``model`` on ``cluster``.
 
@@ -145,8 +134,14 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         model_source: how ``planner run`` rebuilds the model (zoo name or
             ``file.py:factory``); recorded in the plan.
         time_limit_s: limit for each ILP solve, seconds.
+        memory_budget: bytes per device the plan may use; default: the device's
+            memory less a 10 % allocator reserve.
         zoo_kwargs: batch_size / seq_len used to build a zoo model (recorded so
             the runner builds the same shapes).
+
+    Raises:
+        PlanningError: bad mesh, or no plan fits in memory (the message gives the
+            least memory per device that would fit).
     """
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
@@ -158,12 +153,21 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
         cluster.num_devices)
     dtype = str(_param_dtype(graph)).replace("torch.", "")
+    budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
     best: IntraOpResult | None = None
+    too_big: list[MemoryInfeasibleError] = []
     for shape in shapes:
-        result = solve_intra_op(graph, cluster, shape, dtype=dtype, time_limit_s=time_limit_s)
+        try:
+            result = solve_intra_op(graph, cluster, shape, dtype=dtype, time_limit_s=time_limit_s,
+                                    memory_budget=budget, optimizer=optimizer)
+        except MemoryInfeasibleError as err:
+            too_big.append(err)
+            continue
         if best is None or result.solution.objective_s < best.solution.objective_s:
             best = result
-    assert best is not None
+    if best is None:
+        least = min(too_big, key=lambda e: e.least_bytes)
+        raise PlanningError(str(least))
     model_info = {
         "name": model_source or type(model).__name__,
         "source": model_source,

@@ -43,10 +43,24 @@ class AssignmentProblem:
         node_costs: ``node_costs[v][i]``: seconds if node v takes strategy i.
         edges: ``(u, v, cost)`` with ``cost[i][j]`` seconds when u takes i and
             v takes j; ``math.inf`` forbids the pair.
+        node_memory: ``node_memory[v][i]``: bytes per device node v holds under
+            strategy i (optional).
+        memory_budget: bytes per device the chosen strategies may hold in total.
     """
 
     node_costs: list[list[float]]
     edges: list[tuple[int, int, list[list[float]]]] = field(default_factory=list)
+    node_memory: list[list[float]] | None = None
+    memory_budget: float | None = None
+
+    def memory(self, choice: list[int]) -> float:
+        """Bytes per device of an assignment (0 when the problem has no memory model)."""
+        if self.node_memory is None:
+            return 0.0
+        return float(sum(m[i] for m, i in zip(self.node_memory, choice)))
+
+    def fits(self, choice: list[int]) -> bool:
+        return self.memory_budget is None or self.memory(choice) <= self.memory_budget
 
     def evaluate(self, choice: list[int]) -> float:
         """Total seconds of an assignment (inf if it uses a forbidden pair)."""
@@ -143,6 +157,11 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
             else:
                 x[v][i].SetUb(0)
     objective.SetMinimization()
+    if problem.memory_budget is not None and problem.node_memory is not None:
+        # bytes scaled to MiB keep the row's coefficients in a sane numeric range
+        mib = 1024.0 * 1024.0
+        mip.Add(mip.Sum([x[v][i] * (m / mib) for v, mem in enumerate(problem.node_memory)
+                         for i, m in enumerate(mem) if m]) <= problem.memory_budget / mib)
     if hint is not None:
         mip.SetHint([var for xs in x for var in xs],
                     [1.0 if j == hint[v] else 0.0 for v, xs in enumerate(x) for j in range(len(xs))])
@@ -164,6 +183,8 @@ def brute_force(problem: AssignmentProblem) -> tuple[list[int], float]:
     """Exhaustive optimum (for tests on small problems)."""
     best, best_cost = None, math.inf
     for choice in itertools.product(*(range(len(c)) for c in problem.node_costs)):
+        if not problem.fits(list(choice)):
+            continue
         cost = problem.evaluate(list(choice))
         if cost < best_cost:
             best, best_cost = list(choice), cost

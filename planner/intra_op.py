@@ -24,9 +24,11 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import op_time
+from costmodel.memory import training_state_bytes
 from costmodel.resharding import reshard_time
 from costmodel.cluster import Cluster
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
+from planner.report import format_bytes
 from planner.ilp import AssignmentProblem, Solution, solve
 from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
 
@@ -73,13 +75,16 @@ class IntraOpResult:
     solution: Solution
     breakdown: CostBreakdown
     time_limit_s: float
+    memory: dict[str, float]  # bytes per device by kind (params, grads, optimizer, activations)
 
 
 class IntraOpCost:
     """Prices strategies and edges of one graph on one mesh of one cluster (seconds)."""
 
-    def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str):
+    def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
+                 optimizer: str = "adam"):
         self.graph = graph
+        self.optimizer = optimizer
         self.cluster = cluster
         self.mesh_shape = tuple(int(d) for d in mesh_shape)
         self.links = axis_links(cluster, self.mesh_shape)
@@ -145,6 +150,30 @@ class IntraOpCost:
                     total += collective_time("all_reduce", nbytes, size, self.links[a])
         return total
 
+    def memory_breakdown(self, node: Node, s: Strategy) -> dict[str, float]:
+        """Bytes per device that ``node`` holds under ``s`` during a training step.
+
+        Parameters bring their gradient and optimizer states (sharded like the
+        parameter); a user input its local batch; an op on the gradient path that
+        writes memory (not a view) keeps its outputs for backward.
+        """
+        if node.kind == PARAM:
+            numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
+            state = training_state_bytes(int(math.ceil(numel)), param_bytes=node.output.itemsize,
+                                         optimizer=self.optimizer)
+            return {k: float(v) for k, v in state.items() if k != "total"}
+        if node.kind == INPUT:
+            return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
+                    * node.output.itemsize}
+        if node.kind == OP and node.bytes_moved > 0 and node.name in self.requires_grad:
+            return {"activations": sum(local_numel(o, p, self.mesh_shape) * o.itemsize
+                                       for o, p in zip(node.outputs, s.outputs) if o.is_float)}
+        return {}
+
+    def memory(self, node: Node, s: Strategy) -> float:
+        """Total bytes per device of :meth:`memory_breakdown`."""
+        return float(sum(self.memory_breakdown(node, s).values()))
+
     def edge(self, producer_out: Placements, consumer_in: Placements, info: TensorInfo,
              requires_grad: bool) -> float:
         t = self.reshard(producer_out, consumer_in, info)
@@ -160,8 +189,12 @@ def _distinct(specs: list[Placements]) -> tuple[list[Placements], list[int]]:
     return list(index), of
 
 
-def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies]):
-    """The AssignmentProblem for ``strategies`` and the (u, v, arg index) of each edge."""
+def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
+                  memory_budget: float | None = None):
+    """The AssignmentProblem for ``strategies`` and the (u, v, arg index) of each edge.
+
+    ``memory_budget`` (bytes per device) bounds the memory the chosen strategies hold.
+    """
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     node_costs = []
     for ns in strategies:
@@ -186,17 +219,52 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies]):
             matrix = [[priced[i][j] for j in dst_of] for i in src_of]
             edges.append((u, v, matrix))
             edge_args.append((u, v, k))
-    return AssignmentProblem(node_costs, edges), edge_args
+    node_memory = [[cost.memory(ns.node, s) for s in ns.strategies] for ns in strategies]
+    return AssignmentProblem(node_costs, edges, node_memory=node_memory,
+                             memory_budget=memory_budget), edge_args
+
+
+class MemoryInfeasibleError(RuntimeError):
+    """No sharding fits the memory budget.
+
+    Attributes:
+        least_bytes: the least memory per device any assignment needs, bytes.
+        budget_bytes: the budget that was given, bytes.
+    """
+
+    def __init__(self, least_bytes: float, budget_bytes: float, mesh_shape: tuple[int, ...]):
+        self.least_bytes, self.budget_bytes, self.mesh_shape = least_bytes, budget_bytes, mesh_shape
+        super().__init__(
+            f"no sharding on mesh {'x'.join(map(str, mesh_shape))} fits {format_bytes(budget_bytes)} "
+            f"per device; the least any plan needs is {format_bytes(least_bytes)} per device "
+            f"- use devices with that much memory, more devices, or a smaller batch")
+
+
+def least_memory(problem: AssignmentProblem) -> float:
+    """Least bytes per device of any assignment (memory is a sum over nodes)."""
+    return float(sum(min(m) for m in problem.node_memory)) if problem.node_memory else 0.0
 
 
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
-                   dtype: str = "float32", time_limit_s: float = 30.0) -> IntraOpResult:
-    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``."""
+                   dtype: str = "float32", time_limit_s: float = 30.0,
+                   memory_budget: float | None = None, optimizer: str = "adam") -> IntraOpResult:
+    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
+
+    Args:
+        memory_budget: bytes per device the plan may use (parameters, gradients,
+            optimizer states, saved activations); None means unbounded.
+
+    Raises:
+        MemoryInfeasibleError: no assignment fits ``memory_budget``; it carries the
+            least memory per device that would.
+    """
     mesh_shape = tuple(int(d) for d in mesh_shape)
     with fake_mesh(mesh_shape) as mesh:
         strategies = build_strategies(graph, mesh)
-    cost = IntraOpCost(graph, cluster, mesh_shape, dtype)
-    problem, edge_args = build_problem(cost, strategies)
+    cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer)
+    problem, edge_args = build_problem(cost, strategies, memory_budget)
+    if memory_budget is not None and least_memory(problem) > memory_budget:
+        raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
     solution = solve(problem, time_limit_s=time_limit_s)
     chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, solution.choice)}
     breakdown = CostBreakdown()
@@ -207,4 +275,9 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
     for (u, v, m), _ in zip(problem.edges, edge_args):
         breakdown.resharding_s += m[solution.choice[u]][solution.choice[v]]
     assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-9, abs_tol=1e-15)
-    return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s)
+    memory: dict[str, float] = {}
+    for ns, i in zip(strategies, solution.choice):
+        for k, v in cost.memory_breakdown(ns.node, ns.strategies[i]).items():
+            memory[k] = memory.get(k, 0.0) + v
+    return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
+                         memory)

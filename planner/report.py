@@ -16,7 +16,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in binary units, e.g. ``1.5 GiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -48,7 +49,7 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         f"predicted step {_seconds(pred['step_time_s'])}: compute {_seconds(pred['compute_s'])}, "
         f"communication {_seconds(pred['communication_s'])}, "
         f"resharding {_seconds(pred['resharding_s'])}",
-        "memory per device: " + ", ".join(f"{k} {_bytes(v)}" for k, v in mem.items()),
+        "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()),
         f"solver {plan.solver.solver}: {plan.solver.status}, objective "
         f"{_seconds(plan.solver.objective_s)}, gap {plan.solver.gap:.2%}, "
         f"{plan.solver.num_variables} variables",

@@ -134,6 +134,8 @@ class StrategyBuilder:
         self.fx_nodes = {n.name: n for n in graph.exported.graph.nodes}
         # node name -> candidate placements of each output (distinct, ordered)
         self._out_candidates: dict[str, list[list[Placements]]] = {}
+        # structural signature of a node -> its strategies (or why it has none)
+        self._cache: dict[tuple, list[Strategy] | Exception] = {}
 
     # -- candidates flowing along edges -------------------------------------------------
     def _record(self, ns: NodeStrategies) -> None:
@@ -184,10 +186,42 @@ class StrategyBuilder:
         r = tuple(Replicate() for _ in self.mesh_shape)
         return Strategy(tuple(r for _ in node.args), tuple(r for _ in node.outputs))
 
+    def _signature(self, fx_node: torch.fx.Node, single: bool) -> tuple:
+        """What DTensor's answer for this node depends on: op, argument values,
+        tensor shapes/strides/dtypes and (for input-following strategy functions)
+        the candidate placements of each input. Repeated blocks share it."""
+
+        def sig(a):
+            if isinstance(a, torch.fx.Node):
+                val = a.meta["val"]
+                cands = () if single else tuple(self.candidates_of(a.name, 0))
+                return ("T", tuple(val.shape), tuple(val.stride()), val.dtype, cands)
+            if isinstance(a, (list, tuple)):
+                return tuple(sig(x) for x in a)
+            return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype,
+                                       torch.device, torch.layout, torch.memory_format)) else repr(a)
+
+        return (fx_node.target, sig(fx_node.args),
+                tuple((k, sig(v)) for k, v in sorted(fx_node.kwargs.items())))
+
     def _from_dtensor(self, node: Node) -> list[Strategy]:
         fx_node = self.fx_nodes[node.name]
         op = fx_node.target
         single = self.prop.op_single_dim_strategy_funcs.get(op)
+        key = self._signature(fx_node, single is not None)
+        cached = self._cache.get(key)
+        if cached is None:
+            try:
+                cached = self._query_dtensor(node, fx_node, single)
+            except _NoStrategy as err:
+                cached = err
+            self._cache[key] = cached
+        if isinstance(cached, _NoStrategy):
+            raise cached
+        return cached
+
+    def _query_dtensor(self, node: Node, fx_node: torch.fx.Node, single) -> list[Strategy]:
+        op = fx_node.target
         func = self.prop.op_strategy_funcs.get(op)
         if single is None and func is None:
             raise _NoStrategy("op not registered with DTensor")

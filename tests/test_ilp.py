@@ -52,3 +52,22 @@ def test_every_backend_agrees(solver):
 def test_unknown_solver_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown solver"):
         solve(AssignmentProblem([[0.0]]), solver="gurobi")
+
+
+@st.composite
+def memory_problems(draw):
+    problem = draw(problems(allow_inf=False))
+    problem.node_memory = [[float(draw(st.integers(0, 8))) for _ in c] for c in problem.node_costs]
+    least = sum(min(m) for m in problem.node_memory)
+    most = sum(max(m) for m in problem.node_memory)
+    problem.memory_budget = float(draw(st.integers(int(least), int(most))))
+    return problem
+
+
+@settings(max_examples=150, deadline=None)
+@given(memory_problems())
+def test_ilp_with_memory_budget_equals_brute_force(problem):
+    choice_bf, best = brute_force(problem)
+    solution = solve(problem)
+    assert problem.fits(solution.choice)
+    assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)

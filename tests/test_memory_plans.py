@@ -1,0 +1,57 @@
+"""Memory-constrained plans: shard parameters when they must, say what would fit when nothing does."""
+
+import pytest
+
+from codegen.launch import launch
+from ir.source import build_model
+from planner.api import PlanningError, plan
+
+BATCH = {"batch_size": 64}
+
+
+def _plan(budget=None):
+    model, inputs = build_model("gpt-tiny", device="meta", **BATCH)
+    return plan(model, "local-cpu:4", example_inputs=inputs, mesh_shape=(4,),
+                model_source="gpt-tiny", zoo_kwargs=BATCH, memory_budget=budget)
+
+
+@pytest.fixture(scope="module")
+def unconstrained():
+    return _plan()
+
+
+@pytest.fixture(scope="module")
+def constrained(unconstrained):
+    budget = 0.9 * unconstrained.predicted["memory_bytes_per_device"]["total"]
+    return budget, _plan(budget)
+
+
+def test_unconstrained_large_batch_is_data_parallel(unconstrained):
+    assert unconstrained.inputs["idx"] == ["S(0)"]
+    assert all(p == ["R"] for p in unconstrained.parameters.values())
+
+
+def test_tight_memory_shards_parameters_instead_of_failing(unconstrained, constrained):
+    budget, p = constrained
+    mem = p.predicted["memory_bytes_per_device"]
+    assert mem["total"] <= budget
+    sharded = [fqn for fqn, pl in p.parameters.items() if pl != ["R"]]
+    assert sharded, "expected parameters (and their optimizer states) to be sharded"
+    assert mem["optimizer"] < unconstrained.predicted["memory_bytes_per_device"]["optimizer"]
+    # it pays for the memory with time, never the other way round
+    assert p.predicted["step_time_s"] >= unconstrained.predicted["step_time_s"]
+
+
+def test_nothing_fits_names_the_least_memory_that_would():
+    with pytest.raises(PlanningError, match=r"the least any plan needs is [0-9.]+ [KMG]iB"):
+        _plan(budget=1024.0)
+
+
+@pytest.mark.multiprocess
+def test_memory_constrained_plan_runs_and_matches_one_process(constrained, tmp_path):
+    _, p = constrained
+    path = tmp_path / "plan.json"
+    p.save(path)
+    result = launch(path, steps=2, check=True)
+    assert result["passed"], result.get("output")
+    assert result["max_rel_grad_err"] < 1e-5 and result["observed_match"]
