@@ -49,7 +49,7 @@ def time_block_ilp(name: str, cluster_spec: str, mesh_shape: tuple[int, ...]) ->
     with fake_mesh(mesh_shape) as mesh:
         strategies = build_strategies(graph, mesh)
     t1 = time.perf_counter()
-    problem, _ = build_problem(IntraOpCost(graph, cluster, mesh_shape, "float32"), strategies)
+    problem = build_problem(IntraOpCost(graph, cluster, mesh_shape, "float32"), strategies).problem
     t2 = time.perf_counter()
     solution = solve(problem, time_limit_s=60)
     t3 = time.perf_counter()

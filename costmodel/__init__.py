@@ -21,6 +21,7 @@ from .compute import DEFAULT_HALF_SATURATION_FLOPS, matmul_efficiency, op_time
 from .memory import OPTIMIZER_STATES, gpt_activation_bytes_per_layer, reserve_bytes, training_state_bytes
 from .presets import PRESETS, local_cpu_cluster, preset
 from .resharding import ReshardStep, parse_placement, placement_str, reshard_steps, reshard_time
+from .schedules import SCHEDULES, ScheduleResult, rank_orders, simulate, simulate_orders
 
 __all__ = [
     "BACKENDS",
@@ -36,6 +37,8 @@ __all__ = [
     "DeviceSpec",
     "Link",
     "ReshardStep",
+    "SCHEDULES",
+    "ScheduleResult",
     "axis_links",
     "canonical_dtype",
     "collective_time",
@@ -47,6 +50,9 @@ __all__ = [
     "parse_placement",
     "placement_str",
     "preset",
+    "rank_orders",
+    "simulate",
+    "simulate_orders",
     "reserve_bytes",
     "reshard_steps",
     "reshard_time",

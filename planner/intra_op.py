@@ -28,6 +28,7 @@ from costmodel.memory import training_state_bytes
 from costmodel.resharding import reshard_time
 from costmodel.cluster import Cluster
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
+from ir.layers import find_layers
 from planner.report import format_bytes
 from planner.ilp import AssignmentProblem, Solution, solve
 from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
@@ -189,39 +190,106 @@ def _distinct(specs: list[Placements]) -> tuple[list[Placements], list[int]]:
     return list(index), of
 
 
-def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
-                  memory_budget: float | None = None):
-    """The AssignmentProblem for ``strategies`` and the (u, v, arg index) of each edge.
-
-    ``memory_budget`` (bytes per device) bounds the memory the chosen strategies hold.
-    """
+def tie_classes(graph: Graph, strategies: list[NodeStrategies]) -> list[int]:
+    """Class of each node: nodes at the same position of repeated blocks (same
+    :func:`ir.layers.find_layers` signature) with the same strategy list share one
+    class, so every copy of a block takes the same strategies (as Megatron does);
+    every other node is a class of its own. Classes are numbered in program order."""
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
-    node_costs = []
-    for ns in strategies:
-        node_costs.append([cost.compute(ns.node, s) + cost.backward_collectives(ns.node, s)
-                           for s in ns.strategies])
-    edges = []
-    edge_args = []
-    for v, ns in enumerate(strategies):
-        node = ns.node
-        for k, arg in enumerate(node.args):
-            u = index[arg]
-            prod = strategies[u]
-            out_idx = node.arg_index if node.target == "getitem" else 0
-            info = node.inputs[k] if node.inputs else prod.node.outputs[out_idx]
-            rg = arg in cost.requires_grad and info.is_float
-            src_specs, src_of = _distinct([ps.outputs[out_idx] for ps in prod.strategies])
-            dst_specs, dst_of = _distinct([cs.inputs[k] for cs in ns.strategies])
-            if node.target == "getitem":  # a tuple projection cannot reshard: it follows
-                priced = [[0.0 if a == b else math.inf for b in dst_specs] for a in src_specs]
+    tied_to = list(range(len(strategies)))
+    reps: dict[tuple[str, int], list[int]] = {}
+    for layer in find_layers(graph):
+        for pos, name in enumerate(layer.nodes):
+            v = index[name]
+            for r in reps.get((layer.signature, pos), []):
+                if strategies[r].strategies == strategies[v].strategies:
+                    tied_to[v] = r
+                    break
             else:
-                priced = [[cost.edge(a, b, info, rg) for b in dst_specs] for a in src_specs]
-            matrix = [[priced[i][j] for j in dst_of] for i in src_of]
-            edges.append((u, v, matrix))
-            edge_args.append((u, v, k))
-    node_memory = [[cost.memory(ns.node, s) for s in ns.strategies] for ns in strategies]
-    return AssignmentProblem(node_costs, edges, node_memory=node_memory,
-                             memory_budget=memory_budget), edge_args
+                reps.setdefault((layer.signature, pos), []).append(v)
+    dense: dict[int, int] = {}
+    return [dense.setdefault(tied_to[v], len(dense)) for v in range(len(strategies))]
+
+
+@dataclass
+class IntraOpProblem:
+    """The (tied) assignment problem and how it maps back to graph nodes.
+
+    ``classes[v]`` is the problem variable of node v; ``members[c]`` the nodes of
+    class c; ``loop_costs[c][i]`` the part of class c's node cost that is
+    resharding on edges inside the class (block-to-block edges of tied nodes).
+    """
+
+    problem: AssignmentProblem
+    classes: list[int]
+    members: list[list[int]]
+    loop_costs: list[list[float]]
+
+    def expand(self, choice: list[int]) -> list[int]:
+        """Strategy index of every node from a choice per class."""
+        return [choice[c] for c in self.classes]
+
+
+def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
+                  memory_budget: float | None = None, tie: bool = True) -> IntraOpProblem:
+    """The assignment problem of ``strategies`` priced by ``cost``.
+
+    Args:
+        memory_budget: bytes per device the chosen strategies may hold.
+        tie: give repeated blocks one set of variables (see :func:`tie_classes`);
+            identical edges and nodes are then priced once and multiplied.
+    """
+    classes = tie_classes(cost.graph, strategies) if tie else list(range(len(strategies)))
+    members: list[list[int]] = [[] for _ in range(max(classes, default=-1) + 1)]
+    for v, c in enumerate(classes):
+        members[c].append(v)
+    index = {ns.node.name: v for v, ns in enumerate(strategies)}
+    node_costs, node_memory = [], []
+    for group in members:
+        ns, n = strategies[group[0]], len(group)
+        node_costs.append([n * (cost.compute(ns.node, s) + cost.backward_collectives(ns.node, s))
+                           for s in ns.strategies])
+        node_memory.append([n * cost.memory(ns.node, s) for s in ns.strategies])
+    loop_costs = [[0.0] * len(c) for c in node_costs]
+    edge_count: dict[tuple, int] = {}
+    edge_first: dict[tuple, tuple[int, int, int]] = {}
+    for v, ns in enumerate(strategies):
+        for k, arg in enumerate(ns.node.args):
+            u = index[arg]
+            key = (classes[u], classes[v], k, arg in cost.requires_grad)
+            edge_count[key] = edge_count.get(key, 0) + 1
+            edge_first.setdefault(key, (u, v, k))
+    edges = []
+    for key, count in edge_count.items():
+        u, v, k = edge_first[key]
+        matrix = _edge_matrix(cost, strategies[u], strategies[v], k)
+        cu, cv = key[0], key[1]
+        if cu == cv:  # an edge between two copies of the same tied node
+            for i in range(len(matrix)):
+                loop_costs[cu][i] += count * matrix[i][i]
+                node_costs[cu][i] += count * matrix[i][i]
+        else:
+            edges.append((cu, cv, [[count * x for x in row] for row in matrix]))
+    problem = AssignmentProblem(node_costs, edges, node_memory=node_memory,
+                                memory_budget=memory_budget)
+    return IntraOpProblem(problem, classes, members, loop_costs)
+
+
+def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
+                 k: int) -> list[list[float]]:
+    """Seconds of moving ``cons``'s k-th argument from each producer strategy into
+    each consumer strategy (forward reshard plus gradient reshard)."""
+    node = cons.node
+    out_idx = node.arg_index if node.target == "getitem" else 0
+    info = node.inputs[k] if node.inputs else prod.node.outputs[out_idx]
+    rg = node.args[k] in cost.requires_grad and info.is_float
+    src_specs, src_of = _distinct([ps.outputs[out_idx] for ps in prod.strategies])
+    dst_specs, dst_of = _distinct([cs.inputs[k] for cs in cons.strategies])
+    if node.target == "getitem":  # a tuple projection cannot reshard: it follows
+        priced = [[0.0 if a == b else math.inf for b in dst_specs] for a in src_specs]
+    else:
+        priced = [[cost.edge(a, b, info, rg) for b in dst_specs] for a in src_specs]
+    return [[priced[i][j] for j in dst_of] for i in src_of]
 
 
 class MemoryInfeasibleError(RuntimeError):
@@ -262,22 +330,25 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
     with fake_mesh(mesh_shape) as mesh:
         strategies = build_strategies(graph, mesh)
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer)
-    problem, edge_args = build_problem(cost, strategies, memory_budget)
+    built = build_problem(cost, strategies, memory_budget)
+    problem = built.problem
     if memory_budget is not None and least_memory(problem) > memory_budget:
         raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
     solution = solve(problem, time_limit_s=time_limit_s)
-    chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, solution.choice)}
+    choice = built.expand(solution.choice)
+    chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, choice)}
     breakdown = CostBreakdown()
-    for ns, i in zip(strategies, solution.choice):
+    memory: dict[str, float] = {}
+    for ns, i in zip(strategies, choice):
         s = ns.strategies[i]
         breakdown.compute_s += cost.compute(ns.node, s)
         breakdown.communication_s += cost.backward_collectives(ns.node, s)
-    for (u, v, m), _ in zip(problem.edges, edge_args):
-        breakdown.resharding_s += m[solution.choice[u]][solution.choice[v]]
-    assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-9, abs_tol=1e-15)
-    memory: dict[str, float] = {}
-    for ns, i in zip(strategies, solution.choice):
-        for k, v in cost.memory_breakdown(ns.node, ns.strategies[i]).items():
+        for k, v in cost.memory_breakdown(ns.node, s).items():
             memory[k] = memory.get(k, 0.0) + v
+    for u, v, m in problem.edges:
+        breakdown.resharding_s += m[solution.choice[u]][solution.choice[v]]
+    for c, loop in enumerate(built.loop_costs):
+        breakdown.resharding_s += loop[solution.choice[c]]
+    assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
                          memory)

@@ -226,6 +226,31 @@ class StrategyBuilder:
         if single is None and func is None:
             raise _NoStrategy("op not registered with DTensor")
 
+        tensor_args = [a for a in fx_node.args if isinstance(a, torch.fx.Node)]
+        try:
+            return self._keep(node, self._call_strategy(fx_node, single, func, only=None))
+        except _NoStrategy:
+            if single is not None or len(tensor_args) != 1:
+                raise
+        # One input whose candidates include some DTensor cannot take at all (an
+        # unevenly sharded dim a view would unflatten): ask per candidate.
+        kept: dict[Strategy, None] = {}
+        for cand in self.candidates_of(tensor_args[0].name, 0):
+            try:
+                result = self._call_strategy(fx_node, single, func, only=cand)
+            except _NoStrategy:
+                continue
+            kept.update(dict.fromkeys(self._keep(node, result)))
+        if not kept:
+            raise _NoStrategy("DTensor rejects every input placement")
+        return list(kept)
+
+    def _call_strategy(self, fx_node: torch.fx.Node, single, func,
+                       only: Placements | None) -> OpStrategy:
+        """DTensor's OpStrategy for ``fx_node``; ``only`` restricts the (single)
+        tensor input to one candidate placement."""
+        op = fx_node.target
+
         def to_strategy(a):
             if isinstance(a, torch.fx.Node):
                 val = a.meta["val"]
@@ -235,8 +260,8 @@ class StrategyBuilder:
                     probe = tuple(Shard(0) if (i == 0 and val.dim() > 0) else Replicate()
                                   for i in range(self.mesh.ndim))
                     return OpStrategy([OpSpec(_spec(self.mesh, probe, val))])
-                return OpStrategy([OpSpec(_spec(self.mesh, p, val))
-                                   for p in self.candidates_of(a.name, 0)])
+                cands = [only] if only is not None else self.candidates_of(a.name, 0)
+                return OpStrategy([OpSpec(_spec(self.mesh, p, val)) for p in cands])
             if isinstance(a, (list, tuple)) and a and all(isinstance(x, torch.fx.Node) for x in a):
                 return TupleStrategy(tuple(to_strategy(x) for x in a))
             return a
@@ -259,7 +284,7 @@ class StrategyBuilder:
             raise _NoStrategy(f"{type(err).__name__}: {first}") from err
         if not isinstance(result, OpStrategy):
             raise _NoStrategy(f"{type(result).__name__} results are not supported yet")
-        return self._keep(node, result)
+        return result
 
     def _keep(self, node: Node, result: OpStrategy) -> list[Strategy]:
         seen: dict[Strategy, None] = {}

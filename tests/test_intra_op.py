@@ -31,7 +31,7 @@ def test_ilp_on_a_real_graph_equals_enumeration():
     cluster = load_cluster("local-cpu:2")
     with fake_mesh((2,)) as mesh:
         strategies = build_strategies(graph, mesh)
-    problem, _ = build_problem(IntraOpCost(graph, cluster, (2,), "float32"), strategies)
+    problem = build_problem(IntraOpCost(graph, cluster, (2,), "float32"), strategies).problem
     assert 1 < len(list(itertools.product(*problem.node_costs))) < 200_000
     _, best = brute_force(problem)
     assert solve(problem).objective_s == pytest.approx(best, rel=1e-9)
@@ -68,3 +68,31 @@ def test_large_batch_small_model_comes_out_data_parallel():
     assert all(pl == ["R"] for pl in p.parameters.values())
     # gradient synchronisation of the replicated parameters is in the prediction
     assert p.predicted["communication_s"] > 0
+
+
+def test_repeated_blocks_share_one_solution():
+    from ir.layers import find_layers
+
+    model, inputs = build_from_config(GPTConfig(4, 64, 4, vocab_size=128, block_size=32),
+                                      batch_size=8)
+    graph = trace(model, inputs)
+    layers = find_layers(graph)
+    assert [l.name for l in layers] == [f"transformer.h.{i}" for i in range(4)]
+    assert len({l.signature for l in layers}) == 1
+    cluster = load_cluster("local-cpu:4")
+    with fake_mesh((4,)) as mesh:
+        strategies = build_strategies(graph, mesh)
+    cost = IntraOpCost(graph, cluster, (4,), "float32")
+    tied = build_problem(cost, strategies)
+    untied = build_problem(cost, strategies, tie=False)
+    block = len(layers[0].nodes)
+    assert len(tied.problem.node_costs) <= len(untied.problem.node_costs) - 2 * block
+    # tying restricts the search: never better than the untied optimum, and here as good
+    t, u = solve(tied.problem), solve(untied.problem)
+    assert t.objective_s >= u.objective_s * (1 - 1e-9)
+    assert t.objective_s == pytest.approx(u.objective_s, rel=0.05)
+    p = plan(model, cluster, example_inputs=inputs, mesh_shape=(4,))
+    for i in range(1, 4):
+        for name in ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"):
+            assert p.parameters[f"transformer.h.{i}.{name}"] == p.parameters[
+                f"transformer.h.1.{name}"]

@@ -1,0 +1,653 @@
+"""Pipeline schedule models that follow what torch.distributed.pipelining runs.
+
+Units: seconds (times), bytes (optional activation sizes), counts otherwise.
+
+For one training step of a pipeline with ``pp`` ranks, ``v`` stages per rank
+(``S = pp * v`` stages in all) and ``m`` micro-batches, :func:`simulate`
+gives the step time, the bubble, per-rank busy and idle time, the peak number
+of micro-batch stage activations alive on every rank, and the full timeline
+(rank, action, start, end).
+
+Where the per-rank action order comes from
+------------------------------------------
+The order is always torch's own; nothing here re-derives a schedule.
+
+* ``gpipe``, ``1f1b`` (``ScheduleGPipe``, ``Schedule1F1B``, one stage per
+  rank): these classes run ``_step_microbatches`` directly, not from an action
+  list. :func:`rank_orders` constructs the torch class on a small recording
+  stand-in stage (it answers ``num_stages``/``stage_index``/``is_first``/
+  ``is_last``, returns no p2p ops and records every ``forward_one_chunk`` /
+  ``backward_one_chunk`` call) and calls torch's ``_step_microbatches`` once
+  per rank. The recorded calls *are* the executed order. (Their
+  ``_get_pipeline_order()`` IR is torch's visualization of the same thing; the
+  tests check that both agree.) Both call ``backward_one_chunk`` with the
+  default ``full_backward=True``, i.e. a FULL_BACKWARD ``B``.
+* ``interleaved_1f1b``, ``looped_bfs``, ``interleaved_zero_bubble``, ``zbv``,
+  ``dualpipev`` (``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``,
+  ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+  ``ScheduleDualPipeV``): these are ``_PipelineScheduleRuntime`` subclasses
+  whose ``__init__`` computes ``pipeline_order`` for *all* ranks (with
+  ``_calculate_single_rank_operations``) and lowers it with
+  ``_prepare_schedule_with_comms`` to ``pipeline_order_with_comms``, the list
+  the runtime's ``_step_microbatches`` walks one action at a time. The
+  constructors only read ``num_stages``, ``group_size``, ``group_rank`` and
+  ``submod`` (None: skips the torch.compile check) of the stage objects and
+  write ``stage_index_to_group_rank``, so they are built here with minimal
+  stand-in stages (no process group, no model). The compute actions of
+  ``pipeline_order_with_comms[rank]`` (F, B, I, W, OVERLAP_F_B; comm, FSDP
+  UNSHARD/RESHARD and REDUCE_GRAD actions dropped) are the order used, and
+  torch's inferred ``stage_index_to_group_rank`` gives the stage placement
+  (loop style ``s % pp``; V style for zbv/dualpipev).
+
+* A custom schedule written as torch's compute-only CSV (what
+  ``_PipelineScheduleRuntime._load_csv`` accepts) is read by
+  :func:`load_csv_orders` with torch's ``_Action.from_str`` and checked with
+  torch's ``_validate_schedule``; :func:`simulate_orders` times any orders.
+
+Torch's validation errors (1F1B with ``m < pp``, DualPipeV with
+``m < 2 pp``, interleaved schedules whose ``m`` is not a multiple of
+``max(1, m // pp)``, ...) come out as ``ValueError``.
+
+What is written here (the timing model)
+---------------------------------------
+Torch has no timing model (its ``_simulate_comms_compute`` counts lock-step
+slots only), so the timing below is this module's:
+
+* Durations, per *global* stage ``s``: ``F`` takes ``f[s]``; a split backward
+  takes ``b[s]`` for BACKWARD_INPUT (``I``) and ``w[s]`` for BACKWARD_WEIGHT
+  (``W``); a FULL_BACKWARD (``B``) takes ``b[s] + w[s]``. So ``b`` is the
+  input-gradient part and ``w`` the weight-gradient part of one backward, and
+  the same (f, b, w) drive split and unsplit schedules.
+* Dependencies: ``F(s, j)`` after ``F(s-1, j)``; ``B|I(s, j)`` after
+  ``F(s, j)`` and after ``B|I(s+1, j)`` (the action that produces the input
+  gradient; for the last stage the loss is computed inside its F);
+  ``W(s, j)`` after ``I(s, j)``. A dependency between stages on different
+  ranks adds ``p2p[boundary]`` seconds (the same in both directions); stages
+  on the same rank (the V-schedule turn at ``pp-1``/``pp``) pass tensors
+  locally, as torch does, at no cost.
+* Each rank executes its actions in torch's order, one at a time, each as
+  soon as the previous one on that rank has ended and its inputs have
+  arrived (in-order list scheduling). Sends are asynchronous and never block
+  the sender (the runtime ``isend``s and waits for sends only at the end of
+  the step); transfers do not occupy compute.
+* OVERLAP_F_B (DualPipeV): torch's default runtime executes the two
+  sub-actions one after the other (``for sub_a in action.sub_actions:
+  _perform_action(sub_a)``), so they are timed as F then B in sequence, each
+  waiting for its own inputs: the pair costs the *sum*. Their timeline entries
+  carry the same ``overlap_group``. (Real overlap needs a custom function
+  registered with ``register_custom_function``; not modelled.)
+
+Activation convention
+---------------------
+One "activation" is one micro-batch's saved state of one stage. It becomes
+alive when its ``F`` starts (+1) and is freed when the action that finishes
+its backward ends (-1): the ``B`` for a full backward, the ``W`` for a split
+one (``I`` keeps the tensors that ``W`` still needs). Actions on a rank run
+one at a time, so the running count (and ``peak_activations``) depends only
+on torch's order, not on the times. ``activation_bytes[s]`` weights the count
+into ``peak_activation_bytes``.
+
+Bubble definitions
+------------------
+* ``bubble_ratio`` = (step_time - ideal) / ideal, ideal = the busiest rank's
+  compute time: the Megatron-LM ``t_bubble / t_ideal``. With equal stages and
+  no p2p it is ``(pp-1)/m`` for GPipe and 1F1B and ``(pp-1)/(v m)`` for
+  interleaved 1F1B.
+* ``bubble_fraction`` = total idle device-time / (pp * step_time): the share
+  of device-seconds spent waiting.
+
+Not modelled (differences from a real run)
+------------------------------------------
+* Schedule1F1B fuses its p2p into ``batch_isend_irecv`` pairs (fwd-send with
+  bwd-recv, bwd-send with fwd-recv) and waits for the whole batch, so a rank
+  also waits until its *send* is matched. This rendezvous is not modelled:
+  sends are treated as fire-and-forget like in ``_PipelineScheduleRuntime``.
+* No contention between transfers, no compute slowdown from concurrent
+  communication, no REDUCE_GRAD / FSDP unshard time, no loss-function time
+  beyond what is folded into the last stage's ``f``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Union
+
+__all__ = [
+    "SCHEDULES",
+    "TORCH_SCHEDULE_CLASSES",
+    "ScheduleOp",
+    "TimedAction",
+    "ScheduleResult",
+    "canonical_schedule",
+    "default_stages_per_rank",
+    "load_csv_orders",
+    "rank_orders",
+    "simulate",
+    "simulate_orders",
+]
+
+Number = Union[int, float]
+PerStage = Union[Number, Sequence[Number]]
+
+#: Canonical schedule name -> torch.distributed.pipelining class name.
+TORCH_SCHEDULE_CLASSES: dict[str, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+SCHEDULES: tuple[str, ...] = tuple(TORCH_SCHEDULE_CLASSES)
+
+_SINGLE_STAGE = ("gpipe", "1f1b")
+_V_STYLE = ("zbv", "dualpipev")
+
+_ALIASES = {
+    "gpipe": "gpipe",
+    "schedulegpipe": "gpipe",
+    "1f1b": "1f1b",
+    "schedule1f1b": "1f1b",
+    "interleaved1f1b": "interleaved_1f1b",
+    "scheduleinterleaved1f1b": "interleaved_1f1b",
+    "loopedbfs": "looped_bfs",
+    "scheduleloopedbfs": "looped_bfs",
+    "interleavedzerobubble": "interleaved_zero_bubble",
+    "interleavedzb": "interleaved_zero_bubble",
+    "zb1p": "interleaved_zero_bubble",
+    "scheduleinterleavedzerobubble": "interleaved_zero_bubble",
+    "zbv": "zbv",
+    "zbvzerobubble": "zbv",
+    "schedulezbvzerobubble": "zbv",
+    "dualpipev": "dualpipev",
+    "scheduledualpipev": "dualpipev",
+}
+
+
+def canonical_schedule(name: str) -> str:
+    """Canonical name (a key of :data:`TORCH_SCHEDULE_CLASSES`) for ``name``.
+
+    Accepts the canonical names, torch's class names and the names of
+    ``torch.distributed.pipelining.schedules.get_schedule_class`` ("GPipe",
+    "Interleaved1F1B", "ZBVZeroBubble", ...), case-, '-' and '_'-insensitive.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"schedule name must be a str, got {type(name).__name__}")
+    key = name.lower().replace("_", "").replace("-", "").replace(" ", "")
+    if key not in _ALIASES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    return _ALIASES[key]
+
+
+def default_stages_per_rank(schedule: str) -> int:
+    """Stages per rank a schedule uses when none is given (1 or 2)."""
+    return 1 if canonical_schedule(schedule) in _SINGLE_STAGE else 2
+
+
+class ScheduleOp(NamedTuple):
+    """One compute action of a rank, as torch labels it.
+
+    ``kind``: "F" (FORWARD), "B" (FULL_BACKWARD), "I" (BACKWARD_INPUT) or
+    "W" (BACKWARD_WEIGHT). ``overlap_group``: for the sub-actions of one torch
+    OVERLAP_F_B action, the position of that action in the rank's compute
+    list; None otherwise.
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    overlap_group: int | None = None
+
+    def __str__(self) -> str:  # torch's _Action repr, e.g. "3F0", "5W2"
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+
+@dataclass(frozen=True)
+class TimedAction:
+    """One executed action: seconds from the start of the step."""
+
+    rank: int
+    action: str  # torch-style label, e.g. "4I1"
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    overlap_group: int | None = None
+
+
+@dataclass
+class ScheduleResult:
+    """What :func:`simulate` returns. Times in seconds; per-rank lists by rank."""
+
+    schedule: str
+    pp: int
+    stages_per_rank: int
+    num_microbatches: int
+    step_time: float
+    busy: list[float]
+    idle: list[float]
+    bubble_ratio: float
+    bubble_fraction: float
+    peak_activations: list[int]
+    peak_activation_bytes: list[float] | None
+    stage_to_rank: dict[int, int]
+    timeline: list[TimedAction] = field(repr=False)
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def rank_timeline(self, rank: int) -> list[TimedAction]:
+        """The actions of ``rank`` in execution order."""
+        return [a for a in self.timeline if a.rank == rank]
+
+
+# --------------------------------------------------------------------------------------
+# Action orders from torch
+# --------------------------------------------------------------------------------------
+
+
+class _RecordingStage:
+    """Stand-in for a PipelineStage that records what a single-stage schedule runs.
+
+    Only what ScheduleGPipe/Schedule1F1B touch on ``self._stage`` during
+    ``__init__`` and ``_step_microbatches`` (loss_fn=None, stage pre-marked as
+    initialized): no p2p ops, no tensors.
+    """
+
+    def __init__(self, stage_index: int, num_stages: int):
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.submod = None
+        self.output_chunks: list = []
+        self.calls: list[ScheduleOp] = []
+
+    def get_fwd_recv_ops(self, mb):
+        return []
+
+    get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
+
+    def forward_one_chunk(self, mb, *args, **kwargs):
+        self.calls.append(ScheduleOp("F", self.stage_index, int(mb)))
+        return None
+
+    def backward_one_chunk(self, mb, loss=None, full_backward=True, last_backward=False):
+        kind = "B" if full_backward else "I"
+        self.calls.append(ScheduleOp(kind, self.stage_index, int(mb)))
+
+    def backward_weight_one_chunk(self, mb, last_backward=False):
+        self.calls.append(ScheduleOp("W", self.stage_index, int(mb)))
+
+    def perform_reduce_grad(self, *args, **kwargs):
+        pass
+
+    def clear_runtime_states(self):
+        pass
+
+
+class _StubStage:
+    """Stand-in stage for constructing a multi-stage torch schedule (no model, no group)."""
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int):
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = group_rank
+        self.submod = None  # _check_torch_compile_compatibility skips non-Modules
+        self.stage_index_to_group_rank: dict[int, int] | None = None
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+
+
+def _torch_ops(action) -> list:
+    if action.sub_actions is not None:
+        return list(action.sub_actions)
+    return [action]
+
+
+@functools.lru_cache(maxsize=512)
+def _rank_orders_cached(name: str, pp: int, m: int, v: int):
+    import torch.distributed.pipelining.schedules as tsched
+    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+
+    cls = getattr(tsched, TORCH_SCHEDULE_CLASSES[name])
+    num_stages = pp * v
+    orders: dict[int, tuple[ScheduleOp, ...]] = {}
+
+    if name in _SINGLE_STAGE:
+        for rank in range(pp):
+            stage = _RecordingStage(rank, num_stages)
+            sched = cls(stage, n_microbatches=m)
+            # loss_fn=None -> no backward-metadata init; mark forward as done so
+            # _initialize_pp_stages returns without touching p2p or tensors.
+            sched._stage_forward_initialized = True
+            sched._step_microbatches()
+            orders[rank] = tuple(stage.calls)
+        return orders, {s: s for s in range(num_stages)}
+
+    style = "v" if name in _V_STYLE else "loop"
+    local = generate_rank_to_stage_mapping(pp, num_stages, style=style)[0]
+    stages = [_StubStage(s, num_stages, pp, 0) for s in local]
+    sched = cls(stages, n_microbatches=m)
+    stage_to_rank = {int(s): int(r) for s, r in sched.stage_index_to_group_rank.items()}
+    for rank in range(pp):
+        ops: list[ScheduleOp] = []
+        compute = [a for a in sched.pipeline_order_with_comms[rank] if a.is_compute_op]
+        for pos, action in enumerate(compute):
+            group = pos if action.sub_actions is not None else None
+            for a in _torch_ops(action):
+                ops.append(ScheduleOp(a.computation_type.value, int(a.stage_index), int(a.microbatch_index), group))
+        orders[rank] = tuple(ops)
+    return orders, stage_to_rank
+
+
+def rank_orders(
+    schedule: str,
+    pp: int,
+    num_microbatches: int,
+    stages_per_rank: int | None = None,
+) -> tuple[dict[int, list[ScheduleOp]], dict[int, int]]:
+    """Per-rank compute-action order torch executes, and the stage -> rank map.
+
+    Returns ``(orders, stage_to_rank)``; ``orders[rank]`` lists that rank's
+    :class:`ScheduleOp` in execution order, with torch's OVERLAP_F_B actions
+    flattened into their sub-actions (F first, as torch runs them). See the
+    module docstring for how each schedule's order is obtained. Results are
+    cached.
+    """
+    name = canonical_schedule(schedule)
+    pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
+    try:
+        orders, s2r = _rank_orders_cached(name, pp, m, v)
+    except (ValueError, AssertionError) as exc:
+        raise ValueError(
+            f"torch's {TORCH_SCHEDULE_CLASSES[name]} rejects pp={pp}, num_microbatches={m}, "
+            f"stages_per_rank={v}: {exc}"
+        ) from exc
+    return {r: list(o) for r, o in orders.items()}, dict(s2r)
+
+
+def _check_shape(name: str, pp, m, v) -> tuple[int, int, int]:
+    for label, val in (("pp", pp), ("num_microbatches", m)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{label} must be an integer >= 1, got {val!r}")
+    if v is None:
+        v = default_stages_per_rank(name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"stages_per_rank must be an integer >= 1, got {v!r}")
+    if name in _SINGLE_STAGE and v != 1:
+        raise ValueError(f"{name} runs one stage per rank, got stages_per_rank={v}")
+    if name in _V_STYLE and v != 2:
+        raise ValueError(f"{name} runs exactly two stages per rank, got stages_per_rank={v}")
+    return pp, m, v
+
+
+# --------------------------------------------------------------------------------------
+# Timing simulation
+# --------------------------------------------------------------------------------------
+
+
+def _per_stage(values: PerStage, n: int, label: str, allow_none: bool = False) -> list[float] | None:
+    if values is None and allow_none:
+        return None
+    if isinstance(values, (int, float)) and not isinstance(values, bool):
+        out = [float(values)] * n
+    else:
+        try:
+            out = [float(x) for x in values]  # type: ignore[union-attr]
+        except TypeError:
+            raise TypeError(f"{label} must be a number or a sequence of numbers, got {values!r}") from None
+        if len(out) != n:
+            unit = "stage boundary" if label == "p2p" else "stage"
+            raise ValueError(f"{label} needs {n} values (one per {unit}), got {len(out)}")
+    for x in out:
+        if not x >= 0 or x == float("inf"):
+            raise ValueError(f"{label} must be finite and >= 0, got {x!r}")
+    return out
+
+
+def simulate(
+    schedule: str,
+    pp: int,
+    num_microbatches: int,
+    f: PerStage,
+    b: PerStage,
+    w: PerStage = 0.0,
+    p2p: PerStage = 0.0,
+    stages_per_rank: int | None = None,
+    activation_bytes: PerStage | None = None,
+) -> ScheduleResult:
+    """Time one training step of a pipeline schedule as torch executes it.
+
+    Args:
+        schedule: a name of :data:`SCHEDULES` (or torch's class / short name).
+        pp: pipeline ranks.
+        num_microbatches: micro-batches per step, ``m``.
+        f, b, w: seconds of forward, backward-input and backward-weight of one
+            micro-batch, per global stage (a number for all stages, or
+            ``pp * stages_per_rank`` values in stage order). A full backward
+            (torch's B) takes ``b + w``.
+        p2p: seconds to move one micro-batch's activation (or its gradient)
+            across stage boundary ``s -> s+1`` when the two stages are on
+            different ranks: a number, or ``num_stages - 1`` values.
+        stages_per_rank: ``v``; default 1 for gpipe/1f1b, 2 otherwise
+            (zbv and dualpipev require 2).
+        activation_bytes: optional bytes one micro-batch's saved activations
+            take per stage; gives ``peak_activation_bytes``.
+
+    Returns:
+        :class:`ScheduleResult`. See the module docstring for the model.
+    """
+    name = canonical_schedule(schedule)
+    pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
+    orders, s2r = rank_orders(name, pp, m, v)
+    return simulate_orders(
+        orders, s2r, f, b, w, p2p, activation_bytes=activation_bytes, schedule=name, num_microbatches=m
+    )
+
+
+def load_csv_orders(
+    path: str, pp: int, num_microbatches: int, num_stages: int
+) -> tuple[dict[int, list[ScheduleOp]], dict[int, int]]:
+    """Per-rank orders from a compute-only schedule CSV, read the way torch reads it.
+
+    The file format is ``PipelineScheduleMulti._dump_csv`` / ``_load_csv``
+    "compute_only": one row per rank, one torch action string per cell
+    ("0F0", "3I1", "3W1", "" for an idle slot). Cells are parsed with torch's
+    ``_Action.from_str`` and checked (and the stage -> rank map inferred) with
+    torch's ``_validate_schedule``, as ``_load_csv`` does. Returns what
+    :func:`rank_orders` returns, for :func:`simulate_orders`.
+    """
+    import csv
+
+    from torch.distributed.pipelining.schedules import _Action, _validate_schedule
+
+    actions: dict[int, list] = {}
+    with open(path, newline="") as fh:
+        for rank, row in enumerate(csv.reader(fh)):
+            actions[rank] = [_Action.from_str(cell) for cell in row]
+    try:
+        s2r = _validate_schedule(actions, pp, num_stages, num_microbatches)
+    except AssertionError as exc:
+        raise ValueError(f"invalid schedule CSV {path}: {exc}") from exc
+    orders: dict[int, list[ScheduleOp]] = {}
+    for rank in range(pp):
+        ops: list[ScheduleOp] = []
+        compute = [a for a in actions[rank] if a is not None and a.is_compute_op]
+        for pos, action in enumerate(compute):
+            group = pos if action.sub_actions is not None else None
+            for a in _torch_ops(action):
+                ops.append(ScheduleOp(a.computation_type.value, int(a.stage_index), int(a.microbatch_index), group))
+        orders[rank] = ops
+    return orders, {int(s): int(r) for s, r in s2r.items()}
+
+
+def simulate_orders(
+    orders: dict[int, Sequence[ScheduleOp]],
+    stage_to_rank: dict[int, int],
+    f: PerStage,
+    b: PerStage,
+    w: PerStage = 0.0,
+    p2p: PerStage = 0.0,
+    activation_bytes: PerStage | None = None,
+    schedule: str = "custom",
+    num_microbatches: int | None = None,
+) -> ScheduleResult:
+    """The timing model of :func:`simulate` applied to given per-rank orders.
+
+    ``orders[rank]`` is that rank's compute actions in execution order (as
+    :func:`rank_orders` or :func:`load_csv_orders` return them) and
+    ``stage_to_rank`` places every global stage. Raises ``ValueError`` when the
+    orders deadlock (an action waits for one that can never run).
+    """
+    name = schedule
+    s2r = {int(s): int(r) for s, r in stage_to_rank.items()}
+    pp = len(orders)
+    if sorted(orders) != list(range(pp)):
+        raise ValueError(f"orders must be keyed by ranks 0..{pp - 1}, got {sorted(orders)}")
+    if sorted(s2r) != list(range(len(s2r))) or not s2r:
+        raise ValueError(f"stage_to_rank must map stages 0..S-1, got {sorted(s2r)}")
+    S = len(s2r)
+    if S % pp != 0:
+        raise ValueError(f"{S} stages do not divide evenly over {pp} ranks")
+    v = S // pp
+    if num_microbatches is None:
+        num_microbatches = 1 + max((op.microbatch for o in orders.values() for op in o), default=0)
+    m = num_microbatches
+    for r, order in orders.items():
+        for op in order:
+            if op.kind not in ("F", "B", "I", "W"):
+                raise ValueError(f"rank {r}: unexpected action kind {op.kind!r} in {op}")
+            if s2r.get(op.stage) != r:
+                raise ValueError(
+                    f"rank {r}: action {op} is for stage {op.stage}, "
+                    f"which stage_to_rank puts on rank {s2r.get(op.stage)}"
+                )
+    fs = _per_stage(f, S, "f")
+    bs = _per_stage(b, S, "b")
+    ws = _per_stage(w, S, "w")
+    lat = _per_stage(p2p, max(S - 1, 0), "p2p") if S > 1 else []
+    act_b = _per_stage(activation_bytes, S, "activation_bytes", allow_none=True)
+
+    def duration(op: ScheduleOp) -> float:
+        if op.kind == "F":
+            return fs[op.stage]
+        if op.kind == "I":
+            return bs[op.stage]
+        if op.kind == "W":
+            return ws[op.stage]
+        if op.kind == "B":
+            return bs[op.stage] + ws[op.stage]
+        raise ValueError(f"unexpected action kind {op.kind!r}")
+
+    def deps(op: ScheduleOp) -> list[tuple[tuple[str, int, int], float]]:
+        s, j = op.stage, op.microbatch
+        if op.kind == "F":
+            if s == 0:
+                return []
+            return [(("F", s - 1, j), lat[s - 1] if s2r[s - 1] != s2r[s] else 0.0)]
+        if op.kind in ("B", "I"):
+            d = [(("F", s, j), 0.0)]
+            if s < S - 1:
+                d.append((("G", s + 1, j), lat[s] if s2r[s + 1] != s2r[s] else 0.0))
+            return d
+        # W: after the input-gradient part of the same stage/micro-batch.
+        return [(("I", s, j), 0.0)]
+
+    end_of: dict[tuple[str, int, int], float] = {}
+    waiting: dict[tuple[str, int, int], list[int]] = {}
+    ptr = {r: 0 for r in range(pp)}
+    free_at = {r: 0.0 for r in range(pp)}
+    timeline: list[TimedAction] = []
+    ready = deque(range(pp))
+    queued = set(range(pp))
+
+    while ready:
+        r = ready.popleft()
+        queued.discard(r)
+        order = orders[r]
+        while ptr[r] < len(order):
+            op = order[ptr[r]]
+            start = free_at[r]
+            blocked = None
+            for key, delay in deps(op):
+                t = end_of.get(key)
+                if t is None:
+                    blocked = key
+                    break
+                start = max(start, t + delay)
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(r)
+                break
+            end = start + duration(op)
+            free_at[r] = end
+            ptr[r] += 1
+            timeline.append(TimedAction(r, str(op), op.kind, op.stage, op.microbatch, start, end, op.overlap_group))
+            keys = [(op.kind, op.stage, op.microbatch)]
+            if op.kind in ("B", "I"):
+                keys.append(("G", op.stage, op.microbatch))
+            for key in keys:
+                if key in end_of:
+                    raise ValueError(f"rank {r}: action {op} appears twice in torch's order")
+                end_of[key] = end
+                for other in waiting.pop(key, ()):
+                    if other not in queued:
+                        queued.add(other)
+                        ready.append(other)
+
+    stuck = {r: str(orders[r][ptr[r]]) for r in range(pp) if ptr[r] < len(orders[r])}
+    if stuck:
+        raise ValueError(f"{name}: schedule deadlocks; ranks blocked at {stuck}")
+
+    step_time = max((a.end for a in timeline), default=0.0)
+    busy = [0.0] * pp
+    for a in timeline:
+        busy[a.rank] += a.end - a.start
+    idle = [step_time - x for x in busy]
+    ideal = max(busy) if busy else 0.0
+    bubble_ratio = (step_time - ideal) / ideal if ideal > 0 else 0.0
+    bubble_fraction = sum(idle) / (pp * step_time) if step_time > 0 else 0.0
+
+    peaks: list[int] = []
+    peak_bytes: list[float] | None = [] if act_b is not None else None
+    for r in range(pp):
+        alive = peak = 0
+        alive_b = peak_b = 0.0
+        for op in orders[r]:
+            if op.kind == "F":
+                alive += 1
+                peak = max(peak, alive)
+                if act_b is not None:
+                    alive_b += act_b[op.stage]
+                    peak_b = max(peak_b, alive_b)
+            elif op.kind in ("B", "W"):
+                alive -= 1
+                if act_b is not None:
+                    alive_b -= act_b[op.stage]
+        peaks.append(peak)
+        if peak_bytes is not None:
+            peak_bytes.append(peak_b)
+
+    timeline.sort(key=lambda a: a.rank)  # stable: each rank keeps its execution order
+    return ScheduleResult(
+        schedule=name,
+        pp=pp,
+        stages_per_rank=v,
+        num_microbatches=m,
+        step_time=step_time,
+        busy=busy,
+        idle=idle,
+        bubble_ratio=bubble_ratio,
+        bubble_fraction=bubble_fraction,
+        peak_activations=peaks,
+        peak_activation_bytes=peak_bytes,
+        stage_to_rank=dict(s2r),
+        timeline=timeline,
+    )
