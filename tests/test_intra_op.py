@@ -96,3 +96,18 @@ def test_repeated_blocks_share_one_solution():
         for name in ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"):
             assert p.parameters[f"transformer.h.{i}.{name}"] == p.parameters[
                 f"transformer.h.1.{name}"]
+
+
+def test_two_nodes_data_parallel_across_megatron_inside():
+    """(dp, tp) on 2 nodes x 4 GPUs: the network axis carries only gradient
+    synchronisation, the NVLink axis shards the MLP Megatron-style."""
+    cluster = load_cluster("dgx-a100-80g:2").sub_cluster(2, 4)
+    model, inputs = build_from_config(GPTConfig(1, 2048, 16, vocab_size=32768, block_size=1024),
+                                      batch_size=32)
+    p = plan(model, cluster, example_inputs=inputs, mesh_shape=(2, 4))
+    assert all(pl[0] == "R" for pl in p.parameters.values())  # data parallel across nodes
+    blk = "transformer.h.0."
+    assert p.parameters[blk + "mlp.c_fc.weight"] == ["R", "S(0)"]
+    assert p.parameters[blk + "mlp.c_proj.weight"] == ["R", "S(1)"]
+    assert p.parameters[blk + "attn.c_attn.weight"] == ["R", "S(0)"]
+    assert p.nodes["addmm_2"].inputs[1][0] == "S(0)"  # activations batch-sharded over nodes
