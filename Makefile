@@ -26,7 +26,8 @@ test-fast: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not multiprocess"
 
 bench: install
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/plan_time.py
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.plan_time
+	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.intra_op
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -59,6 +59,17 @@ class AssignmentProblem:
             return 0.0
         return float(sum(m[i] for m, i in zip(self.node_memory, choice)))
 
+    def size(self) -> tuple[int, int]:
+        """(variables, constraints) of the MIP :func:`solve` builds for this problem."""
+        variables = sum(len(c) for c in self.node_costs)
+        constraints = len(self.node_costs) + (1 if self.memory_budget is not None else 0)
+        for _, _, m in self.edges:
+            rows, _, cols, _ = _compress(m)
+            if len(rows) > 1 and len(cols) > 1:
+                variables += sum(math.isfinite(x) for col in cols for x in col)
+                constraints += len(rows) + len(cols)
+        return variables, constraints
+
     def fits(self, choice: list[int]) -> bool:
         return self.memory_budget is None or self.memory(choice) <= self.memory_budget
 
@@ -96,6 +107,14 @@ def _groups(vectors: list[tuple[float, ...]]) -> tuple[list[tuple[float, ...]], 
     return list(index), of
 
 
+def _compress(matrix: list[list[float]]):
+    """Distinct rows of ``matrix`` and distinct columns of those rows, with the
+    group of every original row and column: ``cols[c][r]`` is the compressed cost."""
+    rows, row_of = _groups([tuple(r) for r in matrix])
+    cols, col_of = _groups([tuple(c) for c in zip(*rows)])
+    return rows, row_of, cols, col_of
+
+
 SOLVERS = ("SCIP", "HIGHS", "CBC", "CP_SAT")
 
 
@@ -127,8 +146,7 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
         mip.Add(mip.Sum(xs) == 1)
     objective = mip.Objective()
     for u, v, m in problem.edges:
-        rows, row_of = _groups([tuple(r) for r in m])
-        cols, col_of = _groups([tuple(c) for c in zip(*rows)])
+        rows, row_of, cols, col_of = _compress(m)
         if len(rows) == 1:  # cost depends on v only
             for j in range(len(node_costs[v])):
                 node_costs[v][j] += cols[col_of[j]][0]
