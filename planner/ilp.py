@@ -1,4 +1,4 @@
-"""The strategy-assignment ILP, solved with OR-Tools (SCIP by default).
+"""The strategy-assignment ILP, solved with OR-Tools (CBC by default).
 
 Abstract form (Alpa's intra-op formulation): pick one strategy per node to
 minimise the sum of node costs plus, on every edge (u, v), the cost of the pair
@@ -115,14 +115,16 @@ def _compress(matrix: list[list[float]]):
     return rows, row_of, cols, col_of
 
 
-SOLVERS = ("SCIP", "HIGHS", "CBC", "CP_SAT")
+SOLVERS = ("CBC", "HIGHS", "SCIP", "CP_SAT")
 
 
 def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
-          hint: list[int] | None = None, solver: str = "SCIP") -> Solution:
+          hint: list[int] | None = None, solver: str = "CBC") -> Solution:
     """Solve the assignment problem with an OR-Tools backend.
 
-    ``solver`` is one of :data:`SOLVERS`. The MIP backends (HiGHS, SCIP, CBC) are
+    ``solver`` is one of :data:`SOLVERS`. CBC is the default: on a 3-node case SCIP
+    reported a non-optimal answer as OPTIMAL, and HiGHS violated the memory row by
+    its tolerance (and prints a banner). The MIP backends (CBC, HiGHS, SCIP) are
     deterministic, so the same problem always gives the same answer; edge
     variables are continuous there because the transport constraints make them
     integral once the node variables are.
@@ -176,10 +178,10 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
                 x[v][i].SetUb(0)
     objective.SetMinimization()
     if problem.memory_budget is not None and problem.node_memory is not None:
-        # bytes scaled to MiB keep the row's coefficients in a sane numeric range
-        mib = 1024.0 * 1024.0
-        mip.Add(mip.Sum([x[v][i] * (m / mib) for v, mem in enumerate(problem.node_memory)
-                         for i, m in enumerate(mem) if m]) <= problem.memory_budget / mib)
+        # bytes as a fraction of the budget keep the row's coefficients near 1
+        unit = max(problem.memory_budget, 1.0)
+        mip.Add(mip.Sum([x[v][i] * (m / unit) for v, mem in enumerate(problem.node_memory)
+                         for i, m in enumerate(mem) if m]) <= problem.memory_budget / unit)
     if hint is not None:
         mip.SetHint([var for xs in x for var in xs],
                     [1.0 if j == hint[v] else 0.0 for v, xs in enumerate(x) for j in range(len(xs))])
@@ -188,6 +190,15 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-9)
     status = mip.Solve(params)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        if (status == pywraplp.Solver.NOT_SOLVED and hint is not None and problem.fits(hint)
+                and math.isfinite(problem.evaluate(hint))):
+            # anytime answer: the time limit passed before the solver found anything
+            # better than the warm start, so the warm start is the answer
+            value = problem.evaluate(hint)
+            return Solution(choice=list(hint), objective_s=value, bound_s=0.0,
+                            status="TIME_LIMIT_WARM_START", solver=name,
+                            num_variables=mip.NumVariables(),
+                            num_constraints=mip.NumConstraints())
         raise InfeasibleError(f"{name} ended with status {_STATUS.get(status, status)}")
     choice = [max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x]
     value = problem.evaluate(choice)

@@ -308,6 +308,14 @@ class MemoryInfeasibleError(RuntimeError):
             f"- use devices with that much memory, more devices, or a smaller batch")
 
 
+def _replicated_index(ns: NodeStrategies) -> int:
+    """Index of the all-replicate strategy (the warm start), or 0 if there is none."""
+    for i, s in enumerate(ns.strategies):
+        if all(isinstance(p, Replicate) for pl in (*s.inputs, *s.outputs) for p in pl):
+            return i
+    return 0
+
+
 def least_memory(problem: AssignmentProblem) -> float:
     """Least bytes per device of any assignment (memory is a sum over nodes)."""
     return float(sum(min(m) for m in problem.node_memory)) if problem.node_memory else 0.0
@@ -334,7 +342,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
     problem = built.problem
     if memory_budget is not None and least_memory(problem) > memory_budget:
         raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
-    solution = solve(problem, time_limit_s=time_limit_s)
+    solution = solve(problem, time_limit_s=time_limit_s,
+                     hint=[_replicated_index(strategies[group[0]]) for group in built.members])
     choice = built.expand(solution.choice)
     chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, choice)}
     breakdown = CostBreakdown()
