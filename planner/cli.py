@@ -86,6 +86,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if result.get("passed", True) else 1
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from costmodel.profile import ProfileError, load_profile, profile_local, profile_path, summary_rows
+
+    if args.ranks < 1:
+        print(f"planner: error: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        cluster = profile_local(args.ranks, args.output, quick=args.quick, progress=True)
+    except ProfileError as err:
+        print(f"planner: error: {err}", file=sys.stderr)
+        return 1
+    profile = load_profile(profile_path(args.output))
+    print(f"{cluster.name}: {profile['device']} ranks, {profile['backend']}, measured in {profile['wall_s']:.1f} s")
+    rows = summary_rows(profile)
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    for what, value, detail in rows:
+        print(f"  {what:<{width}}  {value:>{vwidth}}  {detail}")
+    print(f"wrote {args.output} (cluster; use --cluster {args.output}) and {profile_path(args.output)} "
+          f"(fits and raw timings)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true",
                    help="compare loss and gradients with a single-process run")
     r.set_defaults(func=cmd_run)
+
+    pr = sub.add_parser("profile", help="measure this machine (GEMMs, memory, collectives) into a cluster JSON")
+    pr.add_argument("--ranks", type=int, default=4, help="local ranks to profile (default 4)")
+    pr.add_argument("-o", "--output", default="local-cpu.json",
+                    help="cluster JSON to write (default local-cpu.json; fits go next to it as *.profile.json)")
+    pr.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (seconds, less accurate)")
+    pr.set_defaults(func=cmd_profile)
     return parser
 
 

@@ -1,0 +1,218 @@
+"""`planner profile`: alpha-beta and GEMM fits, the profile JSON, and the command end to end."""
+
+import json
+import math
+import time
+
+import numpy as np
+import pytest
+
+from costmodel.cluster import Link, load_cluster
+from costmodel.collectives import collective_time
+from costmodel.compute import matmul_efficiency, op_time
+from costmodel.profile import (
+    COLLECTIVE_SIZES,
+    ProfileError,
+    alpha_beta_terms,
+    build_profile,
+    fit_alpha_beta,
+    fit_gemm,
+    group_sizes,
+    load_profile,
+    profile_path,
+    summary_rows,
+    write_profile,
+)
+from costmodel.profile_worker import COLLECTIVE_KINDS, count_steps
+from planner.cli import main
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+def _synthetic(link, kinds=KINDS, sizes=COLLECTIVE_SIZES, groups=(2, 4, 8), noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for kind in kinds:
+        for n in groups:
+            for b in sizes:
+                t = collective_time(kind, b, n, link) * (1.0 + noise * rng.uniform(-1, 1))
+                out.append((kind, b, n, t))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "p2p"])
+def test_terms_match_collective_time(kind):
+    link = Link("x", 3e9, 40e-6)
+    for n in (2, 3, 4, 8):
+        for b in (1e3, 1e5, 1e8):
+            branches = alpha_beta_terms(kind, b, n)
+            t = min(ca * link.latency + cb / link.bandwidth for ca, cb in branches)
+            assert t == pytest.approx(collective_time(kind, b, n, link), rel=1e-12)
+
+
+@pytest.mark.parametrize("loss", ["l1", "l2"])
+@pytest.mark.parametrize("alpha, bw", [(50e-6, 2e9), (1e-3, 5e8), (2e-6, 150e9)])
+def test_fit_recovers_alpha_beta_exactly(alpha, bw, loss):
+    fit = fit_alpha_beta(_synthetic(Link("x", bw, alpha)), loss=loss)
+    assert fit["latency"] == pytest.approx(alpha, rel=1e-4)
+    assert fit["bandwidth"] == pytest.approx(bw, rel=1e-4)
+    assert fit["median_abs_pct_error"] < 1e-3 and not fit["bandwidth_bound"]
+
+
+def test_l1_fit_shrugs_off_spikes():
+    alpha, bw = 200e-6, 1e9
+    samples = _synthetic(Link("x", bw, alpha), groups=(4,), noise=0.02, seed=3)
+    spiked = [(k, b, n, t * (6.0 if i % 9 == 0 else 1.0)) for i, (k, b, n, t) in enumerate(samples)]
+    l1 = fit_alpha_beta(spiked, loss="l1")
+    assert l1["latency"] == pytest.approx(alpha, rel=0.05)
+    assert l1["bandwidth"] == pytest.approx(bw, rel=0.05)
+    l2 = fit_alpha_beta(spiked, loss="l2")
+    assert l2["median_abs_pct_error"] > l1["median_abs_pct_error"]
+
+
+def test_latency_bound_data_gives_finite_bandwidth():
+    samples = [("all_gather", b, 2, 1e-3) for b in (1024, 4096, 16384)]
+    fit = fit_alpha_beta(samples)
+    assert fit["bandwidth_bound"] and math.isfinite(fit["bandwidth"])
+    assert fit["latency"] == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "broadcast", "all_gather"])
+def test_fit_recovers_one_kind_with_noise(kind):
+    # all_reduce and broadcast switch between tree (small) and ring (large) inside the range
+    alpha, bw = 80e-6, 1.5e9
+    fit = fit_alpha_beta(_synthetic(Link("x", bw, alpha), kinds=(kind,), groups=(4,), noise=0.05, seed=1))
+    assert fit["latency"] == pytest.approx(alpha, rel=0.1)
+    assert fit["bandwidth"] == pytest.approx(bw, rel=0.1)
+    assert fit["median_abs_pct_error"] < 5.0
+
+
+def test_fit_rejects_too_little_data():
+    with pytest.raises(ProfileError):
+        fit_alpha_beta([("all_reduce", 1024, 4, 1e-4)])
+    with pytest.raises(ProfileError):
+        fit_alpha_beta([("all_reduce", 1024, 1, 1e-4), ("all_reduce", 4096, 1, 1e-4)])
+
+
+@pytest.mark.parametrize("loss", ["l1", "l2"])
+def test_fit_gemm_recovers_peak_and_half_saturation(loss):
+    peak, half, overhead = 40e9, 2e6, 3e-6
+    flops = [2 * s**3 for s in (32, 64, 128, 256, 512, 1024)]
+    times = [(f + half) / peak + overhead for f in flops]
+    fit = fit_gemm(zip(flops, times), overhead, loss=loss)
+    assert fit["peak_flops"] == pytest.approx(peak, rel=1e-5)
+    assert fit["half_saturation_flops"] == pytest.approx(half, rel=1e-3)
+    # ... and that is exactly the cost model's op_time with matmul_efficiency
+    from costmodel.cluster import DeviceSpec
+
+    dev = DeviceSpec("cpu", {"float32": fit["peak_flops"]}, 2**30, 1e12, overhead, 1.0, 1.0)
+    for f, t in zip(flops, times):
+        eff = matmul_efficiency(f, fit["max_efficiency"], fit["half_saturation_flops"])
+        assert op_time(f, 0, dev, "float32", efficiency=eff) == pytest.approx(t, rel=1e-4)
+
+
+def test_fit_gemm_tolerates_a_time_below_the_overhead():
+    # a loaded machine can time a tiny GEMM below the separately measured op overhead
+    flops = [2 * s**3 for s in (32, 256, 1024)]
+    times = [2e-6, 2 * 256**3 / 30e9 + 4e-6, 2 * 1024**3 / 30e9 + 4e-6]
+    fit = fit_gemm(zip(flops, times), 4e-6)
+    assert fit["peak_flops"] == pytest.approx(30e9, rel=0.01) and fit["half_saturation_flops"] >= 1.0
+
+
+def test_group_sizes():
+    assert group_sizes(1) == []
+    assert group_sizes(2) == [2]
+    assert group_sizes(4) == [4, 2]
+    assert group_sizes(6) == [6, 2]
+    assert group_sizes(8) == [8, 4, 2]
+
+
+def _raw(link, ranks=4, unsupported=None):
+    kinds = [k for k in COLLECTIVE_KINDS if k not in (unsupported or {})]
+    coll = [{"kind": k, "nbytes": b, "group_size": n, "groups": ranks // n, "seconds": t, "reps": [t],
+             "calls_per_rep": 1}
+            for k, b, n, t in _synthetic(link, kinds=kinds, groups=group_sizes(ranks), noise=0.02)]
+    gemms = [{"m": s, "k": s, "n": s, "dtype": "float32", "flops": 2 * s**3, "bytes": 12 * s * s,
+              "seconds": (2 * s**3 + 1e5) / 30e9 + 4e-6} for s in (64, 256, 1024)]
+    return {
+        "overhead": {"seconds": 4e-6, "reps": [4e-6], "calls_per_rep": 100},
+        "memory": [{"bytes": 2 * 2**26, "size": 2**26, "seconds": 0.02, "reps": [0.02], "calls_per_rep": 1}],
+        "gemms": gemms,
+        "collectives": coll,
+        "unsupported": dict(unsupported or {}),
+    }
+
+
+def _spec(ranks=4):
+    return {"device": "cpu", "backend": "gloo", "threads": 1, "reps": 1, "collectives": list(COLLECTIVE_KINDS),
+            "sizes": list(COLLECTIVE_SIZES), "group_sizes": group_sizes(ranks)}
+
+
+def test_profile_json_round_trips_into_cluster(tmp_path):
+    link = Link("loopback", 6e8, 1e-3)
+    cluster, profile = build_profile(_raw(link), _spec(), 4, wall_s=1.0)
+    out = tmp_path / "local-cpu.json"
+    write_profile(cluster, profile, out)
+    loaded = load_cluster(str(out))
+    assert loaded == cluster and loaded.to_dict() == cluster.to_dict()
+    assert loaded.name == "local-cpu:4" and loaded.backend == "gloo" and loaded.num_devices == 4
+    assert loaded.intra_node.latency == pytest.approx(1e-3, rel=0.05)
+    assert loaded.intra_node.bandwidth == pytest.approx(6e8, rel=0.05)
+    assert loaded.device.peak_flops["float32"] == pytest.approx(30e9, rel=1e-6)
+    assert loaded.device.memory_bandwidth == pytest.approx(2 * 2**26 / 0.02)
+    assert loaded.device.kernel_overhead == pytest.approx(4e-6)
+
+    prof = load_profile(profile_path(out))
+    assert prof == load_profile(out)  # the cluster path finds its sibling
+    assert prof["cluster"] == cluster.to_dict() and prof["cluster_path"] == str(out)
+    assert set(prof["fits"]["collectives"]) == set(COLLECTIVE_KINDS)
+    assert prof["fits"]["gemm"]["half_saturation_flops"] == pytest.approx(1e5, rel=1e-3)
+    assert len(prof["measurements"]["collectives"]) == len(COLLECTIVE_KINDS) * len(COLLECTIVE_SIZES) * 2
+    assert json.loads(json.dumps(prof)) == prof
+    assert prof["machine"]["cpus"] >= 1 and "torch" in prof["machine"]
+
+
+def test_unsupported_collective_is_recorded(tmp_path):
+    raw = _raw(Link("loopback", 1e9, 1e-4), unsupported={"all_to_all": "RuntimeError: not supported"})
+    cluster, profile = build_profile(raw, _spec(), 4)
+    assert "all_to_all" not in profile["fits"]["collectives"]
+    assert any("all_to_all not supported" in n for n in profile["notes"])
+    assert any(r[0] == "all_to_all" and r[1] == "skipped" for r in summary_rows(profile))
+
+
+def test_load_profile_rejects_other_json(tmp_path):
+    path = tmp_path / "x.profile.json"
+    path.write_text(json.dumps({"name": "not a profile"}))
+    with pytest.raises(ProfileError):
+        load_profile(path)
+
+
+def test_count_steps():
+    spec = {"reps": 2, "overhead": True, "memory_bytes": [1], "gemms": [[1, 1, 1, "float32"]] * 3,
+            "collectives": ["all_reduce", "broadcast"], "sizes": [1, 2, 3], "group_sizes": [4, 2]}
+    assert count_steps(spec) == (1 + 1 + 3 + 2 * 3 * 2) * 3
+
+
+def test_profile_bad_ranks_exit_2(capsys, tmp_path):
+    assert main(["profile", "--ranks", "0", "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("planner: error:") and len(err.splitlines()) == 1
+
+
+@pytest.mark.multiprocess
+def test_planner_profile_quick_end_to_end(tmp_path, capsys):
+    out = tmp_path / "local-cpu.json"
+    t0 = time.perf_counter()
+    assert main(["profile", "--quick", "--ranks", "2", "-o", str(out)]) == 0
+    elapsed = time.perf_counter() - t0
+    text = capsys.readouterr().out
+    assert "GFLOP/s" in text and "GB/s" in text and "all_reduce" in text
+    cluster = load_cluster(str(out))
+    assert cluster.name == "local-cpu:2" and cluster.num_devices == 2 and cluster.backend == "gloo"
+    prof = load_profile(profile_path(out))
+    assert prof["cluster"] == cluster.to_dict() and prof["quick"] is True
+    measured = {(c["kind"], c["group_size"]) for c in prof["measurements"]["collectives"]}
+    assert {k for k, _ in measured} | set(prof["unsupported"]) == set(COLLECTIVE_KINDS)
+    assert all(c["seconds"] > 0 for c in prof["measurements"]["collectives"])
+    assert math.isfinite(cluster.intra_node.bandwidth) and cluster.intra_node.bandwidth > 0
+    assert elapsed < 60, f"quick profile took {elapsed:.1f} s"
