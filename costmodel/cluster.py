@@ -157,30 +157,56 @@ class Link:
         bandwidth: bytes/s one device sends per direction (half of a
             bidirectional "aggregate" figure).
         latency: seconds per message step (the alpha of the alpha-beta model).
+        per_collective: measured exceptions: ``(kind, latency s, bandwidth
+            bytes/s)`` for collectives whose implementation does not follow the
+            link's single alpha-beta (``planner profile`` fits one per kind).
     """
 
     name: str
     bandwidth: float
     latency: float
+    per_collective: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         _need_name("link.name", self.name)
         _need_positive(f"{self.name}.bandwidth", self.bandwidth, "bytes/s")
         _need_nonnegative(f"{self.name}.latency", self.latency, "seconds")
+        for kind, latency, bandwidth in self.per_collective:
+            _need_name(f"{self.name}.collectives", kind)
+            _need_nonnegative(f"{self.name}.collectives.{kind}.latency", latency, "seconds")
+            _need_positive(f"{self.name}.collectives.{kind}.bandwidth", bandwidth, "bytes/s")
+        object.__setattr__(self, "per_collective", tuple(sorted(self.per_collective)))
+
+    def alpha_beta(self, kind: str) -> tuple[float, float]:
+        """(latency s, bandwidth bytes/s) that collective ``kind`` sees on this link."""
+        for k, latency, bandwidth in self.per_collective:
+            if k == kind:
+                return latency, bandwidth
+        return self.latency, self.bandwidth
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, keys in a fixed order."""
-        return {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency}
+        d: dict[str, Any] = {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency}
+        if self.per_collective:
+            d["collectives"] = {k: {"latency": a, "bandwidth": b} for k, a, b in self.per_collective}
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "link") -> "Link":
         """Build from :meth:`to_dict` output; ``where`` names the field in errors."""
         d = _need_mapping(where, d)
-        _check_keys(where, d, ("name", "bandwidth", "latency"))
+        _check_keys(where, d, ("name", "bandwidth", "latency"), ("collectives",))
+        per = _need_mapping(f"{where}.collectives", d.get("collectives", {}))
         return cls(
             name=_need_name(f"{where}.name", d["name"]),
             bandwidth=_need_positive(f"{where}.bandwidth", d["bandwidth"], "bytes/s"),
             latency=_need_nonnegative(f"{where}.latency", d["latency"], "seconds"),
+            per_collective=tuple(
+                (k, _need_nonnegative(f"{where}.collectives.{k}.latency",
+                                      _need_mapping(f"{where}.collectives.{k}", v).get("latency"),
+                                      "seconds"),
+                 _need_positive(f"{where}.collectives.{k}.bandwidth", v.get("bandwidth"), "bytes/s"))
+                for k, v in per.items()),
         )
 
 

@@ -111,7 +111,8 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> fl
     n = group_size
     if n == 1 or nbytes == 0:
         return 0.0
-    a, t = link.latency, nbytes / link.bandwidth
+    a, bandwidth = link.alpha_beta(kind)
+    t = nbytes / bandwidth
     steps = math.ceil(math.log2(n))
     if kind == "all_reduce":
         ring = 2 * (n - 1) / n * t + 2 * (n - 1) * a

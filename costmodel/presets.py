@@ -141,6 +141,7 @@ _LOCAL_CPU_DEFAULTS: dict[str, Any] = {
 LOCAL_CPU_PROFILE_KEYS = (
     "peak_flops", "memory", "memory_bandwidth", "kernel_overhead",
     "flop_efficiency", "memory_efficiency", "link_bandwidth", "link_latency",
+    "collective_links",
 )
 
 
@@ -155,7 +156,9 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
             ``LOCAL_CPU_TOTAL_MEMORY // ranks``), ``memory_bandwidth`` (bytes/s),
             ``kernel_overhead`` (s), ``flop_efficiency`` and
             ``memory_efficiency`` (fractions), ``link_bandwidth`` (bytes/s per
-            direction) and ``link_latency`` (s). ``planner profile`` fills it.
+            direction), ``link_latency`` (s) and ``collective_links`` (collective
+            kind -> {"latency": s, "bandwidth": bytes/s}, measured exceptions to the
+            single link). ``planner profile`` fills it.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ClusterError(f"local-cpu ranks must be an integer >= 1, got {ranks!r}")
@@ -180,7 +183,9 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
         flop_efficiency=values["flop_efficiency"],
         memory_efficiency=values["memory_efficiency"],
     )
-    loopback = Link("loopback", values["link_bandwidth"], values["link_latency"])
+    per_collective = tuple((k, float(v["latency"]), float(v["bandwidth"]))
+                           for k, v in dict(values.get("collective_links", {})).items())
+    loopback = Link("loopback", values["link_bandwidth"], values["link_latency"], per_collective)
     return Cluster(f"local-cpu:{ranks}", 1, ranks, device, loopback, loopback, "gloo")
 
 

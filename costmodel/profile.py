@@ -581,6 +581,9 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         if link_fit is not None:
             values["link_bandwidth"] = link_fit["bandwidth"]
             values["link_latency"] = link_fit["latency"]
+        if per_kind:
+            values["collective_links"] = {k: {"latency": f["latency"], "bandwidth": f["bandwidth"]}
+                                          for k, f in per_kind.items()}
         cluster = local_cpu_cluster(ranks, profile=values)
     else:
         import torch
@@ -598,8 +601,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         if device == "cpu" else f"{ranks} GPU rank(s), {main_dtype} GEMMs, NCCL collectives",
         "peak_flops is the fitted asymptotic achieved rate, so flop_efficiency = 1.0; small-GEMM "
         "inefficiency is fits.gemm.half_saturation_flops for costmodel.compute.matmul_efficiency",
-        "the cluster link is fits.link (one alpha-beta fitted to every collective and group size); "
-        "fits.collectives holds one per collective",
+        "the cluster link is fits.link (one alpha-beta fitted to every collective and group size) "
+        "with fits.collectives (one per collective) as its per-collective exceptions",
     ]
     if link_fit is None:
         notes.append("no collective measured (1 rank): the link keeps its default")

@@ -451,3 +451,24 @@ def test_costmodel_does_not_import_planner_or_codegen():
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in ("planner", "codegen"), f"{path.name} imports {name}"
+
+
+def test_link_per_collective_override_is_used_and_round_trips():
+    from costmodel.cluster import Link
+    from costmodel.collectives import collective_time
+    from costmodel.presets import local_cpu_cluster
+
+    link = Link("loopback", 1e9, 1e-4, (("reduce_scatter", 2e-4, 5e8),))
+    n, nbytes = 4, 8e6
+    assert collective_time("reduce_scatter", nbytes, n, link) == pytest.approx(
+        (n - 1) / n * nbytes / 5e8 + (n - 1) * 2e-4)
+    assert collective_time("all_gather", nbytes, n, link) == pytest.approx(
+        (n - 1) / n * nbytes / 1e9 + (n - 1) * 1e-4)
+    assert Link.from_dict(link.to_dict()) == link
+    cluster = local_cpu_cluster(4, {"collective_links": {"broadcast": {"latency": 1e-5,
+                                                                      "bandwidth": 3e9}}})
+    assert Cluster.from_dict(cluster.to_dict()) == cluster
+    assert cluster.intra_node.alpha_beta("broadcast") == (1e-5, 3e9)
+    with pytest.raises(ClusterError, match="bandwidth"):
+        Link.from_dict({"name": "x", "bandwidth": 1.0, "latency": 0.0,
+                        "collectives": {"all_reduce": {"latency": 0.0, "bandwidth": -1}}})
