@@ -162,6 +162,19 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any) -> Graph:
 
     Pass a model built on the meta device (and meta example inputs) to plan
     models of any size without allocating weights.
+
+    Models whose blocks sit in an ``nn.ModuleList`` of many identical modules
+    are captured from two short probes and the rest written out
+    (:mod:`ir.fast_trace`); the Graph is the same, node for node, as the full
+    capture's. ``PLANNER_FULL_TRACE=1`` in the environment always captures fully.
     """
+    import os
+
+    from ir.fast_trace import fast_trace
+
+    if os.environ.get("PLANNER_FULL_TRACE", "0") in ("", "0"):
+        graph = fast_trace(model, example_inputs)
+        if graph is not None:
+            return graph
     ep = capture(model, example_inputs)
     return graph_from_exported(ep, model_name=type(model).__name__)

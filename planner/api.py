@@ -113,7 +113,7 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
                             bound_s=sol.bound_s, gap=sol.gap, time_limit_s=result.time_limit_s,
                             num_variables=sol.num_variables,
                             num_constraints=sol.num_constraints),
-        training=training)
+        training=training, checkpoint=list(result.checkpointed))
 
 
 def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,

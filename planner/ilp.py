@@ -36,6 +36,26 @@ class InfeasibleError(RuntimeError):
 
 
 @dataclass
+class CheckpointGroup:
+    """Nodes whose saved activations may be dropped together and recomputed in
+    backward (activation checkpointing of one layer, or of all copies of a tied one).
+
+    Attributes:
+        nodes: problem node indices.
+        saved: ``saved[k][i]``: bytes of ``node_memory[nodes[k]][i]`` that
+            checkpointing frees.
+        recompute: ``recompute[k][i]``: seconds to recompute node ``nodes[k]``
+            under strategy i in backward.
+        kept: bytes the group keeps when checkpointed (its inputs).
+    """
+
+    nodes: list[int]
+    saved: list[list[float]]
+    recompute: list[list[float]]
+    kept: float = 0.0
+
+
+@dataclass
 class AssignmentProblem:
     """Strategy choice problem.
 
@@ -46,18 +66,24 @@ class AssignmentProblem:
         node_memory: ``node_memory[v][i]``: bytes per device node v holds under
             strategy i (optional).
         memory_budget: bytes per device the chosen strategies may hold in total.
+        checkpoint_groups: groups the solver may checkpoint (a yes/no decision each).
     """
 
     node_costs: list[list[float]]
     edges: list[tuple[int, int, list[list[float]]]] = field(default_factory=list)
     node_memory: list[list[float]] | None = None
     memory_budget: float | None = None
+    checkpoint_groups: list[CheckpointGroup] = field(default_factory=list)
 
-    def memory(self, choice: list[int]) -> float:
+    def memory(self, choice: list[int], checkpoint: list[bool] | None = None) -> float:
         """Bytes per device of an assignment (0 when the problem has no memory model)."""
         if self.node_memory is None:
             return 0.0
-        return float(sum(m[i] for m, i in zip(self.node_memory, choice)))
+        total = float(sum(m[i] for m, i in zip(self.node_memory, choice)))
+        for g, on in zip(self.checkpoint_groups, checkpoint or ()):
+            if on:
+                total += g.kept - sum(g.saved[k][choice[v]] for k, v in enumerate(g.nodes))
+        return total
 
     def size(self) -> tuple[int, int]:
         """(variables, constraints) of the MIP :func:`solve` builds for this problem."""
@@ -70,14 +96,17 @@ class AssignmentProblem:
                 constraints += len(rows) + len(cols)
         return variables, constraints
 
-    def fits(self, choice: list[int]) -> bool:
-        return self.memory_budget is None or self.memory(choice) <= self.memory_budget
+    def fits(self, choice: list[int], checkpoint: list[bool] | None = None) -> bool:
+        return self.memory_budget is None or self.memory(choice, checkpoint) <= self.memory_budget
 
-    def evaluate(self, choice: list[int]) -> float:
+    def evaluate(self, choice: list[int], checkpoint: list[bool] | None = None) -> float:
         """Total seconds of an assignment (inf if it uses a forbidden pair)."""
         total = sum(c[i] for c, i in zip(self.node_costs, choice))
         for u, v, m in self.edges:
             total += m[choice[u]][choice[v]]
+        for g, on in zip(self.checkpoint_groups, checkpoint or ()):
+            if on:
+                total += sum(g.recompute[k][choice[v]] for k, v in enumerate(g.nodes))
         return total
 
 
@@ -90,6 +119,7 @@ class Solution:
     solver: str
     num_variables: int
     num_constraints: int
+    checkpoint: list[bool] = field(default_factory=list)
 
     @property
     def gap(self) -> float:
@@ -177,11 +207,31 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
             else:
                 x[v][i].SetUb(0)
     objective.SetMinimization()
+    ckpt = [mip.BoolVar(f"ckpt{g}") for g in range(len(problem.checkpoint_groups))]
+    freed: dict[tuple[int, int], float] = {}  # (node, strategy) -> bytes a checkpoint frees
+    kept_terms, freed_terms = [], []
+    for g, group in enumerate(problem.checkpoint_groups):
+        kept_terms.append(ckpt[g] * group.kept)
+        for k, v in enumerate(group.nodes):
+            for i in range(len(x[v])):
+                # z = x AND ckpt (recompute paid), y = x AND NOT ckpt (activations kept)
+                if group.recompute[k][i] > 0:
+                    z = mip.NumVar(0.0, 1.0, "")
+                    mip.Add(z >= x[v][i] + ckpt[g] - 1)
+                    objective.SetCoefficient(z, group.recompute[k][i] * _SCALE)
+                if group.saved[k][i] > 0:
+                    y = mip.NumVar(0.0, 1.0, "")
+                    mip.Add(y >= x[v][i] - ckpt[g])
+                    freed[v, i] = freed.get((v, i), 0.0) + group.saved[k][i]
+                    freed_terms.append(y * group.saved[k][i])
     if problem.memory_budget is not None and problem.node_memory is not None:
         # bytes as a fraction of the budget keep the row's coefficients near 1
         unit = max(problem.memory_budget, 1.0)
-        mip.Add(mip.Sum([x[v][i] * (m / unit) for v, mem in enumerate(problem.node_memory)
-                         for i, m in enumerate(mem) if m]) <= problem.memory_budget / unit)
+        fixed = [x[v][i] * ((m - freed.get((v, i), 0.0)) / unit)
+                 for v, mem in enumerate(problem.node_memory) for i, m in enumerate(mem)
+                 if m - freed.get((v, i), 0.0)]
+        mip.Add(mip.Sum(fixed + [t * (1.0 / unit) for t in freed_terms + kept_terms])
+                <= problem.memory_budget / unit)
     if hint is not None:
         mip.SetHint([var for xs in x for var in xs],
                     [1.0 if j == hint[v] else 0.0 for v, xs in enumerate(x) for j in range(len(xs))])
@@ -198,25 +248,28 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
             return Solution(choice=list(hint), objective_s=value, bound_s=0.0,
                             status="TIME_LIMIT_WARM_START", solver=name,
                             num_variables=mip.NumVariables(),
-                            num_constraints=mip.NumConstraints())
+                            num_constraints=mip.NumConstraints(),
+                            checkpoint=[False] * len(ckpt))
         raise InfeasibleError(f"{name} ended with status {_STATUS.get(status, status)}")
     choice = [max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x]
-    value = problem.evaluate(choice)
+    checkpoint = [c.solution_value() > 0.5 for c in ckpt]
+    value = problem.evaluate(choice, checkpoint)
     bound = objective.BestBound() / _SCALE if status != pywraplp.Solver.OPTIMAL else value
     return Solution(choice=choice, objective_s=value, bound_s=min(value, bound),
                     status=_STATUS[status], solver=name, num_variables=mip.NumVariables(),
-                    num_constraints=mip.NumConstraints())
+                    num_constraints=mip.NumConstraints(), checkpoint=checkpoint)
 
 
 def brute_force(problem: AssignmentProblem) -> tuple[list[int], float]:
     """Exhaustive optimum (for tests on small problems)."""
     best, best_cost = None, math.inf
     for choice in itertools.product(*(range(len(c)) for c in problem.node_costs)):
-        if not problem.fits(list(choice)):
-            continue
-        cost = problem.evaluate(list(choice))
-        if cost < best_cost:
-            best, best_cost = list(choice), cost
+        for ckpt in itertools.product((False, True), repeat=len(problem.checkpoint_groups)):
+            if not problem.fits(list(choice), list(ckpt)):
+                continue
+            cost = problem.evaluate(list(choice), list(ckpt))
+            if cost < best_cost:
+                best, best_cost = list(choice), cost
     if best is None:
         raise InfeasibleError("every assignment uses a forbidden pair")
     return best, best_cost

@@ -17,7 +17,7 @@ step (forward, backward and gradient synchronisation):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -28,9 +28,9 @@ from costmodel.memory import training_state_bytes
 from costmodel.resharding import reshard_time
 from costmodel.cluster import Cluster
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
-from ir.layers import find_layers
+from ir.layers import Layer, find_layers
 from planner.report import format_bytes
-from planner.ilp import AssignmentProblem, Solution, solve
+from planner.ilp import AssignmentProblem, CheckpointGroup, Solution, solve
 from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
 
 # Backward of an op with FLOPs costs twice its forward (input and weight gradients).
@@ -77,6 +77,7 @@ class IntraOpResult:
     breakdown: CostBreakdown
     time_limit_s: float
     memory: dict[str, float]  # bytes per device by kind (params, grads, optimizer, activations)
+    checkpointed: list[str] = field(default_factory=list)  # layers recomputed in backward
 
 
 class IntraOpCost:
@@ -136,6 +137,13 @@ class IntraOpCost:
                       self.cluster.device, self.dtype)
         return fwd + bwd
 
+    def forward_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of the op's forward alone (what activation checkpointing re-runs)."""
+        if node.kind != OP or (node.flops == 0 and node.bytes_moved == 0):
+            return 0.0
+        f = self.shard_factor(s)
+        return op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
+
     def backward_collectives(self, node: Node, s: Strategy) -> float:
         """All-reduce of input gradients that come out partial under ``s``."""
         if node.kind != OP:
@@ -190,7 +198,8 @@ def _distinct(specs: list[Placements]) -> tuple[list[Placements], list[int]]:
     return list(index), of
 
 
-def tie_classes(graph: Graph, strategies: list[NodeStrategies]) -> list[int]:
+def tie_classes(graph: Graph, strategies: list[NodeStrategies],
+                layers: list[Layer] | None = None) -> list[int]:
     """Class of each node: nodes at the same position of repeated blocks (same
     :func:`ir.layers.find_layers` signature) with the same strategy list share one
     class, so every copy of a block takes the same strategies (as Megatron does);
@@ -198,7 +207,7 @@ def tie_classes(graph: Graph, strategies: list[NodeStrategies]) -> list[int]:
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     tied_to = list(range(len(strategies)))
     reps: dict[tuple[str, int], list[int]] = {}
-    for layer in find_layers(graph):
+    for layer in find_layers(graph) if layers is None else layers:
         for pos, name in enumerate(layer.nodes):
             v = index[name]
             for r in reps.get((layer.signature, pos), []):
@@ -217,13 +226,15 @@ class IntraOpProblem:
 
     ``classes[v]`` is the problem variable of node v; ``members[c]`` the nodes of
     class c; ``loop_costs[c][i]`` the part of class c's node cost that is
-    resharding on edges inside the class (block-to-block edges of tied nodes).
+    resharding on edges inside the class (block-to-block edges of tied nodes);
+    ``checkpoint_layers[g]`` the layers that checkpoint group g checkpoints.
     """
 
     problem: AssignmentProblem
     classes: list[int]
     members: list[list[int]]
     loop_costs: list[list[float]]
+    checkpoint_layers: list[list[str]] = field(default_factory=list)
 
     def expand(self, choice: list[int]) -> list[int]:
         """Strategy index of every node from a choice per class."""
@@ -239,7 +250,9 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
         tie: give repeated blocks one set of variables (see :func:`tie_classes`);
             identical edges and nodes are then priced once and multiplied.
     """
-    classes = tie_classes(cost.graph, strategies) if tie else list(range(len(strategies)))
+    layers = find_layers(cost.graph)
+    classes = (tie_classes(cost.graph, strategies, layers) if tie
+               else list(range(len(strategies))))
     members: list[list[int]] = [[] for _ in range(max(classes, default=-1) + 1)]
     for v, c in enumerate(classes):
         members[c].append(v)
@@ -270,9 +283,53 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
                 node_costs[cu][i] += count * matrix[i][i]
         else:
             edges.append((cu, cv, [[count * x for x in row] for row in matrix]))
+    groups, group_layers = _checkpoint_groups(cost, strategies, layers, classes, members,
+                                              node_memory)
     problem = AssignmentProblem(node_costs, edges, node_memory=node_memory,
-                                memory_budget=memory_budget)
-    return IntraOpProblem(problem, classes, members, loop_costs)
+                                memory_budget=memory_budget, checkpoint_groups=groups)
+    return IntraOpProblem(problem, classes, members, loop_costs, group_layers)
+
+
+def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], layers: list[Layer],
+                       classes: list[int], members: list[list[int]],
+                       node_memory: list[list[float]]):
+    """One checkpointing decision per layer signature: all layers with it are
+    checkpointed or none. A checkpointed layer drops the activations its ops
+    save, keeps its inputs, and re-runs its forward in backward. Layers whose ops
+    are not contiguous in program order are not offered (they cannot be wrapped)."""
+    index = {ns.node.name: v for v, ns in enumerate(strategies)}
+    op_order = [ns.node.name for ns in strategies if ns.node.kind == OP]
+    op_pos = {name: i for i, name in enumerate(op_order)}
+    by_sig: dict[str, list[Layer]] = {}
+    for layer in layers:
+        by_sig.setdefault(layer.signature, []).append(layer)
+    groups, names = [], []
+    for sig_layers in by_sig.values():
+        kept, group_classes, contiguous = 0.0, [], True
+        for layer in sig_layers:
+            ops = [n for n in layer.nodes if n in op_pos]
+            if not ops or op_pos[ops[-1]] - op_pos[ops[0]] + 1 != len(ops):
+                contiguous = False
+                break
+            inside = set(layer.nodes)
+            graph = cost.graph
+            external = {a for n in ops for a in graph[n].args if a not in inside}
+            kept += sum(graph[a].outputs[0].nbytes for a in external
+                        if graph[a].outputs and graph[a].outputs[0].is_float)
+            for n in ops:
+                c = classes[index[n]]
+                if c not in group_classes and any(node_memory[c]):
+                    group_classes.append(c)
+        if not contiguous or not group_classes:
+            continue
+        recompute = []
+        for c in group_classes:
+            ns, count = strategies[members[c][0]], len(members[c])
+            recompute.append([count * cost.forward_time(ns.node, s) for s in ns.strategies])
+        groups.append(CheckpointGroup(group_classes, [list(node_memory[c]) for c in group_classes],
+                                      recompute, kept))
+        names.append([layer.name for layer in sig_layers])
+    return groups, names
 
 
 def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
@@ -358,6 +415,15 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
         breakdown.resharding_s += m[solution.choice[u]][solution.choice[v]]
     for c, loop in enumerate(built.loop_costs):
         breakdown.resharding_s += loop[solution.choice[c]]
+    checkpointed: list[str] = []
+    for group, layers_of, on in zip(problem.checkpoint_groups, built.checkpoint_layers,
+                                    solution.checkpoint):
+        if on:
+            checkpointed += layers_of
+            chosen_of = [solution.choice[c] for c in group.nodes]
+            breakdown.compute_s += sum(r[i] for r, i in zip(group.recompute, chosen_of))
+            memory["activations"] += group.kept - sum(
+                m[i] for m, i in zip(group.saved, chosen_of))
     assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
-                         memory)
+                         memory, checkpointed)

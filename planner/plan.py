@@ -79,6 +79,8 @@ class Plan:
             ``communication_s``, ``resharding_s``) and ``memory_bytes_per_device``.
         solver: the ILP report.
         training: batch and optimiser settings the prediction assumed.
+        checkpoint: module paths of the layers whose activations are recomputed
+            in backward (activation checkpointing), in program order.
     """
 
     model: dict[str, Any]
@@ -91,6 +93,7 @@ class Plan:
     predicted: dict[str, Any]
     solver: SolverReport
     training: dict[str, Any] = field(default_factory=dict)
+    checkpoint: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     @property
@@ -148,7 +151,8 @@ class Plan:
                 nodes={k: OpPlacement(**v) for k, v in d["nodes"].items()},
                 reshards=[Reshard(**r) for r in d["reshards"]],
                 predicted=d["predicted"], solver=SolverReport(**d["solver"]),
-                training=d.get("training", {}), format_version=version)
+                training=d.get("training", {}), checkpoint=list(d.get("checkpoint", [])),
+                format_version=version)
         except (TypeError, AttributeError) as err:
             raise PlanError(f"plan.json is malformed ({err}); regenerate it with `planner plan`") from err
 

@@ -49,6 +49,7 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         f"predicted step {_seconds(pred['step_time_s'])}: compute {_seconds(pred['compute_s'])}, "
         f"communication {_seconds(pred['communication_s'])}, "
         f"resharding {_seconds(pred['resharding_s'])}",
+        "activation checkpointing: " + (", ".join(plan.checkpoint) if plan.checkpoint else "none"),
         "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()),
         f"solver {plan.solver.solver}: {plan.solver.status}, objective "
         f"{_seconds(plan.solver.objective_s)}, gap {plan.solver.gap:.2%}, "

@@ -95,3 +95,33 @@ def test_time_limit_without_solution_returns_the_warm_start(monkeypatch):
     assert sol.objective_s == pytest.approx(1.0) and sol.gap == pytest.approx(1.0)
     with pytest.raises(InfeasibleError):
         solve(problem)
+
+
+@st.composite
+def checkpoint_problems(draw):
+    from planner.ilp import CheckpointGroup
+
+    problem = draw(memory_problems())
+    n = len(problem.node_costs)
+    nodes = sorted(set(draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3))))
+    saved = [[float(draw(st.integers(0, int(m)))) for m in problem.node_memory[v]] for v in nodes]
+    recompute = [[draw(costs) for _ in problem.node_costs[v]] for v in nodes]
+    problem.checkpoint_groups = [CheckpointGroup(nodes, saved, recompute,
+                                                 kept=float(draw(st.integers(0, 2))))]
+    most = sum(max(m) for m in problem.node_memory) + 2
+    problem.memory_budget = float(draw(st.integers(0, int(most))))
+    return problem
+
+
+@settings(max_examples=150, deadline=None)
+@given(checkpoint_problems())
+def test_ilp_with_checkpointing_decision_equals_brute_force(problem):
+    try:
+        _, best = brute_force(problem)
+    except InfeasibleError:
+        with pytest.raises(InfeasibleError):
+            solve(problem)
+        return
+    solution = solve(problem)
+    assert problem.fits(solution.choice, solution.checkpoint)
+    assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)

@@ -1,0 +1,179 @@
+"""ir.fast_trace: the Graph written out from short probe captures equals the full capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ir.fast_trace as fast_trace_module
+from ir import zoo
+from ir.fast_trace import SynthesizedProgram, fast_trace
+from ir.trace import capture, graph_from_exported, trace
+from ir.zoo import GPTConfig, LlamaConfig, MoEConfig
+from planner.api import plan
+
+
+def _full(model, inputs):
+    ep = capture(model, inputs)
+    return ep, graph_from_exported(ep, model_name=type(model).__name__)
+
+
+def _fx_record(n: torch.fx.Node) -> tuple:
+    return (n.op, n.name, n.target,
+            torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", a.name)))
+
+
+def _assert_same(fast, ep, full):
+    assert fast is not None, "fast path fell back"
+    assert isinstance(fast.exported, SynthesizedProgram)
+    assert [n.name for n in fast.nodes] == [n.name for n in full.nodes]
+    for a, b in zip(fast.nodes, full.nodes):
+        assert a == b, (a, b)
+    assert fast.nodes == full.nodes
+    assert fast.output_names == full.output_names
+    assert fast.model_name == full.model_name
+    assert fast.fingerprint() == full.fingerprint()
+    # The fx program planner.strategies reads: every node, same target and wiring.
+    got = list(fast.exported.graph.nodes)
+    want = list(ep.graph.nodes)
+    assert [_fx_record(n) for n in got] == [_fx_record(n) for n in want]
+    for a, b in zip(got, want):
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(vb, torch.Tensor):
+            assert (va.shape, va.stride(), va.dtype) == (vb.shape, vb.stride(), vb.dtype), b.name
+    assert fast.exported.graph_signature.inputs_to_parameters == \
+        ep.graph_signature.inputs_to_parameters
+    assert fast.exported.graph_signature.user_inputs == ep.graph_signature.user_inputs
+
+
+GPT = lambda n: GPTConfig(n, 64, 4, vocab_size=128, block_size=32)  # noqa: E731
+
+
+@pytest.mark.parametrize("cfg", [
+    GPT(6),
+    LlamaConfig(n_layers=5, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=128,
+                max_seq_len=32, rope_theta=10000.0),
+    MoEConfig(n_layer=4, n_embd=64, n_head=4, n_expert=4, expert_hidden=128, vocab_size=128,
+              block_size=32, capacity_factor=2.0, group_size=64),
+], ids=["gpt-L6", "llama-L5", "moe-L4"])
+def test_fast_equals_full(cfg):
+    model, inputs = zoo.build_from_config(cfg, batch_size=2, seq_len=16)
+    ep, full = _full(model, inputs)
+    fast = fast_trace(model, inputs, min_blocks=4)
+    _assert_same(fast, ep, full)
+    # The user's model is left as it was.
+    blocks = model.layers if isinstance(cfg, LlamaConfig) else model.transformer.h
+    assert len(blocks) == (cfg.n_layers if isinstance(cfg, LlamaConfig) else cfg.n_layer)
+
+
+# ---------------------------------------------------------------- custom models
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.scale = scale
+
+    def forward(self, x, bias):
+        return x + torch.relu(self.fc(self.norm(x))) * self.scale + bias
+
+
+class _Stack(nn.Module):
+    """Blocks reading a tensor made before them; ``mode`` varies what forward does."""
+
+    def __init__(self, n: int = 5, d: int = 16, mode: str = "plain") -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(8, d)
+        self.blocks = nn.ModuleList([_Block(d) for _ in range(n)])
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        bias = h.mean(0, keepdim=True)
+        for i, blk in enumerate(self.blocks):
+            h = blk(h, bias)
+            if self.mode == "alternate" and i % 2:
+                h = h * 0.5
+        if self.mode == "bare":  # the program ends in the last block
+            return h
+        out = self.head(h).sum()
+        if self.mode == "depth":
+            out = out / len(self.blocks)
+        return out
+
+
+def _stack_inputs():
+    return (torch.randn(4, 8, device="meta"),)
+
+
+@pytest.mark.parametrize("mode", ["plain", "bare"])
+def test_custom_stack_with_shared_prefix_tensor(mode):
+    with torch.device("meta"):
+        model = _Stack(mode=mode)
+    inputs = _stack_inputs()
+    ep, full = _full(model, inputs)
+    _assert_same(fast_trace(model, inputs, min_blocks=4), ep, full)
+
+
+@pytest.mark.parametrize("mode", ["alternate", "depth"])
+def test_forward_that_depends_on_block_index_or_count_falls_back(mode):
+    with torch.device("meta"):
+        model = _Stack(mode=mode)
+    assert fast_trace(model, _stack_inputs(), min_blocks=4) is None
+
+
+def test_no_modulelist_falls_back():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    assert fast_trace(model, (torch.randn(2, 8, device="meta"),), min_blocks=1) is None
+
+
+def test_mlp_with_different_first_layer_falls_back():
+    model, inputs = zoo.build("mlp-tiny")
+    assert fast_trace(model, inputs, min_blocks=2) is None
+
+
+def test_blocks_differing_in_attributes_or_hooks_fall_back():
+    with torch.device("meta"):
+        model = _Stack()
+    model.blocks[3].scale = 2.0
+    assert fast_trace(model, _stack_inputs(), min_blocks=4) is None
+    model.blocks[3].scale = 1.0
+    handle = model.blocks[1].fc.register_forward_hook(lambda m, i, o: o)
+    assert fast_trace(model, _stack_inputs(), min_blocks=4) is None
+    handle.remove()
+
+
+def test_shared_blocks_fall_back():
+    with torch.device("meta"):
+        model = _Stack()
+    model.blocks[4] = model.blocks[0]  # the same module twice: tied weights
+    assert fast_trace(model, _stack_inputs(), min_blocks=4) is None
+
+
+def test_few_blocks_use_the_full_path():
+    model, inputs = zoo.build_from_config(GPT(4), batch_size=2, seq_len=8)
+    assert fast_trace(model, inputs) is None  # below MIN_BLOCKS
+
+
+# ------------------------------------------------------------------ via trace/plan
+
+
+def test_plan_is_the_same_whichever_path(monkeypatch):
+    model, inputs = zoo.build_from_config(GPT(4))
+    monkeypatch.setenv("PLANNER_FULL_TRACE", "1")
+    slow = plan(model, "local-cpu:4", example_inputs=inputs, mesh_shape=(4,),
+                model_source="gpt-tiny-L4")
+    monkeypatch.setenv("PLANNER_FULL_TRACE", "0")
+    monkeypatch.setattr(fast_trace_module, "MIN_BLOCKS", 4)
+    graph = trace(model, inputs)
+    assert isinstance(graph.exported, SynthesizedProgram)
+    fast = plan(model, "local-cpu:4", example_inputs=inputs, mesh_shape=(4,),
+                model_source="gpt-tiny-L4")
+    assert fast.to_json() == slow.to_json()
+    assert fast.model["fingerprint"] == graph.fingerprint()
+
