@@ -36,11 +36,13 @@ from typing import Any, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
 from torch.export.graph_signature import InputKind, OutputKind
 
+from ir.layers import find_layers
 from ir.trace import capture, graph_from_exported
 from planner.plan import OpPlacement, Plan, Reshard
 
@@ -352,7 +354,60 @@ class PlanExecutor:
         self._last_use: dict[str, list[str]] = {}
         for value, reader in last_reader.items():
             self._last_use.setdefault(reader, []).append(value)
+        self._segments = self._checkpoint_segments()
         self._setup_state()
+
+    def _checkpoint_segments(self) -> dict[str, list[torch.fx.Node]]:
+        """First node name -> the op nodes of each layer the plan checkpoints."""
+        if not self.plan.checkpoint:
+            return {}
+        layers = {layer.name: set(layer.nodes) for layer in find_layers(self.graph)}
+        calls = [n for n in self.ep.graph.nodes if n.op == "call_function"]
+        segments: dict[str, list[torch.fx.Node]] = {}
+        for name in self.plan.checkpoint:
+            members = layers.get(name)
+            if members is None:
+                raise PlanMismatchError(f"plan checkpoints layer '{name}' but the model has no "
+                                        f"such layer; re-plan this model")
+            idx = [i for i, n in enumerate(calls) if n.name in members]
+            if not idx or idx[-1] - idx[0] + 1 != len(idx):
+                raise PlanMismatchError(f"plan checkpoints layer '{name}' but its ops are not "
+                                        f"contiguous in the program; re-plan this model")
+            segments[calls[idx[0]].name] = calls[idx[0]: idx[-1] + 1]
+        return segments
+
+    def _run_checkpointed(self, segment: list[torch.fx.Node], env: dict[str, Any]) -> None:
+        """Run a layer under ``torch.utils.checkpoint``: its activations are not kept,
+        backward re-runs the same nodes (same placements, same reshards)."""
+        inside = {n.name for n in segment}
+        external = list(dict.fromkeys(a.name for n in segment for a in n.all_input_nodes
+                                      if a.name not in inside))
+        outputs = [n.name for n in segment if any(u.name not in inside for u in n.users)]
+        first_run = [True]
+
+        def run(*values: Any) -> tuple:
+            local = dict(zip(external, values))
+            saved = (self._recording, self.explicit_reshards)
+            if not first_run[0]:  # recomputation in backward: nothing new to record
+                self._recording = False
+            try:
+                for n in segment:
+                    local[n.name] = self._run_node(n, local)
+            finally:
+                if not first_run[0]:
+                    self._recording, self.explicit_reshards = saved
+                first_run[0] = False
+            return tuple(local[o] for o in outputs)
+
+        # Early stop would abort the recomputation with an exception mid-layer, which
+        # the per-node DTensor fallback must not mistake for a sharding failure.
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            results = torch.utils.checkpoint.checkpoint(run, *[env[e] for e in external],
+                                                        use_reentrant=False)
+        env.update(zip(outputs, results))
+        for n in segment:
+            for name in self._last_use.get(n.name, ()):
+                env.pop(name, None)
 
     # ----------------------------------------------------------------- state
     def _setup_state(self) -> None:
@@ -437,7 +492,15 @@ class PlanExecutor:
         for name, value in zip(self.user_input_names, flat_inputs):
             env[name] = self._distribute_input(name, value)
         outputs: Any = None
+        skip: set[str] = set()
         for node in self.ep.graph.nodes:
+            if node.name in skip:
+                continue
+            if node.name in self._segments:
+                segment = self._segments[node.name]
+                self._run_checkpointed(segment, env)
+                skip.update(n.name for n in segment)
+                continue
             if node.op == "placeholder":
                 if node.name not in env:
                     env[node.name] = self._placeholders[node.name]

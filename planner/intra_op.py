@@ -374,8 +374,20 @@ def _replicated_index(ns: NodeStrategies) -> int:
 
 
 def least_memory(problem: AssignmentProblem) -> float:
-    """Least bytes per device of any assignment (memory is a sum over nodes)."""
-    return float(sum(min(m) for m in problem.node_memory)) if problem.node_memory else 0.0
+    """Least bytes per device of any assignment: memory is a sum over nodes, and
+    each checkpoint group may or may not be checkpointed."""
+    if not problem.node_memory:
+        return 0.0
+    in_group: set[int] = set()
+    total = 0.0
+    for g in problem.checkpoint_groups:
+        in_group.update(g.nodes)
+        plain = sum(min(problem.node_memory[v]) for v in g.nodes)
+        checkpointed = g.kept + sum(min(m - f for m, f in zip(problem.node_memory[v], saved))
+                                    for v, saved in zip(g.nodes, g.saved))
+        total += min(plain, checkpointed)
+    return total + float(sum(min(m) for v, m in enumerate(problem.node_memory)
+                             if v not in in_group))
 
 
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,

@@ -55,3 +55,29 @@ def test_memory_constrained_plan_runs_and_matches_one_process(constrained, tmp_p
     result = launch(path, steps=2, check=True)
     assert result["passed"], result.get("output")
     assert result["max_rel_grad_err"] < 1e-5 and result["observed_match"]
+
+
+@pytest.fixture(scope="module")
+def checkpointed(unconstrained):
+    budget = 0.5 * unconstrained.predicted["memory_bytes_per_device"]["total"]
+    return budget, _plan(budget)
+
+
+def test_too_little_memory_turns_on_activation_checkpointing(unconstrained, checkpointed):
+    budget, p = checkpointed
+    assert p.checkpoint == ["transformer.h.0", "transformer.h.1"]
+    mem = p.predicted["memory_bytes_per_device"]
+    assert mem["total"] <= budget
+    assert mem["activations"] < unconstrained.predicted["memory_bytes_per_device"]["activations"]
+    # recomputation is paid for in time
+    assert p.predicted["compute_s"] > unconstrained.predicted["compute_s"]
+
+
+@pytest.mark.multiprocess
+def test_checkpointed_plan_runs_and_matches_one_process(checkpointed, tmp_path):
+    _, p = checkpointed
+    path = tmp_path / "plan.json"
+    p.save(path)
+    result = launch(path, steps=2, check=True)
+    assert result["passed"], result.get("output")
+    assert result["max_rel_grad_err"] < 1e-5 and result["observed_match"]
