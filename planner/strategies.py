@@ -140,12 +140,12 @@ class StrategyBuilder:
     # -- candidates flowing along edges -------------------------------------------------
     def _record(self, ns: NodeStrategies) -> None:
         n_out = max((len(s.outputs) for s in ns.strategies), default=0)
-        cands: list[list[Placements]] = [[] for _ in range(n_out)]
+        cands: list[dict[Placements, None]] = [{} for _ in range(n_out)]
         for s in ns.strategies:
             for i, o in enumerate(s.outputs):
-                if o is not None and o not in cands[i]:
-                    cands[i].append(o)
-        self._out_candidates[ns.node.name] = cands
+                if o is not None:
+                    cands[i].setdefault(o, None)
+        self._out_candidates[ns.node.name] = [list(c) for c in cands]
 
     def candidates_of(self, name: str, index: int = 0) -> list[Placements]:
         return self._out_candidates[name][index]
