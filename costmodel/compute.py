@@ -82,3 +82,23 @@ def op_time(
     compute = flops / (device.flops(dtype) * eff) if flops > 0 else 0.0
     memory = bytes_moved / (device.memory_bandwidth * mem_eff) if bytes_moved > 0 else 0.0
     return max(compute, memory) + device.kernel_overhead
+
+
+def backward_op_times(flops: float, bytes_moved: float, device: DeviceSpec, dtype: Any, *,
+                      input_grad: bool, weight_grad: bool) -> tuple[float, float]:
+    """Seconds of one op's backward, split as zero-bubble schedules need it.
+
+    Returns ``(b, w)``: ``b`` computes the gradients of the op's activation inputs,
+    ``w`` those of its weights. A contraction (``flops > 0``) costs its forward FLOPs
+    again for each (dX = dY W^T and dW = X^T dY); a memory-bound op re-reads and
+    re-writes about its forward bytes for the input gradient, and as much again
+    when it also has weights (layer-norm scale and bias).
+
+    Args:
+        flops, bytes_moved: the op's forward FLOPs and bytes.
+        input_grad: an activation input needs a gradient.
+        weight_grad: a parameter input needs a gradient.
+    """
+    b = op_time(flops, bytes_moved, device, dtype) if input_grad else 0.0
+    w = op_time(flops, bytes_moved, device, dtype) if weight_grad else 0.0
+    return b, w

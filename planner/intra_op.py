@@ -4,14 +4,18 @@ Builds the assignment problem of :mod:`planner.ilp` from a Graph, its DTensor
 strategies and the cost model, and solves it. Costs are seconds of one training
 step (forward, backward and gradient synchronisation):
 
-* node cost: compute time of the op under the strategy (for a user input, the
-  time to load the device's part of the batch into memory) (FLOPs and bytes divided
-  by the devices it is split over; backward counted as twice the forward FLOPs),
-  plus the backward all-reduce an input needs when it is replicated on a mesh axis
+* node cost: forward compute time of the op under the strategy (FLOPs and bytes
+  divided by the devices it is split over; for a user input, the time to load
+  the device's part of the batch), plus its backward priced as input gradients
+  and weight gradients separately (costmodel.compute.backward_op_times), plus
+  the backward all-reduce an input needs when it is replicated on a mesh axis
   over which the op's output is split (for parameters this is the gradient
   synchronisation of data parallelism; for activations it is Megatron's ``f``);
 * edge cost: forward resharding of the producer's output placement into the
   consumer's input placement, plus the reverse resharding of its gradient.
+
+Gradient communication is not overlapped with backward: the code generator
+reduces gradients after backward, so the model charges it in full.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Sequence
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from costmodel.collectives import axis_links, collective_time
-from costmodel.compute import op_time
+from costmodel.compute import backward_op_times, op_time
 from costmodel.memory import training_state_bytes
 from costmodel.resharding import reshard_time
 from costmodel.cluster import Cluster
@@ -33,10 +37,6 @@ from planner.report import format_bytes
 from planner.ilp import AssignmentProblem, CheckpointGroup, Solution, solve
 from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
 
-# Backward of an op with FLOPs costs twice its forward (input and weight gradients).
-_BACKWARD_FLOPS_FACTOR = 2.0
-# Backward of a memory-bound op reads and writes about as much as its forward.
-_BACKWARD_BYTES_FACTOR = 1.0
 
 
 def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int],
@@ -92,6 +92,7 @@ class IntraOpCost:
         self.links = axis_links(cluster, self.mesh_shape)
         self.dtype = dtype
         self.requires_grad = self._requires_grad()
+        self.param_derived = self._param_derived()
         self._reshard_cache: dict[tuple, float] = {}
 
     def _requires_grad(self) -> set[str]:
@@ -101,6 +102,15 @@ class IntraOpCost:
                 out.add(n.name)
             elif n.kind == OP and n.outputs and any(o.is_float for o in n.outputs) and any(
                     a in out for a in n.args):
+                out.add(n.name)
+        return out
+
+    def _param_derived(self) -> set[str]:
+        """Parameters and the views of them (a transposed weight is still the weight)."""
+        out: set[str] = set()
+        for n in self.graph.nodes:
+            if n.kind == PARAM or (n.kind == OP and n.bytes_moved == 0 and n.flops == 0
+                                   and n.args and all(a in out for a in n.args)):
                 out.add(n.name)
         return out
 
@@ -132,10 +142,19 @@ class IntraOpCost:
         fwd = op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
         if node.name not in self.requires_grad:
             return fwd
-        factor = _BACKWARD_FLOPS_FACTOR if node.flops > 0 else _BACKWARD_BYTES_FACTOR
-        bwd = op_time(factor * node.flops / f, factor * node.bytes_moved / f,
-                      self.cluster.device, self.dtype)
-        return fwd + bwd
+        b, w = self.backward_times(node, s)
+        return fwd + b + w
+
+    def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
+        if node.kind != OP or node.name not in self.requires_grad:
+            return 0.0, 0.0
+        f = self.shard_factor(s)
+        input_grad = any(a in self.requires_grad and a not in self.param_derived
+                         for a in node.args)
+        weight_grad = any(a in self.param_derived for a in node.args)
+        return backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
+                                 self.dtype, input_grad=input_grad, weight_grad=weight_grad)
 
     def forward_time(self, node: Node, s: Strategy) -> float:
         """Seconds of the op's forward alone (what activation checkpointing re-runs)."""

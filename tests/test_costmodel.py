@@ -472,3 +472,17 @@ def test_link_per_collective_override_is_used_and_round_trips():
     with pytest.raises(ClusterError, match="bandwidth"):
         Link.from_dict({"name": "x", "bandwidth": 1.0, "latency": 0.0,
                         "collectives": {"all_reduce": {"latency": 0.0, "bandwidth": -1}}})
+
+
+def test_backward_splits_into_input_and_weight_gradients():
+    from costmodel.compute import backward_op_times, op_time
+    from costmodel.presets import preset
+
+    dev = preset("dgx-a100-80g").device
+    f, nbytes = 2 * 4096 ** 3, 3 * 4096 ** 2 * 2
+    fwd = op_time(f, nbytes, dev, "bfloat16")
+    assert backward_op_times(f, nbytes, dev, "bfloat16", input_grad=True, weight_grad=True) == (
+        pytest.approx(fwd), pytest.approx(fwd))
+    # the first layer's input (token embeddings' indices) needs no gradient
+    assert backward_op_times(f, nbytes, dev, "bfloat16", input_grad=False, weight_grad=True)[0] == 0
+    assert backward_op_times(f, nbytes, dev, "bfloat16", input_grad=True, weight_grad=False)[1] == 0
