@@ -160,12 +160,18 @@ class Link:
         per_collective: measured exceptions: ``(kind, latency s, bandwidth
             bytes/s)`` for collectives whose implementation does not follow the
             link's single alpha-beta (``planner profile`` fits one per kind).
+        local: for a mesh axis spanning nodes, ``(in-node link, devices per
+            node in one group)``, so collectives may go hierarchically (not part
+            of a cluster file; set by ``costmodel.collectives.axis_links``).
     """
 
     name: str
     bandwidth: float
     latency: float
     per_collective: tuple[tuple[str, float, float], ...] = ()
+    # Set by collectives.axis_links for a mesh axis whose groups span nodes with
+    # several devices per node: (the in-node link, devices of a group per node).
+    local: tuple["Link", int] | None = None
 
     def __post_init__(self) -> None:
         _need_name("link.name", self.name)

@@ -94,9 +94,11 @@ def test_axis_links_dgx_two_nodes():
     cl = load_cluster("dgx-a100-80g:2")
     assert cl.num_devices == 16
     assert axis_links(cl, (2, 8)) == [cl.inter_node, cl.intra_node]
-    assert axis_links(cl, (16,)) == [cl.inter_node]
-    assert axis_links(cl, (8, 2)) == [cl.inter_node, cl.intra_node]  # axis 0 stride 2 spans nodes
-    assert axis_links(cl, (4, 4)) == [cl.inter_node, cl.intra_node]
+    # groups spanning nodes with several devices per node may go hierarchically
+    hier = lambda g: dataclasses.replace(cl.inter_node, local=(cl.intra_node, g))  # noqa: E731
+    assert axis_links(cl, (16,)) == [hier(8)]
+    assert axis_links(cl, (8, 2)) == [hier(4), cl.intra_node]  # axis 0 stride 2 spans nodes
+    assert axis_links(cl, (4, 4)) == [hier(2), cl.intra_node]
     assert axis_links(cl, (2, 1, 8)) == [cl.inter_node, cl.intra_node, cl.intra_node]
     assert cl.inter_node.name == "infiniband" and cl.intra_node.name == "nvlink"
 
@@ -486,3 +488,23 @@ def test_backward_splits_into_input_and_weight_gradients():
     # the first layer's input (token embeddings' indices) needs no gradient
     assert backward_op_times(f, nbytes, dev, "bfloat16", input_grad=False, weight_grad=True)[0] == 0
     assert backward_op_times(f, nbytes, dev, "bfloat16", input_grad=True, weight_grad=False)[1] == 0
+
+
+def test_axis_spanning_nodes_goes_hierarchical_where_cheaper():
+    from costmodel.collectives import axis_links, collective_time
+    from costmodel.presets import preset
+
+    cluster = preset("p3.16xlarge", 2)
+    (link,) = axis_links(cluster, (16,))
+    intra, inter = cluster.intra_node, cluster.inter_node
+    assert link.local == (intra, 8)
+    nbytes = 1e9
+    hier = (collective_time("reduce_scatter", nbytes, 8, intra)
+            + collective_time("all_reduce", nbytes / 8, 2, inter)
+            + collective_time("all_gather", nbytes, 8, intra))
+    flat = collective_time("all_reduce", nbytes, 16, inter)
+    assert collective_time("all_reduce", nbytes, 16, link) == pytest.approx(min(hier, flat))
+    assert hier < flat / 4  # one NIC per node: the network share per GPU is tiny
+    # an axis whose groups hold one device per node stays flat
+    links = axis_links(cluster, (2, 8))
+    assert links[0] == inter and links[1] == intra
