@@ -86,6 +86,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if result.get("passed", True) else 1
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from planner.compare import compare, format_comparison, write_outputs
+
+    zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
+                  if v is not None}
+    result = compare(args.model, args.cluster, zoo_kwargs=zoo_kwargs,
+                     time_limit_s=args.time_limit)
+    print(format_comparison(result))
+    for path in write_outputs(result, args.output):
+        print(f"wrote {path}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from costmodel.profile import ProfileError, load_profile, profile_local, profile_path, summary_rows
 
@@ -135,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true",
                    help="compare loss and gradients with a single-process run")
     r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("compare", help="automatic plan vs every Megatron configuration")
+    c.add_argument("--model", required=True, help="zoo name or path.py:factory")
+    c.add_argument("--cluster", required=True, help="preset[:count] or cluster JSON path")
+    c.add_argument("--batch-size", type=int, help="global batch size of the example step")
+    c.add_argument("--seq-len", type=int, help="sequence length of the example step")
+    c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds")
+    c.add_argument("-o", "--output", default="compare",
+                   help="output prefix: writes PREFIX.json and PREFIX.png")
+    c.set_defaults(func=cmd_compare)
 
     pr = sub.add_parser("profile", help="measure this machine (GEMMs, memory, collectives) into a cluster JSON")
     pr.add_argument("--ranks", type=int, default=4, help="local ranks to profile (default 4)")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
@@ -368,6 +368,10 @@ def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
     return [[priced[i][j] for j in dst_of] for i in src_of]
 
 
+class FixedPlacementError(ValueError):
+    """A placement the caller fixed is not available for that tensor on this mesh."""
+
+
 class MemoryInfeasibleError(RuntimeError):
     """No sharding fits the memory budget.
 
@@ -411,20 +415,33 @@ def least_memory(problem: AssignmentProblem) -> float:
 
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
                    dtype: str = "float32", time_limit_s: float = 30.0,
-                   memory_budget: float | None = None, optimizer: str = "adam") -> IntraOpResult:
+                   memory_budget: float | None = None, optimizer: str = "adam",
+                   fixed: Mapping[str, Placements] | None = None) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     Args:
         memory_budget: bytes per device the plan may use (parameters, gradients,
             optimizer states, saved activations); None means unbounded.
+        fixed: placements the plan must use for some parameters (by FQN) or user
+            inputs (by name), e.g. a Megatron layout; the rest is optimised.
 
     Raises:
         MemoryInfeasibleError: no assignment fits ``memory_budget``; it carries the
             least memory per device that would.
+        FixedPlacementError: a fixed placement is not one DTensor can use here.
     """
     mesh_shape = tuple(int(d) for d in mesh_shape)
     with fake_mesh(mesh_shape) as mesh:
         strategies = build_strategies(graph, mesh)
+    for ns in strategies:
+        key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
+        if fixed and key in fixed and ns.node.kind in (PARAM, INPUT):
+            want = tuple(fixed[key])
+            ns.strategies = [s for s in ns.strategies if s.outputs[0] == want]
+            if not ns.strategies:
+                raise FixedPlacementError(
+                    f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
+                    f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer)
     built = build_problem(cost, strategies, memory_budget)
     problem = built.problem
