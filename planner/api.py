@@ -11,7 +11,7 @@ from costmodel.memory import reserve_bytes
 from costmodel.resharding import placement_str
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.trace import trace
-from planner.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
+from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
 from planner.plan import OpPlacement, Plan, Reshard, SolverReport
 
 
@@ -67,6 +67,22 @@ def default_memory_budget(cluster: Cluster) -> float:
     return float(cluster.device.memory - reserve_bytes(cluster.device.memory, MEMORY_RESERVE))
 
 
+def model_record(model: torch.nn.Module, graph: Graph, model_source: str | None) -> dict[str, Any]:
+    """The plan's ``model`` section: what the plan was made for."""
+    return {"name": model_source or type(model).__name__, "source": model_source,
+            "class": type(model).__name__, "fingerprint": graph.fingerprint(),
+            "num_parameters": graph.num_parameters}
+
+
+def training_record(dtype: str, optimizer: str, example_inputs: Sequence[Any],
+                    zoo_kwargs: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
+    """The plan's ``training`` section: step shapes and settings the prediction assumed."""
+    return {"dtype": dtype, "optimizer": optimizer,
+            "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
+                             for t in example_inputs],
+            "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())), **extra}
+
+
 def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, Any],
                training: dict[str, Any]) -> Plan:
     """Turn an intra-op solution into a Plan."""
@@ -75,8 +91,6 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
     inputs = {n.name: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == INPUT}
     nodes: dict[str, OpPlacement] = {}
     reshards: list[Reshard] = []
-    from planner.intra_op import IntraOpCost  # local: pricing of the reported reshards
-
     cost = IntraOpCost(graph, cluster, result.mesh_shape, training["dtype"])
     for n in graph.nodes:
         if n.kind != OP:
@@ -168,18 +182,5 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     if best is None:
         least = min(too_big, key=lambda e: e.least_bytes)
         raise PlanningError(str(least))
-    model_info = {
-        "name": model_source or type(model).__name__,
-        "source": model_source,
-        "class": type(model).__name__,
-        "fingerprint": graph.fingerprint(),
-        "num_parameters": graph.num_parameters,
-    }
-    training = {
-        "dtype": dtype,
-        "optimizer": optimizer,
-        "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
-                         for t in example_inputs],
-        "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())),
-    }
-    return build_plan(best, cluster, model_info, training)
+    return build_plan(best, cluster, model_record(model, graph, model_source),
+                      training_record(dtype, optimizer, example_inputs, zoo_kwargs))

@@ -25,7 +25,8 @@ from costmodel.cluster import Cluster, load_cluster
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import find_layers
 from ir.trace import trace
-from planner.api import PlanningError, build_plan, default_memory_budget
+from planner.api import (PlanningError, build_plan, default_memory_budget, model_record,
+                         training_record)
 from planner.intra_op import FixedPlacementError, solve_intra_op
 from planner.plan import Plan
 
@@ -163,12 +164,6 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     if total > default_memory_budget(cluster):
         raise PlanningError(f"{cfg.label()} needs {total / 2**30:.1f} GiB per device, more than "
                             f"the {default_memory_budget(cluster) / 2**30:.1f} GiB available")
-    model_info = {"name": model_source or type(model).__name__, "source": model_source,
-                  "class": type(model).__name__, "fingerprint": graph.fingerprint(),
-                  "num_parameters": graph.num_parameters}
-    training = {"dtype": dtype, "optimizer": "adam",
-                "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
-                                 for t in example_inputs],
-                "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())),
-                "manual": {"kind": "megatron", **asdict(cfg)}}
-    return build_plan(result, cluster, model_info, training)
+    training = training_record(dtype, "adam", example_inputs, zoo_kwargs,
+                               manual={"kind": "megatron", **asdict(cfg)})
+    return build_plan(result, cluster, model_record(model, graph, model_source), training)
