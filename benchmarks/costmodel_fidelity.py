@@ -16,12 +16,11 @@
 3. Predict each with the planner's own cost model: collectives with
    ``costmodel.collectives.collective_time(kind, bytes, group, cluster.intra_node)``
    (the profiled cluster's link); GEMMs with ``costmodel.compute.op_time`` on
-   the profiled ``cluster.device`` with ``efficiency =
-   costmodel.compute.matmul_efficiency(flops, max_eff, H)`` (the fitted curve).
-   Two reference figures are reported too, not used for the targets:
-   per-collective links (``fits.collectives``, which a Cluster cannot hold
-   today) and ``op_time`` with the device's constant ``flop_efficiency``
-   (what ``planner.intra_op`` calls now).
+   the profiled ``cluster.device``, which carries the fitted size curve
+   (``half_saturation_flops``), exactly as ``planner.intra_op`` calls it. The
+   cluster's link holds the per-collective fits as exceptions. Two reference
+   figures are reported too, not used for the targets: each collective on its
+   own fitted link alone, and ``op_time`` with a constant ``flop_efficiency``.
 4. Report the median absolute percentage error per group against the issue's
    targets (collectives <= 25 %, GEMMs <= 20 %) and write
    ``benchmarks/results/costmodel_fidelity.json`` with the machine (and its
@@ -42,7 +41,7 @@ from typing import Any
 
 from costmodel.cluster import Cluster, Link
 from costmodel.collectives import collective_time
-from costmodel.compute import matmul_efficiency, op_time
+from costmodel.compute import op_time
 from costmodel.profile import (
     ProfileError,
     group_sizes,
@@ -131,9 +130,10 @@ def evaluate(profile: dict[str, Any], raw: dict[str, Any]) -> tuple[list[dict[st
     gemm_rows = []
     for g in raw["gemms"]:
         meas = g["seconds"]
-        eff = matmul_efficiency(g["flops"], gemm_fit["max_efficiency"], gemm_fit["half_saturation_flops"])
-        pred = op_time(g["flops"], g["bytes"], device, gemm_fit["dtype"], efficiency=eff)
-        pred_const = op_time(g["flops"], g["bytes"], device, gemm_fit["dtype"])
+        # the planner's call: the profiled device carries the size curve
+        pred = op_time(g["flops"], g["bytes"], device, gemm_fit["dtype"])
+        pred_const = op_time(g["flops"], g["bytes"], device, gemm_fit["dtype"],
+                             efficiency=device.flop_efficiency)
         gemm_rows.append({"world": world, "m": g["m"], "k": g["k"], "n": g["n"], "flops": g["flops"],
                           "bytes": g["bytes"], "measured_s": meas, "predicted_s": pred,
                           "abs_pct_error": _ape(pred, meas),
@@ -209,9 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                       "created": p.get("created"), "cluster": p["cluster"], "fits": p["fits"],
                       "loadavg": p.get("machine", {}).get("loadavg")} for p, f in profiles],
         "model": {"collectives": "costmodel.collectives.collective_time(kind, bytes, group_size, cluster.intra_node)",
-                  "gemms": "costmodel.compute.op_time(flops, bytes, cluster.device, dtype, "
-                           "efficiency=costmodel.compute.matmul_efficiency(flops, fits.gemm.max_efficiency, "
-                           "fits.gemm.half_saturation_flops))"},
+                  "gemms": "costmodel.compute.op_time(flops, bytes, cluster.device, dtype) with "
+                           "cluster.device.half_saturation_flops from the profile"},
         "heldout": {"collective_bytes": list(sizes), "gemms": [list(s) for s in shapes]},
         "quick": args.quick,
         "summary": {g: {"median_abs_pct_error": v, "target": TARGETS[g], "met": v is not None and v <= TARGETS[g]}

@@ -231,6 +231,9 @@ class DeviceSpec:
         kernel_overhead: fixed seconds added to every kernel (launch + tail).
         flop_efficiency: fraction of ``peak_flops`` a large GEMM reaches.
         memory_efficiency: fraction of ``memory_bandwidth`` a streaming kernel reaches.
+        half_saturation_flops: FLOPs at which a matmul reaches half of
+            ``flop_efficiency`` (the efficiency curve by problem size,
+            ``costmodel.compute.matmul_efficiency``); 0 = constant efficiency.
     """
 
     name: str
@@ -240,9 +243,11 @@ class DeviceSpec:
     kernel_overhead: float = DEFAULT_KERNEL_OVERHEAD
     flop_efficiency: float = DEFAULT_FLOP_EFFICIENCY
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
+    half_saturation_flops: float = 0.0
 
     def __post_init__(self) -> None:
         _need_name("device.name", self.name)
+        _need_nonnegative("device.half_saturation_flops", self.half_saturation_flops, "FLOPs")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise ClusterError(
                 f"cluster field 'device.peak_flops' must be a non-empty object dtype -> FLOP/s, "
@@ -288,6 +293,7 @@ class DeviceSpec:
             "kernel_overhead": self.kernel_overhead,
             "flop_efficiency": self.flop_efficiency,
             "memory_efficiency": self.memory_efficiency,
+            "half_saturation_flops": self.half_saturation_flops,
         }
 
     @classmethod
@@ -297,11 +303,12 @@ class DeviceSpec:
         _check_keys(
             where, d,
             ("name", "peak_flops", "memory", "memory_bandwidth"),
-            ("kernel_overhead", "flop_efficiency", "memory_efficiency"),
+            ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops"),
         )
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
         kwargs: dict[str, Any] = {}
-        for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency"):
+        for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
+                    "half_saturation_flops"):
             if key in d:
                 kwargs[key] = d[key]
         return cls(

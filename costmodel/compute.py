@@ -62,7 +62,8 @@ def op_time(
         device: the device (peak FLOP/s per dtype, memory bandwidth, overhead).
         dtype: compute dtype name or ``torch.dtype`` (see ``DeviceSpec.flops``).
         efficiency: fraction of peak FLOP/s reached; default
-            ``device.flop_efficiency``.
+            ``device.flop_efficiency``, along the size curve
+            :func:`matmul_efficiency` when ``device.half_saturation_flops > 0``.
         memory_efficiency: fraction of memory bandwidth reached; default
             ``device.memory_efficiency``.
 
@@ -79,6 +80,8 @@ def op_time(
         raise ValueError(f"memory_efficiency must be in (0, 1], got {mem_eff!r}")
     if flops == 0 and bytes_moved == 0:
         return 0.0
+    if efficiency is None and device.half_saturation_flops > 0 and flops > 0:
+        eff = matmul_efficiency(flops, eff, device.half_saturation_flops)
     compute = flops / (device.flops(dtype) * eff) if flops > 0 else 0.0
     memory = bytes_moved / (device.memory_bandwidth * mem_eff) if bytes_moved > 0 else 0.0
     return max(compute, memory) + device.kernel_overhead

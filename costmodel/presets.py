@@ -141,7 +141,7 @@ _LOCAL_CPU_DEFAULTS: dict[str, Any] = {
 LOCAL_CPU_PROFILE_KEYS = (
     "peak_flops", "memory", "memory_bandwidth", "kernel_overhead",
     "flop_efficiency", "memory_efficiency", "link_bandwidth", "link_latency",
-    "collective_links",
+    "collective_links", "half_saturation_flops",
 )
 
 
@@ -182,6 +182,7 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
         kernel_overhead=values["kernel_overhead"],
         flop_efficiency=values["flop_efficiency"],
         memory_efficiency=values["memory_efficiency"],
+        half_saturation_flops=values.get("half_saturation_flops", 0.0),
     )
     per_collective = tuple((k, float(v["latency"]), float(v["bandwidth"]))
                            for k, v in dict(values.get("collective_links", {})).items())

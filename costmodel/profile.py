@@ -575,6 +575,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         values: dict[str, Any] = {
             "peak_flops": peak, "memory_bandwidth": mem_bw, "kernel_overhead": overhead,
             "flop_efficiency": 1.0, "memory_efficiency": 1.0,
+            "half_saturation_flops": gemm["half_saturation_flops"],
         }
         if memory_per_rank:
             values["memory"] = memory_per_rank
@@ -590,7 +591,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
 
         dev = DeviceSpec(name=torch.cuda.get_device_name(0), peak_flops=peak, memory=memory_per_rank or 1,
                          memory_bandwidth=mem_bw, kernel_overhead=overhead, flop_efficiency=1.0,
-                         memory_efficiency=1.0)
+                         memory_efficiency=1.0,
+                         half_saturation_flops=gemm["half_saturation_flops"])
         # With one GPU no collective runs: keep an NVLink-like placeholder (noted below).
         link = Link("nvlink", link_fit["bandwidth"], link_fit["latency"]) if link_fit else Link("nvlink", 150e9, 2e-6)
         cluster = Cluster(f"local-gpu:{ranks}", 1, ranks, dev, link, link, "nccl")
@@ -600,7 +602,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         f"include the sharing of {os.cpu_count()} CPU cores (and any other load on the machine)"
         if device == "cpu" else f"{ranks} GPU rank(s), {main_dtype} GEMMs, NCCL collectives",
         "peak_flops is the fitted asymptotic achieved rate, so flop_efficiency = 1.0; small-GEMM "
-        "inefficiency is fits.gemm.half_saturation_flops for costmodel.compute.matmul_efficiency",
+        "inefficiency is device.half_saturation_flops (costmodel.compute.matmul_efficiency)",
         "the cluster link is fits.link (one alpha-beta fitted to every collective and group size) "
         "with fits.collectives (one per collective) as its per-collective exceptions",
     ]

@@ -508,3 +508,17 @@ def test_axis_spanning_nodes_goes_hierarchical_where_cheaper():
     # an axis whose groups hold one device per node stays flat
     links = axis_links(cluster, (2, 8))
     assert links[0] == inter and links[1] == intra
+
+
+def test_efficiency_curve_by_problem_size():
+    from costmodel.cluster import DeviceSpec
+    from costmodel.compute import matmul_efficiency, op_time
+
+    dev = DeviceSpec("x", {"float32": 1e12}, 2**30, 1e11, kernel_overhead=0.0,
+                     flop_efficiency=0.8, half_saturation_flops=1e9)
+    for flops in (1e7, 1e9, 1e12):
+        assert op_time(flops, 0, dev, "float32") == pytest.approx(
+            flops / (1e12 * matmul_efficiency(flops, 0.8, 1e9)))
+    # small GEMMs are relatively slower than large ones
+    assert op_time(1e7, 0, dev, "float32") / 1e7 > 50 * op_time(1e12, 0, dev, "float32") / 1e12
+    assert DeviceSpec.from_dict(dev.to_dict()) == dev
