@@ -1,4 +1,4 @@
-"""The public entry point: ``plan(model, cluster, ...)`` -> :class:`planner.plan.Plan`."""
+"""The public entry point: ``plan(model, cluster, ...)`` -> :class:`planner.plan_format.Plan`."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from costmodel.resharding import placement_str
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.trace import trace
 from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
-from planner.plan import OpPlacement, Plan, Reshard, SolverReport
+from planner.plan_format import OpPlacement, Plan, Reshard, SolverReport
 
 
 # Fraction of device memory kept free for the allocator's fragmentation and workspaces.

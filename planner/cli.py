@@ -35,7 +35,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ir.trace import TraceError
     from ir.zoo import UnknownModelError
     from planner.api import PlanningError
-    from planner.plan import PlanError
+    from planner.plan_format import PlanError
 
     errors: list[type[BaseException]] = [ClusterError, ModelSourceError, TraceError,
                                          UnknownModelError, PlanningError, PlanError]
@@ -69,7 +69,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from planner.plan import load_plan
+    from planner.plan_format import load_plan
     from planner.report import format_plan
 
     print(format_plan(load_plan(args.plan), verbose=True))
@@ -77,7 +77,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from planner.plan import load_plan
+    from planner.plan_format import load_plan
 
     plan = load_plan(args.plan)  # validates before any process starts
     from codegen.launch import launch

@@ -21,7 +21,7 @@ from ir.source import build_model
 from ir.trace import trace
 from planner.api import PlanningError, plan
 from planner.megatron import megatron_configs, megatron_plan
-from planner.plan import Plan
+from planner.plan_format import Plan
 from planner.report import format_bytes
 
 

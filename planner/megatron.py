@@ -28,7 +28,7 @@ from ir.trace import trace
 from planner.api import (PlanningError, build_plan, default_memory_budget, model_record,
                          training_record)
 from planner.intra_op import FixedPlacementError, solve_intra_op
-from planner.plan import Plan
+from planner.plan_format import Plan
 
 _MATMULS = {"aten.mm.default", "aten.addmm.default"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from planner.plan import Plan
+from planner.plan_format import Plan
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:

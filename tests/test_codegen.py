@@ -20,7 +20,7 @@ import ir
 from codegen.executor import PlanMismatchError, parse_placement, placement_str, record_plan
 from codegen.launch import LaunchError, launch
 from ir.source import build_model
-from planner.plan import Plan, SolverReport, load_plan
+from planner.plan_format import Plan, SolverReport, load_plan
 
 MODEL = "gpt-tiny"
 RTOL = 1e-5

@@ -6,7 +6,7 @@ import pytest
 
 from ir.source import build_model
 from planner.api import PlanningError, plan
-from planner.plan import FORMAT_VERSION, PlanError, load_plan
+from planner.plan_format import FORMAT_VERSION, PlanError, load_plan
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,12 @@ def test_mesh_must_match_cluster():
     model, inputs = build_model("gpt-tiny", device="meta")
     with pytest.raises(PlanningError, match="has 4"):
         plan(model, "local-cpu:4", example_inputs=inputs, mesh_shape=(3,))
+
+
+def test_public_api_names():
+    import planner
+
+    assert planner.plan is plan and planner.load_plan is load_plan
+    from planner.plan_format import Plan
+
+    assert planner.Plan is Plan
