@@ -44,7 +44,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from ir.layers import find_layers
 from ir.trace import capture, graph_from_exported
-from planner.plan import OpPlacement, Plan, Reshard
+from planner.plan_format import OpPlacement, Plan, Reshard
 
 __all__ = [
     "PlanExecutor", "PlanMismatchError", "ReshardEvent", "parse_placement",

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
-from planner.plan import load_plan
+from planner.plan_format import load_plan
 
 __all__ = ["LaunchError", "REPO_ROOT", "launch"]
 

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from codegen.reference import (loss_of, make_optimizer, reference_step, relative_error,
                                    zoo_kwargs)
     from ir.source import build_model
-    from planner.plan import PlanError, load_plan
+    from planner.plan_format import PlanError, load_plan
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
