@@ -152,7 +152,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([self.make_block(config) for _ in range(config.n_layer)]),
             ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -168,16 +168,24 @@ class GPT(nn.Module):
         std = 0.02
         proj_std = std / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0,
-                                std=proj_std if name.endswith("c_proj") else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
+            self.init_module(name, module, std, proj_std)
+
+    def make_block(self, config: GPTConfig) -> nn.Module:
+        """One transformer block (subclasses swap the MLP, e.g. for experts)."""
+        return Block(config)
+
+    def init_module(self, name: str, module: nn.Module, std: float, proj_std: float) -> None:
+        """Initialise one module's own parameters (see :meth:`init_weights`)."""
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0,
+                            std=proj_std if name.endswith("c_proj") else std)
+            if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape

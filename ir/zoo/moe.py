@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ir.zoo.gpt import CausalSelfAttention, GPTConfig
+from ir.zoo.gpt import GPT, CausalSelfAttention, GPTConfig, example_inputs  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,7 @@ class MoEBlock(nn.Module):
         return x
 
 
-class MoEGPT(nn.Module):
+class MoEGPT(GPT):
     """MoE language model; ``forward(idx, targets)`` returns the mean cross-entropy loss.
 
     Args of forward:
@@ -237,56 +237,13 @@ class MoEGPT(nn.Module):
         targets: int64 [batch, seq]; when ``None`` the logits are returned.
     """
 
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([MoEBlock(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.init_weights()
+    def make_block(self, config: MoEConfig) -> nn.Module:
+        return MoEBlock(config)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        """N(0, 0.02) everywhere, N(0, 0.02/sqrt(2L)) for residual projections."""
-        std = 0.02
-        proj_std = std / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0,
-                                std=proj_std if name.endswith("c_proj") else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
-            elif isinstance(module, MoELayer):
-                nn.init.normal_(module.w_in, mean=0.0, std=std)
-                nn.init.normal_(module.w_out, mean=0.0, std=proj_std)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        B, T = idx.shape
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
-
-
-def example_inputs(config: MoEConfig, batch_size: int, seq_len: int,
-                   device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
-    """(idx, targets): int64 [batch_size, seq_len] token ids in [0, vocab_size)."""
-    if seq_len > config.block_size:
-        raise ValueError(f"seq_len={seq_len} exceeds block_size={config.block_size}")
-    shape = (batch_size, seq_len)
-    idx = torch.randint(0, config.vocab_size, shape, dtype=torch.long, device=device)
-    targets = torch.randint(0, config.vocab_size, shape, dtype=torch.long, device=device)
-    return idx, targets
+    def init_module(self, name: str, module: nn.Module, std: float, proj_std: float) -> None:
+        """GPT's initialisation; experts N(0, 0.02) in, N(0, 0.02/sqrt(2L)) out."""
+        if isinstance(module, MoELayer):
+            nn.init.normal_(module.w_in, mean=0.0, std=std)
+            nn.init.normal_(module.w_out, mean=0.0, std=proj_std)
+        else:
+            super().init_module(name, module, std, proj_std)
