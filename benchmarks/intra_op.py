@@ -12,15 +12,13 @@ import argparse
 import json
 import os
 import time
-import warnings
 
-from benchmarks.plan_time import machine
+from benchmarks.plan_time import machine, timed_problem
 from costmodel.cluster import load_cluster
 from ir import trace
 from ir.source import build_model
 from planner.ilp import SOLVERS, solve
-from planner.intra_op import IntraOpCost, build_problem
-from planner.strategies import build_strategies, fake_mesh
+from planner.intra_op import build_problem
 
 CASES = (
     ("gpt3-175b", "dgx-a100-80g:128", (128, 8), 10.0),
@@ -34,15 +32,7 @@ def run_case(name: str, cluster_spec: str, mesh_shape: tuple[int, ...], target_s
     t0 = time.perf_counter()
     graph = trace(model, inputs)
     t1 = time.perf_counter()
-    cluster = load_cluster(cluster_spec)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with fake_mesh(mesh_shape) as mesh:
-            strategies = build_strategies(graph, mesh)
-    t2 = time.perf_counter()
-    cost = IntraOpCost(graph, cluster, mesh_shape, "float32")
-    tied = build_problem(cost, strategies)
-    t3 = time.perf_counter()
+    tied, cost, strategies, times = timed_problem(graph, load_cluster(cluster_spec), mesh_shape)
     untied = build_problem(cost, strategies, tie=False)
     before, after = untied.problem.size(), tied.problem.size()
     solves = {}
@@ -55,11 +45,10 @@ def run_case(name: str, cluster_spec: str, mesh_shape: tuple[int, ...], target_s
         except Exception as err:  # noqa: BLE001 - recorded, the benchmark goes on
             solves[solver] = {"solve_s": time.perf_counter() - s0, "error": str(err)[:200]}
     default = solves[solvers[0]]
-    intra_op_s = (t2 - t1) + (t3 - t2) + default["solve_s"]
+    intra_op_s = times["strategies_s"] + times["build_s"] + default["solve_s"]
     return {
         "model": name, "cluster": cluster_spec, "mesh": list(mesh_shape),
-        "nodes": len(graph), "trace_s": t1 - t0, "strategies_s": t2 - t1,
-        "build_s": t3 - t2, "intra_op_s": intra_op_s, "target_s": target_s,
+        "nodes": len(graph), "trace_s": t1 - t0, **times, "intra_op_s": intra_op_s, "target_s": target_s,
         "met_target": intra_op_s < target_s,
         "ilp_before_tying": {"variables": before[0], "constraints": before[1],
                              "decision_nodes": len(untied.problem.node_costs)},

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import time
+import warnings
 
 import torch
 
@@ -38,24 +39,37 @@ def time_trace(name: str) -> dict:
             "parameters": graph.num_parameters}
 
 
+def timed_problem(graph, cluster, mesh_shape: tuple[int, ...]):
+    """Strategies and the (tied) intra-op problem of ``graph`` on ``mesh_shape``.
+
+    Returns ``(problem, cost, strategies, {"strategies_s", "build_s"})`` (seconds).
+    """
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with fake_mesh(mesh_shape) as mesh:
+            strategies = build_strategies(graph, mesh)
+    t1 = time.perf_counter()
+    cost = IntraOpCost(graph, cluster, mesh_shape, "float32")
+    built = build_problem(cost, strategies)
+    t2 = time.perf_counter()
+    return built, cost, strategies, {"strategies_s": t1 - t0, "build_s": t2 - t1}
+
+
 def time_block_ilp(name: str, cluster_spec: str, mesh_shape: tuple[int, ...]) -> dict:
     cfg = config(name)
     one_block = GPTConfig(1, cfg.n_embd, cfg.n_head, vocab_size=cfg.vocab_size,
                           block_size=cfg.block_size)
     model, inputs = build_from_config(one_block, batch_size=mesh_shape[0] * 2)
     graph = trace(model, inputs)
-    cluster = load_cluster(cluster_spec)
+    built, _, _, times = timed_problem(graph, load_cluster(cluster_spec), mesh_shape)
     t0 = time.perf_counter()
-    with fake_mesh(mesh_shape) as mesh:
-        strategies = build_strategies(graph, mesh)
-    t1 = time.perf_counter()
-    problem = build_problem(IntraOpCost(graph, cluster, mesh_shape, "float32"), strategies).problem
-    t2 = time.perf_counter()
-    solution = solve(problem, time_limit_s=60)
-    t3 = time.perf_counter()
+    solution = solve(built.problem, time_limit_s=60)
+    solve_s = time.perf_counter() - t0
     return {"model": name, "block_layers": 1, "cluster": cluster_spec, "mesh": list(mesh_shape),
-            "strategies_s": t1 - t0, "build_s": t2 - t1, "solve_s": t3 - t2,
-            "total_s": t3 - t0, "status": solution.status,
+            **times, "solve_s": solve_s,
+            "total_s": times["strategies_s"] + times["build_s"] + solve_s,
+            "status": solution.status,
             "variables": solution.num_variables, "constraints": solution.num_constraints,
             "objective_s": solution.objective_s}
 

@@ -24,16 +24,24 @@ def problems(draw, allow_inf=True):
     return AssignmentProblem(node_costs, edges)
 
 
-@settings(max_examples=150, deadline=None)
-@given(problems())
-def test_ilp_optimum_equals_brute_force(problem):
+def _solve_and_enumerate(problem):
+    """(solver's solution, brute-force optimum); None when both find it infeasible."""
     try:
         _, best = brute_force(problem)
     except InfeasibleError:
         with pytest.raises(InfeasibleError):
             solve(problem)
+        return None
+    return solve(problem), best
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_ilp_optimum_equals_brute_force(problem):
+    solved = _solve_and_enumerate(problem)
+    if solved is None:
         return
-    solution = solve(problem)
+    solution, best = solved
     assert solution.status == "OPTIMAL"
     assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert problem.evaluate(solution.choice) == pytest.approx(best, rel=1e-9, abs=1e-12)
@@ -116,12 +124,9 @@ def checkpoint_problems(draw):
 @settings(max_examples=150, deadline=None)
 @given(checkpoint_problems())
 def test_ilp_with_checkpointing_decision_equals_brute_force(problem):
-    try:
-        _, best = brute_force(problem)
-    except InfeasibleError:
-        with pytest.raises(InfeasibleError):
-            solve(problem)
+    solved = _solve_and_enumerate(problem)
+    if solved is None:
         return
-    solution = solve(problem)
+    solution, best = solved
     assert problem.fits(solution.choice, solution.checkpoint)
     assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)

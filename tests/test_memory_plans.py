@@ -20,10 +20,15 @@ def unconstrained():
     return _plan()
 
 
+def _budgeted(unconstrained, fraction):
+    """(budget, plan) with ``fraction`` of the unconstrained plan's memory per device."""
+    budget = fraction * unconstrained.predicted["memory_bytes_per_device"]["total"]
+    return budget, _plan(budget)
+
+
 @pytest.fixture(scope="module")
 def constrained(unconstrained):
-    budget = 0.9 * unconstrained.predicted["memory_bytes_per_device"]["total"]
-    return budget, _plan(budget)
+    return _budgeted(unconstrained, 0.9)
 
 
 def test_unconstrained_large_batch_is_data_parallel(unconstrained):
@@ -47,20 +52,9 @@ def test_nothing_fits_names_the_least_memory_that_would():
         _plan(budget=1024.0)
 
 
-@pytest.mark.multiprocess
-def test_memory_constrained_plan_runs_and_matches_one_process(constrained, tmp_path):
-    _, p = constrained
-    path = tmp_path / "plan.json"
-    p.save(path)
-    result = launch(path, steps=2, check=True)
-    assert result["passed"], result.get("output")
-    assert result["max_rel_grad_err"] < 1e-5 and result["observed_match"]
-
-
 @pytest.fixture(scope="module")
 def checkpointed(unconstrained):
-    budget = 0.5 * unconstrained.predicted["memory_bytes_per_device"]["total"]
-    return budget, _plan(budget)
+    return _budgeted(unconstrained, 0.5)
 
 
 def test_too_little_memory_turns_on_activation_checkpointing(unconstrained, checkpointed):
@@ -74,8 +68,10 @@ def test_too_little_memory_turns_on_activation_checkpointing(unconstrained, chec
 
 
 @pytest.mark.multiprocess
-def test_checkpointed_plan_runs_and_matches_one_process(checkpointed, tmp_path):
-    _, p = checkpointed
+@pytest.mark.parametrize("which", ["constrained", "checkpointed"])
+def test_memory_saving_plans_run_and_match_one_process(which, request, tmp_path):
+    """Parameter-sharded and checkpointed plans execute as planned."""
+    _, p = request.getfixturevalue(which)
     path = tmp_path / "plan.json"
     p.save(path)
     result = launch(path, steps=2, check=True)
