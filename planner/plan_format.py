@@ -14,7 +14,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this planner reads: 1 has no ``pipeline`` section (it means one stage).
+READABLE_VERSIONS = (1, 2)
 
 
 class PlanError(ValueError):
@@ -62,6 +64,73 @@ class Reshard:
 
 
 @dataclass
+class StagePlan:
+    """One pipeline stage: a contiguous range of layers on one sub-mesh.
+
+    Attributes:
+        index: global stage index in program order (0 .. number of stages - 1).
+        pp_rank: the pipeline rank (row of the world mesh's ``pp`` axis) that runs
+            it; with interleaved/V schedules a rank runs several stages.
+        layers: module paths of the layers in the stage (``transformer.h.3``;
+            ``""`` stands for the ops outside any block, e.g. embedding or head).
+        nodes: names of the captured program's op nodes the stage runs, in
+            program order.
+        ranks: global ranks of the stage's sub-mesh, row-major in mesh order.
+        inputs: boundary values the stage receives (captured node or user input
+            names), in order, each with its placements on the stage mesh.
+        outputs: values the stage sends on (or returns, for the last stage), in
+            order, each with the placements it sends them in.
+        checkpoint: module paths of the layers recomputed in backward.
+        zero_stage: 0 (parameters as placed) or 3 (parameters, gradients and
+            optimizer states sharded by FSDP2 ``fully_shard`` over the stage's
+            data-parallel axis ``zero_axis``).
+        predicted: per micro-batch ``forward_s``, ``backward_input_s``,
+            ``backward_weight_s``; per step ``grad_sync_s``; and
+            ``memory_bytes_per_device`` (bytes, by kind).
+    """
+
+    index: int
+    pp_rank: int
+    layers: list[str]
+    nodes: list[str]
+    ranks: list[int]
+    inputs: dict[str, list[str]]
+    outputs: dict[str, list[str]]
+    checkpoint: list[str] = field(default_factory=list)
+    zero_stage: int = 0
+    zero_axis: int | None = None
+    predicted: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PipelinePlan:
+    """How the step is pipelined.
+
+    Attributes:
+        schedule: canonical schedule name (costmodel.schedules.SCHEDULES:
+            ``gpipe``, ``1f1b``, ``interleaved_1f1b``, ``interleaved_zero_bubble``,
+            ``zbv``, ``dualpipev``, ...), run with torch.distributed.pipelining's class.
+        num_microbatches: micro-batches per step; the global batch is split
+            evenly along dim 0 of every user input.
+        stages_per_rank: stages each pipeline rank runs (1, or 2+ for
+            interleaved and V schedules).
+        stages: every stage, by index.
+        stage_mesh: ``shape`` and ``axis_names`` of every stage's sub-mesh (all
+            stages have the same shape; the world mesh is ``[pp] + shape``).
+    """
+
+    schedule: str
+    num_microbatches: int
+    stages_per_rank: int
+    stage_mesh: dict[str, Any]
+    stages: list[StagePlan]
+
+    @property
+    def pp(self) -> int:
+        return len(self.stages) // self.stages_per_rank
+
+
+@dataclass
 class Plan:
     """A complete parallelization plan for one model on one cluster.
 
@@ -81,6 +150,10 @@ class Plan:
         training: batch and optimiser settings the prediction assumed.
         checkpoint: module paths of the layers whose activations are recomputed
             in backward (activation checkpointing), in program order.
+        pipeline: None for a single-stage plan. For a pipeline plan ``mesh`` is
+            the world mesh ``[pp] + stage mesh`` (first axis named ``pp``), and
+            the placements in ``parameters``/``inputs``/``nodes`` are on the
+            mesh of the stage that owns the node (one string per stage-mesh axis).
     """
 
     model: dict[str, Any]
@@ -94,6 +167,7 @@ class Plan:
     solver: SolverReport
     training: dict[str, Any] = field(default_factory=dict)
     checkpoint: list[str] = field(default_factory=list)
+    pipeline: PipelinePlan | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -134,10 +208,10 @@ class Plan:
         if not isinstance(d, dict):
             raise PlanError("plan.json must hold a JSON object; regenerate it with `planner plan`")
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise PlanError(
-                f"plan.json has format_version {version!r} but this planner reads version "
-                f"{FORMAT_VERSION}; regenerate it with `planner plan`")
+                f"plan.json has format_version {version!r} but this planner reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; regenerate it with `planner plan`")
         required = ("model", "cluster", "mesh", "parameters", "inputs", "nodes",
                     "reshards", "predicted", "solver")
         missing = [k for k in required if k not in d]
@@ -152,9 +226,21 @@ class Plan:
                 reshards=[Reshard(**r) for r in d["reshards"]],
                 predicted=d["predicted"], solver=SolverReport(**d["solver"]),
                 training=d.get("training", {}), checkpoint=list(d.get("checkpoint", [])),
-                format_version=version)
+                pipeline=_pipeline_from_dict(d.get("pipeline")),
+                format_version=FORMAT_VERSION)
         except (TypeError, AttributeError) as err:
             raise PlanError(f"plan.json is malformed ({err}); regenerate it with `planner plan`") from err
+
+
+def _pipeline_from_dict(d: dict[str, Any] | None) -> PipelinePlan | None:
+    if d is None:
+        return None
+    stages = [StagePlan(**{**st, "inputs": {k: list(v) for k, v in st["inputs"].items()},
+                           "outputs": {k: list(v) for k, v in st["outputs"].items()}})
+              for st in d["stages"]]
+    return PipelinePlan(schedule=d["schedule"], num_microbatches=int(d["num_microbatches"]),
+                        stages_per_rank=int(d["stages_per_rank"]), stage_mesh=d["stage_mesh"],
+                        stages=stages)
 
 
 def _is_plan_file(path: str) -> bool:
