@@ -68,3 +68,147 @@ def find_layers(graph: Graph) -> list[Layer]:
         digest = hashlib.sha256(json.dumps(records).encode()).hexdigest()[:16]
         layers.append(Layer(name=name, nodes=tuple(n.name for n in nodes), signature=digest))
     return layers
+
+
+@dataclass(frozen=True)
+class PipelineLayer:
+    """A unit the inter-op pass never splits: ops in program order.
+
+    Attributes:
+        name: module path of its block (``transformer.h.3``), or ``ops[a:b]``
+            for a layer made by :func:`cluster_layers`.
+        ops: names of its op nodes, in program order.
+        flops: forward FLOPs of its ops.
+    """
+
+    name: str
+    ops: tuple[str, ...]
+    flops: float
+
+
+def _op_owner(graph: Graph) -> dict[str, str | None]:
+    """Block of every op node; ``getitem`` projections follow their producer."""
+    owner: dict[str, str | None] = {}
+    for n in graph.nodes:
+        if n.kind != OP:
+            continue
+        owner[n.name] = owner[n.args[0]] if n.target == "getitem" else _block_of(n.module_path)
+    return owner
+
+
+def pipeline_layers(graph: Graph, min_layers: int = 2) -> list[PipelineLayer]:
+    """The graph's ops cut into pipeline layers.
+
+    With repeated blocks (at least ``min_layers``), each block is a layer; ops
+    before the first block (embeddings) join the first layer, ops after a block
+    and before the next (or the head and loss after the last) join the block
+    before them. Without repeated blocks the ops are clustered by
+    :func:`cluster_layers` into ``min_layers`` or more layers.
+    """
+    ops = [n for n in graph.nodes if n.kind == OP]
+    owner = _op_owner(graph)
+    blocks = list(dict.fromkeys(b for b in owner.values() if b is not None))
+    if len(blocks) < min_layers:
+        return cluster_layers(graph, max(min_layers, 1))
+    groups: list[list[str]] = [[] for _ in blocks]
+    index = {b: i for i, b in enumerate(blocks)}
+    current = 0
+    for n in ops:
+        b = owner[n.name]
+        if b is not None:
+            current = max(current, index[b])
+        groups[current].append(n.name)
+    return [PipelineLayer(b, tuple(g), float(sum(graph[x].flops for x in g)))
+            for b, g in zip(blocks, groups)]
+
+
+def cut_bytes(graph: Graph) -> list[float]:
+    """``cut[i]``: bytes of float activations alive across a cut before op ``i``.
+
+    A value counts when an op before the cut produces it (or it is a user input)
+    and an op at or after the cut reads it; parameters do not count (they live
+    with the stage that reads them). ``len(cut) == number of ops + 1``.
+    """
+    ops = [n for n in graph.nodes if n.kind == OP]
+    pos = {n.name: i for i, n in enumerate(ops)}
+    last_read: dict[str, int] = {}
+    for i, n in enumerate(ops):
+        for a in n.args:
+            last_read[a] = i
+    delta = [0.0] * (len(ops) + 2)
+    for n in graph.nodes:
+        if n.kind not in (OP, "input") or n.name not in last_read or not n.outputs:
+            continue
+        if not n.outputs[0].is_float and n.kind == OP:
+            continue
+        start = pos[n.name] + 1 if n.kind == OP else 0
+        end = last_read[n.name]
+        if end >= start:
+            nbytes = float(sum(o.nbytes for o in n.outputs))
+            delta[start] += nbytes
+            delta[end + 1] -= nbytes
+    out, running = [], 0.0
+    for i in range(len(ops) + 1):
+        running += delta[i]
+        out.append(running)
+    return out
+
+
+def cluster_layers(graph: Graph, num_layers: int, imbalance: float = 0.5) -> list[PipelineLayer]:
+    """Ops cut into ``num_layers`` contiguous layers, as Alpa's layer construction.
+
+    Among the cuts whose every layer has at most ``(1 + imbalance)`` times the
+    mean forward FLOPs (op count when the graph has no FLOPs), choose the one
+    whose cut points carry the fewest activation bytes (dynamic programming over
+    op positions). Fewer layers come back when there are fewer ops.
+    """
+    ops = [n for n in graph.nodes if n.kind == OP]
+    # getitem projections and views must stay with their producer: cut only
+    # before an op that is not a getitem.
+    k = max(1, min(num_layers, len(ops)))
+    weight = [n.flops for n in ops]
+    if sum(weight) == 0:
+        weight = [1.0] * len(ops)
+    prefix = [0.0]
+    for x in weight:
+        prefix.append(prefix[-1] + x)
+    cut = cut_bytes(graph)
+    points = [0] + [i for i in range(1, len(ops)) if ops[i].target != "getitem"] + [len(ops)]
+    k = min(k, len(points) - 1)
+    bounds = None
+    while bounds is None:  # relax the balance until some cut exists (one layer always does)
+        cap = (1 + imbalance) * prefix[-1] / k
+        bounds = _least_cut(points, prefix, cut, k, cap)
+        imbalance = 2 * imbalance + 0.5
+    return [PipelineLayer(f"ops[{a}:{b}]", tuple(n.name for n in ops[a:b]),
+                          float(sum(n.flops for n in ops[a:b]))) for a, b in bounds]
+
+
+def _least_cut(points: list[int], prefix: list[float], cut: list[float], k: int,
+               cap: float) -> list[tuple[int, int]] | None:
+    """Op ranges of the ``k``-layer cut at ``points`` with every layer's weight
+    at most ``cap`` and the least total cut bytes; None when there is none."""
+    inf = float("inf")
+    n = len(points)
+    # best[j][p]: least cut bytes splitting ops[:points[p]] into j layers.
+    best = [[inf] * n for _ in range(k + 1)]
+    back = [[-1] * n for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        for p in range(1, n):
+            for q in range(p - 1, -1, -1):
+                if prefix[points[p]] - prefix[points[q]] > cap:
+                    break
+                if best[j - 1][q] == inf:
+                    continue
+                c = best[j - 1][q] + (cut[points[q]] if q > 0 else 0.0)
+                if c < best[j][p]:
+                    best[j][p], back[j][p] = c, q
+    if best[k][n - 1] == inf:
+        return None
+    bounds, p = [], n - 1
+    for j in range(k, 0, -1):
+        q = back[j][p]
+        bounds.append((points[q], points[p]))
+        p = q
+    return bounds[::-1]

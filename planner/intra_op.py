@@ -84,8 +84,10 @@ class IntraOpCost:
     """Prices strategies and edges of one graph on one mesh of one cluster (seconds)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
-                 optimizer: str = "adam"):
+                 optimizer: str = "adam", activation_copies: float = 1.0):
         self.graph = graph
+        # micro-batches whose saved activations are alive at once (pipeline in-flight)
+        self.activation_copies = float(activation_copies)
         self.optimizer = optimizer
         self.cluster = cluster
         self.mesh_shape = tuple(int(d) for d in mesh_shape)
@@ -199,8 +201,10 @@ class IntraOpCost:
         return {}
 
     def memory(self, node: Node, s: Strategy) -> float:
-        """Total bytes per device of :meth:`memory_breakdown`."""
-        return float(sum(self.memory_breakdown(node, s).values()))
+        """Bytes per device of :meth:`memory_breakdown`, activations counted once per
+        micro-batch in flight (``activation_copies``)."""
+        return float(sum(v * (self.activation_copies if k == "activations" else 1.0)
+                         for k, v in self.memory_breakdown(node, s).items()))
 
     def edge(self, producer_out: Placements, consumer_in: Placements, info: TensorInfo,
              requires_grad: bool) -> float:
@@ -333,8 +337,9 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
             inside = set(layer.nodes)
             graph = cost.graph
             external = {a for n in ops for a in graph[n].args if a not in inside}
-            kept += sum(graph[a].outputs[0].nbytes for a in external
-                        if graph[a].outputs and graph[a].outputs[0].is_float)
+            kept += cost.activation_copies * sum(
+                graph[a].outputs[0].nbytes for a in external
+                if graph[a].outputs and graph[a].outputs[0].is_float)
             for n in ops:
                 c = classes[index[n]]
                 if c not in group_classes and any(node_memory[c]):
@@ -416,7 +421,8 @@ def least_memory(problem: AssignmentProblem) -> float:
 def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
                    dtype: str = "float32", time_limit_s: float = 30.0,
                    memory_budget: float | None = None, optimizer: str = "adam",
-                   fixed: Mapping[str, Placements] | None = None) -> IntraOpResult:
+                   fixed: Mapping[str, Placements] | None = None,
+                   activation_copies: float = 1.0) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     Args:
@@ -424,6 +430,9 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
             optimizer states, saved activations); None means unbounded.
         fixed: placements the plan must use for some parameters (by FQN) or user
             inputs (by name), e.g. a Megatron layout; the rest is optimised.
+        activation_copies: micro-batches whose saved activations are alive at
+            once (a pipeline stage's in-flight count); the memory constraint and
+            the reported ``activations`` count them that many times.
 
     Raises:
         MemoryInfeasibleError: no assignment fits ``memory_budget``; it carries the
@@ -442,7 +451,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
                 raise FixedPlacementError(
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
-    cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer)
+    cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies)
     built = build_problem(cost, strategies, memory_budget)
     problem = built.problem
     if memory_budget is not None and least_memory(problem) > memory_budget:
@@ -458,7 +467,7 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
         breakdown.compute_s += cost.compute(ns.node, s)
         breakdown.communication_s += cost.backward_collectives(ns.node, s)
         for k, v in cost.memory_breakdown(ns.node, s).items():
-            memory[k] = memory.get(k, 0.0) + v
+            memory[k] = memory.get(k, 0.0) + v * (activation_copies if k == "activations" else 1)
     for u, v, m in problem.edges:
         breakdown.resharding_s += m[solution.choice[u]][solution.choice[v]]
     for c, loop in enumerate(built.loop_costs):

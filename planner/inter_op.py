@@ -1,0 +1,346 @@
+"""Inter-op pass: cut the layers into pipeline stages, price them, pick the best pipeline.
+
+Units: seconds (times), bytes (memory), counts otherwise.
+
+The search follows Alpa's inter-op pass, with stages on equal sub-meshes (the
+world mesh is ``[pp] + stage mesh``, which is what the code generator runs):
+
+* The outer loop enumerates the pipeline degree ``pp`` (whose sub-mesh is part
+  of one node, ``(1, 2^k)``, or whole nodes, ``(n, devices per node)``), the
+  logical stage mesh (1-D, or ``(d / t, t)`` with the ``t``-sized axis inside a
+  node), the number of micro-batches and the schedule (GPipe, 1F1B,
+  interleaved 1F1B, interleaved zero-bubble, ZBV, DualPipeV).
+* Per layer *kind* (layers with the same structure), the intra-op ILP prices
+  one layer at a few memory budgets (:class:`LayerProfile`: forward, backward
+  and gradient-sync seconds with parameter-state and activation bytes).
+* :func:`split_layers` is Alpa's dynamic program: for each candidate
+  max-stage-time ``t_max`` (distinct stage times, ascending), the least total
+  stage time over contiguous cuts with every stage at most ``t_max`` and within
+  memory (a stage keeps its schedule's in-flight micro-batches of activations),
+  minimising ``sum(t) + (m - 1) t_max``; enumeration stops when ``(m - 1) t_max``
+  alone exceeds the best.
+* The best candidates are timed with the schedule simulation
+  (costmodel.schedules.simulate, torch's own action orders) and the winner's
+  stages are solved exactly by the intra-op ILP on each stage's sub-graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from costmodel.cluster import Cluster
+from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
+from ir.graph import INPUT, OP, Graph
+from ir.layers import PipelineLayer
+from ir.subgraph import boundary_values, subgraph
+from planner.intra_op import (IntraOpCost, IntraOpResult, MemoryInfeasibleError, _grad_placements,
+                              local_numel, solve_intra_op)
+
+# Schedules the search tries, in this order (ties keep the earlier one).
+SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv",
+                    "dualpipev")
+
+
+class PipelineInfeasibleError(RuntimeError):
+    """No pipeline configuration fits in memory."""
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Seconds of one stage: per micro-batch ``forward_s``, ``backward_input_s``
+    (input gradients, activation-gradient collectives, recomputation) and
+    ``backward_weight_s``; per step ``grad_sync_s`` (parameter-gradient
+    reduction). ``state_bytes`` (parameters, gradients, optimizer states) and
+    ``activation_bytes`` (one micro-batch's saved activations) per device."""
+
+    forward_s: float
+    backward_input_s: float
+    backward_weight_s: float
+    grad_sync_s: float
+    state_bytes: float
+    activation_bytes: float
+
+    @property
+    def microbatch_s(self) -> float:
+        return self.forward_s + self.backward_input_s + self.backward_weight_s
+
+    def memory(self, copies: float) -> float:
+        """Bytes per device with ``copies`` micro-batches in flight."""
+        return self.state_bytes + copies * self.activation_bytes
+
+    def __add__(self, other: "StageTimes") -> "StageTimes":
+        return StageTimes(*(a + b for a, b in zip(self._values(), other._values())))
+
+    def _values(self) -> tuple[float, ...]:
+        return (self.forward_s, self.backward_input_s, self.backward_weight_s, self.grad_sync_s,
+                self.state_bytes, self.activation_bytes)
+
+
+ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str) -> StageTimes:
+    """Split an intra-op solution's step into the parts a pipeline schedules apart.
+
+    Forward compute and forward reshards (including gathering sharded
+    parameters) run per micro-batch in the forward; input-gradient compute,
+    activation-gradient collectives, gradient reshards of activations and
+    recomputation in the backward; weight-gradient compute in the weight
+    backward; the reduction of parameter gradients once per step.
+    """
+    graph, chosen = result.graph, result.chosen
+    cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer)
+    f = b = w = sync = 0.0
+    for n in graph.nodes:
+        s = chosen[n.name]
+        if n.kind == INPUT:
+            f += cost.compute(n, s)
+        if n.kind != OP:
+            continue
+        f += cost.forward_time(n, s)
+        bi, bw = cost.backward_times(n, s)
+        b += bi + cost.backward_collectives(n, s)
+        w += bw
+        for k, arg in enumerate(n.args):
+            idx = n.arg_index if n.target == "getitem" else 0
+            src, dst = chosen[arg].outputs[idx], s.inputs[k]
+            if src == dst:
+                continue
+            info = n.inputs[k] if n.inputs else graph[arg].outputs[idx]
+            f += cost.reshard(src, dst, info)
+            if arg in cost.requires_grad and info.is_float:
+                g = cost.reshard(_grad_placements(dst), _grad_placements(src), info)
+                if arg in cost.param_derived:
+                    sync += g
+                else:
+                    b += g
+    recompute = result.solution.objective_s - (f + b + w + sync)
+    b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
+    memory = result.memory
+    activations = memory.get("activations", 0.0)
+    state = sum(v for k, v in memory.items() if k != "activations")
+    return StageTimes(f, b, w, sync, state, activations)
+
+
+def layer_signature(graph: Graph, layer: PipelineLayer) -> str:
+    """Structural hash of a layer: equal for layers that compute the same thing on
+    tensors of the same shapes (their ILP solutions are interchangeable)."""
+    pos = {name: i for i, name in enumerate(layer.ops)}
+    records = []
+    for name in layer.ops:
+        n = graph[name]
+        args = [["in", pos[a]] if a in pos else ["ext", graph[a].kind,
+                                                   [o.to_json() for o in graph[a].outputs]]
+                for a in n.args]
+        records.append([n.target, n.arg_index, args, [o.to_json() for o in n.outputs]])
+    return hashlib.sha256(json.dumps(records).encode()).hexdigest()[:16]
+
+
+@dataclass
+class LayerProfile:
+    """Pareto points (time, memory) of one layer kind on one stage mesh, from the
+    intra-op ILP at decreasing memory budgets; ``points[0]`` is unconstrained
+    (fastest), later points use less memory (sharded states, checkpointing)."""
+
+    points: list[StageTimes]
+
+    def point(self, level: int) -> StageTimes:
+        return self.points[min(level, len(self.points) - 1)]
+
+
+@dataclass
+class StageMeshOption:
+    """A stage sub-mesh: ``nodes x devices_per_node`` physical devices viewed as
+    the logical ``shape``."""
+
+    shape: tuple[int, ...]
+    num_nodes: int
+    devices_per_node: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def cluster(self, cluster: Cluster) -> Cluster:
+        return cluster.sub_cluster(self.num_nodes, self.devices_per_node)
+
+
+def stage_mesh_options(cluster: Cluster, pp: int) -> list[StageMeshOption]:
+    """Logical meshes of a stage when the cluster is cut into ``pp`` equal
+    sub-meshes (Alpa's sub-mesh shapes: part of one node, or whole nodes).
+    Empty when ``pp`` does not cut the cluster that way."""
+    n = cluster.num_devices
+    if n % pp:
+        return []
+    size = n // pp
+    dpn = cluster.devices_per_node
+    if size <= dpn:
+        if dpn % size:
+            return []
+        nodes, per_node = 1, size
+    elif size % dpn == 0:
+        nodes, per_node = size // dpn, dpn
+    else:
+        return []
+    shapes: list[tuple[int, ...]] = [(size,)]
+    t = 2
+    while t < size and t <= per_node:
+        if size % t == 0 and per_node % t == 0:
+            shapes.append((size // t, t))
+        t *= 2
+    return [StageMeshOption(s, nodes, per_node) for s in shapes]
+
+
+@dataclass
+class SplitResult:
+    """Alpa DP answer: ``bounds[s] = (first layer, end layer)`` of stage s, its
+    memory ``level``, stage times per micro-batch, and the DP objective
+    ``sum(t) + (m - 1) max(t)`` (seconds)."""
+
+    bounds: list[tuple[int, int]]
+    levels: list[int]
+    times: list[StageTimes]
+    objective_s: float
+
+
+def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
+                 num_stages: int, num_microbatches: int, copies: Sequence[float],
+                 budget: float, levels: int = 1) -> SplitResult | None:
+    """Alpa's stage DP over contiguous layer ranges (equal sub-meshes).
+
+    Args:
+        layer_times: ``(layer, level) -> StageTimes`` of one layer at memory
+            level ``level`` (0 = fastest); a stage's times are the sum over its layers.
+        num_stages: stages to cut into (each at least one layer).
+        num_microbatches: ``m`` in the objective ``sum(t) + (m - 1) t_max``.
+        copies: in-flight micro-batches of activations kept by each stage.
+        budget: bytes per device each stage may use.
+        levels: memory levels a stage may choose from (all its layers use one).
+
+    Returns:
+        The best cut, or None when no cut fits in memory.
+    """
+    L, S, m = num_layers, num_stages, num_microbatches
+    if S > L:
+        return None
+    prefix = [[ZERO_TIMES] for _ in range(levels)]
+    for lv in range(levels):
+        for i in range(L):
+            prefix[lv].append(prefix[lv][-1] + layer_times(i, lv))
+
+    def stage(i: int, j: int, s: int) -> tuple[float, int] | None:
+        """Fastest memory level of layers [i, j) as stage s: (seconds, level)."""
+        for lv in range(levels):
+            t = _diff(prefix[lv][j], prefix[lv][i])
+            if t.memory(copies[s]) <= budget:
+                return t.microbatch_s, lv
+        return None
+
+    cache: dict[tuple[int, int, int], tuple[float, int] | None] = {}
+
+    def cost(i: int, j: int, s: int) -> tuple[float, int] | None:
+        key = (i, j, s)
+        if key not in cache:
+            cache[key] = stage(i, j, s)
+        return cache[key]
+
+    candidates = sorted({c[0] for s in range(S) for i in range(L) for j in range(i + 1, L + 1)
+                         if j - i <= L - S + 1 and (c := cost(i, j, s)) is not None})
+    best: SplitResult | None = None
+    inf = float("inf")
+    for t_max in candidates:
+        if best is not None and (m - 1) * t_max >= best.objective_s:
+            break
+        # g[s][i]: least sum of stage times for layers i.. in stages s.. (each <= t_max)
+        g = [[inf] * (L + 1) for _ in range(S + 1)]
+        nxt = [[-1] * (L + 1) for _ in range(S + 1)]
+        g[S][L] = 0.0
+        for s in range(S - 1, -1, -1):
+            for i in range(L - (S - s), -1, -1):
+                for j in range(i + 1, L - (S - s - 1) + 1):
+                    c = cost(i, j, s)
+                    if c is None or c[0] > t_max or g[s + 1][j] == inf:
+                        continue
+                    total = c[0] + g[s + 1][j]
+                    if total < g[s][i]:
+                        g[s][i], nxt[s][i] = total, j
+        if g[0][0] == inf:
+            continue
+        objective = g[0][0] + (m - 1) * t_max
+        if best is None or objective < best.objective_s - 1e-15:
+            bounds, i = [], 0
+            for s in range(S):
+                j = nxt[s][i]
+                bounds.append((i, j))
+                i = j
+            lv = [cost(a, b_, s)[1] for s, (a, b_) in enumerate(bounds)]
+            times = [_diff(prefix[l][b_], prefix[l][a]) for l, (a, b_) in zip(lv, bounds)]
+            best = SplitResult(bounds, lv, times, objective)
+    return best
+
+
+def _diff(a: StageTimes, b: StageTimes) -> StageTimes:
+    return StageTimes(*(x - y for x, y in zip(a._values(), b._values())))
+
+
+def in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
+    """Micro-batches of activations each stage keeps alive at the schedule's
+    peak (a rank's peak shared evenly among its ``v`` stages), by stage."""
+    result = simulate(schedule, pp, m, 1.0, 1.0, 1.0, 0.0, stages_per_rank=v)
+    return [max(1.0, result.peak_activations[result.stage_to_rank[s]] / v)
+            for s in range(pp * v)]
+
+
+def exhaustive_split(layer_times: Callable[[int, int], StageTimes], num_layers: int,
+                     num_stages: int, num_microbatches: int, copies: Sequence[float],
+                     budget: float, levels: int = 1) -> SplitResult | None:
+    """Every contiguous cut and memory level, for checking :func:`split_layers`."""
+    import itertools
+
+    best: SplitResult | None = None
+    for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
+        bounds = list(zip((0, *cuts), (*cuts, num_layers)))
+        times, lvls = [], []
+        for s, (a, b) in enumerate(bounds):
+            found = None
+            for lv in range(levels):
+                t = ZERO_TIMES
+                for i in range(a, b):
+                    t = t + layer_times(i, lv)
+                if t.memory(copies[s]) <= budget:
+                    found = (t, lv)
+                    break
+            if found is None:
+                break
+            times.append(found[0])
+            lvls.append(found[1])
+        else:
+            stage_s = [t.microbatch_s for t in times]
+            objective = sum(stage_s) + (num_microbatches - 1) * max(stage_s)
+            if best is None or objective < best.objective_s - 1e-15:
+                best = SplitResult(bounds, lvls, times, objective)
+    return best
+
+
+@dataclass
+class PipelineCandidate:
+    """One priced pipeline configuration."""
+
+    pp: int
+    stages_per_rank: int
+    mesh: StageMeshOption
+    schedule: str
+    num_microbatches: int
+    split: SplitResult
+    step_time_s: float
+    bubble_s: float
+    p2p_s: float
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def label(self) -> str:
+        return (f"pp={self.pp} v={self.stages_per_rank} stage mesh "
+                f"{'x'.join(map(str, self.mesh.shape))} {self.schedule} m={self.num_microbatches}")
