@@ -47,8 +47,8 @@ from ir.trace import capture, graph_from_exported
 from planner.plan_format import OpPlacement, Plan, Reshard
 
 __all__ = [
-    "PlanExecutor", "PlanMismatchError", "ReshardEvent", "parse_placement",
-    "placement_str", "placements_of", "record_plan", "redistribute",
+    "CapturedProgram", "PlanExecutor", "PlanMismatchError", "ReshardEvent", "capture_program",
+    "parse_placement", "placement_str", "placements_of", "record_plan", "redistribute",
 ]
 
 
@@ -293,6 +293,20 @@ def _tensor_leaves(value: Any) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------- executor
+@dataclass
+class CapturedProgram:
+    """A model captured as the planner captures it: the exported program and its Graph."""
+
+    ep: torch.export.ExportedProgram
+    graph: Any  # ir.graph.Graph
+
+
+def capture_program(model: torch.nn.Module, example_inputs: Any) -> CapturedProgram:
+    """Capture ``model(*example_inputs)`` exactly as the planner did (``ir.capture``)."""
+    ep = capture(model, example_inputs)
+    return CapturedProgram(ep, graph_from_exported(ep, model_name=type(model).__name__))
+
+
 class PlanExecutor:
     """Executes a captured program on DTensors as a Plan says.
 
@@ -303,6 +317,13 @@ class PlanExecutor:
         mesh: the DeviceMesh, of shape ``plan.mesh_shape``.
         record_every_step: keep recording placements after the first forward
             (recording asks DTensor's sharding propagator about every op).
+        program: the model already captured with these inputs (see
+            :func:`capture_program`), to share one capture between executors.
+
+    Subclasses run part of the program (a pipeline stage, ``codegen.pipeline``)
+    by overriding :meth:`_program_calls`, :meth:`_kept_values`,
+    :meth:`_wants_placeholder`, :meth:`_checkpoint_layers`,
+    :meth:`_check_mesh` and :meth:`_planned_node_names`.
 
     Attributes:
         observed: node name -> {"inputs": [...], "outputs": [...]}, the placements
@@ -315,16 +336,15 @@ class PlanExecutor:
     """
 
     def __init__(self, plan: Plan, model: torch.nn.Module, example_inputs: Any,
-                 mesh: DeviceMesh, *, record_every_step: bool = False):
+                 mesh: DeviceMesh, *, record_every_step: bool = False,
+                 program: CapturedProgram | None = None):
         self.plan = plan
         self.mesh = mesh
         self.record_every_step = record_every_step
-        if tuple(mesh.shape) != tuple(plan.mesh_shape):
-            raise PlanMismatchError(
-                f"plan is for a mesh of shape {list(plan.mesh_shape)} but the device mesh "
-                f"has shape {list(mesh.shape)}; launch with {plan.world_size} ranks")
-        self.ep = capture(model, example_inputs)
-        self.graph = graph_from_exported(self.ep, model_name=type(model).__name__)
+        self._check_mesh(mesh)
+        if program is None:
+            program = capture_program(model, example_inputs)
+        self.ep, self.graph = program.ep, program.graph
         fingerprint = self.graph.fingerprint()
         expected = plan.model.get("fingerprint")
         if expected != fingerprint:
@@ -342,29 +362,62 @@ class PlanExecutor:
         self._recording = True
         self._forwards = 0
         self._placeholder_placements: dict[str, list[str]] = {}
-        # node -> values read for the last time by it (freed right after it runs)
-        last_reader: dict[str, str] = {}
-        for node in self.ep.graph.nodes:
-            if node.op == "call_function":
-                for arg in node.all_input_nodes:
-                    last_reader[arg.name] = node.name
-            elif node.op == "output":
-                for arg in node.all_input_nodes:
-                    last_reader.pop(arg.name, None)
-        self._last_use: dict[str, list[str]] = {}
-        for value, reader in last_reader.items():
-            self._last_use.setdefault(reader, []).append(value)
+        self._calls = self._program_calls()
+        self._last_use = self._last_uses(self._calls, self._kept_values())
         self._segments = self._checkpoint_segments()
         self._setup_state()
 
+    # ------------------------------------------------ what part of the program runs
+    def _check_mesh(self, mesh: DeviceMesh) -> None:
+        """Refuse a device mesh of another shape than the plan's."""
+        if tuple(mesh.shape) != tuple(self.plan.mesh_shape):
+            raise PlanMismatchError(
+                f"plan is for a mesh of shape {list(self.plan.mesh_shape)} but the device mesh "
+                f"has shape {list(mesh.shape)}; launch with {self.plan.world_size} ranks")
+
+    def _program_calls(self) -> list[torch.fx.Node]:
+        """The op nodes this executor runs, in program order (here: all of them)."""
+        return [n for n in self.ep.graph.nodes if n.op == "call_function"]
+
+    def _kept_values(self) -> set[str]:
+        """Values that must outlive their last reader (here: the program's outputs)."""
+        out = next(n for n in self.ep.graph.nodes if n.op == "output")
+        return {a.name for a in out.all_input_nodes}
+
+    def _wants_placeholder(self, name: str) -> bool:
+        """Whether the parameter/buffer/constant placeholder ``name`` is set up here."""
+        return True
+
+    def _checkpoint_layers(self) -> list[str]:
+        """Module paths of the layers run under activation checkpointing."""
+        return list(self.plan.checkpoint)
+
+    def _planned_node_names(self) -> list[str]:
+        """Nodes :meth:`compare_with_plan` checks."""
+        return list(self.plan.nodes)
+
+    @staticmethod
+    def _last_uses(calls: Sequence[torch.fx.Node], kept: set[str]) -> dict[str, list[str]]:
+        """Node name -> the values read for the last time by it (freed right after it runs)."""
+        last_reader: dict[str, str] = {}
+        for node in calls:
+            for arg in node.all_input_nodes:
+                last_reader[arg.name] = node.name
+        last_use: dict[str, list[str]] = {}
+        for value, reader in last_reader.items():
+            if value not in kept:
+                last_use.setdefault(reader, []).append(value)
+        return last_use
+
     def _checkpoint_segments(self) -> dict[str, list[torch.fx.Node]]:
         """First node name -> the op nodes of each layer the plan checkpoints."""
-        if not self.plan.checkpoint:
+        names = self._checkpoint_layers()
+        if not names:
             return {}
         layers = {layer.name: set(layer.nodes) for layer in find_layers(self.graph)}
-        calls = [n for n in self.ep.graph.nodes if n.op == "call_function"]
+        calls = self._calls
         segments: dict[str, list[torch.fx.Node]] = {}
-        for name in self.plan.checkpoint:
+        for name in names:
             members = layers.get(name)
             if members is None:
                 raise PlanMismatchError(f"plan checkpoints layer '{name}' but the model has no "
@@ -425,6 +478,8 @@ class PlanExecutor:
                 f"(first: {unknown[0]}); re-plan this model")
         for spec in sig.input_specs:
             name = spec.arg.name
+            if spec.kind != InputKind.USER_INPUT and not self._wants_placeholder(name):
+                continue
             if spec.kind == InputKind.PARAMETER:
                 fqn = spec.target
                 placements = self._planned(fqn, "parameter")
@@ -478,12 +533,7 @@ class PlanExecutor:
 
     def forward(self, *inputs: Any) -> Any:
         """Run the program; returns its user outputs (one value, or a tuple)."""
-        self._recording = self.record_every_step or self._forwards == 0
-        if self._recording:
-            self.observed = {}
-            self.reshards = []
-            self.mismatches = []
-        self.explicit_reshards = 0
+        self._begin_forward()
         flat_inputs = pytree.tree_leaves(inputs)
         if len(flat_inputs) != len(self.user_input_names):
             raise ValueError(f"program takes {len(self.user_input_names)} inputs "
@@ -491,9 +541,35 @@ class PlanExecutor:
         env: dict[str, Any] = {}
         for name, value in zip(self.user_input_names, flat_inputs):
             env[name] = self._distribute_input(name, value)
-        outputs: Any = None
-        skip: set[str] = set()
+        self._execute(env)
+        out = next(n for n in self.ep.graph.nodes if n.op == "output")
+        outputs = torch.fx.node.map_arg(out.args[0], lambda n: env[n.name])
+        return self._user_outputs(outputs)
+
+    def _begin_forward(self) -> None:
+        """Reset the per-forward records (recording only on the first forward)."""
+        self._recording = self.record_every_step or self._forwards == 0
+        if self._recording:
+            self.observed = {}
+            self.reshards = []
+            self.mismatches = []
+        self.explicit_reshards = 0
+
+    def _placeholder_value(self, name: str) -> Any:
+        """The value of a parameter/buffer/constant placeholder for this forward."""
+        return self._placeholders[name]
+
+    def _execute(self, env: dict[str, Any]) -> None:
+        """Run :meth:`_program_calls` on ``env`` (user inputs or boundary values in it).
+
+        Values are dropped from ``env`` after their last reader (autograd keeps
+        what backward needs), except :meth:`_kept_values`.
+        """
         for node in self.ep.graph.nodes:
+            if node.op == "placeholder" and node.name not in env and node.name in self._placeholders:
+                env[node.name] = self._placeholder_value(node.name)
+        skip: set[str] = set()
+        for node in self._calls:
             if node.name in skip:
                 continue
             if node.name in self._segments:
@@ -501,19 +577,10 @@ class PlanExecutor:
                 self._run_checkpointed(segment, env)
                 skip.update(n.name for n in segment)
                 continue
-            if node.op == "placeholder":
-                if node.name not in env:
-                    env[node.name] = self._placeholders[node.name]
-            elif node.op == "call_function":
-                env[node.name] = self._run_node(node, env)
-                for name in self._last_use.get(node.name, ()):
-                    env.pop(name, None)  # autograd keeps what backward needs
-            elif node.op == "output":
-                outputs = torch.fx.node.map_arg(node.args[0], lambda n: env[n.name])
-            else:
-                raise NotImplementedError(f"graph node kind {node.op} ({node.name}) is not supported")
+            env[node.name] = self._run_node(node, env)
+            for name in self._last_use.get(node.name, ()):
+                env.pop(name, None)
         self._forwards += 1
-        return self._user_outputs(outputs)
 
     def _user_outputs(self, outputs: Any) -> Any:
         specs = self.ep.graph_signature.output_specs
@@ -717,7 +784,10 @@ class PlanExecutor:
     def compare_with_plan(self) -> list[str]:
         """Differences between the recorded placements and the plan's, one line each."""
         diffs = []
-        for name, entry in self.plan.nodes.items():
+        for name in self._planned_node_names():
+            entry = self.plan.nodes.get(name)
+            if entry is None:
+                continue
             obs = self.observed.get(name)
             if obs is None:
                 diffs.append(f"{name}: in the plan but not executed")

@@ -60,14 +60,15 @@ def _peak_memory(device: torch.device) -> tuple[int | None, str]:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
 
 
-def run(args: argparse.Namespace) -> int:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+class _Exit(Exception):
+    """Stop this rank with ``code`` after printing ``message`` (one line)."""
 
-    from codegen.executor import PlanExecutor, PlanMismatchError, redistribute
-    from codegen.reference import (loss_of, make_optimizer, reference_step, relative_error,
-                                   zoo_kwargs)
-    from ir.source import build_model
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def run(args: argparse.Namespace) -> int:
     from planner.plan_format import PlanError, load_plan
 
     rank = int(os.environ.get("RANK", "0"))
@@ -82,131 +83,27 @@ def run(args: argparse.Namespace) -> int:
         _say(rank, f"error: plan {args.plan} is for {plan.world_size} devices (mesh "
                    f"{list(plan.mesh_shape)}) but {world} ranks were started")
         return EXIT_BAD_PLAN
+    if plan.pipeline is not None and args.record:
+        _say(rank, "error: --record writes single-stage plans; this plan is pipelined")
+        return EXIT_BAD_PLAN
 
     if torch.cuda.is_available():
-        device_type, backend = "cuda", "nccl"
+        backend = "nccl"
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
-        device_type, backend = "cpu", "gloo"
+        backend = "gloo"
         device = torch.device("cpu")
-    t_setup = time.perf_counter()
     dist.init_process_group(backend)
     try:
-        names = plan.mesh.get("axis_names")
-        names = tuple(names) if names and len(names) == len(plan.mesh_shape) else None
-        mesh = init_device_mesh(device_type, plan.mesh_shape, mesh_dim_names=names)
-        kw = zoo_kwargs(plan.training)
-        source = plan.model["source"]
-        model, inputs = build_model(source, device=str(device), seed=0, **kw)
-        model.train()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                executor = PlanExecutor(plan, model, inputs, mesh)
-            except PlanMismatchError as err:
-                _say(rank, f"error: {err}")
-                return EXIT_MISMATCH
-        del model  # the executor holds the distributed parameters
-        params = dict(executor.named_parameters())
-        opt = make_optimizer(params.values(), args.optimizer, args.lr)
-        setup_s = time.perf_counter() - t_setup
-
-        ref = None
-        if args.check and rank == 0:
-            ref = reference_step(source, seed=0, device=str(device), steps=args.steps,
-                                 optimizer=args.optimizer, lr=args.lr, **kw)
-        replicate = [Replicate()] * mesh.ndim
-        losses: list[float] = []
-        step_times: list[float] = []
-        grad_errors: dict[str, float] = {}
-        missing_grads: list[str] = []
-        grad_reductions = 0
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        for step in range(args.steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            with warnings.catch_warnings(record=True) as step_warnings:
-                warnings.simplefilter("always")
-                loss = loss_of(executor(*inputs))
-            caught.extend(step_warnings)
-            if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
-                loss = loss.redistribute(mesh, replicate)
-            loss.backward()
-            # Gradients take their parameter's placement (the data-parallel reduction).
-            grad_reductions = 0
-            for p in params.values():
-                if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-                    p.grad = redistribute(p.grad, mesh, p.placements)
-                    grad_reductions += 1
-            if step == 0 and args.check:
-                for fqn, p in params.items():
-                    g = p.grad
-                    full = g.full_tensor() if isinstance(g, DTensor) else g
-                    if rank == 0:
-                        want = ref.grads.get(fqn)
-                        if full is None or want is None:
-                            if (full is None) != (want is None):
-                                missing_grads.append(fqn)
-                            continue
-                        grad_errors[fqn] = relative_error(full, want)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            local = loss.to_local() if isinstance(loss, DTensor) else loss
-            losses.append(float(local.detach()))
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_times.append(time.perf_counter() - t0)
-            if step == 0 and args.record and rank == 0:
-                executor.recorded_plan().save(args.record)
-        peak, peak_kind = _peak_memory(device)
-
-        diffs = executor.compare_with_plan()
-        observed_match = not diffs and not executor.mismatches
-        result: dict[str, Any] = {
-            "world_size": world,
-            "mesh_shape": list(plan.mesh_shape),
-            "device": device_type,
-            "optimizer": args.optimizer,
-            "loss": losses[0] if losses else None,
-            "losses": losses,
-            "plan_nodes": len(plan.nodes),
-            "nodes_executed": len(executor.observed),
-            "observed_match": observed_match,
-            "placement_diffs": diffs[:50],
-            "mismatches": executor.mismatches[:50],
-            "num_mismatches": len(executor.mismatches),
-            "explicit_reshards": executor.explicit_reshards,
-            "implicit_reshards": executor.implicit_reshards,
-            "grad_reductions": grad_reductions,
-            "fallback_ops": list(executor.fallback_ops),
-            "warnings": sorted({str(w.message).splitlines()[0][:300] for w in caught})[:20],
-            "setup_s": setup_s,
-            "step_times_s": step_times,
-            "peak_memory_bytes": peak,
-            "peak_memory_kind": peak_kind,
-        }
-        passed = True
-        if args.check and rank == 0:
-            loss_errs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref.losses)]
-            worst = max(grad_errors, key=grad_errors.get) if grad_errors else None
-            max_err = grad_errors[worst] if worst else 0.0
-            result.update({
-                "reference_loss": ref.loss,
-                "reference_losses": ref.losses,
-                "loss_rel_err": loss_errs[0],
-                "max_loss_rel_err": max(loss_errs),
-                "max_rel_grad_err": max_err,
-                "worst_param": worst,
-                "num_params_checked": len(grad_errors),
-                "missing_grads": missing_grads,
-                "rtol": args.rtol,
-            })
-            passed = (max(loss_errs) <= args.rtol and max_err <= args.rtol and not missing_grads
-                      and len(grad_errors) > 0 and observed_match)
-        result["passed"] = passed
+        try:
+            if plan.pipeline is not None:
+                result, passed = _run_pipelined(args, plan, rank, world, device)
+            else:
+                result, passed = _run_single_stage(args, plan, rank, world, device)
+        except _Exit as err:
+            _say(rank, f"error: {err}")
+            return err.code
         if rank == 0:
             if args.result_json:
                 tmp = args.result_json + ".tmp"
@@ -220,6 +117,283 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK if int(verdict.item()) == 0 else EXIT_CHECK_FAILED
     finally:
         dist.destroy_process_group()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_result(args: argparse.Namespace, ref: Any, losses: list[float],
+                  grad_errors: dict[str, float], missing_grads: list[str],
+                  observed_match: bool) -> tuple[dict[str, Any], bool]:
+    """The --check fields of the result (rank 0) and whether the check passed."""
+    loss_errs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref.losses)]
+    worst = max(grad_errors, key=grad_errors.get) if grad_errors else None
+    max_err = grad_errors[worst] if worst else 0.0
+    fields = {
+        "reference_loss": ref.loss,
+        "reference_losses": ref.losses,
+        "loss_rel_err": loss_errs[0],
+        "max_loss_rel_err": max(loss_errs),
+        "max_rel_grad_err": max_err,
+        "worst_param": worst,
+        "num_params_checked": len(grad_errors),
+        "missing_grads": missing_grads,
+        "rtol": args.rtol,
+    }
+    passed = (max(loss_errs) <= args.rtol and max_err <= args.rtol and not missing_grads
+              and len(grad_errors) > 0 and observed_match)
+    return fields, passed
+
+
+def _compare_grads(grads: dict[str, Any], ref: Any, grad_errors: dict[str, float],
+                   missing_grads: list[str]) -> None:
+    """Relative error of every gradient against the reference's (rank 0)."""
+    from codegen.reference import relative_error
+
+    for fqn, full in grads.items():
+        want = ref.grads.get(fqn)
+        if full is None or want is None:
+            if (full is None) != (want is None):
+                missing_grads.append(fqn)
+            continue
+        grad_errors[fqn] = relative_error(full, want)
+
+
+def _reference(args: argparse.Namespace, plan: Any, rank: int, device: torch.device) -> Any:
+    """The one-process reference run (rank 0, with --check), else None."""
+    from codegen.reference import reference_step, zoo_kwargs
+
+    if not (args.check and rank == 0):
+        return None
+    return reference_step(plan.model["source"], seed=0, device=str(device), steps=args.steps,
+                          optimizer=args.optimizer, lr=args.lr, **zoo_kwargs(plan.training))
+
+
+def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int,
+                      device: torch.device) -> tuple[dict[str, Any], bool]:
+    """Run a plan without a pipeline section with :class:`PlanExecutor`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from codegen.executor import PlanExecutor, PlanMismatchError, redistribute
+    from codegen.reference import loss_of, make_optimizer, zoo_kwargs
+    from ir.source import build_model
+
+    t_setup = time.perf_counter()
+    names = plan.mesh.get("axis_names")
+    names = tuple(names) if names and len(names) == len(plan.mesh_shape) else None
+    mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=names)
+    source = plan.model["source"]
+    model, inputs = build_model(source, device=str(device), seed=0, **zoo_kwargs(plan.training))
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            executor = PlanExecutor(plan, model, inputs, mesh)
+        except PlanMismatchError as err:
+            raise _Exit(EXIT_MISMATCH, str(err)) from None
+    del model  # the executor holds the distributed parameters
+    params = dict(executor.named_parameters())
+    opt = make_optimizer(params.values(), args.optimizer, args.lr)
+    setup_s = time.perf_counter() - t_setup
+
+    ref = _reference(args, plan, rank, device)
+    replicate = [Replicate()] * mesh.ndim
+    losses: list[float] = []
+    step_times: list[float] = []
+    grad_errors: dict[str, float] = {}
+    missing_grads: list[str] = []
+    grad_reductions = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.steps):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as step_warnings:
+            warnings.simplefilter("always")
+            loss = loss_of(executor(*inputs))
+        caught.extend(step_warnings)
+        if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
+            loss = loss.redistribute(mesh, replicate)
+        loss.backward()
+        # Gradients take their parameter's placement (the data-parallel reduction).
+        grad_reductions = 0
+        for p in params.values():
+            if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+                p.grad = redistribute(p.grad, mesh, p.placements)
+                grad_reductions += 1
+        if step == 0 and args.check:
+            grads = {fqn: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                     for fqn, p in params.items()}
+            if rank == 0:
+                _compare_grads(grads, ref, grad_errors, missing_grads)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        local = loss.to_local() if isinstance(loss, DTensor) else loss
+        losses.append(float(local.detach()))
+        _synchronize(device)
+        step_times.append(time.perf_counter() - t0)
+        if step == 0 and args.record and rank == 0:
+            executor.recorded_plan().save(args.record)
+    peak, peak_kind = _peak_memory(device)
+
+    diffs = executor.compare_with_plan()
+    observed_match = not diffs and not executor.mismatches
+    result: dict[str, Any] = {
+        "world_size": world,
+        "mesh_shape": list(plan.mesh_shape),
+        "device": device.type,
+        "optimizer": args.optimizer,
+        "loss": losses[0] if losses else None,
+        "losses": losses,
+        "plan_nodes": len(plan.nodes),
+        "nodes_executed": len(executor.observed),
+        "observed_match": observed_match,
+        "placement_diffs": diffs[:50],
+        "mismatches": executor.mismatches[:50],
+        "num_mismatches": len(executor.mismatches),
+        "explicit_reshards": executor.explicit_reshards,
+        "implicit_reshards": executor.implicit_reshards,
+        "grad_reductions": grad_reductions,
+        "fallback_ops": list(executor.fallback_ops),
+        "warnings": _warning_lines(caught),
+        "setup_s": setup_s,
+        "step_times_s": step_times,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+    }
+    passed = True
+    if args.check and rank == 0:
+        fields, passed = _check_result(args, ref, losses, grad_errors, missing_grads,
+                                       observed_match)
+        result.update(fields)
+    result["passed"] = passed
+    return result, passed
+
+
+def _warning_lines(caught: list[Any]) -> list[str]:
+    return sorted({str(w.message).splitlines()[0][:300] for w in caught})[:20]
+
+
+def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
+                   device: torch.device) -> tuple[dict[str, Any], bool]:
+    """Run a pipeline plan: this rank's stages under the plan's torch schedule.
+
+    The model is built with the global batch (the reference's weights and
+    inputs); the schedule splits it into micro-batches. The step loss is the
+    mean of the micro-batch losses. Rank 0 gathers the losses, every stage's
+    full gradients and placement records from the first rank of each stage mesh.
+    """
+    from codegen.executor import PlanMismatchError
+    from codegen.pipeline import PipelinePlanError, PipelineRuntime
+    from codegen.reference import make_optimizer, zoo_kwargs
+    from ir.source import build_model
+
+    t_setup = time.perf_counter()
+    source = plan.model["source"]
+    model, inputs = build_model(source, device=str(device), seed=0, **zoo_kwargs(plan.training))
+    model.train()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            runtime = PipelineRuntime.build(plan, model, inputs, device)
+        except PlanMismatchError as err:
+            raise _Exit(EXIT_MISMATCH, str(err)) from None
+        except PipelinePlanError as err:
+            raise _Exit(EXIT_BAD_PLAN, str(err)) from None
+    del model
+    opt = make_optimizer([p for _, p in runtime.named_parameters()], args.optimizer, args.lr)
+    setup_s = time.perf_counter() - t_setup
+
+    ref = _reference(args, plan, rank, device)
+    step_losses: list[float] = []
+    step_times: list[float] = []
+    grads: dict[str, Any] = {}
+    grad_reductions = 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.steps):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as step_warnings:
+            warnings.simplefilter("always")
+            mb_losses = runtime.step(inputs)
+        caught.extend(step_warnings)
+        grad_reductions = runtime.sync_grads()
+        if step == 0 and args.check:
+            grads = runtime.full_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mb_losses:
+            step_losses.append(sum(float(x.detach()) for x in mb_losses) / len(mb_losses))
+        _synchronize(device)
+        step_times.append(time.perf_counter() - t0)
+    peak, peak_kind = _peak_memory(device)
+
+    report = None
+    if runtime.is_stage_leader:
+        report = {"grads": {k: (v.detach().cpu() if v is not None else None)
+                            for k, v in grads.items()},
+                  "losses": step_losses if runtime.has_last else None,
+                  "diffs": [d for e in runtime.executors for d in e.compare_with_plan()],
+                  "mismatches": [m for e in runtime.executors for m in e.mismatches],
+                  "explicit": sum(e.explicit_reshards for e in runtime.executors),
+                  "implicit": sum(e.implicit_reshards for e in runtime.executors),
+                  "executed": sum(len(e.observed) for e in runtime.executors),
+                  "fallback": [op for e in runtime.executors for op in e.fallback_ops],
+                  "grad_reductions": grad_reductions}
+    reports: list[Any] = [None] * world if rank == 0 else None
+    dist.gather_object(report, reports, dst=0)
+    if rank != 0:
+        return {}, True
+    reports = [r for r in reports if r is not None]
+    losses = next(r["losses"] for r in reports if r["losses"] is not None)
+    diffs = [d for r in reports for d in r["diffs"]]
+    mismatches = [m for r in reports for m in r["mismatches"]]
+    observed_match = not diffs and not mismatches
+    pipe = plan.pipeline
+    result: dict[str, Any] = {
+        "world_size": world,
+        "mesh_shape": list(plan.mesh_shape),
+        "device": device.type,
+        "optimizer": args.optimizer,
+        "loss": losses[0] if losses else None,
+        "losses": losses,
+        "plan_nodes": len(plan.nodes),
+        "nodes_executed": sum(r["executed"] for r in reports),
+        "observed_match": observed_match,
+        "placement_diffs": diffs[:50],
+        "mismatches": mismatches[:50],
+        "num_mismatches": len(mismatches),
+        "explicit_reshards": sum(r["explicit"] for r in reports),
+        "implicit_reshards": sum(r["implicit"] for r in reports),
+        "grad_reductions": sum(r["grad_reductions"] for r in reports),
+        "fallback_ops": sorted({op for r in reports for op in r["fallback"]}),
+        "warnings": _warning_lines(caught),
+        "setup_s": setup_s,
+        "step_times_s": step_times,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "pipeline": {"schedule": pipe.schedule, "pp": pipe.pp,
+                     "num_microbatches": pipe.num_microbatches,
+                     "stages_per_rank": pipe.stages_per_rank,
+                     "stage_mesh": list(pipe.stage_mesh["shape"])},
+    }
+    passed = True
+    if args.check:
+        grad_errors: dict[str, float] = {}
+        missing_grads: list[str] = []
+        all_grads = {k: v for r in reports for k, v in r["grads"].items()}
+        _compare_grads(all_grads, ref, grad_errors, missing_grads)
+        missing_grads += [fqn for fqn, g in ref.grads.items()
+                          if g is not None and fqn not in all_grads]
+        fields, passed = _check_result(args, ref, losses, grad_errors, missing_grads,
+                                       observed_match)
+        result.update(fields)
+    result["passed"] = passed
+    return result, passed
 
 
 def _summary(r: dict[str, Any], check: bool) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import itertools
+import math
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -130,33 +132,8 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
         training=training, checkpoint=list(result.checkpointed))
 
 
-def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
-         mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
-         time_limit_s: float = 30.0, optimizer: str = "adam",
-         memory_budget: float | None = None,
-         zoo_kwargs: dict[str, Any] | None = None) -> Plan:
-    """Find the fastest sharding of one training step of ``model`` on ``cluster``.
-
-    Args:
-        model: the module (build it on the meta device for large models).
-        cluster: a Cluster or a spec string (``dgx-a100-80g:2``, ``local-cpu:4``,
-            path to a cluster JSON).
-        example_inputs: arguments of one forward call; ``model(*example_inputs)``
-            must return the scalar loss.
-        mesh_shape: logical device mesh such as ``(2, 2)``; None tries every 1-D
-            and 2-D shape and keeps the fastest.
-        model_source: how ``planner run`` rebuilds the model (zoo name or
-            ``file.py:factory``); recorded in the plan.
-        time_limit_s: limit for each ILP solve, seconds.
-        memory_budget: bytes per device the plan may use; default: the device's
-            memory less a 10 % allocator reserve.
-        zoo_kwargs: batch_size / seq_len used to build a zoo model (recorded so
-            the runner builds the same shapes).
-
-    Raises:
-        PlanningError: bad mesh, or no plan fits in memory (the message gives the
-            least memory per device that would fit).
-    """
+def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any,
+             memory_budget: float | None) -> tuple[Cluster, tuple, Graph, str, float]:
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
     if not isinstance(example_inputs, (tuple, list)):
@@ -164,10 +141,14 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     graph = trace(model, tuple(example_inputs))
     if not graph.parameters:
         raise PlanningError(f"{type(model).__name__} has no parameters to shard")
-    shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
-        cluster.num_devices)
     dtype = str(_param_dtype(graph)).replace("torch.", "")
     budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
+    return cluster, tuple(example_inputs), graph, dtype, budget
+
+
+def _best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, ...]], dtype: str,
+                       time_limit_s: float, budget: float, optimizer: str
+                       ) -> tuple[IntraOpResult | None, list[MemoryInfeasibleError]]:
     best: IntraOpResult | None = None
     too_big: list[MemoryInfeasibleError] = []
     for shape in shapes:
@@ -179,8 +160,158 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             continue
         if best is None or result.solution.objective_s < best.solution.objective_s:
             best = result
-    if best is None:
+    return best, too_big
+
+
+def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
+         mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
+         time_limit_s: float = 30.0, optimizer: str = "adam",
+         memory_budget: float | None = None,
+         zoo_kwargs: dict[str, Any] | None = None,
+         pipeline: bool = True, pp: Sequence[int] | None = None,
+         schedules: Sequence[str] | None = None,
+         num_microbatches: Sequence[int] | None = None,
+         progress: Callable[[str], None] | None = None) -> Plan:
+    """Find the fastest way to run one training step of ``model`` on ``cluster``.
+
+    The two-level search: every single-stage plan (the intra-op ILP on each 1-D
+    and 2-D mesh), and every pipeline (stages from the inter-op DP on equal
+    sub-meshes, each solved by the intra-op ILP, with the number of
+    micro-batches and the schedule), keeping the fastest that fits in memory.
+
+    Args:
+        model: the module (build it on the meta device for large models).
+        cluster: a Cluster or a spec string (``dgx-a100-80g:2``, ``local-cpu:4``,
+            path to a cluster JSON).
+        example_inputs: arguments of one forward call of the whole (global)
+            batch; ``model(*example_inputs)`` must return the scalar loss, a mean
+            over the batch (micro-batches split dim 0 of every input).
+        mesh_shape: a logical device mesh such as ``(2, 2)``: plan one stage on
+            exactly this mesh (no pipeline).
+        model_source: how ``planner run`` rebuilds the model (zoo name or
+            ``file.py:factory``); recorded in the plan.
+        time_limit_s: limit for each ILP solve, seconds.
+        memory_budget: bytes per device the plan may use; default: the device's
+            memory less a 10 % allocator reserve.
+        zoo_kwargs: batch_size / seq_len used to build a zoo model (recorded so
+            the runner builds the same shapes).
+        pipeline: also search pipeline plans (ignored when ``mesh_shape`` is given).
+        pp, schedules, num_microbatches: restrict the pipeline search.
+        progress: called with a short line as the search goes (for a progress bar).
+
+    Raises:
+        PlanningError: bad mesh, or no plan fits in memory (the message gives the
+            least memory per device that would fit).
+    """
+    cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
+                                                             memory_budget)
+    shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
+        cluster.num_devices)
+    say = progress or (lambda msg: None)
+    say("single-stage plans")
+    best, too_big = _best_single_stage(graph, cluster, shapes, dtype, time_limit_s, budget,
+                                       optimizer)
+    info = model_record(model, graph, model_source)
+    training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
+    single = build_plan(best, cluster, info, training) if best is not None else None
+    piped = None
+    if pipeline and not mesh_shape and cluster.num_devices > 1:
+        from planner.pipeline import SearchContext, SearchOptions, assemble, search, solve_exact
+
+        ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
+                            budget=budget, time_limit_s=time_limit_s, progress=say)
+        opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
+        finalists = search(ctx, opts)[:opts.finalists]
+        exact = []
+        for cand in finalists:
+            try:
+                exact.append(solve_exact(ctx, cand))
+            except MemoryInfeasibleError:
+                continue
+        if exact:
+            winner = min(exact, key=lambda e: e.step_time_s)
+            if single is None or winner.step_time_s < single.predicted["step_time_s"]:
+                piped = assemble(winner, ctx, lambda r, c: build_plan(r, c, info, training))
+    if piped is not None:
+        return piped
+    if single is None:
         least = min(too_big, key=lambda e: e.least_bytes)
-        raise PlanningError(str(least))
-    return build_plan(best, cluster, model_record(model, graph, model_source),
-                      training_record(dtype, optimizer, example_inputs, zoo_kwargs))
+        raise PlanningError(str(least) + " (no pipeline of its layers fits either)")
+    return single
+
+
+def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
+                  pp: int, stage_mesh: Sequence[int], schedule: str, num_microbatches: int,
+                  zero_stage: int = 0, layer_split: Sequence[int] | None = None,
+                  model_source: str | None = None, zoo_kwargs: dict[str, Any] | None = None,
+                  time_limit_s: float = 30.0, optimizer: str = "adam",
+                  memory_budget: float | None = None) -> Plan:
+    """A pipeline plan of one fixed configuration (what a user would pin by hand).
+
+    Args:
+        pp: pipeline ranks; ``pp * prod(stage_mesh)`` must be the cluster size.
+        stage_mesh: logical mesh of every stage, e.g. ``(2,)`` or ``(1, 2)``.
+        schedule: a schedule name (``1f1b``, ``gpipe``, ``interleaved_1f1b``, ...).
+        num_microbatches: micro-batches per step (must divide the batch).
+        zero_stage: 0, or 3 to shard each stage's parameters, gradients and
+            optimizer states with FSDP2 over its first mesh axis.
+        layer_split: layers per stage, in stage order (default: the inter-op DP's cut).
+        Others: as :func:`plan`.
+    """
+    from costmodel.schedules import canonical_schedule, default_stages_per_rank
+    from planner.inter_op import StageMeshOption, stage_mesh_options
+    from planner.pipeline import (PipelineCandidate, SearchContext, SearchOptions, assemble,
+                                  search, solve_exact)
+
+    cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
+                                                             memory_budget)
+    stage_mesh = tuple(int(d) for d in stage_mesh)
+    if zero_stage not in (0, 3):
+        raise PlanningError(f"zero_stage must be 0 or 3, got {zero_stage}")
+    if pp * math.prod(stage_mesh) != cluster.num_devices:
+        raise PlanningError(
+            f"pp={pp} x stage mesh {'x'.join(map(str, stage_mesh))} is "
+            f"{pp * math.prod(stage_mesh)} devices but cluster '{cluster.name}' has "
+            f"{cluster.num_devices}")
+    schedule = canonical_schedule(schedule)
+    ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
+                        budget=budget, time_limit_s=time_limit_s)
+    if ctx.global_batch % num_microbatches:
+        raise PlanningError(f"{num_microbatches} micro-batches do not divide the batch of "
+                            f"{ctx.global_batch}")
+    options = [mo for mo in stage_mesh_options(cluster, pp) if mo.size == math.prod(stage_mesh)]
+    if not options:
+        raise PlanningError(f"pp={pp} does not cut cluster '{cluster.name}' into sub-meshes "
+                            f"inside a node or of whole nodes")
+    mesh = StageMeshOption(stage_mesh, options[0].num_nodes, options[0].devices_per_node)
+    v = default_stages_per_rank(schedule)
+    layers = ctx.program(num_microbatches).layers
+    if layer_split is not None:
+        if len(layer_split) != pp * v or sum(layer_split) != len(layers) or min(layer_split) < 1:
+            raise PlanningError(
+                f"layer_split {list(layer_split)} must give {pp * v} stages of at least one "
+                f"layer each, {len(layers)} layers in all")
+        ends = list(itertools.accumulate(layer_split))
+        bounds = list(zip([0] + ends[:-1], ends))
+        cands = search(ctx, SearchOptions(pp=[pp], schedules=[schedule],
+                                          num_microbatches=[num_microbatches],
+                                          stage_mesh=stage_mesh))
+    else:
+        bounds = None
+        cands = search(ctx, SearchOptions(pp=[pp], schedules=[schedule],
+                                          num_microbatches=[num_microbatches],
+                                          stage_mesh=stage_mesh))
+    if not cands:
+        raise PlanningError(
+            f"no {schedule} pipeline with pp={pp}, {num_microbatches} micro-batches and "
+            f"{len(layers)} layers fits in memory (or torch's schedule rejects the shape)")
+    cand = cands[0]
+    cand.mesh = mesh
+    try:
+        exact = solve_exact(ctx, cand, bounds)
+    except MemoryInfeasibleError as err:
+        raise PlanningError(f"a stage does not fit: {err}") from None
+    info = model_record(model, graph, model_source)
+    training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
+    return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training),
+                    zero_stage=zero_stage)

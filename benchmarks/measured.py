@@ -1,0 +1,356 @@
+"""Predicted vs measured step time of real plans, auto and Megatron, on local ranks.
+
+    python -m benchmarks.measured                      # profile 2 and 4 ranks now, then run every plan
+    python -m benchmarks.measured --profile benchmarks/results/local_cpu_profile.json   # reuse a profile
+    python -m benchmarks.measured --quick              # fewer plans and steps (smoke test)
+
+1. Price plans on a profiled cluster: for each world size (default 2 and 4
+   ranks) a fresh ``costmodel.profile.profile_local`` of this machine, or a
+   cached profile given with ``--profile`` (matched by its rank count; the
+   result JSON records which was used, its fits and when it was made).
+2. Make the plans: automatic plans (``planner.plan``, every 1-D and 2-D mesh
+   tried; single-stage unless ``--pipeline``) for the tiny zoo models at two
+   batch sizes, and every Megatron configuration
+   (``planner.megatron.megatron_configs`` / ``megatron_plan``) at the default
+   batch. Plans that come out identical (same placements everywhere) are run
+   once.
+3. Run each for real: ``codegen.launch.launch(plan, steps=N, check=True)``
+   (torchrun, gloo on CPU / NCCL on GPU, one thread per rank). The first step is
+   warm-up and dropped; the measured step time is the median of the rest. The
+   check compares step 1 with one process, so a timing of a wrong program is
+   flagged (``passed``).
+4. Report per plan the predicted and measured step time and their ratio; over
+   all plans the Spearman rank correlation and the mean absolute percentage
+   error (``benchmarks.stats``); and per (model, batch, ranks) the auto plan's
+   step time over the best Megatron plan's, measured and predicted.
+
+Writes ``benchmarks/results/measured.json``. On this 2-core machine 4 ranks share
+2 cores, and other users' work shares them too: the load average is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # python benchmarks/measured.py as well as python -m benchmarks.measured
+    sys.path.insert(0, ROOT)
+
+from benchmarks.stats import mape, median_after_warmup, spearman  # noqa: E402
+from codegen.launch import LaunchError, launch  # noqa: E402
+from costmodel.cluster import Cluster  # noqa: E402
+from costmodel.profile import ProfileError, load_profile, machine_info, profile_local, profile_path  # noqa: E402
+from ir.source import build_model  # noqa: E402
+from ir.trace import trace  # noqa: E402
+from planner.api import PlanningError, plan  # noqa: E402
+from planner.megatron import megatron_configs, megatron_plan  # noqa: E402
+from planner.plan_format import Plan  # noqa: E402
+
+RESULTS = os.path.join(HERE, "results")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A group of plans for one model, batch and world size."""
+
+    model: str
+    ranks: int
+    batch_size: int
+    megatron: bool = True  # also every Megatron configuration
+
+
+#: The plans: auto at batch 8 and 32, Megatron at batch 8 (every tp size).
+CASES = (
+    Case("gpt-tiny", 2, 8), Case("llama-tiny", 2, 8), Case("gpt-tiny", 2, 32, megatron=False),
+    Case("gpt-tiny", 4, 8), Case("llama-tiny", 4, 8), Case("gpt-tiny", 4, 32, megatron=False),
+    Case("moe-tiny", 4, 8, megatron=False),
+)
+QUICK_CASES = (Case("gpt-tiny", 2, 8), Case("gpt-tiny", 4, 8))
+
+
+@dataclass
+class Row:
+    name: str  # "auto" | "megatron"
+    config: str
+    case: Case
+    plan: Plan | None = None
+    path: str | None = None
+    signature: str | None = None
+    same_as: str | None = None
+    error: str | None = None
+    plan_s: float = 0.0
+    result: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.case.model} b{self.case.batch_size} {self.case.ranks}r {self.name} {self.config}"
+
+
+def plan_signature(p: Plan) -> str:
+    """Identical placements of everything (and the same model and batch) -> identical program."""
+    d = p.to_dict()
+    key = {k: d.get(k) for k in ("mesh", "parameters", "inputs", "nodes", "checkpoint")}
+    key["fingerprint"] = d.get("model", {}).get("fingerprint")
+    key["zoo_kwargs"] = (d.get("training") or {}).get("zoo_kwargs")
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def get_profiles(worlds: list[int], cached: list[str], quick: bool, tmp: str) -> dict[int, dict[str, Any]]:
+    """World size -> profile dict (with ``source``: the cached file, or "fresh")."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in cached:
+        prof = load_profile(path)
+        prof["source"] = os.path.relpath(os.path.abspath(path), ROOT)
+        out[int(prof["ranks"])] = prof
+    for w in worlds:
+        if w in out:
+            continue
+        cluster_path = os.path.join(tmp, f"local-{w}.json")
+        t0 = time.perf_counter()
+        profile_local(w, cluster_path, quick=quick, progress=False)
+        prof = load_profile(profile_path(cluster_path))
+        prof["source"] = "fresh" + (" (quick)" if quick else "")
+        print(f"profiled {w} ranks in {time.perf_counter() - t0:.0f} s", flush=True)
+        out[w] = prof
+    return out
+
+
+def _auto_plan_kwargs(pipeline: bool) -> dict[str, Any]:
+    """``plan(pipeline=...)`` where this planner has a pipeline search (intra-op only by default)."""
+    return {"pipeline": pipeline} if "pipeline" in inspect.signature(plan).parameters else {}
+
+
+def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool = False) -> list[Row]:
+    kw = {"batch_size": case.batch_size}
+    model, inputs = build_model(case.model, device="meta", **kw)
+    graph = trace(model, inputs)
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
+        row = Row("auto", "", case)
+        try:
+            row.plan = plan(model, cluster, example_inputs=inputs, model_source=case.model,
+                            time_limit_s=time_limit_s, zoo_kwargs=kw, **_auto_plan_kwargs(pipeline))
+            row.config = "mesh " + "x".join(map(str, row.plan.mesh_shape))
+        except PlanningError as err:
+            row.error = str(err)
+        row.plan_s = time.perf_counter() - t0
+        rows.append(row)
+        if case.megatron:
+            for cfg in megatron_configs(cluster):
+                t0 = time.perf_counter()
+                row = Row("megatron", f"tp={cfg.tensor_model_parallel_size} dp={cfg.data_parallel_size}", case)
+                try:
+                    row.plan = megatron_plan(model, cluster, cfg, example_inputs=inputs,
+                                             model_source=case.model, zoo_kwargs=kw,
+                                             time_limit_s=time_limit_s, graph=graph)
+                except PlanningError as err:
+                    row.error = str(err)
+                row.plan_s = time.perf_counter() - t0
+                rows.append(row)
+    return rows
+
+
+def run_row(row: Row, steps: int, warmup: int, timeout_s: float) -> None:
+    try:
+        t0 = time.perf_counter()
+        res = launch(row.path, steps=steps, check=True, timeout_s=timeout_s)
+        wall = time.perf_counter() - t0
+    except LaunchError as err:
+        row.error = "launch failed: " + str(err).splitlines()[0]
+        return
+    times = res["step_times_s"]
+    meas = median_after_warmup(times, warmup)
+    pred = row.plan.predicted["step_time_s"]
+    row.result = {
+        "measured_s": meas, "measured_min_s": min(times[warmup:] or times), "step_times_s": times,
+        "predicted_s": pred, "ratio_measured_over_predicted": meas / pred,
+        "passed": res.get("passed"), "max_rel_grad_err": res.get("max_rel_grad_err"),
+        "explicit_reshards": res.get("explicit_reshards"), "fallback_ops": res.get("fallback_ops"),
+        "launch_wall_s": wall, "setup_s": res.get("setup_s"),
+    }
+
+
+def auto_vs_megatron(rows: list[Row]) -> list[dict[str, Any]]:
+    """Per (model, batch, ranks): auto step time / best Megatron step time, measured and predicted."""
+    out = []
+    for case in dict.fromkeys(r.case for r in rows):
+        group = [r for r in rows if r.case == case and r.result]
+        auto = next((r for r in group if r.name == "auto"), None)
+        megs = [r for r in group if r.name == "megatron"]
+        if auto is None or not megs:
+            continue
+        best_meas = min(megs, key=lambda r: r.result["measured_s"])
+        best_pred = min(megs, key=lambda r: r.result["predicted_s"])
+        out.append({
+            "model": case.model, "batch_size": case.batch_size, "ranks": case.ranks,
+            "auto_config": auto.config,
+            "best_megatron_measured": best_meas.config, "best_megatron_predicted": best_pred.config,
+            "auto_over_best_megatron_measured": auto.result["measured_s"] / best_meas.result["measured_s"],
+            "auto_over_best_megatron_predicted": auto.result["predicted_s"] / best_pred.result["predicted_s"],
+            # the Megatron configuration the cost model would pick, as it actually ran
+            "auto_over_predicted_best_megatron_measured":
+                auto.result["measured_s"] / best_pred.result["measured_s"],
+        })
+    return out
+
+
+def summarize(rows: list[Row]) -> dict[str, Any]:
+    ran = [r for r in rows if r.result and r.same_as is None]
+    pred = [r.result["predicted_s"] for r in ran]
+    meas = [r.result["measured_s"] for r in ran]
+    out: dict[str, Any] = {"plans_run": len(ran), "spearman": spearman(pred, meas),
+                           "mape_pct": mape(pred, meas)}
+    for w in sorted({r.case.ranks for r in ran}):
+        sub = [r for r in ran if r.case.ranks == w]
+        out[f"spearman_{w}_ranks"] = spearman([r.result["predicted_s"] for r in sub],
+                                              [r.result["measured_s"] for r in sub])
+        out[f"mape_pct_{w}_ranks"] = mape([r.result["predicted_s"] for r in sub],
+                                          [r.result["measured_s"] for r in sub])
+    ratios = sorted(m / p for p, m in zip(pred, meas))
+    if ratios:
+        out["ratio_measured_over_predicted"] = {"min": ratios[0], "median": ratios[len(ratios) // 2],
+                                                "max": ratios[-1]}
+    out["all_checks_passed"] = all(r.result.get("passed") for r in ran)
+    return out
+
+
+def print_report(result: dict[str, Any]) -> None:
+    print(f"\n{'plan':<44}{'predicted':>11}{'measured':>11}{'meas/pred':>10}  check")
+    for p in result["plans"]:
+        label = f"{p['model']} b{p['batch_size']} {p['ranks']}r {p['name']} {p['config']}"
+        if "measured_s" not in p:
+            print(f"{label:<44}  {p.get('error') or ('same program as ' + p['same_as'])}"[:140])
+            continue
+        print(f"{label:<44}{p['predicted_s'] * 1e3:>9.2f}ms{p['measured_s'] * 1e3:>9.2f}ms"
+              f"{p['ratio_measured_over_predicted']:>10.2f}  {'ok' if p['passed'] else 'FAILED'}"
+              + (f"  (= {p['same_as']})" if p.get("same_as") else ""))
+    s = result["summary"]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    print(f"\n{s['plans_run']} distinct plans: Spearman {fmt(s['spearman'], '.3f')}, "
+          f"MAPE {fmt(s['mape_pct'], '.1f')} %")
+    for k, v in s.items():
+        if k.startswith(("spearman_", "mape_pct_")):
+            print(f"  {k}: {fmt(v, '.3f')}")
+    print(f"\n{'model, batch, ranks':<26}{'auto':>9}{'best megatron (meas / pred)':>30}"
+          f"{'auto/best meas':>16}{'auto/best pred':>16}")
+    for a in result["auto_vs_megatron"]:
+        print(f"{a['model'] + ' b' + str(a['batch_size']) + ' ' + str(a['ranks']) + 'r':<26}"
+              f"{a['auto_config']:>9}{a['best_megatron_measured'] + ' / ' + a['best_megatron_predicted']:>30}"
+              f"{a['auto_over_best_megatron_measured']:>16.3f}{a['auto_over_best_megatron_predicted']:>16.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", nargs="+", default=[], metavar="PATH",
+                    help="cached profile JSON(s) (planner profile output, matched by rank count); "
+                         "world sizes without one are profiled now")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="rank counts (default 2 4)")
+    ap.add_argument("--steps", type=int, default=8, help="training steps per plan (default 8)")
+    ap.add_argument("--warmup", type=int, default=1, help="leading steps dropped (default 1)")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit per solve, s")
+    ap.add_argument("--pipeline", action="store_true",
+                    help="auto plans may be pipelines too (planner.plan's inter-op search); default: "
+                         "single-stage intra-op plans on every 1-D and 2-D mesh")
+    ap.add_argument("--quick", action="store_true", help="two cases, quick profiles, 4 steps")
+    ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "measured.json"))
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps = min(args.steps, 4)
+
+    t_start = time.perf_counter()
+    load_before = machine_info()["loadavg"]
+    cases = [c for c in (QUICK_CASES if args.quick else CASES) if c.ranks in args.worlds]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="measured-") as tmp:
+        try:
+            profiles = get_profiles(sorted(set(args.worlds)), args.profile, args.quick, tmp)
+        except (ProfileError, OSError, json.JSONDecodeError) as err:
+            print(f"measured: error: {err}", file=sys.stderr)
+            return 1
+        t_plan = time.perf_counter()
+        for case in cases:
+            cluster = Cluster.from_dict(profiles[case.ranks]["cluster"])
+            rows += make_plans(case, cluster, args.time_limit, args.pipeline)
+        planning_s = time.perf_counter() - t_plan
+        seen: dict[str, Row] = {}
+        for i, row in enumerate(rows):
+            if row.plan is None:
+                continue
+            row.signature = plan_signature(row.plan)
+            if row.signature in seen:
+                row.same_as = seen[row.signature].label
+                continue
+            seen[row.signature] = row
+            row.path = os.path.join(tmp, f"plan{i}.json")
+            row.plan.save(row.path)
+        t_run = time.perf_counter()
+        for row in rows:
+            if row.path is None:
+                continue
+            print(f"running {row.label} ...", flush=True)
+            run_row(row, args.steps, args.warmup, timeout_s=300.0)
+        for row in rows:  # duplicates share the measurement of the plan they equal
+            if row.same_as is not None:
+                twin = next(r for r in rows if r.signature == row.signature and r.same_as is None)
+                row.result = dict(twin.result)
+        running_s = time.perf_counter() - t_run
+
+    plans_out = []
+    for r in rows:
+        d: dict[str, Any] = {"model": r.case.model, "batch_size": r.case.batch_size, "ranks": r.case.ranks,
+                             "name": r.name, "config": r.config, "plan_s": r.plan_s}
+        if r.plan is not None:
+            d["mesh"] = list(r.plan.mesh_shape)
+            d["predicted"] = r.plan.predicted
+            d["signature"] = r.signature
+        if r.same_as:
+            d["same_as"] = r.same_as
+        if r.error:
+            d["error"] = r.error
+        d.update(r.result)
+        plans_out.append(d)
+    result = {
+        "benchmark": "measured",
+        "machine": {**machine_info(), "loadavg_before": load_before},
+        "profiles": {str(w): {"source": p["source"], "ranks": p["ranks"], "device": p["device"],
+                              "created": p.get("created"), "quick": p.get("quick"), "wall_s": p.get("wall_s"),
+                              "cluster": p["cluster"]}
+                     for w, p in sorted(profiles.items())},
+        "method": {"auto": "planner.plan(..., pipeline=%s): %s" % (
+                       args.pipeline, "single-stage and pipeline plans" if args.pipeline
+                       else "single-stage intra-op plans, every 1-D and 2-D mesh"),
+                   "steps": args.steps, "warmup_steps_dropped": args.warmup, "statistic": "median",
+                   "launch": "codegen.launch.launch(plan, steps, check=True)",
+                   "predicted": "plan.predicted['step_time_s'] on the profiled cluster",
+                   "spearman_and_mape_over": "distinct plans (identical plans run once)"},
+        "summary": summarize(rows),
+        "auto_vs_megatron": auto_vs_megatron([r for r in rows if r.same_as is None or r.result]),
+        "plans": plans_out,
+        "planning_s": planning_s,
+        "running_s": running_s,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    print_report(result)
+    print(f"\nwrote {args.output} ({result['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

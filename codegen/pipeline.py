@@ -1,0 +1,597 @@
+"""Run a pipeline Plan: a DTensor stage runtime per stage under torch's pipeline schedule.
+
+A pipeline plan (``plan.pipeline``) cuts the program captured at *micro-batch*
+shapes into stages. Every rank of the world mesh ``[pp] + stage_mesh`` runs the
+stages whose ``pp_rank`` is its row of the ``pp`` axis:
+
+* :class:`StageExecutor` is :class:`codegen.executor.PlanExecutor` restricted to
+  the stage's ``nodes``: it receives the stage's boundary values as *local*
+  tensors (the local shards of the planned placements; the first stage receives
+  the user inputs whole and slices them), wraps them with
+  ``DTensor.from_local``, runs its nodes on DTensors over the stage's sub-mesh
+  exactly as the single-stage executor does (planned reshards, observed
+  placements, checkpointed layers) and returns its outputs redistributed to the
+  placements ``stage.outputs`` names, as local tensors. The sender reshards; the
+  ranks of consecutive stages correspond by position, so local shards line up.
+* :class:`StageModule` is the ``nn.Module`` a ``PipelineStage`` wraps: it owns
+  the stage's parameters under their model FQNs (so the schedule, FSDP2 and the
+  optimizer see them) and, for ``zero_stage == 3``, is sharded with FSDP2
+  ``fully_shard`` over the stage-mesh axis ``zero_axis``.
+* :class:`PipelineRuntime` builds the stages (``torch.distributed.pipelining.
+  PipelineStage``, static shapes) and the plan's schedule class
+  (``costmodel.schedules.TORCH_SCHEDULE_CLASSES``), and runs one step on the
+  global batch: torch splits it into ``num_microbatches`` micro-batches along
+  dim 0, the last stage's output is the micro-batch loss, and the schedule
+  averages gradients over micro-batches (``scale_grads``), which gives the
+  full-batch mean loss's gradients when the model's loss is a per-micro-batch
+  mean.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from codegen.executor import (CapturedProgram, PlanExecutor, PlanMismatchError, _parse_all,
+                              capture_program, placement_str, redistribute)
+from costmodel.schedules import TORCH_SCHEDULE_CLASSES, canonical_schedule
+from ir.layers import find_layers
+from planner.plan_format import Plan, StagePlan
+
+__all__ = [
+    "PipelinePlanError", "PipelineRuntime", "StageExecutor", "StageModule", "local_shape",
+    "split_microbatch", "stage_pp_rank", "validate_pipeline_plan",
+]
+
+_SINGLE_STAGE = ("gpipe", "1f1b")
+_V_STYLE = ("zbv", "dualpipev")
+
+
+class PipelinePlanError(ValueError):
+    """A pipeline plan this runtime cannot run; the message says why and what to do."""
+
+
+# ------------------------------------------------------------------ plan checks
+def stage_pp_rank(schedule: str, index: int, pp: int) -> int:
+    """The pipeline rank torch's ``schedule`` runs stage ``index`` on.
+
+    Loop style (``index % pp``) for all schedules but the V ones (zbv,
+    dualpipev), which fold the stages back: rank ``r`` runs ``r`` and ``2pp-1-r``.
+    """
+    if schedule in _V_STYLE:
+        return index if index < pp else 2 * pp - 1 - index
+    return index % pp
+
+
+def validate_pipeline_plan(plan: Plan) -> None:
+    """Refuse pipeline plans this runtime cannot run, with a one-line reason.
+
+    Checks the schedule name, the stage count and placement on pipeline ranks
+    (torch's), the world mesh (``[pp] + stage_mesh``, first axis ``pp``), the
+    stage ranks (rows of the world mesh), the ZeRO settings and that every
+    stage's outputs are the next stage's inputs, in order, in the same placements.
+    """
+    pipe = plan.pipeline
+    if pipe is None:
+        raise PipelinePlanError("plan has no pipeline section; run it with PlanExecutor")
+    try:
+        schedule = canonical_schedule(pipe.schedule)
+    except (TypeError, ValueError) as err:
+        raise PipelinePlanError(str(err)) from None
+    stages = pipe.stages
+    v = pipe.stages_per_rank
+    if v < 1 or not stages or len(stages) % v:
+        raise PipelinePlanError(f"{len(stages)} stages cannot be spread {v} per rank")
+    pp = pipe.pp
+    if schedule in _SINGLE_STAGE and v != 1:
+        raise PipelinePlanError(f"schedule {schedule} runs one stage per rank, the plan has {v}")
+    if schedule in _V_STYLE and v != 2:
+        raise PipelinePlanError(f"schedule {schedule} runs two stages per rank, the plan has {v}")
+    shape = [int(d) for d in pipe.stage_mesh.get("shape", [])]
+    names = list(pipe.stage_mesh.get("axis_names") or [])
+    if not shape or len(names) != len(shape) or len(set(names)) != len(names) or "pp" in names:
+        raise PipelinePlanError(f"stage_mesh {pipe.stage_mesh} needs one distinct axis name "
+                                f"(not 'pp') per dimension")
+    if list(plan.mesh_shape) != [pp] + shape or (plan.mesh.get("axis_names") or ["pp"])[0] != "pp":
+        raise PipelinePlanError(f"plan mesh {plan.mesh} is not the world mesh [pp={pp}] + "
+                                f"stage mesh {shape} with first axis 'pp'")
+    size = math.prod(shape)
+    for i, st in enumerate(stages):
+        if st.index != i:
+            raise PipelinePlanError(f"stage at position {i} has index {st.index}; list stages "
+                                    f"in index order")
+        want = stage_pp_rank(schedule, i, pp)
+        if st.pp_rank != want:
+            raise PipelinePlanError(f"stage {i} is on pipeline rank {st.pp_rank} but torch's "
+                                    f"{TORCH_SCHEDULE_CLASSES[schedule]} runs it on rank {want}")
+        if list(st.ranks) != list(range(want * size, (want + 1) * size)):
+            raise PipelinePlanError(f"stage {i} ranks {st.ranks} are not row {want} of the world "
+                                    f"mesh {list(plan.mesh_shape)}")
+        if st.zero_stage not in (0, 3):
+            raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage}; this runtime "
+                                    f"runs 0 (as placed) or 3 (FSDP2)")
+        if st.zero_stage == 3 and not (isinstance(st.zero_axis, int) and 0 <= st.zero_axis < len(shape)):
+            raise PipelinePlanError(f"stage {i} has zero_stage 3 but zero_axis {st.zero_axis!r} is "
+                                    f"not an axis of the {len(shape)}-D stage mesh")
+        if not st.nodes:
+            raise PipelinePlanError(f"stage {i} runs no nodes")
+    for a, b in zip(stages, stages[1:]):
+        if list(a.outputs) != list(b.inputs):
+            raise PipelinePlanError(f"stage {a.index} sends {list(a.outputs)} but stage {b.index} "
+                                    f"receives {list(b.inputs)}; they must be the same, in order")
+        for name, placements in a.outputs.items():
+            if list(placements) != list(b.inputs[name]):
+                raise PipelinePlanError(
+                    f"stage {a.index} sends {name} as {placements} but stage {b.index} "
+                    f"receives it as {b.inputs[name]}; the sender must reshard to the receiver's")
+    if len(stages[-1].outputs) != 1:
+        raise PipelinePlanError(f"the last stage must output the loss alone, it outputs "
+                                f"{list(stages[-1].outputs)}")
+    if pipe.num_microbatches < 1:
+        raise PipelinePlanError(f"num_microbatches is {pipe.num_microbatches}")
+
+
+def split_microbatch(inputs: Sequence[Any], num_microbatches: int) -> tuple[Any, ...]:
+    """The first micro-batch of the global ``inputs`` (dim 0 split as the schedule splits it)."""
+    out = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor):
+            if t.ndim == 0 or t.shape[0] % num_microbatches:
+                raise PipelinePlanError(
+                    f"an input of shape {list(t.shape)} cannot be split into {num_microbatches} "
+                    f"equal micro-batches along dim 0; choose a batch divisible by it")
+            t = torch.tensor_split(t, num_microbatches, dim=0)[0]
+        out.append(t)
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ local shapes
+def local_shape(global_shape: Sequence[int], mesh: DeviceMesh,
+                placements: Sequence[Placement]) -> tuple[int, ...]:
+    """Shape of this rank's shard of a ``global_shape`` tensor placed as ``placements``.
+
+    Follows DTensor's even-first chunking (``torch.chunk``); shards of the same
+    dim on several mesh axes are taken in mesh-axis order.
+    """
+    shape = list(global_shape)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise PipelinePlanError("this rank is not in the stage mesh")
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            raise PipelinePlanError(f"boundary placement {placement_str(p)} (strided shard) is "
+                                    f"not supported between stages; send it as S(d) or R")
+        if isinstance(p, Shard):
+            dim = p.dim % len(shape)
+            k = mesh.size(axis)
+            chunk = -(-shape[dim] // k)
+            shape[dim] = max(0, min(chunk, shape[dim] - coord[axis] * chunk))
+    return tuple(shape)
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for d in reversed(list(shape)):
+        stride.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(stride))
+
+
+# ------------------------------------------------------------------ stage runtime
+class StageExecutor(PlanExecutor):
+    """:class:`PlanExecutor` for one pipeline stage: its nodes, its boundary values.
+
+    Args:
+        plan: the pipeline Plan.
+        stage: the stage to run (``plan.pipeline.stages[i]``).
+        model, example_inputs: the model and the *micro-batch* user inputs the
+            plan was made for (only used to capture when ``program`` is None).
+        mesh: the stage's sub-mesh (shape ``plan.pipeline.stage_mesh``).
+        program: the shared capture (:func:`codegen.executor.capture_program`).
+
+    Attributes:
+        param_value: called with a parameter FQN at every forward to get the
+            tensor the stage computes with (set by :class:`StageModule`, which
+            owns the parameters); None uses the executor's own DTensor parameters.
+    """
+
+    def __init__(self, plan: Plan, stage: StagePlan, model: nn.Module, example_inputs: Any,
+                 mesh: DeviceMesh, *, program: CapturedProgram | None = None,
+                 record_every_step: bool = False):
+        self.stage = stage
+        self.param_value: Callable[[str], Any] | None = None
+        super().__init__(plan, model, example_inputs, mesh, program=program,
+                         record_every_step=record_every_step)
+        sig = self.ep.graph_signature
+        self._param_fqn = {n: f for n, f in sig.inputs_to_parameters.items() if n in self._placeholders}
+        self._vals = {n.name: n.meta.get("val") for n in self.ep.graph.nodes}
+        self.is_first = stage.index == 0
+        self.is_last = stage.index == len(plan.pipeline.stages) - 1
+        self._check_boundary()
+        if any(s.kind.name == "BUFFER_MUTATION" for s in sig.output_specs):
+            raise PipelinePlanError("the model updates buffers in forward (e.g. BatchNorm "
+                                    "statistics); pipeline stages do not support that yet")
+
+    # ---- which part of the program
+    def _check_mesh(self, mesh: DeviceMesh) -> None:
+        want = [int(d) for d in self.plan.pipeline.stage_mesh["shape"]]
+        if list(mesh.shape) != want:
+            raise PlanMismatchError(f"stage {self.stage.index} is planned on a mesh of shape "
+                                    f"{want} but its sub-mesh has shape {list(mesh.shape)}")
+
+    def _program_calls(self) -> list[torch.fx.Node]:
+        calls = [n for n in self.ep.graph.nodes if n.op == "call_function"]
+        names = {n.name for n in calls}
+        unknown = [n for n in self.stage.nodes if n not in names]
+        if unknown:
+            raise PlanMismatchError(f"stage {self.stage.index} runs node {unknown[0]} that the "
+                                    f"captured program does not have; re-plan this model")
+        wanted = set(self.stage.nodes)
+        return [n for n in calls if n.name in wanted]
+
+    def _kept_values(self) -> set[str]:
+        return set(self.stage.outputs)
+
+    def _wants_placeholder(self, name: str) -> bool:
+        if not hasattr(self, "_reads"):
+            self._reads = {a.name for n in self._calls for a in n.all_input_nodes}
+        return name in self._reads
+
+    def _checkpoint_layers(self) -> list[str]:
+        if not self.stage.checkpoint:
+            return []
+        ops = {n.name for n in self.ep.graph.nodes if n.op == "call_function"}
+        layers = {layer.name: set(layer.nodes) & ops for layer in find_layers(self.graph)}
+        mine = set(self.stage.nodes)
+        for name in self.stage.checkpoint:
+            if name in layers and not layers[name] <= mine:
+                raise PlanMismatchError(f"stage {self.stage.index} checkpoints layer '{name}' "
+                                        f"but not all of its ops are in the stage; re-plan")
+        return list(self.stage.checkpoint)
+
+    def _planned_node_names(self) -> list[str]:
+        return list(self.stage.nodes)
+
+    def _check_boundary(self) -> None:
+        """Every value the stage reads is its input, its own, or a parameter/buffer/constant."""
+        have = set(self.stage.inputs) | set(self._placeholders)
+        if self.is_first:
+            extra = [n for n in self.stage.inputs if n not in self.user_input_names]
+            if extra:
+                raise PipelinePlanError(f"the first stage's input {extra[0]} is not a user input "
+                                        f"({', '.join(self.user_input_names)})")
+        for node in self._calls:
+            for arg in node.all_input_nodes:
+                if arg.name not in have:
+                    raise PipelinePlanError(
+                        f"stage {self.stage.index} node {node.name} reads {arg.name}, which is "
+                        f"neither a stage input nor computed earlier in the stage")
+            have.add(node.name)
+        missing = [n for n in self.stage.outputs if n not in have]
+        if missing:
+            raise PipelinePlanError(f"stage {self.stage.index} outputs {missing[0]}, which it "
+                                    f"neither receives nor computes")
+
+    # ---- boundary shapes (PipelineStage's static metadata)
+    def _global_shape(self, name: str) -> tuple[int, ...]:
+        val = self._vals.get(name)
+        if not isinstance(val, torch.Tensor):
+            raise PipelinePlanError(f"stage boundary value {name} is not a tensor")
+        return tuple(int(d) for d in val.shape)
+
+    def _example(self, name: str, placements: Sequence[Any], *, grad: bool) -> torch.Tensor:
+        val = self._vals[name]
+        if placements and isinstance(placements[0], str):
+            placements = _parse_all(placements)
+        shape = local_shape(self._global_shape(name), self.mesh, placements)
+        t = torch.empty(shape, dtype=val.dtype, device=self.mesh.device_type)
+        return t.requires_grad_(grad and t.is_floating_point())
+
+    def example_inputs(self, microbatch: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """What the stage receives for one micro-batch: the user inputs (first stage),
+        else empty local shards of its boundary inputs."""
+        if self.is_first:
+            return tuple(microbatch)
+        return tuple(self._example(n, p, grad=True) for n, p in self.stage.inputs.items())
+
+    def example_outputs(self) -> tuple[torch.Tensor, ...]:
+        """Empty local shards of what the stage sends (the loss, for the last stage)."""
+        return tuple(self._example(n, self._send_placements(n), grad=True)
+                     for n in self.stage.outputs)
+
+    # ---- running
+    def _placeholder_value(self, name: str) -> Any:
+        fqn = self._param_fqn.get(name)
+        if fqn is not None and self.param_value is not None:
+            return self.param_value(fqn)
+        return super()._placeholder_value(name)
+
+    def _receive(self, name: str, local: torch.Tensor) -> DTensor:
+        """A received local shard as the DTensor of the planned placement."""
+        placements = _parse_all(self.stage.inputs[name])
+        shape = self._global_shape(name)
+        if tuple(local.shape) != local_shape(shape, self.mesh, placements):
+            raise PipelinePlanError(f"stage {self.stage.index} received {name} with local shape "
+                                    f"{list(local.shape)}; placements {self.stage.inputs[name]} of "
+                                    f"{list(shape)} give {list(local_shape(shape, self.mesh, placements))}")
+        return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape,
+                                  stride=_contiguous_stride(shape))
+
+    def _send_placements(self, name: str) -> list[Placement]:
+        """Where output ``name`` goes: its planned placements; the loss (the last
+        stage's output) replicated, since every rank of the stage backpropagates it."""
+        if self.is_last:
+            return [Replicate()] * self.mesh.ndim
+        return _parse_all(self.stage.outputs[name])
+
+    def _send(self, name: str, value: Any) -> torch.Tensor:
+        """A stage output, redistributed to its send placement, as the local shard."""
+        placements = self._send_placements(name)
+        if not isinstance(value, DTensor):
+            value = self._wrap_replicated(value)
+        if tuple(value.placements) != tuple(placements):
+            value = redistribute(value, self.mesh, placements)
+        return _NotAView.apply(value.to_local())
+
+    def run_stage(self, *args: torch.Tensor) -> Any:
+        """Run the stage on one micro-batch; returns the local outputs (one tensor or a tuple)."""
+        self._begin_forward()
+        if self.is_first:
+            if len(args) != len(self.user_input_names):
+                raise ValueError(f"the first stage takes the {len(self.user_input_names)} user "
+                                 f"inputs ({', '.join(self.user_input_names)}), got {len(args)}")
+            env = {n: distribute_tensor(v, self.mesh, _parse_all(self.stage.inputs[n]),
+                                        src_data_rank=None)
+                   for n, v in zip(self.user_input_names, args) if n in self.stage.inputs}
+        else:
+            if len(args) != len(self.stage.inputs):
+                raise ValueError(f"stage {self.stage.index} receives {len(self.stage.inputs)} "
+                                 f"values, got {len(args)}")
+            env = {n: self._receive(n, v) for n, v in zip(self.stage.inputs, args)}
+        self._execute(env)
+        outs = tuple(self._send(n, env[n]) for n in self.stage.outputs)
+        return outs[0] if len(outs) == 1 else outs
+
+
+class StageModule(nn.Module):
+    """The ``nn.Module`` of one stage: its parameters under their model FQNs, and a
+    forward that runs the :class:`StageExecutor`.
+
+    With ``zero_axis`` (ZeRO-3), every parameter must be replicated on that
+    stage-mesh axis; the module then holds it without that axis (a plain tensor
+    on a 1-D stage mesh, else a DTensor on the other axes) for FSDP2 to shard,
+    and each forward views FSDP's unsharded parameter as the planned DTensor on
+    the stage mesh whose gradient stays a pending sum on ``zero_axis`` (FSDP's
+    reduce-scatter, with divide factor 1, does that sum).
+    """
+
+    def __init__(self, executor: StageExecutor, *, zero_axis: int | None = None):
+        super().__init__()
+        self.executor = executor
+        self.zero_axis = zero_axis
+        self._placements: dict[str, tuple[Placement, ...]] = {}
+        self._shapes: dict[str, tuple[torch.Size, tuple[int, ...]]] = {}
+        for fqn, param in executor.named_parameters():
+            self._placements[fqn] = tuple(param.placements)
+            self._shapes[fqn] = (param.shape, param.stride())
+            self._register(fqn, self._owned(fqn, param))
+        executor.param_value = self._param_value
+
+    def _register(self, fqn: str, param: nn.Parameter) -> None:
+        owner: nn.Module = self
+        *path, leaf = fqn.split(".")
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        owner.register_parameter(leaf, param)
+
+    def _other_axes_mesh(self) -> DeviceMesh | None:
+        mesh = self.executor.mesh
+        names = [n for i, n in enumerate(mesh.mesh_dim_names or ()) if i != self.zero_axis]
+        if mesh.ndim == 1:
+            return None
+        if len(names) != mesh.ndim - 1:
+            raise PipelinePlanError("ZeRO-3 on a multi-axis stage mesh needs named mesh axes")
+        return mesh[names[0]] if len(names) == 1 else mesh[tuple(names)]
+
+    def _owned(self, fqn: str, param: nn.Parameter) -> nn.Parameter:
+        if self.zero_axis is None:
+            return param
+        placements = self._placements[fqn]
+        if not placements[self.zero_axis].is_replicate():
+            raise PipelinePlanError(
+                f"ZeRO-3 over stage-mesh axis {self.zero_axis} needs parameter {fqn} replicated "
+                f"on it, the plan places it {[placement_str(p) for p in placements]}")
+        local = param.to_local().detach().clone()
+        sub = self._other_axes_mesh()
+        if sub is None:
+            return nn.Parameter(local, requires_grad=param.requires_grad)
+        rest = [p for i, p in enumerate(placements) if i != self.zero_axis]
+        dt = DTensor.from_local(local, sub, rest, run_check=False, shape=param.shape,
+                                stride=param.stride())
+        return nn.Parameter(dt, requires_grad=param.requires_grad)
+
+    def _param_value(self, fqn: str) -> Any:
+        param = self.get_parameter(fqn)
+        if self.zero_axis is None:
+            return param
+        local = param.to_local() if isinstance(param, DTensor) else param
+        placements = self._placements[fqn]
+        grads = list(placements)
+        grads[self.zero_axis] = Partial()
+        shape, stride = self._shapes[fqn]
+        return DTensor.from_local(local, self.executor.mesh, placements, run_check=False,
+                                  shape=shape, stride=stride, grad_placements=grads)
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        return self.executor.run_stage(*args)
+
+
+class _NotAView(torch.autograd.Function):
+    """Identity whose output is not an autograd view of its input (no copy).
+
+    ``DTensor.to_local()`` returns a view; the zero-bubble schedules
+    ``detach_()`` stage outputs after the input-gradient pass, which autograd
+    refuses for views.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _stage_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The pipeline's loss function: the last stage already outputs the micro-batch loss."""
+    return output
+
+
+# ------------------------------------------------------------------ the runtime
+@dataclass
+class PipelineRuntime:
+    """This rank's stages of a pipeline plan and the schedule that runs them.
+
+    Build with :meth:`build`; :meth:`step` runs one training step's forward and
+    backward over the global batch; :meth:`sync_grads` then brings every
+    gradient to its parameter's placement (the data-parallel reduction of
+    stages not under FSDP2).
+    """
+
+    plan: Plan
+    world_mesh: DeviceMesh
+    stage_mesh: DeviceMesh
+    pp_rank: int
+    stage_plans: list[StagePlan]
+    modules: list[StageModule]
+    stages: list[Any]
+    schedule: Any
+    num_microbatches: int
+    zero: list[bool] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, plan: Plan, model: nn.Module, global_inputs: Sequence[Any],
+              device: torch.device) -> "PipelineRuntime":
+        """Make this rank's stages from ``model`` (the global-batch build) and its inputs.
+
+        Needs an initialised default process group of ``plan.world_size`` ranks.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        validate_pipeline_plan(plan)
+        pipe = plan.pipeline
+        schedule = canonical_schedule(pipe.schedule)
+        names = tuple(pipe.stage_mesh["axis_names"])
+        world = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=("pp",) + names)
+        stage_mesh = world[names[0]] if len(names) == 1 else world[names]
+        pp_rank = int(world.get_coordinate()[0])
+        m = pipe.num_microbatches
+        microbatch = split_microbatch(global_inputs, m)
+        mb_size = plan.training.get("microbatch_size")
+        if mb_size is not None and microbatch and int(microbatch[0].shape[0]) != int(mb_size):
+            raise PipelinePlanError(f"the plan's micro-batch is {mb_size} but the model's batch "
+                                    f"{int(global_inputs[0].shape[0])} / {m} micro-batches gives "
+                                    f"{int(microbatch[0].shape[0])}")
+        program = capture_program(model, microbatch)
+        mine = [st for st in pipe.stages if st.pp_rank == pp_rank]
+        modules, stages, zero = [], [], []
+        for st in mine:
+            executor = StageExecutor(plan, st, model, microbatch, stage_mesh, program=program)
+            module = StageModule(executor, zero_axis=st.zero_axis if st.zero_stage == 3 else None)
+            if st.zero_stage == 3:
+                fully_shard(module, mesh=stage_mesh[names[st.zero_axis]] if len(names) > 1
+                            else stage_mesh)
+                # The local gradients are partial sums: reduce-scatter their sum.
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+            stages.append(PipelineStage(
+                module, st.index, len(pipe.stages), device,
+                input_args=executor.example_inputs(microbatch),
+                output_args=executor.example_outputs(), group=world.get_group("pp")))
+            modules.append(module)
+            zero.append(st.zero_stage == 3)
+        cls_ = getattr(torch_schedules, TORCH_SCHEDULE_CLASSES[schedule])
+        arg = stages[0] if schedule in _SINGLE_STAGE else stages
+        sched = cls_(arg, n_microbatches=m, loss_fn=_stage_loss, scale_grads=True)
+        runtime = cls(plan=plan, world_mesh=world, stage_mesh=stage_mesh, pp_rank=pp_rank,
+                      stage_plans=mine, modules=modules, stages=stages, schedule=sched,
+                      num_microbatches=m, zero=zero)
+        runtime._check_torch_placement()
+        return runtime
+
+    def _check_torch_placement(self) -> None:
+        """The schedule's stage -> rank map must be the plan's."""
+        for stage in self.stages:
+            got = getattr(stage, "stage_index_to_group_rank", None) or {}
+            for st in self.plan.pipeline.stages:
+                if st.index in got and got[st.index] != st.pp_rank:
+                    raise PipelinePlanError(
+                        f"torch's {type(self.schedule).__name__} runs stage {st.index} on "
+                        f"pipeline rank {got[st.index]}, the plan on {st.pp_rank}")
+
+    @property
+    def has_first(self) -> bool:
+        return any(st.index == 0 for st in self.stage_plans)
+
+    @property
+    def has_last(self) -> bool:
+        return any(st.index == len(self.plan.pipeline.stages) - 1 for st in self.stage_plans)
+
+    @property
+    def executors(self) -> list[StageExecutor]:
+        return [m.executor for m in self.modules]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(FQN, parameter) of every stage this rank runs (FSDP-sharded under ZeRO-3)."""
+        return [item for m in self.modules for item in m.named_parameters()]
+
+    def step(self, global_inputs: Sequence[Any]) -> list[torch.Tensor] | None:
+        """One forward and backward of the global batch; the micro-batch losses on the
+        ranks of the last stage (local scalars), None elsewhere."""
+        losses: list[torch.Tensor] | None = [] if self.has_last else None
+        args = tuple(global_inputs) if self.has_first else ()
+        target = torch.zeros(self.num_microbatches) if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        return losses
+
+    def sync_grads(self) -> int:
+        """Redistribute gradients to their parameter's placement; returns how many moved."""
+        moved = 0
+        for module, zero in zip(self.modules, self.zero):
+            if zero:
+                continue
+            for p in module.parameters():
+                if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+                    p.grad = redistribute(p.grad, p.device_mesh, p.placements)
+                    moved += 1
+        return moved
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter gradient of this rank's stages as a full tensor (a collective
+        over each stage's mesh: every rank of it must call this)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for fqn, p in self.named_parameters():
+            g = p.grad
+            out[fqn] = g.full_tensor() if isinstance(g, DTensor) else g
+        return out
+
+    @property
+    def is_stage_leader(self) -> bool:
+        """Whether this rank is the first of its stage mesh (reports for the stage)."""
+        return all(c == 0 for c in self.stage_mesh.get_coordinate())

@@ -1,0 +1,365 @@
+"""The two-level search: pipeline configurations over the inter-op DP, solved
+exactly per stage by the intra-op ILP, written as one Plan.
+
+Units: seconds, bytes. See :mod:`planner.inter_op` for the pieces.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from costmodel.cluster import Cluster
+from costmodel.collectives import collective_time
+from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
+from ir.graph import INPUT, Graph
+from ir.layers import PipelineLayer, pipeline_layers
+from ir.subgraph import boundary_values, subgraph
+from ir.trace import trace
+from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
+                              PipelineInfeasibleError, SplitResult, StageMeshOption, StageTimes,
+                              in_flight, layer_signature, split_layers, stage_mesh_options,
+                              stage_times)
+from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
+from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
+
+# Memory levels of a layer profile: each next ILP gets this fraction of the
+# previous point's memory as its budget.
+PROFILE_SHRINK = 0.5
+PROFILE_LEVELS = 4
+
+
+def microbatch_inputs(example_inputs: Sequence[Any], num_microbatches: int) -> tuple:
+    """The first micro-batch of ``example_inputs`` (dim 0 split evenly)."""
+    out = []
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.ndim > 0:
+            out.append(t[: t.shape[0] // num_microbatches])
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def global_batch_of(example_inputs: Sequence[Any]) -> int:
+    sizes = {int(t.shape[0]) for t in example_inputs if isinstance(t, torch.Tensor) and t.ndim > 0}
+    if len(sizes) != 1:
+        raise ValueError(f"example inputs must share one batch dimension 0, got sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+@dataclass
+class MicrobatchProgram:
+    """The program of one micro-batch and its pipeline layers."""
+
+    microbatch_size: int
+    graph: Graph
+    layers: list[PipelineLayer]
+    boundaries: list[tuple[list[str], list[str]]]  # per layer: (receives, sends)
+    signatures: list[str]
+
+
+class SearchContext:
+    """Everything one search shares: programs by micro-batch size, layer profiles
+    by (layer kind, stage mesh, micro-batch size). No state outlives it."""
+
+    def __init__(self, model: torch.nn.Module, example_inputs: Sequence[Any], cluster: Cluster, *,
+                 dtype: str, optimizer: str, budget: float, time_limit_s: float,
+                 min_layers: int = 2, progress: Callable[[str], None] | None = None):
+        self.model = model
+        self.example_inputs = tuple(example_inputs)
+        self.cluster = cluster
+        self.dtype = dtype
+        self.optimizer = optimizer
+        self.budget = budget
+        self.time_limit_s = time_limit_s
+        self.min_layers = min_layers
+        self.progress = progress or (lambda msg: None)
+        self.global_batch = global_batch_of(example_inputs)
+        self._programs: dict[int, MicrobatchProgram] = {}
+        self._profiles: dict[tuple, LayerProfile] = {}
+        self.ilp_solves = 0
+
+    def program(self, num_microbatches: int) -> MicrobatchProgram:
+        mb = self.global_batch // num_microbatches
+        if mb not in self._programs:
+            self.progress(f"tracing micro-batch {mb}")
+            graph = trace(self.model, microbatch_inputs(self.example_inputs, num_microbatches))
+            layers = pipeline_layers(graph, self.min_layers)
+            self._programs[mb] = MicrobatchProgram(
+                mb, graph, layers, boundary_values(graph, [l.ops for l in layers]),
+                [layer_signature(graph, l) for l in layers])
+        return self._programs[mb]
+
+    def solve_stage(self, prog: MicrobatchProgram, first: int, end: int, mesh: StageMeshOption,
+                    budget: float | None, copies: float) -> IntraOpResult:
+        ops = [op for l in prog.layers[first:end] for op in l.ops]
+        recv = prog.boundaries[first][0]
+        send = prog.boundaries[end - 1][1]
+        sub = subgraph(prog.graph, ops, recv, send)
+        self.ilp_solves += 1
+        return solve_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
+                              time_limit_s=self.time_limit_s, memory_budget=budget,
+                              optimizer=self.optimizer, activation_copies=copies)
+
+    def profile(self, prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> LayerProfile:
+        """Time/memory points of one layer (shared by layers of its kind)."""
+        key = (prog.signatures[layer], mesh.shape, prog.microbatch_size)
+        if key in self._profiles:
+            return self._profiles[key]
+        points: list[StageTimes] = []
+        budget: float | None = None
+        for _ in range(PROFILE_LEVELS):
+            try:
+                result = self.solve_stage(prog, layer, layer + 1, mesh, budget, 1.0)
+            except MemoryInfeasibleError:
+                break
+            t = stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer)
+            if points and t.memory(1.0) >= points[-1].memory(1.0) * 0.999:
+                break
+            points.append(t)
+            budget = PROFILE_SHRINK * t.memory(1.0)
+        self._profiles[key] = LayerProfile(points)
+        return self._profiles[key]
+
+
+def _p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
+                 cluster: Cluster) -> list[float]:
+    """Seconds to send one micro-batch's boundary values between consecutive
+    stages (each device sends its 1/size share; across nodes when a stage
+    fills whole nodes or the next stage is on another node)."""
+    link = cluster.inter_node if mesh.size >= cluster.devices_per_node and cluster.num_nodes > 1 \
+        else cluster.intra_node
+    out = []
+    for a, b in bounds[:-1]:
+        nbytes = sum(prog.graph[v].outputs[0].nbytes for v in prog.boundaries[b - 1][1]
+                     if prog.graph[v].outputs and prog.graph[v].outputs[0].is_float)
+        out.append(link.latency + nbytes / mesh.size / link.bandwidth)
+    return out
+
+
+def _simulate(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
+              p2p: list[float]) -> tuple[float, float]:
+    """(step seconds including the slowest gradient sync, bubble seconds)."""
+    r = simulate(schedule, pp, m, [t.forward_s for t in times],
+                 [t.backward_input_s for t in times], [t.backward_weight_s for t in times],
+                 p2p if p2p else 0.0, stages_per_rank=v)
+    sync = max(t.grad_sync_s for t in times)
+    return r.step_time + sync, r.step_time - max(r.busy)
+
+
+def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
+                        limit: int) -> list[int]:
+    """Micro-batch counts tried: multiples of pp (x1, x2, x4, ...) dividing the batch,
+    at most ``limit`` of them, as torch's schedules accept."""
+    out = []
+    m = pp * (2 if canonical_schedule(schedule) == "dualpipev" else 1)
+    while m <= global_batch and len(out) < limit:
+        if global_batch % m == 0:
+            out.append(m)
+        m *= 2
+    return out
+
+
+@dataclass
+class SearchOptions:
+    """What the pipeline search may choose from (None = everything valid)."""
+
+    pp: Sequence[int] | None = None
+    schedules: Sequence[str] | None = None
+    num_microbatches: Sequence[int] | None = None
+    stage_mesh: Sequence[int] | None = None
+    microbatch_options: int = 3
+    finalists: int = 3
+
+
+def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
+    """Priced pipeline candidates (pp >= 2), best first, from the layer DP."""
+    n = ctx.cluster.num_devices
+    schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
+    pps = list(opts.pp) if opts.pp else [p for p in range(2, n + 1) if n % p == 0]
+    candidates: list[PipelineCandidate] = []
+    for pp in pps:
+        meshes = stage_mesh_options(ctx.cluster, pp)
+        if opts.stage_mesh is not None:
+            meshes = [mo for mo in meshes if mo.shape == tuple(opts.stage_mesh)]
+        for mesh in meshes:
+            for schedule in schedules:
+                v = default_stages_per_rank(schedule)
+                ms = list(opts.num_microbatches) if opts.num_microbatches else \
+                    _microbatch_options(ctx.global_batch, pp, v, schedule, opts.microbatch_options)
+                for m in ms:
+                    cand = _price(ctx, pp, v, mesh, schedule, m)
+                    if cand is not None:
+                        candidates.append(cand)
+    candidates.sort(key=lambda c: c.step_time_s)
+    return candidates
+
+
+def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule: str,
+           m: int) -> PipelineCandidate | None:
+    if ctx.global_batch % m:
+        return None
+    prog = ctx.program(m)
+    S = pp * v
+    if S > len(prog.layers):
+        return None
+    try:
+        copies = in_flight(schedule, pp, m, v)
+    except ValueError:  # torch rejects this (schedule, pp, m) combination
+        return None
+    ctx.progress(f"pp={pp} mesh {'x'.join(map(str, mesh.shape))} {schedule} m={m}")
+    profiles = [ctx.profile(prog, i, mesh) for i in range(len(prog.layers))]
+    if any(not p.points for p in profiles):
+        return None
+    levels = max(len(p.points) for p in profiles)
+    split = split_layers(lambda i, lv: profiles[i].point(lv), len(prog.layers), S, m, copies,
+                         ctx.budget / v, levels)
+    if split is None:
+        return None
+    p2p = _p2p_seconds(prog, split.bounds, mesh, ctx.cluster)
+    step, bubble = _simulate(schedule, pp, m, v, split.times, p2p)
+    return PipelineCandidate(pp, v, mesh, schedule, m, split, step, bubble, sum(p2p))
+
+
+@dataclass
+class ExactPipeline:
+    """A candidate with every stage solved exactly on its own sub-graph."""
+
+    candidate: PipelineCandidate
+    program: MicrobatchProgram
+    bounds: list[tuple[int, int]]
+    results: list[IntraOpResult]
+    times: list[StageTimes]
+    copies: list[float]
+    step_time_s: float
+    bubble_s: float
+    p2p: list[float]
+
+
+def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
+                bounds: list[tuple[int, int]] | None = None) -> ExactPipeline:
+    """Solve each stage of ``cand`` (or of the given layer ``bounds``) with the
+    intra-op ILP under its share of memory and in-flight activations."""
+    prog = ctx.program(cand.num_microbatches)
+    bounds = bounds or cand.split.bounds
+    copies = in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
+    results, times = [], []
+    for s, (a, b) in enumerate(bounds):
+        ctx.progress(f"stage {s}: layers {a}..{b - 1}")
+        r = ctx.solve_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank, copies[s])
+        results.append(r)
+        times.append(stage_times(r, cand.mesh.cluster(ctx.cluster), ctx.dtype, ctx.optimizer))
+    p2p = _p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
+    step, bubble = _simulate(cand.schedule, cand.pp, cand.num_microbatches,
+                             cand.stages_per_rank, times, p2p)
+    return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
+
+
+def stage_to_rank(schedule: str, pp: int, v: int) -> dict[int, int]:
+    """Pipeline rank of every stage, as torch's schedule places it."""
+    return simulate(schedule, pp, max(pp, 2 * pp if canonical_schedule(schedule) == "dualpipev"
+                                      else pp), 1.0, 1.0, 1.0, 0.0,
+                    stages_per_rank=v).stage_to_rank
+
+
+def assemble(exact: ExactPipeline, ctx: SearchContext, base_plan: Callable[[IntraOpResult, Cluster], Plan],
+             zero_stage: int = 0) -> Plan:
+    """One Plan from the exactly solved stages (placements merged by node name)."""
+    cand = exact.candidate
+    prog = exact.program
+    mesh_shape = list(cand.mesh.shape)
+    world = cand.pp * cand.mesh.size
+    s2r = stage_to_rank(cand.schedule, cand.pp, cand.stages_per_rank)
+    stage_cluster = cand.mesh.cluster(ctx.cluster)
+    parts = [base_plan(r, stage_cluster) for r in exact.results]
+    stages: list[StagePlan] = []
+    for s, (r, part) in enumerate(zip(exact.results, parts)):
+        a, b = exact.bounds[s]
+        recv, send = prog.boundaries[a][0], prog.boundaries[b - 1][1]
+        next_inputs = parts[s + 1] if s + 1 < len(parts) else None
+        inputs = {name: _strs(r.chosen[name].outputs[0]) for name in recv}
+        if next_inputs is None:
+            outputs = {name: _strs(r.chosen[name].outputs[0]) for name in send}
+        else:
+            nr = exact.results[s + 1]
+            outputs = {name: _strs(nr.chosen[name].outputs[0]) for name in send}
+        rank = s2r[s]
+        ranks = list(range(rank * cand.mesh.size, (rank + 1) * cand.mesh.size))
+        t = exact.times[s]
+        stages.append(StagePlan(
+            index=s, pp_rank=rank, layers=[l.name for l in prog.layers[a:b]],
+            nodes=[op for l in prog.layers[a:b] for op in l.ops], ranks=ranks,
+            inputs=inputs, outputs=outputs, checkpoint=list(r.checkpointed),
+            zero_stage=zero_stage, zero_axis=0 if zero_stage else None,
+            predicted={"forward_s": t.forward_s, "backward_input_s": t.backward_input_s,
+                       "backward_weight_s": t.backward_weight_s, "grad_sync_s": t.grad_sync_s,
+                       "in_flight_microbatches": exact.copies[s],
+                       "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))
+    first = parts[0]
+    plan = Plan(
+        model=first.model, cluster=ctx.cluster.to_dict(),
+        mesh={"shape": [cand.pp] + mesh_shape,
+              "axis_names": ["pp"] + [f"mesh{i}" for i in range(len(mesh_shape))]},
+        parameters={k: v for p in parts for k, v in p.parameters.items()},
+        inputs={k: v for k, v in first.inputs.items() if prog.graph[k].kind == INPUT},
+        nodes={k: v for p in parts for k, v in p.nodes.items()},
+        reshards=[r for p in parts for r in p.reshards],
+        predicted=_predicted(exact, parts, ctx),
+        solver=_solver_report(parts),
+        training={**first.training, "microbatch_size": ctx.global_batch // cand.num_microbatches,
+                  "global_batch": ctx.global_batch},
+        checkpoint=[c for p in parts for c in p.checkpoint],
+        pipeline=PipelinePlan(schedule=cand.schedule, num_microbatches=cand.num_microbatches,
+                              stages_per_rank=cand.stages_per_rank,
+                              stage_mesh={"shape": mesh_shape,
+                                          "axis_names": [f"mesh{i}" for i in range(len(mesh_shape))]},
+                              stages=stages))
+    assert plan.world_size == world
+    return plan
+
+
+def _strs(placements) -> list[str]:
+    from costmodel.resharding import placement_str
+    return [placement_str(p) for p in placements]
+
+
+def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> dict[str, Any]:
+    m = exact.candidate.num_microbatches
+    v = exact.candidate.stages_per_rank
+    pp = exact.candidate.pp
+    # memory per device: the stages of the fullest rank
+    s2r = stage_to_rank(exact.candidate.schedule, pp, v)
+    per_rank: dict[int, dict[str, int]] = {}
+    for s, p in enumerate(parts):
+        acc = per_rank.setdefault(s2r[s], {})
+        for k, val in p.predicted["memory_bytes_per_device"].items():
+            acc[k] = acc.get(k, 0) + int(val)
+    memory = max(per_rank.values(), key=lambda d: d.get("total", 0))
+    busiest = max(range(pp), key=lambda r: sum(
+        exact.times[s].microbatch_s for s in range(len(parts)) if s2r[s] == r))
+    mine = [s for s in range(len(parts)) if s2r[s] == busiest]
+    return {
+        "step_time_s": exact.step_time_s,
+        "compute_s": m * sum(parts[s].predicted["compute_s"] for s in mine),
+        "communication_s": m * sum(parts[s].predicted["communication_s"] for s in mine),
+        "resharding_s": m * sum(parts[s].predicted["resharding_s"] for s in mine),
+        "bubble_s": exact.bubble_s,
+        "p2p_s": sum(exact.p2p),
+        "grad_sync_s": max(t.grad_sync_s for t in exact.times),
+        "memory_bytes_per_device": memory,
+    }
+
+
+def _solver_report(parts: list[Plan]) -> SolverReport:
+    reports = [p.solver for p in parts]
+    statuses = sorted({r.status for r in reports})
+    return SolverReport(
+        solver=reports[0].solver, status="/".join(statuses),
+        objective_s=sum(r.objective_s for r in reports), bound_s=sum(r.bound_s for r in reports),
+        gap=max(r.gap for r in reports), time_limit_s=reports[0].time_limit_s,
+        num_variables=sum(r.num_variables for r in reports),
+        num_constraints=sum(r.num_constraints for r in reports))

@@ -1,0 +1,161 @@
+"""Inter-op pass: pipeline layers, Alpa's stage DP against exhaustive cuts, and
+pipeline plans (format, determinism, memory)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ir.layers import cluster_layers, pipeline_layers
+from ir.source import build_model
+from ir.subgraph import boundary_values
+from ir.trace import trace
+from planner import pipeline as pipeline_search
+from planner.api import PlanningError, pipeline_plan
+from planner.inter_op import StageTimes, exhaustive_split, in_flight, split_layers
+from planner.plan_format import Plan
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    model, inputs = build_model("gpt-tiny")
+    return trace(model, inputs)
+
+
+def test_pipeline_layers_cover_every_op_once_in_order(gpt_graph):
+    layers = pipeline_layers(gpt_graph)
+    assert [l.name for l in layers] == ["transformer.h.0", "transformer.h.1"]
+    ops = [n.name for n in gpt_graph.ops]
+    assert [op for l in layers for op in l.ops] == ops
+    # the embedding joins the first layer, the head and loss the last
+    assert any("wte" in gpt_graph[op].module_path for op in layers[0].ops)
+    assert gpt_graph.output_names[0] in layers[-1].ops
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+def test_cluster_layers_cuts_a_model_without_blocks(k):
+    model, inputs = build_model("mlp-tiny")
+    graph = trace(model, inputs)
+    layers = cluster_layers(graph, k)
+    assert len(layers) == k
+    assert [op for l in layers for op in l.ops] == [n.name for n in graph.ops]
+    assert all(l.ops and graph[l.ops[0]].target != "getitem" for l in layers)
+
+
+def test_boundaries_pass_user_inputs_through_to_the_loss(gpt_graph):
+    layers = pipeline_layers(gpt_graph)
+    (recv0, send0), (recv1, send1) = boundary_values(gpt_graph, [l.ops for l in layers])
+    assert recv0 == ["idx", "targets"]
+    assert "targets" in send0 and send0 == recv1
+    assert send1 == list(gpt_graph.output_names)
+
+
+_times = st.builds(StageTimes, *(st.floats(0.0, 10.0) for _ in range(4)),
+                   st.floats(0.0, 100.0), st.floats(0.0, 50.0))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), num_layers=st.integers(1, 6), levels=st.integers(1, 3),
+       m=st.integers(1, 8))
+def test_stage_dp_equals_exhaustive_enumeration(data, num_layers, levels, m):
+    table = data.draw(st.lists(st.lists(_times, min_size=levels, max_size=levels),
+                               min_size=num_layers, max_size=num_layers))
+    stages = data.draw(st.integers(1, num_layers))
+    copies = data.draw(st.lists(st.integers(1, 4), min_size=stages, max_size=stages))
+    budget = data.draw(st.floats(50.0, 600.0))
+
+    def layer_times(i, lv):
+        return table[i][lv]
+
+    dp = split_layers(layer_times, num_layers, stages, m, copies, budget, levels)
+    brute = exhaustive_split(layer_times, num_layers, stages, m, copies, budget, levels)
+    assert (dp is None) == (brute is None)
+    if dp is not None:
+        assert math.isclose(dp.objective_s, brute.objective_s, rel_tol=1e-9, abs_tol=1e-12)
+        assert [b - a for a, b in dp.bounds] and sum(b - a for a, b in dp.bounds) == num_layers
+        for (a, b), s_times, s in zip(dp.bounds, dp.times, range(stages)):
+            assert s_times.memory(copies[s]) <= budget * (1 + 1e-12)
+
+
+def test_in_flight_follows_the_schedule():
+    # 1F1B: stage s keeps pp - s micro-batches; GPipe keeps all m
+    assert in_flight("1f1b", 4, 8, 1) == [4.0, 3.0, 2.0, 1.0]
+    assert in_flight("gpipe", 2, 4, 1) == [4.0, 4.0]
+
+
+def test_search_equals_exhaustive_cuts_and_sub_meshes(monkeypatch):
+    """On <= 6 layers and <= 8 devices, the DP inside the search picks what
+    enumerating every cut (for every sub-mesh, schedule and micro-batch
+    count) picks under the same layer costs."""
+    model, inputs = build_model("mlp-tiny", batch_size=16)
+
+    def best(splitter):
+        monkeypatch.setattr(pipeline_search, "split_layers", splitter)
+        ctx = pipeline_search.SearchContext(model, inputs, _cluster(8), dtype="float32",
+                                            optimizer="adam", budget=2e9, time_limit_s=10,
+                                            min_layers=6)
+        cands = pipeline_search.search(ctx, pipeline_search.SearchOptions(
+            pp=[2, 4], schedules=["1f1b", "gpipe"], microbatch_options=2))
+        return [(c.label(), c.split.bounds, round(c.step_time_s, 12)) for c in cands]
+
+    dp = best(split_layers)
+    brute = best(exhaustive_split)
+    assert dp and dp[0][2] == brute[0][2]
+    assert sorted(x[2] for x in dp) == sorted(x[2] for x in brute)
+
+
+def _cluster(n):
+    from costmodel.presets import local_cpu_cluster
+
+    return local_cpu_cluster(n)
+
+
+@pytest.fixture(scope="module")
+def pp_plan():
+    model, inputs = build_model("gpt-tiny")
+    return pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
+                         schedule="1f1b", num_microbatches=2, model_source="gpt-tiny",
+                         zoo_kwargs={"batch_size": 8})
+
+
+def test_pipeline_plan_records_stages_on_the_world_mesh(pp_plan):
+    pipe = pp_plan.pipeline
+    assert pp_plan.mesh["shape"] == [2, 2] and pp_plan.mesh["axis_names"][0] == "pp"
+    assert pipe.schedule == "1f1b" and pipe.num_microbatches == 2 and pipe.pp == 2
+    s0, s1 = pipe.stages
+    assert (s0.ranks, s1.ranks) == ([0, 1], [2, 3])
+    assert list(s0.outputs) == list(s1.inputs)
+    assert s0.outputs == s1.inputs  # the sender reshards into what the receiver reads
+    assert set(s0.nodes).isdisjoint(s1.nodes)
+    assert set(s0.nodes) | set(s1.nodes) == set(pp_plan.nodes)
+    assert pp_plan.training["microbatch_size"] == 4 and pp_plan.training["global_batch"] == 8
+    assert pp_plan.predicted["step_time_s"] > pp_plan.predicted["bubble_s"] > 0
+
+
+def test_pipeline_plan_json_round_trips_and_is_deterministic(pp_plan, tmp_path):
+    pp_plan.save(tmp_path / "plan.json")
+    from planner.plan_format import load_plan
+
+    again = load_plan(tmp_path / "plan.json")
+    assert again.to_json() == pp_plan.to_json()
+    model, inputs = build_model("gpt-tiny")
+    second = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
+                           schedule="1f1b", num_microbatches=2, model_source="gpt-tiny",
+                           zoo_kwargs={"batch_size": 8})
+    assert second.to_json() == pp_plan.to_json()
+
+
+def test_pipeline_plan_rejects_impossible_requests():
+    model, inputs = build_model("gpt-tiny")
+    with pytest.raises(PlanningError, match="devices"):
+        pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(4,),
+                      schedule="1f1b", num_microbatches=2)
+    with pytest.raises(PlanningError, match="do not divide"):
+        pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
+                      schedule="1f1b", num_microbatches=3)
+    with pytest.raises(PlanningError, match="fits in memory"):
+        pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
+                      schedule="1f1b", num_microbatches=2, memory_budget=1e5)
