@@ -1,8 +1,10 @@
-"""Planning-time benchmark: trace time of a large model and ILP time for one block.
+"""Planning-time benchmark: trace time of a large model, ILP time for one block,
+and the whole two-level ``plan()`` search.
 
 Writes ``benchmarks/results/plan_time.json`` with the machine it ran on.
-Targets (issue 2): trace of gpt3-175b < 15 s; ILP for one gpt3-175b block on an
-(8, 8) mesh < 5 s.
+Targets: trace of gpt3-175b < 15 s and ILP for one gpt3-175b block on an (8, 8)
+mesh < 5 s (issue 2); full ``plan()`` of gpt3-175b on 128 x dgx-a100-80g
+(1024 GPUs) <= 60 s and of llama3-8b on 8 x dgx-h100 <= 10 s (issue 5).
 """
 
 from __future__ import annotations
@@ -74,22 +76,65 @@ def time_block_ilp(name: str, cluster_spec: str, mesh_shape: tuple[int, ...]) ->
             "objective_s": solution.objective_s}
 
 
+# (model, cluster, global batch, sequence length) of the full-search benchmark
+FULL_PLANS = (("gpt3-175b", "dgx-a100-80g:128", 1536, 2048),
+              ("llama3-8b", "dgx-h100:8", 256, 8192))
+
+
+def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
+                   time_limit_s: float = 10.0) -> dict:
+    """Wall time of ``planner.plan`` (trace + every single-stage and pipeline
+    candidate + exact stage ILPs), and what it chose."""
+    from planner.api import plan
+
+    model, inputs = build_model(name, device="meta", batch_size=batch, seq_len=seq_len)
+    steps: list[tuple[float, str]] = []
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = plan(model, cluster_spec, example_inputs=inputs, model_source=name,
+                 time_limit_s=time_limit_s,
+                 progress=lambda msg: steps.append((time.perf_counter() - t0, msg)))
+    total = time.perf_counter() - t0
+    chosen = {"mesh": p.mesh["shape"], "step_time_s": p.predicted["step_time_s"],
+              "memory_bytes_per_device": p.predicted["memory_bytes_per_device"]["total"]}
+    if p.pipeline is not None:
+        chosen.update(schedule=p.pipeline.schedule, microbatches=p.pipeline.num_microbatches,
+                      layers_per_stage=[len(s.layers) for s in p.pipeline.stages],
+                      stage_mesh=p.pipeline.stage_mesh["shape"])
+    return {"model": name, "cluster": cluster_spec, "global_batch": batch, "seq_len": seq_len,
+            "plan_s": total, "ilp_time_limit_s": time_limit_s, "search_steps": len(steps),
+            "chosen": chosen}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                       "plan_time.json"))
-    parser.add_argument("--skip-trace", action="store_true", help="only the ILP benchmark")
+    parser.add_argument("--skip-trace", action="store_true", help="no trace benchmark")
+    parser.add_argument("--only-full", action="store_true", help="only the full plan() searches")
     args = parser.parse_args()
     results = {"machine": machine(), "targets": {"trace_gpt3_175b_s": 15.0,
-                                                 "ilp_block_8x8_s": 5.0}}
+                                                 "ilp_block_8x8_s": 5.0,
+                                                 "plan_gpt3_175b_1024_gpus_s": 60.0,
+                                                 "plan_llama3_8b_64_gpus_s": 10.0}}
+    results["full_plan"] = []
+    for name, cluster_spec, batch, seq_len in FULL_PLANS:
+        r = time_full_plan(name, cluster_spec, batch, seq_len)
+        results["full_plan"].append(r)
+        print(f"plan() {name} on {cluster_spec}: {r['plan_s']:.1f} s -> {r['chosen']}")
+    if args.only_full:
+        args.skip_trace = True
     if not args.skip_trace:
         results["trace"] = time_trace("gpt3-175b")
         print(f"trace gpt3-175b: {results['trace']['trace_s']:.1f} s, "
               f"{results['trace']['nodes']} nodes")
-    results["ilp"] = time_block_ilp("gpt3-175b", "dgx-a100-80g:8", (8, 8))
-    print(f"ILP one gpt3-175b block on (8, 8): {results['ilp']['total_s']:.1f} s "
-          f"(strategies {results['ilp']['strategies_s']:.1f} s, build "
-          f"{results['ilp']['build_s']:.1f} s, solve {results['ilp']['solve_s']:.1f} s)")
+    if not args.only_full:
+        results["ilp"] = time_block_ilp("gpt3-175b", "dgx-a100-80g:8", (8, 8))
+    if "ilp" in results:
+        print(f"ILP one gpt3-175b block on (8, 8): {results['ilp']['total_s']:.1f} s "
+              f"(strategies {results['ilp']['strategies_s']:.1f} s, build "
+              f"{results['ilp']['build_s']:.1f} s, solve {results['ilp']['solve_s']:.1f} s)")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -264,6 +263,7 @@ class StageExecutor(PlanExecutor):
         """Every value the stage reads is its input, its own, or a parameter/buffer/constant."""
         have = set(self.stage.inputs) | set(self._placeholders)
         if self.is_first:
+            have |= set(self.user_input_names)
             extra = [n for n in self.stage.inputs if n not in self.user_input_names]
             if extra:
                 raise PipelinePlanError(f"the first stage's input {extra[0]} is not a user input "
@@ -287,25 +287,22 @@ class StageExecutor(PlanExecutor):
             raise PipelinePlanError(f"stage boundary value {name} is not a tensor")
         return tuple(int(d) for d in val.shape)
 
-    def _example(self, name: str, placements: Sequence[Any], *, grad: bool) -> torch.Tensor:
-        val = self._vals[name]
-        if placements and isinstance(placements[0], str):
-            placements = _parse_all(placements)
+    def _example(self, name: str, placements: Sequence[Placement]) -> torch.Tensor:
+        """An empty local shard of boundary value ``name`` (floats require grad)."""
         shape = local_shape(self._global_shape(name), self.mesh, placements)
-        t = torch.empty(shape, dtype=val.dtype, device=self.mesh.device_type)
-        return t.requires_grad_(grad and t.is_floating_point())
+        t = torch.empty(shape, dtype=self._vals[name].dtype, device=self.mesh.device_type)
+        return t.requires_grad_(t.is_floating_point())
 
     def example_inputs(self, microbatch: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         """What the stage receives for one micro-batch: the user inputs (first stage),
         else empty local shards of its boundary inputs."""
         if self.is_first:
             return tuple(microbatch)
-        return tuple(self._example(n, p, grad=True) for n, p in self.stage.inputs.items())
+        return tuple(self._example(n, _parse_all(p)) for n, p in self.stage.inputs.items())
 
     def example_outputs(self) -> tuple[torch.Tensor, ...]:
         """Empty local shards of what the stage sends (the loss, for the last stage)."""
-        return tuple(self._example(n, self._send_placements(n), grad=True)
-                     for n in self.stage.outputs)
+        return tuple(self._example(n, self._send_placements(n)) for n in self.stage.outputs)
 
     # ---- running
     def _placeholder_value(self, name: str) -> Any:
@@ -341,6 +338,12 @@ class StageExecutor(PlanExecutor):
             value = redistribute(value, self.mesh, placements)
         return _NotAView.apply(value.to_local())
 
+    def _input_placements(self, name: str) -> list[str]:
+        """Placements of a user input in the first stage: the stage's, else the plan's."""
+        if name in self.stage.inputs:
+            return list(self.stage.inputs[name])
+        return list(self.plan.inputs.get(name) or ["R"] * self.mesh.ndim)
+
     def run_stage(self, *args: torch.Tensor) -> Any:
         """Run the stage on one micro-batch; returns the local outputs (one tensor or a tuple)."""
         self._begin_forward()
@@ -348,9 +351,9 @@ class StageExecutor(PlanExecutor):
             if len(args) != len(self.user_input_names):
                 raise ValueError(f"the first stage takes the {len(self.user_input_names)} user "
                                  f"inputs ({', '.join(self.user_input_names)}), got {len(args)}")
-            env = {n: distribute_tensor(v, self.mesh, _parse_all(self.stage.inputs[n]),
+            env = {n: distribute_tensor(v, self.mesh, _parse_all(self._input_placements(n)),
                                         src_data_rank=None)
-                   for n, v in zip(self.user_input_names, args) if n in self.stage.inputs}
+                   for n, v in zip(self.user_input_names, args)}
         else:
             if len(args) != len(self.stage.inputs):
                 raise ValueError(f"stage {self.stage.index} receives {len(self.stage.inputs)} "

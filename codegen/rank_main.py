@@ -12,6 +12,13 @@ error ``max|a-b| / max|b|`` at most ``--rtol``), and the placements each op
 consumed and produced are compared with the plan's. ``--record`` writes the plan
 with the observed placements filled in (follow-DTensor recording).
 
+A plan with a ``pipeline`` section runs through :mod:`codegen.pipeline` instead:
+every rank builds the model with the global batch, runs its stages under the
+plan's torch schedule (``num_microbatches`` micro-batches), and rank 0 compares
+the step loss (mean of the micro-batch losses) and the gathered full gradients
+with the reference; the result also carries ``pipeline`` (schedule, pp,
+num_microbatches, stages_per_rank, stage_mesh).
+
 Rank 0 writes the result JSON and prints a short summary. Exit status: 0 passed,
 1 check failed, 2 unusable plan or launch, 3 plan made for another program.
 """

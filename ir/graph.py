@@ -112,12 +112,15 @@ class Graph:
         model_name: class name of the traced module.
         exported: the ``torch.export.ExportedProgram`` the graph was read from
             (kept for code generation; not serialised).
+        grad_inputs: input nodes that carry gradients back to where they came
+            from (a pipeline stage's activations from the stage before it).
     """
 
     nodes: list[Node]
     output_names: tuple[str, ...]
     model_name: str = ""
     exported: Any = field(default=None, repr=False, compare=False)
+    grad_inputs: tuple[str, ...] = ()
 
     @cached_property
     def by_name(self) -> dict[str, Node]:

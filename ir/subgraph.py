@@ -59,5 +59,7 @@ def subgraph(graph: Graph, ops: Iterable[str], receives: Iterable[str],
         if n.kind in (PARAM, BUFFER) and n.name in used:
             nodes.append(n)
     nodes += [n for n in graph.nodes if n.name in keep]
+    grad_inputs = tuple(name for name in receives if graph[name].kind == OP
+                        and graph[name].outputs[0].is_float)
     return Graph(nodes=nodes, output_names=tuple(sends), model_name=graph.model_name,
-                 exported=graph.exported)
+                 exported=graph.exported, grad_inputs=grad_inputs)

@@ -205,39 +205,40 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     """
     cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
                                                              memory_budget)
-    shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
-        cluster.num_devices)
-    say = progress or (lambda msg: None)
-    say("single-stage plans")
-    best, too_big = _best_single_stage(graph, cluster, shapes, dtype, time_limit_s, budget,
-                                       optimizer)
     info = model_record(model, graph, model_source)
     training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
-    single = build_plan(best, cluster, info, training) if best is not None else None
-    piped = None
-    if pipeline and not mesh_shape and cluster.num_devices > 1:
-        from planner.pipeline import SearchContext, SearchOptions, assemble, search, solve_exact
+    if mesh_shape or not pipeline or cluster.num_devices == 1:
+        shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
+            cluster.num_devices)
+        best, too_big = _best_single_stage(graph, cluster, shapes, dtype, time_limit_s, budget,
+                                           optimizer)
+        if best is None:
+            raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
+        return build_plan(best, cluster, info, training)
 
-        ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
-                            budget=budget, time_limit_s=time_limit_s, progress=say)
-        opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
-        finalists = search(ctx, opts)[:opts.finalists]
-        exact = []
-        for cand in finalists:
-            try:
-                exact.append(solve_exact(ctx, cand))
-            except MemoryInfeasibleError:
-                continue
-        if exact:
-            winner = min(exact, key=lambda e: e.step_time_s)
-            if single is None or winner.step_time_s < single.predicted["step_time_s"]:
-                piped = assemble(winner, ctx, lambda r, c: build_plan(r, c, info, training))
-    if piped is not None:
-        return piped
-    if single is None:
-        least = min(too_big, key=lambda e: e.least_bytes)
-        raise PlanningError(str(least) + " (no pipeline of its layers fits either)")
-    return single
+    from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, assemble, search,
+                                  solve_exact)
+
+    ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
+                        budget=budget, time_limit_s=time_limit_s, progress=progress,
+                        whole_batch_graph=graph)
+    opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
+    exact = []
+    for cand in search(ctx, opts)[:opts.finalists]:
+        try:
+            exact.append(solve_exact(ctx, cand))
+        except MemoryInfeasibleError:
+            continue
+    if not exact:
+        _, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
+                                        dtype, time_limit_s, budget, optimizer)
+        least = min(too_big, key=lambda e: e.least_bytes) if too_big else None
+        raise PlanningError((str(least) if least else "no plan fits in memory")
+                            + " (no pipeline of its layers fits either)")
+    winner = min(exact, key=lambda e: e.step_time_s)
+    if winner.candidate.schedule == NO_PIPELINE:
+        return build_plan(winner.results[0], cluster, info, training)
+    return assemble(winner, ctx, lambda r, c: build_plan(r, c, info, training))
 
 
 def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
@@ -245,7 +246,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
                   zero_stage: int = 0, layer_split: Sequence[int] | None = None,
                   model_source: str | None = None, zoo_kwargs: dict[str, Any] | None = None,
                   time_limit_s: float = 30.0, optimizer: str = "adam",
-                  memory_budget: float | None = None) -> Plan:
+                  memory_budget: float | None = None,
+                  fixed: dict[str, tuple] | None = None) -> Plan:
     """A pipeline plan of one fixed configuration (what a user would pin by hand).
 
     Args:
@@ -256,12 +258,13 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         zero_stage: 0, or 3 to shard each stage's parameters, gradients and
             optimizer states with FSDP2 over its first mesh axis.
         layer_split: layers per stage, in stage order (default: the inter-op DP's cut).
+        fixed: placements (on the stage mesh) some parameters (by FQN) or inputs
+            must take, e.g. a Megatron layout; the ILP places everything else.
         Others: as :func:`plan`.
     """
     from costmodel.schedules import canonical_schedule, default_stages_per_rank
-    from planner.inter_op import StageMeshOption, stage_mesh_options
-    from planner.pipeline import (PipelineCandidate, SearchContext, SearchOptions, assemble,
-                                  search, solve_exact)
+    from planner.inter_op import stage_mesh_options
+    from planner.pipeline import SearchContext, SearchOptions, assemble, search, solve_exact
 
     cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
                                                              memory_budget)
@@ -275,15 +278,14 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
             f"{cluster.num_devices}")
     schedule = canonical_schedule(schedule)
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
-                        budget=budget, time_limit_s=time_limit_s)
+                        budget=budget, time_limit_s=time_limit_s, fixed=fixed,
+                        zero_stage=zero_stage)
     if ctx.global_batch % num_microbatches:
         raise PlanningError(f"{num_microbatches} micro-batches do not divide the batch of "
                             f"{ctx.global_batch}")
-    options = [mo for mo in stage_mesh_options(cluster, pp) if mo.size == math.prod(stage_mesh)]
-    if not options:
+    if not stage_mesh_options(cluster, pp):
         raise PlanningError(f"pp={pp} does not cut cluster '{cluster.name}' into sub-meshes "
                             f"inside a node or of whole nodes")
-    mesh = StageMeshOption(stage_mesh, options[0].num_nodes, options[0].devices_per_node)
     v = default_stages_per_rank(schedule)
     layers = ctx.program(num_microbatches).layers
     if layer_split is not None:
@@ -293,20 +295,15 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
                 f"layer each, {len(layers)} layers in all")
         ends = list(itertools.accumulate(layer_split))
         bounds = list(zip([0] + ends[:-1], ends))
-        cands = search(ctx, SearchOptions(pp=[pp], schedules=[schedule],
-                                          num_microbatches=[num_microbatches],
-                                          stage_mesh=stage_mesh))
     else:
         bounds = None
-        cands = search(ctx, SearchOptions(pp=[pp], schedules=[schedule],
-                                          num_microbatches=[num_microbatches],
-                                          stage_mesh=stage_mesh))
+    cands = search(ctx, SearchOptions(pp=[pp], schedules=[schedule],
+                                      num_microbatches=[num_microbatches], stage_mesh=stage_mesh))
     if not cands:
         raise PlanningError(
             f"no {schedule} pipeline with pp={pp}, {num_microbatches} micro-batches and "
             f"{len(layers)} layers fits in memory (or torch's schedule rejects the shape)")
     cand = cands[0]
-    cand.mesh = mesh
     try:
         exact = solve_exact(ctx, cand, bounds)
     except MemoryInfeasibleError as err:

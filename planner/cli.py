@@ -7,10 +7,11 @@ mismatch) prints one line starting with ``planner: error:`` and exits with 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 EXIT_USAGE = 2
 
@@ -47,6 +48,36 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _int_list(text: str | None, what: str) -> list[int] | None:
+    from planner.api import PlanningError
+
+    if text is None:
+        return None
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise PlanningError(f"{what} '{text}' is not a comma-separated list of integers") from None
+    if any(v < 1 for v in values):
+        raise PlanningError(f"{what} '{text}' must be positive integers")
+    return values
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[str], None] | None]:
+    """A spinner with the search's current step and elapsed time on a terminal;
+    nothing when stderr is piped."""
+    if not (enabled and sys.stderr.isatty()):
+        yield None
+        return
+    import time
+
+    from rich.console import Console
+
+    start = time.perf_counter()
+    with Console(stderr=True).status("planning ...") as status:
+        yield lambda msg: status.update(f"[{time.perf_counter() - start:5.1f} s] {msg}")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from ir.source import build_model
     from planner.api import plan
@@ -55,12 +86,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mesh = _parse_mesh(args.mesh)
     zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
                   if v is not None}
+    pp = _int_list(args.pp, "--pp")
+    microbatches = _int_list(args.microbatches, "--microbatches")
+    schedules = args.schedule.split(",") if args.schedule else None
+    if schedules:
+        from costmodel.schedules import canonical_schedule
+        from planner.api import PlanningError
+
+        try:
+            schedules = [canonical_schedule(x) for x in schedules]
+        except ValueError as err:
+            raise PlanningError(str(err)) from None
     model, inputs = build_model(args.model, device="meta", **zoo_kwargs)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _progress(not args.quiet) as progress:
         warnings.simplefilter("default")
         result = plan(model, args.cluster, example_inputs=inputs, mesh_shape=mesh,
                       model_source=args.model, time_limit_s=args.time_limit,
-                      zoo_kwargs=zoo_kwargs)
+                      zoo_kwargs=zoo_kwargs, pipeline=not args.no_pipeline, pp=pp,
+                      schedules=schedules, num_microbatches=microbatches, progress=progress)
     print(format_plan(result))
     existed = os.path.exists(args.output)
     result.save(args.output)
@@ -131,7 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zoo name (gpt-tiny, gpt3-175b, llama3-8b, ...) or path.py:factory")
     p.add_argument("--cluster", required=True,
                    help="preset[:count] (dgx-a100-80g:2, local-cpu:4) or cluster JSON path")
-    p.add_argument("--mesh", help="logical mesh such as 4 or 2x2 (default: searched)")
+    p.add_argument("--mesh", help="logical mesh such as 4 or 2x2: one stage on exactly this "
+                   "mesh (default: meshes and pipelines are searched)")
+    p.add_argument("--pp", help="pipeline degrees to try, e.g. 2,4 (default: every divisor)")
+    p.add_argument("--schedule", help="pipeline schedules to try, e.g. 1f1b,interleaved_1f1b "
+                   "(default: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev)")
+    p.add_argument("--microbatches", help="micro-batch counts to try, e.g. 4,8 (default: pp, 2pp, 4pp)")
+    p.add_argument("--no-pipeline", action="store_true", help="plan a single stage only")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")
     p.add_argument("--batch-size", type=int, help="global batch size of the example step")
     p.add_argument("--seq-len", type=int, help="sequence length of the example step")

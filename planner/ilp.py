@@ -175,7 +175,7 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     for v, xs in enumerate(x):
         if not xs:
             raise InfeasibleError(f"node {v} has no strategy")
-        mip.Add(mip.Sum(xs) == 1)
+        _row(mip, 1.0, 1.0, [(var, 1.0) for var in xs])
     objective = mip.Objective()
     for u, v, m in problem.edges:
         rows, row_of, cols, col_of = _compress(m)
@@ -195,11 +195,11 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
             e[r, c] = mip.BoolVar("") if integral_edges else mip.NumVar(0.0, 1.0, "")
             objective.SetCoefficient(e[r, c], cost * _SCALE)
         for r in range(len(rows)):
-            mip.Add(mip.Sum([e[r, c] for c in range(len(cols)) if (r, c) in e]) ==
-                    mip.Sum([x[u][i] for i in range(len(row_of)) if row_of[i] == r]))
+            _row(mip, 0.0, 0.0, [(e[r, c], 1.0) for c in range(len(cols)) if (r, c) in e]
+                 + [(x[u][i], -1.0) for i in range(len(row_of)) if row_of[i] == r])
         for c in range(len(cols)):
-            mip.Add(mip.Sum([e[r, c] for r in range(len(rows)) if (r, c) in e]) ==
-                    mip.Sum([x[v][j] for j in range(len(col_of)) if col_of[j] == c]))
+            _row(mip, 0.0, 0.0, [(e[r, c], 1.0) for r in range(len(rows)) if (r, c) in e]
+                 + [(x[v][j], -1.0) for j in range(len(col_of)) if col_of[j] == c])
     for v, c in enumerate(node_costs):
         for i, k in enumerate(c):
             if math.isfinite(k):
@@ -209,29 +209,29 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     objective.SetMinimization()
     ckpt = [mip.BoolVar(f"ckpt{g}") for g in range(len(problem.checkpoint_groups))]
     freed: dict[tuple[int, int], float] = {}  # (node, strategy) -> bytes a checkpoint frees
-    kept_terms, freed_terms = [], []
+    kept_terms, freed_terms = [], []  # (variable, bytes)
     for g, group in enumerate(problem.checkpoint_groups):
-        kept_terms.append(ckpt[g] * group.kept)
+        kept_terms.append((ckpt[g], group.kept))
         for k, v in enumerate(group.nodes):
             for i in range(len(x[v])):
                 # z = x AND ckpt (recompute paid), y = x AND NOT ckpt (activations kept)
                 if group.recompute[k][i] > 0:
                     z = mip.NumVar(0.0, 1.0, "")
-                    mip.Add(z >= x[v][i] + ckpt[g] - 1)
+                    _row(mip, -1.0, mip.infinity(), [(z, 1.0), (x[v][i], -1.0), (ckpt[g], -1.0)])
                     objective.SetCoefficient(z, group.recompute[k][i] * _SCALE)
                 if group.saved[k][i] > 0:
                     y = mip.NumVar(0.0, 1.0, "")
-                    mip.Add(y >= x[v][i] - ckpt[g])
+                    _row(mip, 0.0, mip.infinity(), [(y, 1.0), (x[v][i], -1.0), (ckpt[g], 1.0)])
                     freed[v, i] = freed.get((v, i), 0.0) + group.saved[k][i]
-                    freed_terms.append(y * group.saved[k][i])
+                    freed_terms.append((y, group.saved[k][i]))
     if problem.memory_budget is not None and problem.node_memory is not None:
         # bytes as a fraction of the budget keep the row's coefficients near 1
         unit = max(problem.memory_budget, 1.0)
-        fixed = [x[v][i] * ((m - freed.get((v, i), 0.0)) / unit)
+        fixed = [(x[v][i], (m - freed.get((v, i), 0.0)) / unit)
                  for v, mem in enumerate(problem.node_memory) for i, m in enumerate(mem)
                  if m - freed.get((v, i), 0.0)]
-        mip.Add(mip.Sum(fixed + [t * (1.0 / unit) for t in freed_terms + kept_terms])
-                <= problem.memory_budget / unit)
+        _row(mip, -mip.infinity(), problem.memory_budget / unit,
+             fixed + [(var, b / unit) for var, b in freed_terms + kept_terms])
     if hint is not None:
         mip.SetHint([var for xs in x for var in xs],
                     [1.0 if j == hint[v] else 0.0 for v, xs in enumerate(x) for j in range(len(xs))])
@@ -258,6 +258,14 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     return Solution(choice=choice, objective_s=value, bound_s=min(value, bound),
                     status=_STATUS[status], solver=name, num_variables=mip.NumVariables(),
                     num_constraints=mip.NumConstraints(), checkpoint=checkpoint)
+
+
+def _row(mip: pywraplp.Solver, lower: float, upper: float,
+         terms: list[tuple[pywraplp.Variable, float]]) -> None:
+    """``lower <= sum(coefficient * variable) <= upper`` (each variable once)."""
+    row = mip.Constraint(lower, upper)
+    for var, coefficient in terms:
+        row.SetCoefficient(var, coefficient)
 
 
 def brute_force(problem: AssignmentProblem) -> tuple[list[int], float]:

@@ -147,6 +147,8 @@ class LayerProfile:
     (fastest), later points use less memory (sharded states, checkpointing)."""
 
     points: list[StageTimes]
+    prepared: Any = field(default=None, repr=False)  # the priced problem every level solves
+    exhausted: bool = False  # no smaller-memory point exists
 
     def point(self, level: int) -> StageTimes:
         return self.points[min(level, len(self.points) - 1)]

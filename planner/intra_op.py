@@ -20,6 +20,7 @@ reduces gradients after backward, so the model charges it in full.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -98,7 +99,7 @@ class IntraOpCost:
         self._reshard_cache: dict[tuple, float] = {}
 
     def _requires_grad(self) -> set[str]:
-        out: set[str] = set()
+        out: set[str] = set(self.graph.grad_inputs)
         for n in self.graph.nodes:
             if n.kind == PARAM:
                 out.add(n.name)
@@ -422,7 +423,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
                    dtype: str = "float32", time_limit_s: float = 30.0,
                    memory_budget: float | None = None, optimizer: str = "adam",
                    fixed: Mapping[str, Placements] | None = None,
-                   activation_copies: float = 1.0) -> IntraOpResult:
+                   activation_copies: float = 1.0,
+                   strategies: list[NodeStrategies] | None = None) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     Args:
@@ -433,27 +435,69 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
         activation_copies: micro-batches whose saved activations are alive at
             once (a pipeline stage's in-flight count); the memory constraint and
             the reported ``activations`` count them that many times.
+        strategies: the nodes' strategies on this mesh if already enumerated
+            (:func:`planner.strategies.build_strategies`; not modified).
 
     Raises:
         MemoryInfeasibleError: no assignment fits ``memory_budget``; it carries the
             least memory per device that would.
         FixedPlacementError: a fixed placement is not one DTensor can use here.
     """
+    prepared = prepare_intra_op(graph, cluster, mesh_shape, dtype=dtype, optimizer=optimizer,
+                                fixed=fixed, activation_copies=activation_copies,
+                                strategies=strategies)
+    return solve_prepared(prepared, memory_budget=memory_budget, time_limit_s=time_limit_s)
+
+
+@dataclass
+class PreparedIntraOp:
+    """A priced assignment problem, ready to solve under any memory budget."""
+
+    graph: Graph
+    mesh_shape: tuple[int, ...]
+    strategies: list[NodeStrategies]
+    cost: IntraOpCost
+    built: IntraOpProblem
+    activation_copies: float
+
+
+def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
+                     dtype: str = "float32", optimizer: str = "adam",
+                     fixed: Mapping[str, Placements] | None = None,
+                     activation_copies: float = 1.0,
+                     strategies: list[NodeStrategies] | None = None) -> PreparedIntraOp:
+    """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
+    several budgets can be solved without pricing again."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
-    with fake_mesh(mesh_shape) as mesh:
-        strategies = build_strategies(graph, mesh)
-    for ns in strategies:
+    if strategies is None:
+        with fake_mesh(mesh_shape) as mesh:
+            strategies = build_strategies(graph, mesh)
+    strategies = list(strategies)
+    for i, ns in enumerate(strategies):
         key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
         if fixed and key in fixed and ns.node.kind in (PARAM, INPUT):
             want = tuple(fixed[key])
-            ns.strategies = [s for s in ns.strategies if s.outputs[0] == want]
+            ns = strategies[i] = NodeStrategies(
+                ns.node, [s for s in ns.strategies if s.outputs[0] == want], ns.fallback)
             if not ns.strategies:
                 raise FixedPlacementError(
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies)
-    built = build_problem(cost, strategies, memory_budget)
-    problem = built.problem
+    return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
+                           float(activation_copies))
+
+
+def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = None,
+                   time_limit_s: float = 30.0) -> IntraOpResult:
+    """Solve a prepared problem under ``memory_budget`` (bytes per device).
+
+    Raises:
+        MemoryInfeasibleError: no assignment fits the budget.
+    """
+    graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
+    cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
+    problem = dataclasses.replace(built.problem, memory_budget=memory_budget)
     if memory_budget is not None and least_memory(problem) > memory_budget:
         raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
     solution = solve(problem, time_limit_s=time_limit_s,
@@ -481,6 +525,6 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
             breakdown.compute_s += sum(r[i] for r, i in zip(group.recompute, chosen_of))
             memory["activations"] += group.kept - sum(
                 m[i] for m, i in zip(group.saved, chosen_of))
-    assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12)
+    assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (breakdown, solution.objective_s, solution.status, checkpointed)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
                          memory, checkpointed)

@@ -10,13 +10,24 @@ exactly that layout and lets the intra-op ILP place the activations, so the
 manual plan is priced by the same cost model and run by the same code generator.
 Arguments use Megatron's names.
 
-Pipeline parallelism, interleaving and micro-batching wait for the inter-op pass.
+With ``pipeline_model_parallel_size`` > 1 the layers are split evenly over the
+pipeline stages (Megatron's uniform split) and run by 1F1B, or interleaved 1F1B
+with ``virtual_pipeline_model_parallel_size``, each stage on a (dp, tp) sub-mesh
+with the same layout fixed.
+
+Not modelled: ``sequence_parallel`` (it shards the activations between the
+blocks on the sequence dimension over the tp axis; the fixed-placement
+mechanism pins only parameters and user inputs, so it cannot be forced, and
+the ILP may or may not choose it) and ``recompute_granularity`` (the intra-op
+ILP decides per layer kind whether to checkpoint, under the memory budget;
+there is no way to force full recomputation from outside it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
@@ -27,29 +38,126 @@ from ir.layers import find_layers
 from ir.trace import trace
 from planner.api import (PlanningError, build_plan, default_memory_budget, model_record,
                          training_record)
-from planner.intra_op import FixedPlacementError, solve_intra_op
+from planner.intra_op import FixedPlacementError, MemoryInfeasibleError, solve_intra_op
 from planner.plan_format import Plan
 
 _MATMULS = {"aten.mm.default", "aten.addmm.default"}
 
 
+class MegatronDoesNotFit(PlanningError):
+    """A Megatron configuration that divides the model but does not fit in memory."""
+
+
 @dataclass(frozen=True)
 class MegatronConfig:
-    """A Megatron-LM parallel configuration (intra-op part)."""
+    """A Megatron-LM parallel configuration, with Megatron's argument names.
+
+    ``micro_batch_size`` is per data-parallel rank, as in Megatron; a pipeline
+    runs ``global_batch / (micro_batch_size * data_parallel_size)`` micro-batches
+    (in the Plan one micro-batch is split over the stage's data-parallel axis).
+    None means the whole local batch in one micro-batch: the only choice
+    without a pipeline, since a single-stage Plan has no gradient accumulation.
+    ``virtual_pipeline_model_parallel_size`` (None, or v >= 2 model chunks per
+    pipeline rank) selects the interleaved 1F1B schedule.
+    """
 
     tensor_model_parallel_size: int
     data_parallel_size: int
     use_distributed_optimizer: bool = True
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None
+    micro_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "data_parallel_size",
+                     "pipeline_model_parallel_size"):
+            if int(getattr(self, name)) < 1:
+                raise PlanningError(f"{name} must be at least 1, got {getattr(self, name)}")
+        v = self.virtual_pipeline_model_parallel_size
+        if v is not None and (v < 2 or self.pipeline_model_parallel_size < 2):
+            raise PlanningError(
+                f"virtual_pipeline_model_parallel_size={v} needs v >= 2 and "
+                f"pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size})")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise PlanningError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.data_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.dp * self.pp
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule Megatron runs (none without a pipeline)."""
+        if self.pp == 1:
+            return "none"
+        return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size else "1f1b"
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """(data parallel, tensor parallel), size-1 axes dropped (at least one axis)."""
+        """Mesh of one stage: (data parallel, tensor parallel), size-1 axes dropped
+        (at least one axis)."""
         shape = tuple(d for d in (self.data_parallel_size, self.tensor_model_parallel_size) if d > 1)
         return shape or (1,)
 
+    def num_microbatches(self, global_batch: int) -> int:
+        """Micro-batches per step: ``global_batch / (micro_batch_size * dp)``.
+
+        Raises:
+            PlanningError: the sizes do not divide the batch, or gradient
+                accumulation without a pipeline is asked for.
+        """
+        mbs = self.micro_batch_size
+        if mbs is None:
+            if global_batch % self.dp:
+                raise PlanningError(f"{self.label()}: dp={self.dp} does not divide the batch "
+                                    f"of {global_batch}")
+            return 1
+        if global_batch % (mbs * self.dp):
+            raise PlanningError(f"{self.label()}: micro_batch_size x dp = {mbs * self.dp} does "
+                                f"not divide the batch of {global_batch}")
+        m = global_batch // (mbs * self.dp)
+        if self.pp == 1 and m > 1:
+            raise PlanningError(f"{self.label()}: {m} micro-batches without a pipeline is "
+                                f"gradient accumulation, which a single-stage Plan cannot "
+                                f"express; use micro_batch_size={global_batch // self.dp}")
+        if self.virtual_pipeline_model_parallel_size and m % self.pp:
+            raise PlanningError(f"{self.label()}: the interleaved schedule needs the "
+                                f"{m} micro-batches to be a multiple of pp={self.pp}")
+        return m
+
+    def check_layers(self, num_layers: int) -> None:
+        """Megatron splits the layers evenly over pp x vpp model chunks."""
+        chunks = self.pp * self.stages_per_rank
+        if num_layers % chunks:
+            raise PlanningError(f"{self.label()}: {num_layers} layers do not split evenly into "
+                                f"{chunks} pipeline stages")
+
     def label(self) -> str:
-        return (f"megatron tp={self.tensor_model_parallel_size} dp={self.data_parallel_size}"
-                + (" dist-opt" if self.use_distributed_optimizer else ""))
+        """Megatron terms, e.g. ``tp=2 pp=4 dp=8 mbs=1 vpp=2``."""
+        out = f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        if self.micro_batch_size is not None:
+            out += f" mbs={self.micro_batch_size}"
+        if self.virtual_pipeline_model_parallel_size:
+            out += f" vpp={self.virtual_pipeline_model_parallel_size}"
+        if not self.use_distributed_optimizer and self.dp > 1:
+            out += " no-dist-opt"
+        return out
 
 
 def _views_of(graph: Graph, name: str, users: dict[str, list[str]]) -> list[str]:
@@ -127,43 +235,235 @@ def megatron_layout(graph: Graph, cfg: MegatronConfig) -> dict[str, tuple[Placem
     return layout
 
 
-def megatron_configs(cluster: Cluster) -> list[MegatronConfig]:
-    """Every tensor-parallel size a practitioner would try: powers of two up to a node."""
-    n, out, tp = cluster.num_devices, [], 1
-    while tp <= min(n, cluster.devices_per_node):
+def megatron_configs(cluster: Cluster, global_batch: int | None = None,
+                     num_layers: int | None = None, *,
+                     micro_batch_sizes: Sequence[int] = (1, 2, 4),
+                     virtual_stages: Sequence[int | None] = (None, 2),
+                     use_distributed_optimizer: bool = True) -> list[MegatronConfig]:
+    """The configurations a Megatron practitioner would try on ``cluster``.
+
+    * tensor parallel: powers of two up to a node (and dividing the cluster);
+    * pipeline parallel (only when ``num_layers`` is given): every pp that
+      divides the layers and the devices left after tp, whose stages are part
+      of one node or whole nodes (the sub-meshes the Plan can run);
+    * data parallel: the rest;
+    * micro-batch size (only when ``global_batch`` is given): without a
+      pipeline the whole local batch (a single-stage Plan has no gradient
+      accumulation); with one, each of ``micro_batch_sizes`` that divides the
+      batch and leaves at least pp micro-batches (fewer leave ranks idle);
+    * virtual stages: each of ``virtual_stages`` (None = plain 1F1B, v =
+      interleaved) where pp >= 2, the layers split into pp x v chunks and the
+      micro-batches are a multiple of pp.
+
+    Pruning, to keep the grid small (each pipeline configuration costs one
+    ILP per stage): the powers of two above, the micro-batch sizes given
+    (default 1, 2, 4) and v <= 2. Memory is pruned later, by the plans
+    themselves: a configuration that does not fit raises
+    :class:`MegatronDoesNotFit` (and :func:`planner.compare.compare` then skips
+    the larger micro-batch sizes of the same tp/pp/dp/vpp).
+
+    Order: pp, then tp, then micro-batch size, then v, ascending.
+    """
+    from planner.inter_op import stage_mesh_options
+
+    n, dpn = cluster.num_devices, cluster.devices_per_node
+    out: list[MegatronConfig] = []
+    tps = []
+    tp = 1
+    while tp <= min(n, dpn):
         if n % tp == 0:
-            out.append(MegatronConfig(tp, n // tp))
+            tps.append(tp)
         tp *= 2
+    pps = [1] if num_layers is None else [p for p in range(1, n + 1)
+                                          if n % p == 0 and num_layers % p == 0]
+    for pp in pps:
+        if pp > 1 and not stage_mesh_options(cluster, pp):
+            continue
+        for tp in tps:
+            if (n // pp) % tp:
+                continue
+            dp = n // (pp * tp)
+            if pp == 1:
+                if global_batch is None:
+                    out.append(MegatronConfig(tp, dp, use_distributed_optimizer))
+                elif global_batch % dp == 0:
+                    out.append(MegatronConfig(tp, dp, use_distributed_optimizer,
+                                              micro_batch_size=global_batch // dp))
+                continue
+            mbss = [None] if global_batch is None else [
+                b for b in micro_batch_sizes
+                if global_batch % (b * dp) == 0 and global_batch // (b * dp) >= pp]
+            for mbs in mbss:
+                for v in virtual_stages:
+                    if v is not None and (num_layers % (pp * v) or (
+                            global_batch is not None and (global_batch // (mbs * dp)) % pp)):
+                        continue
+                    out.append(MegatronConfig(tp, dp, use_distributed_optimizer, pp, v, mbs))
     return out
+
+
+def _state_floor(graph: Graph, cfg: MegatronConfig, optimizer: str) -> float:
+    """A lower bound on parameter-state bytes of the fullest device: every
+    parameter split tp x pp ways (the fullest stage holds at least the average),
+    optimizer states also over dp under the distributed optimizer."""
+    from costmodel.memory import training_state_bytes
+
+    total = 0.0
+    for t in graph.parameters.values():
+        s = training_state_bytes(int(t.numel), param_bytes=t.itemsize, optimizer=optimizer)
+        opt = s["optimizer"] / (cfg.dp if cfg.use_distributed_optimizer else 1)
+        total += s["params"] + s["grads"] + opt
+    return total / (cfg.tp * cfg.pp)
+
+
+def _optimizer_bytes(graph: Graph, layout: dict[str, tuple], mesh_shape: tuple[int, ...],
+                     optimizer: str) -> float:
+    """Optimizer-state bytes per device of ``graph``'s parameters under ``layout``."""
+    from costmodel.memory import training_state_bytes
+    from planner.intra_op import local_numel
+
+    total = 0.0
+    for n in graph.nodes:
+        if n.kind == PARAM:
+            numel = local_numel(n.output, layout.get(n.fqn, (Replicate(),) * len(mesh_shape)),
+                                mesh_shape)
+            total += training_state_bytes(int(math.ceil(numel)), param_bytes=n.output.itemsize,
+                                          optimizer=optimizer)["optimizer"]
+    return total
+
+
+def _zero1_saving(graph: Graph, cfg: MegatronConfig, layout: dict[str, tuple],
+                  optimizer: str) -> float:
+    """Bytes per device the distributed optimizer saves (ZeRO-1 over dp)."""
+    if not cfg.use_distributed_optimizer or cfg.dp == 1:
+        return 0.0
+    return _optimizer_bytes(graph, layout, cfg.mesh_shape, optimizer) * (1 - 1 / cfg.dp)
 
 
 def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronConfig, *,
                   example_inputs: Any, model_source: str | None = None,
                   zoo_kwargs: dict[str, Any] | None = None, time_limit_s: float = 30.0,
-                  graph: Graph | None = None) -> Plan:
+                  graph: Graph | None = None, optimizer: str = "adam",
+                  memory_budget: float | None = None,
+                  cache: dict | None = None) -> Plan:
     """The Plan of Megatron configuration ``cfg``.
 
+    Without a pipeline: the intra-op ILP on the (dp, tp) mesh with the Megatron
+    layout fixed. With one (pp > 1): the layers split evenly over pp x vpp
+    stages (the embedding with the first, the head and loss with the last, as
+    Megatron does), each stage solved by the intra-op ILP on the (dp, tp)
+    stage mesh with the layout fixed, priced by the 1F1B (or interleaved 1F1B)
+    schedule simulation, exactly as :func:`planner.api.pipeline_plan` with
+    ``fixed=megatron_layout(...)`` and a uniform ``layer_split`` (without its
+    inter-op DP, whose cut Megatron does not use). The distributed optimizer
+    divides the optimizer states by dp (ZeRO-1); the ILP's memory budget grows
+    by what that saves, so activations may use it.
+
+    Args:
+        graph: the traced whole-batch program, if already traced.
+        cache: a dict shared between calls for the same model and cluster
+            (``planner compare``): traces and stage sub-programs are reused.
+
     Raises:
-        PlanningError: ``cfg`` does not divide the model or does not fit in memory.
+        PlanningError: ``cfg`` does not divide the model or the batch;
+            :class:`MegatronDoesNotFit` (a PlanningError) when it does not fit.
     """
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
-    if cfg.tensor_model_parallel_size * cfg.data_parallel_size != cluster.num_devices:
-        raise PlanningError(f"{cfg.label()} needs {cfg.tensor_model_parallel_size * cfg.data_parallel_size}"
-                            f" devices but cluster '{cluster.name}' has {cluster.num_devices}")
-    graph = graph or trace(model, tuple(example_inputs))
+    if cfg.world_size != cluster.num_devices:
+        raise PlanningError(f"{cfg.label()} needs {cfg.world_size} devices but cluster "
+                            f"'{cluster.name}' has {cluster.num_devices}")
+    if not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    cache = {} if cache is None else cache
+    if graph is None:
+        graph = cache.get("graph") or trace(model, example_inputs)
+    cache["graph"] = graph
     dtype = str(next(iter(graph.parameters.values())).dtype).replace("torch.", "")
+    budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
+    floor = _state_floor(graph, cfg, optimizer)
+    if floor > budget:
+        raise MegatronDoesNotFit(
+            f"{cfg.label()} needs at least {floor / 2**30:.1f} GiB per device for parameter "
+            f"states alone, more than the {budget / 2**30:.1f} GiB available")
+    from planner.pipeline import global_batch_of
+
+    m = cfg.num_microbatches(global_batch_of(example_inputs))
+    layout = megatron_layout(graph, cfg)
+    training = training_record(dtype, optimizer, example_inputs, zoo_kwargs,
+                               manual={"kind": "megatron", **asdict(cfg)})
+    info = model_record(model, graph, model_source)
+    if cfg.pp > 1:
+        return _pipeline_plan(model, cluster, cfg, example_inputs, graph, layout, m, dtype,
+                              optimizer, budget, time_limit_s, cache, info, training)
+    saving = _zero1_saving(graph, cfg, layout, optimizer)
     try:
         result = solve_intra_op(graph, cluster, cfg.mesh_shape, dtype=dtype,
-                                time_limit_s=time_limit_s, fixed=megatron_layout(graph, cfg))
+                                time_limit_s=time_limit_s, fixed=layout, optimizer=optimizer,
+                                memory_budget=budget + saving)
     except FixedPlacementError as err:
         raise PlanningError(f"{cfg.label()} does not divide the model: {err}") from err
-    if cfg.use_distributed_optimizer and cfg.data_parallel_size > 1:
-        result.memory["optimizer"] /= cfg.data_parallel_size  # ZeRO-1 over data parallel
+    except MemoryInfeasibleError as err:
+        raise MegatronDoesNotFit(f"{cfg.label()} does not fit: {err}") from None
+    if cfg.use_distributed_optimizer and cfg.dp > 1:
+        result.memory["optimizer"] /= cfg.dp  # ZeRO-1 over data parallel
     total = sum(result.memory.values())
-    if total > default_memory_budget(cluster):
-        raise PlanningError(f"{cfg.label()} needs {total / 2**30:.1f} GiB per device, more than "
-                            f"the {default_memory_budget(cluster) / 2**30:.1f} GiB available")
-    training = training_record(dtype, "adam", example_inputs, zoo_kwargs,
-                               manual={"kind": "megatron", **asdict(cfg)})
-    return build_plan(result, cluster, model_record(model, graph, model_source), training)
+    if total > budget * (1 + 1e-9):
+        raise MegatronDoesNotFit(f"{cfg.label()} needs {total / 2**30:.1f} GiB per device, more "
+                                 f"than the {budget / 2**30:.1f} GiB available")
+    return build_plan(result, cluster, info, training)
+
+
+def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs: tuple,
+                   graph: Graph, layout: dict[str, tuple], m: int, dtype: str, optimizer: str,
+                   budget: float, time_limit_s: float, cache: dict, info: dict,
+                   training: dict) -> Plan:
+    """A Megatron pipeline: uniform layer split, fixed layout, 1F1B / interleaved."""
+    from planner.inter_op import PipelineCandidate, StageMeshOption, stage_mesh_options
+    from planner.pipeline import (ExactPipeline, SearchContext, _in_flight, _p2p_seconds,
+                                  _simulate, assemble)
+
+    options = stage_mesh_options(cluster, cfg.pp)
+    if not options:
+        raise PlanningError(f"{cfg.label()}: pp={cfg.pp} does not cut cluster '{cluster.name}' "
+                            f"into sub-meshes inside a node or of whole nodes")
+    mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node)
+    key = ("ctx", cfg.dp, cfg.tp, budget, time_limit_s, optimizer)
+    ctx = cache.get(key)
+    if ctx is None:
+        ctx = cache[key] = SearchContext(model, example_inputs, cluster, dtype=dtype,
+                                         optimizer=optimizer, budget=budget,
+                                         time_limit_s=time_limit_s, fixed=layout)
+        programs = cache.setdefault("programs", {})  # traces shared by every layout
+        ctx._programs = programs
+    prog = ctx.program(m)
+    v = cfg.stages_per_rank
+    cfg.check_layers(len(prog.layers))
+    chunks = cfg.pp * v
+    per = len(prog.layers) // chunks
+    bounds = [(s * per, (s + 1) * per) for s in range(chunks)]
+    try:
+        copies = _in_flight(cfg.schedule, cfg.pp, m, v)
+    except ValueError as err:
+        raise PlanningError(f"{cfg.label()}: torch's {cfg.schedule} schedule rejects pp={cfg.pp} "
+                            f"with {m} micro-batches: {err}") from None
+    results, times = [], []
+    for s, (a, b) in enumerate(bounds):
+        saving = _zero1_saving(ctx.stage_graph(prog, a, b), cfg, layout, optimizer)
+        try:
+            r = ctx.solve_stage(prog, a, b, mesh, budget / v + saving, copies[s])
+        except FixedPlacementError as err:
+            raise PlanningError(f"{cfg.label()} does not divide the model: {err}") from err
+        except MemoryInfeasibleError as err:
+            raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
+        t = ctx.times_of(r, mesh)
+        if cfg.use_distributed_optimizer and cfg.dp > 1:
+            r.memory["optimizer"] /= cfg.dp  # ZeRO-1 over data parallel
+        results.append(r)
+        times.append(t)
+    p2p = _p2p_seconds(prog, bounds, mesh, cluster)
+    step, bubble = _simulate(cfg.schedule, cfg.pp, m, v, times, p2p)
+    cand = PipelineCandidate(cfg.pp, v, mesh, cfg.schedule, m, None, step, bubble, sum(p2p))
+    exact = ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
+    return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))

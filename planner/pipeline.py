@@ -14,9 +14,10 @@ from typing import Any, Callable, Sequence
 import torch
 
 from costmodel.cluster import Cluster
-from costmodel.collectives import collective_time
+from costmodel.collectives import axis_links, collective_time
+from torch.distributed.tensor.placement_types import Replicate
 from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
-from ir.graph import INPUT, Graph
+from ir.graph import INPUT, PARAM, Graph
 from ir.layers import PipelineLayer, pipeline_layers
 from ir.subgraph import boundary_values, subgraph
 from ir.trace import trace
@@ -24,8 +25,10 @@ from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               PipelineInfeasibleError, SplitResult, StageMeshOption, StageTimes,
                               in_flight, layer_signature, split_layers, stage_mesh_options,
                               stage_times)
-from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
+from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
+                              prepare_intra_op, solve_prepared)
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
+from planner.strategies import NodeStrategies, build_strategies, fake_mesh
 
 # Memory levels of a layer profile: each next ILP gets this fraction of the
 # previous point's memory as its budget.
@@ -68,8 +71,14 @@ class SearchContext:
 
     def __init__(self, model: torch.nn.Module, example_inputs: Sequence[Any], cluster: Cluster, *,
                  dtype: str, optimizer: str, budget: float, time_limit_s: float,
-                 min_layers: int = 2, progress: Callable[[str], None] | None = None):
+                 min_layers: int = 2, progress: Callable[[str], None] | None = None,
+                 whole_batch_graph: Graph | None = None,
+                 fixed: dict[str, tuple] | None = None, zero_stage: int = 0):
         self.model = model
+        # placements every stage must use (a manual layout), by parameter FQN / input name
+        self.fixed = dict(fixed or {})
+        # 3: parameters replicated on stage mesh axis 0 and sharded there by FSDP2
+        self.zero_stage = zero_stage
         self.example_inputs = tuple(example_inputs)
         self.cluster = cluster
         self.dtype = dtype
@@ -82,48 +91,90 @@ class SearchContext:
         self._programs: dict[int, MicrobatchProgram] = {}
         self._profiles: dict[tuple, LayerProfile] = {}
         self.ilp_solves = 0
+        if whole_batch_graph is not None:
+            self._add_program(self.global_batch, whole_batch_graph)
+
+    def _add_program(self, mb: int, graph: Graph) -> None:
+        layers = pipeline_layers(graph, self.min_layers)
+        self._programs[mb] = MicrobatchProgram(
+            mb, graph, layers, boundary_values(graph, [l.ops for l in layers]),
+            [layer_signature(graph, l) for l in layers])
 
     def program(self, num_microbatches: int) -> MicrobatchProgram:
+        """The program of one micro-batch when the batch is split ``num_microbatches`` ways."""
         mb = self.global_batch // num_microbatches
         if mb not in self._programs:
             self.progress(f"tracing micro-batch {mb}")
-            graph = trace(self.model, microbatch_inputs(self.example_inputs, num_microbatches))
-            layers = pipeline_layers(graph, self.min_layers)
-            self._programs[mb] = MicrobatchProgram(
-                mb, graph, layers, boundary_values(graph, [l.ops for l in layers]),
-                [layer_signature(graph, l) for l in layers])
+            self._add_program(mb, trace(self.model, microbatch_inputs(self.example_inputs,
+                                                                      num_microbatches)))
         return self._programs[mb]
+
+    def prepare_stage(self, prog: MicrobatchProgram, first: int, end: int,
+                      mesh: StageMeshOption, copies: float) -> PreparedIntraOp:
+        """The priced intra-op problem of layers ``first .. end - 1`` on ``mesh``."""
+        sub = self.stage_graph(prog, first, end)
+        with fake_mesh(mesh.shape) as fm:
+            strategies = build_strategies(sub, fm)
+        if self.zero_stage == 3:  # FSDP2 shards parameters that are replicated on axis 0
+            strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
+                ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],
+                ns.fallback) for ns in strategies]
+        return prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
+                                optimizer=self.optimizer, fixed=self.fixed or None,
+                                activation_copies=copies, strategies=strategies)
 
     def solve_stage(self, prog: MicrobatchProgram, first: int, end: int, mesh: StageMeshOption,
                     budget: float | None, copies: float) -> IntraOpResult:
-        ops = [op for l in prog.layers[first:end] for op in l.ops]
-        recv = prog.boundaries[first][0]
-        send = prog.boundaries[end - 1][1]
-        sub = subgraph(prog.graph, ops, recv, send)
+        """The intra-op solution of layers ``first .. end - 1`` within ``budget`` bytes."""
         self.ilp_solves += 1
-        return solve_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
-                              time_limit_s=self.time_limit_s, memory_budget=budget,
-                              optimizer=self.optimizer, activation_copies=copies)
+        return solve_prepared(self.prepare_stage(prog, first, end, mesh, copies),
+                              memory_budget=budget, time_limit_s=self.time_limit_s)
 
-    def profile(self, prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> LayerProfile:
-        """Time/memory points of one layer (shared by layers of its kind)."""
+    def times_of(self, result: IntraOpResult, mesh: StageMeshOption) -> StageTimes:
+        """:func:`stage_times` of a stage; under ZeRO-3 the parameter states are
+        split over mesh axis 0 and FSDP2 all-gathers the parameters in forward
+        and again in backward."""
+        cluster = mesh.cluster(self.cluster)
+        t = stage_times(result, cluster, self.dtype, self.optimizer)
+        if self.zero_stage != 3 or mesh.shape[0] == 1:
+            return t
+        n = mesh.shape[0]
+        link = axis_links(cluster, mesh.shape)[0]
+        param_bytes = result.memory.get("params", 0.0)
+        gather = collective_time("all_gather", param_bytes / n, n, link)
+        return StageTimes(t.forward_s + gather, t.backward_input_s + gather, t.backward_weight_s,
+                          t.grad_sync_s, t.state_bytes / n, t.activation_bytes)
+
+    @staticmethod
+    def stage_graph(prog: MicrobatchProgram, first: int, end: int) -> Graph:
+        """The sub-graph of layers ``first .. end - 1``."""
+        ops = [op for l in prog.layers[first:end] for op in l.ops]
+        return subgraph(prog.graph, ops, prog.boundaries[first][0], prog.boundaries[end - 1][1])
+
+    def profile(self, prog: MicrobatchProgram, layer: int, mesh: StageMeshOption,
+                levels: int = 1) -> LayerProfile:
+        """At least ``levels`` time/memory points of one layer (fewer when no
+        smaller-memory plan exists), shared by all layers of its kind."""
         key = (prog.signatures[layer], mesh.shape, prog.microbatch_size)
-        if key in self._profiles:
-            return self._profiles[key]
-        points: list[StageTimes] = []
-        budget: float | None = None
-        for _ in range(PROFILE_LEVELS):
+        prof = self._profiles.get(key)
+        if prof is None:
+            prof = self._profiles[key] = LayerProfile(
+                [], prepared=self.prepare_stage(prog, layer, layer + 1, mesh, 1.0))
+        while len(prof.points) < levels and not prof.exhausted:
+            budget = PROFILE_SHRINK * prof.points[-1].memory(1.0) if prof.points else None
             try:
-                result = self.solve_stage(prog, layer, layer + 1, mesh, budget, 1.0)
+                self.ilp_solves += 1
+                result = solve_prepared(prof.prepared, memory_budget=budget,
+                                        time_limit_s=self.time_limit_s)
             except MemoryInfeasibleError:
+                prof.exhausted = True
                 break
-            t = stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer)
-            if points and t.memory(1.0) >= points[-1].memory(1.0) * 0.999:
+            t = self.times_of(result, mesh)
+            if prof.points and t.memory(1.0) >= prof.points[-1].memory(1.0) * 0.999:
+                prof.exhausted = True
                 break
-            points.append(t)
-            budget = PROFILE_SHRINK * t.memory(1.0)
-        self._profiles[key] = LayerProfile(points)
-        return self._profiles[key]
+            prof.points.append(t)
+        return prof
 
 
 def _p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
@@ -141,9 +192,19 @@ def _p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: S
     return out
 
 
+# The schedule name of a one-stage candidate (no pipeline).
+NO_PIPELINE = "none"
+
+
+def _in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
+    return [1.0] if schedule == NO_PIPELINE else in_flight(schedule, pp, m, v)
+
+
 def _simulate(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
               p2p: list[float]) -> tuple[float, float]:
     """(step seconds including the slowest gradient sync, bubble seconds)."""
+    if schedule == NO_PIPELINE:
+        return times[0].microbatch_s + times[0].grad_sync_s, 0.0
     r = simulate(schedule, pp, m, [t.forward_s for t in times],
                  [t.backward_input_s for t in times], [t.backward_weight_s for t in times],
                  p2p if p2p else 0.0, stages_per_rank=v)
@@ -176,25 +237,42 @@ class SearchOptions:
     finalists: int = 3
 
 
-def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
-    """Priced pipeline candidates (pp >= 2), best first, from the layer DP."""
+def configurations(ctx: SearchContext, opts: SearchOptions
+                   ) -> list[tuple[int, int, StageMeshOption, str, int]]:
+    """Every (pp, stages per rank, stage mesh, schedule, micro-batches) the
+    search prices, in a fixed order (pp = 1 is the single-stage plan)."""
     n = ctx.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
-    pps = list(opts.pp) if opts.pp else [p for p in range(2, n + 1) if n % p == 0]
-    candidates: list[PipelineCandidate] = []
+    pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
+    out = []
     for pp in pps:
         meshes = stage_mesh_options(ctx.cluster, pp)
-        if opts.stage_mesh is not None:
-            meshes = [mo for mo in meshes if mo.shape == tuple(opts.stage_mesh)]
+        if opts.stage_mesh is not None:  # any logical view of the sub-mesh
+            want = tuple(opts.stage_mesh)
+            meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
+                      for mo in meshes[:1] if mo.size == math.prod(want)]
         for mesh in meshes:
+            if pp == 1:  # one stage: the whole batch at once, no schedule
+                out.append((1, 1, mesh, NO_PIPELINE, 1))
+                continue
             for schedule in schedules:
                 v = default_stages_per_rank(schedule)
                 ms = list(opts.num_microbatches) if opts.num_microbatches else \
                     _microbatch_options(ctx.global_batch, pp, v, schedule, opts.microbatch_options)
-                for m in ms:
-                    cand = _price(ctx, pp, v, mesh, schedule, m)
-                    if cand is not None:
-                        candidates.append(cand)
+                out.extend((pp, v, mesh, schedule, m) for m in ms)
+    return out
+
+
+def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
+    """Every priced configuration (from layer profiles and the stage DP), best first."""
+    configs = configurations(ctx, opts)
+    candidates: list[PipelineCandidate] = []
+    for k, (pp, v, mesh, schedule, m) in enumerate(configs):
+        ctx.progress(f"[{k + 1}/{len(configs)}] pp={pp} stage mesh "
+                     f"{'x'.join(map(str, mesh.shape))} {schedule} m={m}")
+        cand = _price(ctx, pp, v, mesh, schedule, m)
+        if cand is not None:
+            candidates.append(cand)
     candidates.sort(key=lambda c: c.step_time_s)
     return candidates
 
@@ -208,16 +286,18 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
     if S > len(prog.layers):
         return None
     try:
-        copies = in_flight(schedule, pp, m, v)
+        copies = _in_flight(schedule, pp, m, v)
     except ValueError:  # torch rejects this (schedule, pp, m) combination
         return None
-    ctx.progress(f"pp={pp} mesh {'x'.join(map(str, mesh.shape))} {schedule} m={m}")
-    profiles = [ctx.profile(prog, i, mesh) for i in range(len(prog.layers))]
-    if any(not p.points for p in profiles):
-        return None
-    levels = max(len(p.points) for p in profiles)
-    split = split_layers(lambda i, lv: profiles[i].point(lv), len(prog.layers), S, m, copies,
-                         ctx.budget / v, levels)
+    split = None
+    for levels in range(1, PROFILE_LEVELS + 1):  # smaller-memory points only when needed
+        profiles = [ctx.profile(prog, i, mesh, levels) for i in range(len(prog.layers))]
+        if any(not p.points for p in profiles):
+            return None
+        split = split_layers(lambda i, lv: profiles[i].point(lv), len(prog.layers), S, m, copies,
+                             ctx.budget / v, levels)
+        if split is not None or all(len(p.points) < levels for p in profiles):
+            break
     if split is None:
         return None
     p2p = _p2p_seconds(prog, split.bounds, mesh, ctx.cluster)
@@ -246,13 +326,13 @@ def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
     intra-op ILP under its share of memory and in-flight activations."""
     prog = ctx.program(cand.num_microbatches)
     bounds = bounds or cand.split.bounds
-    copies = in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
+    copies = _in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
     results, times = [], []
     for s, (a, b) in enumerate(bounds):
         ctx.progress(f"stage {s}: layers {a}..{b - 1}")
         r = ctx.solve_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank, copies[s])
         results.append(r)
-        times.append(stage_times(r, cand.mesh.cluster(ctx.cluster), ctx.dtype, ctx.optimizer))
+        times.append(ctx.times_of(r, cand.mesh))
     p2p = _p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
     step, bubble = _simulate(cand.schedule, cand.pp, cand.num_microbatches,
                              cand.stages_per_rank, times, p2p)
@@ -300,8 +380,15 @@ def assemble(exact: ExactPipeline, ctx: SearchContext, base_plan: Callable[[Intr
                        "in_flight_microbatches": exact.copies[s],
                        "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))
     first = parts[0]
+    if zero_stage == 3 and mesh_shape[0] > 1:
+        for part in parts:
+            mem = part.predicted["memory_bytes_per_device"]
+            for kind in ("params", "grads", "optimizer"):
+                if kind in mem:
+                    mem[kind] = int(mem[kind] // mesh_shape[0])
+            mem["total"] = sum(v for k, v in mem.items() if k != "total")
     plan = Plan(
-        model=first.model, cluster=ctx.cluster.to_dict(),
+        model={**first.model, "fingerprint": prog.graph.fingerprint()}, cluster=ctx.cluster.to_dict(),
         mesh={"shape": [cand.pp] + mesh_shape,
               "axis_names": ["pp"] + [f"mesh{i}" for i in range(len(mesh_shape))]},
         parameters={k: v for p in parts for k, v in p.parameters.items()},

@@ -153,10 +153,11 @@ class StrategyBuilder:
     # -- per node ------------------------------------------------------------------------
     def build(self) -> list[NodeStrategies]:
         out = []
-        for node in self.graph.nodes:
-            ns = self.node_strategies(node)
-            self._record(ns)
-            out.append(ns)
+        with _without_dtensor_costs():
+            for node in self.graph.nodes:
+                ns = self.node_strategies(node)
+                self._record(ns)
+                out.append(ns)
         return out
 
     def node_strategies(self, node: Node) -> NodeStrategies:
@@ -320,6 +321,21 @@ class StrategyBuilder:
 
 class _NoStrategy(Exception):
     pass
+
+
+@contextlib.contextmanager
+def _without_dtensor_costs() -> Iterator[None]:
+    """DTensor's strategy functions price every input redistribution with their own
+    cost model while they enumerate; the planner prices with costmodel instead,
+    so those costs (two thirds of the enumeration time) are skipped: zero."""
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    original = op_utils.redistribute_cost
+    op_utils.redistribute_cost = lambda *args, **kwargs: 0.0
+    try:
+        yield
+    finally:
+        op_utils.redistribute_cost = original
 
 
 def build_strategies(graph: Graph, mesh: DeviceMesh) -> list[NodeStrategies]:

@@ -15,47 +15,32 @@ from typing import Any
 import pytest
 
 from codegen.launch import REPO_ROOT, launch
-from planner.plan_format import Plan
-
-pytestmark = pytest.mark.multiprocess
+from codegen.pipeline import PipelinePlanError, validate_pipeline_plan
+from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
 
 SOURCE = os.path.join(REPO_ROOT, "tests", "pipeline_model.py") + ":gpt8"
 RTOL = 1e-5
 
 
 def pipeline_test_plan(*, pp: int, stage_mesh: tuple[int, ...], schedule: str,
-                       num_microbatches: int, zero_stage: int = 0) -> Plan:
-    """The planner's fixed-configuration pipeline plan of the 8-block GPT on 4 CPU ranks."""
+                       num_microbatches: int, zero_stage: int = 0,
+                       megatron: tuple[int, int] | None = None) -> Plan:
+    """The planner's fixed-configuration pipeline plan of the 8-block GPT on 4 CPU
+    ranks; ``megatron=(tp, dp)`` fixes a Megatron layout on every stage (the ILP
+    places the activations)."""
     from ir.source import build_model
+    from ir.trace import trace
     from planner.api import pipeline_plan
+    from planner.megatron import MegatronConfig, megatron_layout
 
     model, inputs = build_model(SOURCE, device="meta")
+    fixed = None
+    if megatron is not None:
+        fixed = megatron_layout(trace(model, inputs), MegatronConfig(*megatron))
     return pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=pp,
                          stage_mesh=stage_mesh, schedule=schedule,
                          num_microbatches=num_microbatches, zero_stage=zero_stage,
-                         model_source=SOURCE, time_limit_s=5.0)
-
-
-def as_data_parallel(plan: Plan, *, zero_stage: int = 0) -> Plan:
-    """The same pipeline with every stage data parallel over its 1-D mesh.
-
-    Parameters replicated, user inputs and every boundary value but the loss
-    sharded on the batch dim, op placements left to DTensor (follow mode);
-    ``zero_stage=3`` then shards parameters over that axis with FSDP2.
-    """
-    pipe = plan.pipeline
-    if len(pipe.stage_mesh["shape"]) != 1:
-        raise ValueError("as_data_parallel needs a 1-D stage mesh")
-    plan.parameters = {fqn: ["R"] for fqn in plan.parameters}
-    plan.inputs = {name: ["S(0)"] for name in plan.inputs}
-    plan.nodes, plan.reshards, plan.checkpoint = {}, [], []
-    last = pipe.stages[-1].index
-    for st in pipe.stages:
-        st.inputs = {name: ["S(0)"] for name in st.inputs}
-        st.outputs = {name: ["R"] if st.index == last else ["S(0)"] for name in st.outputs}
-        st.checkpoint = []
-        st.zero_stage, st.zero_axis = zero_stage, (0 if zero_stage else None)
-    return plan
+                         model_source=SOURCE, time_limit_s=5.0, fixed=fixed)
 
 
 def _run(plan: Plan, tmp_path: Any) -> dict[str, Any]:
@@ -76,25 +61,33 @@ def _run(plan: Plan, tmp_path: Any) -> dict[str, Any]:
     return result
 
 
+@pytest.mark.multiprocess
 def test_pp2_tensor_parallel_stages(tmp_path):
-    plan = pipeline_test_plan(pp=2, stage_mesh=(2,), schedule="1f1b", num_microbatches=2)
-    sharded = [f for f, p in plan.parameters.items() if p != ["R"]]
-    assert sharded, "the stage plans replicate every parameter; expected tensor parallelism"
+    plan = pipeline_test_plan(pp=2, stage_mesh=(2,), schedule="1f1b", num_microbatches=2,
+                              megatron=(2, 1))
+    assert plan.parameters["transformer.h.0.attn.c_attn.weight"] == ["S(0)"]
+    assert plan.parameters["transformer.h.7.mlp.c_proj.weight"] == ["S(1)"]
     _run(plan, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_pp2_data_parallel_stages(tmp_path):
-    plan = pipeline_test_plan(pp=2, stage_mesh=(2,), schedule="gpipe", num_microbatches=2)
-    result = _run(as_data_parallel(plan), tmp_path)
-    assert result["grad_reductions"] > 0  # gradients all-reduced over the stage mesh
+    plan = pipeline_test_plan(pp=2, stage_mesh=(2,), schedule="gpipe", num_microbatches=2,
+                              megatron=(1, 2))
+    assert set(map(tuple, plan.parameters.values())) == {("R",)}
+    assert plan.pipeline.stages[0].inputs["idx"] == ["S(0)"]
+    _run(plan, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_pp2_zero3_stages(tmp_path):
     plan = pipeline_test_plan(pp=2, stage_mesh=(2,), schedule="1f1b", num_microbatches=2,
-                              zero_stage=3)
-    _run(as_data_parallel(plan, zero_stage=3), tmp_path)
+                              zero_stage=3, megatron=(1, 2))
+    assert all(st.zero_stage == 3 and st.zero_axis == 0 for st in plan.pipeline.stages)
+    _run(plan, tmp_path)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule,num_microbatches", [
     ("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 4), ("interleaved_zero_bubble", 4),
     ("zbv", 4), ("dualpipev", 8),
@@ -103,3 +96,65 @@ def test_pp4_schedules(tmp_path, schedule, num_microbatches):
     plan = pipeline_test_plan(pp=4, stage_mesh=(1,), schedule=schedule,
                               num_microbatches=num_microbatches)
     _run(plan, tmp_path)
+
+
+def _synthetic_plan(schedule: str = "1f1b", pp: int = 2, v: int = 1) -> Plan:
+    """A pipeline section over made-up node names (enough for the static checks)."""
+    from codegen.pipeline import stage_pp_rank
+
+    n = pp * v
+    stages = []
+    for s in range(n):
+        rank = stage_pp_rank(schedule, s, pp)
+        stages.append(StagePlan(
+            index=s, pp_rank=rank, layers=[f"h.{s}"], nodes=[f"op{s}"],
+            ranks=[2 * rank, 2 * rank + 1],
+            inputs={"idx": ["R"]} if s == 0 else {f"op{s - 1}": ["S(0)"]},
+            outputs={f"op{s}": ["R"] if s == n - 1 else ["S(0)"]}))
+    return Plan(model={}, cluster={}, mesh={"shape": [pp, 2], "axis_names": ["pp", "dp"]},
+                parameters={}, inputs={}, nodes={}, reshards=[], predicted={},
+                solver=SolverReport("none", "none", 0.0, 0.0, 0.0, 0.0),
+                pipeline=PipelinePlan(schedule=schedule, num_microbatches=4, stages_per_rank=v,
+                                      stage_mesh={"shape": [2], "axis_names": ["dp"]},
+                                      stages=stages))
+
+
+def _wrong_rank(plan: Plan) -> None:
+    plan.pipeline.stages[1].pp_rank = 0
+
+
+def _wrong_boundary(plan: Plan) -> None:
+    plan.pipeline.stages[1].inputs = {"op0": ["R"]}
+
+
+def _wrong_ranks(plan: Plan) -> None:
+    plan.pipeline.stages[0].ranks = [0, 2]
+
+
+def _wrong_zero_axis(plan: Plan) -> None:
+    plan.pipeline.stages[0].zero_stage, plan.pipeline.stages[0].zero_axis = 3, 1
+
+
+def _wrong_schedule(plan: Plan) -> None:
+    plan.pipeline.schedule = "bogus"
+
+
+@pytest.mark.parametrize("schedule,pp,v", [("1f1b", 2, 1), ("interleaved_1f1b", 2, 2),
+                                           ("zbv", 2, 2), ("dualpipev", 4, 2)])
+def test_valid_synthetic_pipeline_plans_pass_the_checks(schedule, pp, v):
+    validate_pipeline_plan(_synthetic_plan(schedule, pp, v))
+
+
+@pytest.mark.parametrize("spoil,message", [
+    (_wrong_rank, "runs it on rank 1"),
+    (_wrong_boundary, "the sender must reshard"),
+    (_wrong_ranks, "are not row 0"),
+    (_wrong_zero_axis, "zero_axis 1"),
+    (_wrong_schedule, "unknown pipeline schedule"),
+])
+def test_unrunnable_pipeline_plans_are_refused_in_one_line(spoil, message):
+    plan = _synthetic_plan()
+    spoil(plan)
+    with pytest.raises(PipelinePlanError, match=message) as err:
+        validate_pipeline_plan(plan)
+    assert "\n" not in str(err.value)
