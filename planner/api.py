@@ -224,7 +224,12 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                         whole_batch_graph=graph)
     opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
     exact = []
-    for cand in search(ctx, opts)[:opts.finalists]:
+    ranked = search(ctx, opts)
+    singles = [c for c in ranked if c.schedule == NO_PIPELINE]
+    # the fastest few, and the best single stage (pipelines are priced from layer
+    # profiles; the exact solve decides)
+    finalists = ranked[:opts.finalists] + [c for c in singles[:1] if c not in ranked[:opts.finalists]]
+    for cand in finalists:
         try:
             exact.append(solve_exact(ctx, cand))
         except MemoryInfeasibleError:

@@ -56,6 +56,8 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         f"{plan.solver.num_variables} variables",
         "",
     ]
+    if plan.pipeline is not None:
+        lines[-1:-1] = _pipeline_lines(plan)
     # Group parameters of repeated blocks (h.0, h.1, ...) with identical placements.
     groups: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
     for fqn, p in plan.parameters.items():
@@ -73,3 +75,30 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
                             [[r.node, r.module or "-", _placements(r.src), _placements(r.dst),
                               _seconds(r.time_s)] for r in plan.reshards]))
     return "\n".join(lines)
+
+
+def _layer_span(layers: list[str]) -> str:
+    return layers[0] if len(layers) == 1 else f"{layers[0]} .. {layers[-1]} ({len(layers)})"
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """The pipeline section: schedule, bubble, and one row per stage."""
+    pipe, pred = plan.pipeline, plan.predicted
+    lines = [f"pipeline: {pipe.schedule}, pp={pipe.pp}, {pipe.stages_per_rank} stage(s) per rank, "
+             f"{pipe.num_microbatches} micro-batches of {plan.training.get('microbatch_size')}; "
+             f"stage mesh {'x'.join(map(str, pipe.stage_mesh['shape']))}; bubble "
+             f"{_seconds(pred.get('bubble_s', 0.0))}, p2p {_seconds(pred.get('p2p_s', 0.0))}, "
+             f"gradient sync {_seconds(pred.get('grad_sync_s', 0.0))}"]
+    rows = []
+    for st in pipe.stages:
+        p = st.predicted
+        mem = p.get("memory_bytes_per_device", {}).get("total", 0)
+        rows.append([str(st.index), str(st.pp_rank), _layer_span(st.layers),
+                     f"{st.ranks[0]}-{st.ranks[-1]}",
+                     _seconds(p.get("forward_s", 0.0)),
+                     _seconds(p.get("backward_input_s", 0.0) + p.get("backward_weight_s", 0.0)),
+                     format_bytes(mem), "ZeRO-3" if st.zero_stage == 3 else "-",
+                     str(len(st.checkpoint))])
+    lines.append(_table(["stage", "pp rank", "layers", "ranks", "fwd/mb", "bwd/mb", "memory",
+                         "zero", "ckpt"], rows))
+    return lines

@@ -159,3 +159,16 @@ def test_pipeline_plan_rejects_impossible_requests():
     with pytest.raises(PlanningError, match="fits in memory"):
         pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
                       schedule="1f1b", num_microbatches=2, memory_budget=1e5)
+
+
+def test_plan_returns_a_pipeline_when_asked_and_the_same_one_twice():
+    from planner.api import plan
+
+    model, inputs = build_model("gpt-tiny")
+    kwargs = dict(example_inputs=inputs, model_source="gpt-tiny", pp=[2],
+                  schedules=["1f1b", "gpipe"], num_microbatches=[2, 4], time_limit_s=10)
+    first = plan(model, "local-cpu:4", **kwargs)
+    assert first.pipeline is not None and first.pipeline.pp == 2
+    assert first.pipeline.schedule in ("1f1b", "gpipe")
+    assert first.mesh["shape"][0] == 2 and first.world_size == 4
+    assert plan(model, "local-cpu:4", **kwargs).to_json() == first.to_json()
