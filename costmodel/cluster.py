@@ -234,6 +234,11 @@ class DeviceSpec:
         half_saturation_flops: FLOPs at which a matmul reaches half of
             ``flop_efficiency`` (the efficiency curve by problem size,
             ``costmodel.compute.matmul_efficiency``); 0 = constant efficiency.
+        dispatch_overhead: host seconds the distributed runtime (DTensor's
+            sharding propagation and wrapping) adds to every op it runs, once in
+            forward and once in backward. It decides step times on CPU ranks
+            (hundreds of microseconds per op, measured by ``planner profile``);
+            the GPU presets leave it 0, as the host runs ahead of a busy GPU.
     """
 
     name: str
@@ -244,9 +249,11 @@ class DeviceSpec:
     flop_efficiency: float = DEFAULT_FLOP_EFFICIENCY
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
     half_saturation_flops: float = 0.0
+    dispatch_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         _need_name("device.name", self.name)
+        _need_nonnegative("device.dispatch_overhead", self.dispatch_overhead, "seconds")
         _need_nonnegative("device.half_saturation_flops", self.half_saturation_flops, "FLOPs")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise ClusterError(
@@ -294,6 +301,7 @@ class DeviceSpec:
             "flop_efficiency": self.flop_efficiency,
             "memory_efficiency": self.memory_efficiency,
             "half_saturation_flops": self.half_saturation_flops,
+            "dispatch_overhead": self.dispatch_overhead,
         }
 
     @classmethod
@@ -303,12 +311,13 @@ class DeviceSpec:
         _check_keys(
             where, d,
             ("name", "peak_flops", "memory", "memory_bandwidth"),
-            ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops"),
+            ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops",
+             "dispatch_overhead"),
         )
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
         kwargs: dict[str, Any] = {}
         for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
-                    "half_saturation_flops"):
+                    "half_saturation_flops", "dispatch_overhead"):
             if key in d:
                 kwargs[key] = d[key]
         return cls(

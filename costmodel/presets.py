@@ -135,13 +135,14 @@ _LOCAL_CPU_DEFAULTS: dict[str, Any] = {
     "memory_efficiency": 1.0,
     "link_bandwidth": 2e9,            # bytes/s: gloo over loopback TCP, per direction
     "link_latency": 50e-6,            # seconds: gloo message round on loopback
+    "dispatch_overhead": 150e-6,      # seconds: DTensor dispatch per op (fwd, and again in bwd)
 }
 
 #: Keys ``local_cpu_cluster(profile=...)`` accepts (all optional).
 LOCAL_CPU_PROFILE_KEYS = (
     "peak_flops", "memory", "memory_bandwidth", "kernel_overhead",
     "flop_efficiency", "memory_efficiency", "link_bandwidth", "link_latency",
-    "collective_links", "half_saturation_flops",
+    "collective_links", "half_saturation_flops", "dispatch_overhead",
 )
 
 
@@ -154,7 +155,7 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
             ``LOCAL_CPU_PROFILE_KEYS``: ``peak_flops`` (dtype -> FLOP/s, merged
             into the defaults), ``memory`` (bytes per rank; default
             ``LOCAL_CPU_TOTAL_MEMORY // ranks``), ``memory_bandwidth`` (bytes/s),
-            ``kernel_overhead`` (s), ``flop_efficiency`` and
+            ``kernel_overhead`` and ``dispatch_overhead`` (s), ``flop_efficiency`` and
             ``memory_efficiency`` (fractions), ``link_bandwidth`` (bytes/s per
             direction), ``link_latency`` (s) and ``collective_links`` (collective
             kind -> {"latency": s, "bandwidth": bytes/s}, measured exceptions to the
@@ -183,6 +184,7 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
         flop_efficiency=values["flop_efficiency"],
         memory_efficiency=values["memory_efficiency"],
         half_saturation_flops=values.get("half_saturation_flops", 0.0),
+        dispatch_overhead=values["dispatch_overhead"],
     )
     per_collective = tuple((k, float(v["latency"]), float(v["bandwidth"]))
                            for k, v in dict(values.get("collective_links", {})).items())

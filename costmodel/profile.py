@@ -485,6 +485,7 @@ def _build_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "compute_min_rep_s": 0.005 if quick else 0.02,
         "collective_min_rep_s": 0.005 if quick else 0.02,
         "overhead": True,
+        "dispatch": ranks > 1,
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],
         "gemms": gemms,
         "collectives": list(COLLECTIVE_KINDS) if ranks > 1 else [],
@@ -541,6 +542,15 @@ def profile_local(ranks: int = 4, out_path: str | os.PathLike = "local-cpu.json"
     return cluster
 
 
+def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
+    """Seconds DTensor adds per op and pass (forward or backward), from the
+    ``dispatch`` measurement; None when it was not measured."""
+    d = raw.get("dispatch")
+    if not d or "seconds" not in d.get("plain", {}) or "seconds" not in d.get("dtensor", {}):
+        return None
+    return max(0.0, (d["dtensor"]["seconds"] - d["plain"]["seconds"]) / (2 * d["ops"]))
+
+
 def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *, quick: bool = False,
                   wall_s: float = 0.0) -> tuple[Cluster, dict[str, Any]]:
     """Fit measurements and build ``(cluster, profile dict)``; no I/O, no processes.
@@ -579,6 +589,9 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         }
         if memory_per_rank:
             values["memory"] = memory_per_rank
+        dispatch = dispatch_overhead(raw)
+        if dispatch is not None:
+            values["dispatch_overhead"] = dispatch
         if link_fit is not None:
             values["link_bandwidth"] = link_fit["bandwidth"]
             values["link_latency"] = link_fit["latency"]
@@ -624,6 +637,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "cluster": cluster.to_dict(),
         "fits": {
             "kernel_overhead": overhead,
+            "dispatch_overhead": dispatch_overhead(raw),
             "memory_bandwidth": mem_bw,
             "gemm": gemm,
             "link": link_fit,
@@ -668,6 +682,8 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
          f"fit median err {gemm['median_abs_pct_error']:.1f}%"),
         ("memory bandwidth", f"{fits['memory_bandwidth'] / 1e9:.2f} GB/s", "per rank, copy (read + write)"),
         ("kernel overhead", f"{fits['kernel_overhead'] * 1e6:.2f} us", "per eager op"),
+        *([("dispatch overhead", f"{fits['dispatch_overhead'] * 1e6:.1f} us",
+            "DTensor, per op and pass")] if fits.get("dispatch_overhead") is not None else []),
     ]
     def link_text(fit: Mapping[str, Any]) -> str:
         bw = "latency-bound" if fit.get("bandwidth_bound") else f"{fit['bandwidth'] / 1e9:.2f} GB/s"

@@ -6,6 +6,9 @@ measurements at the same time, as the ranks of a planned SPMD step would:
 
 * ``overhead``: seconds per eager call of a tiny elementwise op (dispatch +
   launch), the cost model's ``kernel_overhead``;
+* ``dispatch``: seconds per forward+backward of a chain of ``ops`` tiny
+  elementwise ops on plain tensors and on replicated DTensors (needs ranks > 1);
+  the difference per op is the distributed runtime's dispatch cost;
 * ``memory``: seconds per ``dst.copy_(src)`` of a large tensor (bytes moved =
   2 x size: one read, one write);
 * ``gemms``: seconds per ``torch.mm`` of each ``(m, k, n, dtype)``;
@@ -53,7 +56,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 def count_steps(spec: dict[str, Any]) -> int:
     """Progress steps :func:`run_worker` reports for ``spec``: one per item and pass."""
-    items = (int(bool(spec.get("overhead")))
+    items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ()))
              + len(spec.get("collectives", ())) * len(spec.get("sizes", ()))
@@ -145,6 +148,18 @@ class _Runner:
             item.record.update(seconds=statistics.median(per_rep), reps=per_rep, calls_per_rep=item.k)
 
 
+#: Elementwise ops in the dispatch chain (plus the final sum).
+DISPATCH_CHAIN = 16
+
+
+def _chain(x: Any) -> None:
+    """Forward and backward of ``DISPATCH_CHAIN`` multiplications and a sum."""
+    y = x
+    for _ in range(DISPATCH_CHAIN):
+        y = y * 1.0001
+    y.sum().backward()
+
+
 def _collective_fn(kind: str, numel: int, group_size: int, torch: Any, dist: Any, device: Any,
                    dtype: Any, group: Any = None, src: int = 0,
                    buffers: dict[int, tuple[Any, Any, Any]] | None = None) -> Callable[[], Any]:
@@ -201,6 +216,19 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
         b = torch.zeros(1, device=device)
         out["overhead"] = {}
         items.append(_Item("kernel overhead", lambda: torch.add(a, b, out=a), compute_rep, False, out["overhead"]))
+
+    if spec.get("dispatch") and dist.is_initialized():
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        mesh = DeviceMesh(device.type, list(range(world)))
+        plain = torch.ones(64, device=device, requires_grad=True)
+        dtensor = distribute_tensor(torch.ones(64, device=device), mesh, [Replicate()])
+        dtensor.requires_grad_()
+        out["dispatch"] = {"ops": DISPATCH_CHAIN + 1, "plain": {}, "dtensor": {}}
+        for kind, x in (("plain", plain), ("dtensor", dtensor)):
+            items.append(_Item(f"dispatch {kind}", (lambda x: lambda: _chain(x))(x), compute_rep,
+                               False, out["dispatch"][kind]))
 
     for nbytes in spec.get("memory_bytes", ()):
         src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)

@@ -136,35 +136,42 @@ class IntraOpCost:
         return f
 
     def compute(self, node: Node, s: Strategy) -> float:
+        """Seconds of the node's forward and backward on one device."""
         if node.kind == INPUT:  # each device loads its part of the batch into memory
             local = local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
             return local / self.cluster.device.memory_bandwidth
-        if node.kind != OP or (node.flops == 0 and node.bytes_moved == 0):
+        if node.kind != OP:
             return 0.0
-        f = self.shard_factor(s)
-        fwd = op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
-        if node.name not in self.requires_grad:
-            return fwd
         b, w = self.backward_times(node, s)
-        return fwd + b + w
+        return self.forward_time(node, s) + b + w
+
+    def _dispatch(self, node: Node) -> float:
+        """Host seconds the distributed runtime adds to running the op once."""
+        return 0.0 if node.target == "getitem" else self.cluster.device.dispatch_overhead
 
     def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
         """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
         if node.kind != OP or node.name not in self.requires_grad:
             return 0.0, 0.0
+        if node.flops == 0 and node.bytes_moved == 0:
+            return self._dispatch(node), 0.0
         f = self.shard_factor(s)
         input_grad = any(a in self.requires_grad and a not in self.param_derived
                          for a in node.args)
         weight_grad = any(a in self.param_derived for a in node.args)
-        return backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
+        b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                  self.dtype, input_grad=input_grad, weight_grad=weight_grad)
+        return b + self._dispatch(node), w
 
     def forward_time(self, node: Node, s: Strategy) -> float:
         """Seconds of the op's forward alone (what activation checkpointing re-runs)."""
-        if node.kind != OP or (node.flops == 0 and node.bytes_moved == 0):
+        if node.kind != OP:
             return 0.0
+        if node.flops == 0 and node.bytes_moved == 0:
+            return self._dispatch(node)
         f = self.shard_factor(s)
-        return op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
+        return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
+                + self._dispatch(node))
 
     def backward_collectives(self, node: Node, s: Strategy) -> float:
         """All-reduce of input gradients that come out partial under ``s``."""
