@@ -149,6 +149,9 @@ class LayerProfile:
     points: list[StageTimes]
     prepared: Any = field(default=None, repr=False)  # the priced problem every level solves
     exhausted: bool = False  # no smaller-memory point exists
+    assignments: list = field(default_factory=list, repr=False)  # chosen strategies per point
+    microbatch_size: int = 0  # of the program the assignments were solved for
+    mesh_size: int = 1  # devices of the mesh they were solved on
 
     def point(self, level: int) -> StageTimes:
         return self.points[min(level, len(self.points) - 1)]

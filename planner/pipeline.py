@@ -28,7 +28,7 @@ from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
 from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
                               prepare_intra_op, solve_prepared)
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
-from planner.strategies import NodeStrategies, build_strategies, fake_mesh
+from planner.strategies import NodeStrategies, build_strategies, divisible, fake_mesh
 
 # Memory levels of a layer profile: each next ILP gets this fraction of the
 # previous point's memory as its budget.
@@ -90,6 +90,8 @@ class SearchContext:
         self.global_batch = global_batch_of(example_inputs)
         self._programs: dict[int, MicrobatchProgram] = {}
         self._profiles: dict[tuple, LayerProfile] = {}
+        # (layer index, stage mesh) -> the profile its ILP made (placements by level)
+        self._reference: dict[tuple, LayerProfile] = {}
         self.ilp_solves = 0
         if whole_batch_graph is not None:
             self._add_program(self.global_batch, whole_batch_graph)
@@ -154,13 +156,18 @@ class SearchContext:
     def profile(self, prog: MicrobatchProgram, layer: int, mesh: StageMeshOption,
                 levels: int = 1) -> LayerProfile:
         """At least ``levels`` time/memory points of one layer (fewer when no
-        smaller-memory plan exists), shared by all layers of its kind."""
+        smaller-memory plan exists), shared by all layers of its kind.
+
+        The ILP runs once per layer and stage mesh: at another micro-batch size
+        the same placements are re-priced (when they still divide the shapes);
+        the winner's stages are solved exactly anyway."""
         key = (prog.signatures[layer], mesh.shape, prog.microbatch_size)
         prof = self._profiles.get(key)
         if prof is None:
-            prof = self._profiles[key] = LayerProfile(
-                [], prepared=self.prepare_stage(prog, layer, layer + 1, mesh, 1.0))
+            prof = self._profiles[key] = self._repriced(prog, layer, mesh) or LayerProfile([])
         while len(prof.points) < levels and not prof.exhausted:
+            if prof.prepared is None:
+                prof.prepared = self.prepare_stage(prog, layer, layer + 1, mesh, 1.0)
             budget = PROFILE_SHRINK * prof.points[-1].memory(1.0) if prof.points else None
             try:
                 self.ilp_solves += 1
@@ -174,7 +181,52 @@ class SearchContext:
                 prof.exhausted = True
                 break
             prof.points.append(t)
+            prof.assignments.append(result.chosen)
+            prof.microbatch_size, prof.mesh_size = prog.microbatch_size, math.prod(mesh.shape)
+        if prof.assignments and len(prof.assignments) == len(prof.points):
+            self._reference[_reference_key(layer, mesh)] = prof
         return prof
+
+    def _repriced(self, prog: MicrobatchProgram, layer: int,
+                  mesh: StageMeshOption) -> LayerProfile | None:
+        """The points of this layer's ILP at another micro-batch size, priced with
+        this program's shapes; None when there is none or a placement no longer
+        divides a shape."""
+        ref = self._reference.get(_reference_key(layer, mesh))
+        if ref is None:
+            return None
+        sub = self.stage_graph(prog, layer, layer + 1)
+        points = []
+        scale = prog.microbatch_size / ref.microbatch_size  # activations scale with the batch
+        for level, (chosen, point) in enumerate(zip(ref.assignments, ref.points)):
+            strategies = []
+            for n in sub.nodes:
+                s = chosen.get(n.name)
+                if s is None or not all(
+                        divisible(info.shape, p, mesh.shape)
+                        for info, p in zip((*n.inputs, *n.outputs), (*s.inputs, *s.outputs))):
+                    return None
+                strategies.append(NodeStrategies(n, [s]))
+            prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
+                                        dtype=self.dtype, optimizer=self.optimizer,
+                                        strategies=strategies)
+            # the same checkpointing decision: the reference's memory, rescaled
+            budget = None if level == 0 else 1.0001 * (
+                point.state_bytes * ref.mesh_size / math.prod(mesh.shape)
+                + point.activation_bytes * scale)
+            try:
+                result = solve_prepared(prepared, memory_budget=budget,
+                                        time_limit_s=self.time_limit_s)
+            except MemoryInfeasibleError:  # the smaller points come from the ILP if needed
+                return LayerProfile(points) if points else None
+            points.append(self.times_of(result, mesh))
+        return LayerProfile(points, exhausted=ref.exhausted)
+
+
+def _reference_key(layer: int, mesh: StageMeshOption) -> tuple:
+    """Meshes whose placements carry over: same number of axes and the same
+    inner (in-node, tensor-parallel) axis size."""
+    return (layer, len(mesh.shape), mesh.shape[-1] if len(mesh.shape) > 1 else 0)
 
 
 def _p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,

@@ -84,7 +84,7 @@ def _is_kept(p: Placement) -> bool:
     return isinstance(p, Partial) and p.reduce_op == "sum"
 
 
-def _divisible(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+def divisible(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
     split = [1] * len(shape)
     for p, n in zip(placements, mesh_shape):
         if isinstance(p, Shard):
@@ -99,7 +99,7 @@ def enumerate_placements(shape: Sequence[int], mesh_shape: Sequence[int]) -> lis
     options: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
     out = []
     for combo in itertools.product(options, repeat=len(mesh_shape)):
-        if _divisible(shape, combo, mesh_shape):
+        if divisible(shape, combo, mesh_shape):
             out.append(tuple(combo))
     return out
 
@@ -308,7 +308,7 @@ class StrategyBuilder:
             for s, info in itertools.chain(zip(ins, node.inputs), zip(tensor_outs, node.outputs)):
                 if not ok:
                     break
-                if not all(_is_kept(p) for p in s.placements) or not _divisible(
+                if not all(_is_kept(p) for p in s.placements) or not divisible(
                         info.shape, s.placements, self.mesh_shape):
                     ok = False
                     break
