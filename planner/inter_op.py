@@ -17,8 +17,9 @@ world mesh is ``[pp] + stage mesh``, which is what the code generator runs):
   max-stage-time ``t_max`` (distinct stage times, ascending), the least total
   stage time over contiguous cuts with every stage at most ``t_max`` and within
   memory (a stage keeps its schedule's in-flight micro-batches of activations),
-  minimising ``sum(t) + (m - 1) t_max``; enumeration stops when ``(m - 1) t_max``
-  alone exceeds the best.
+  minimising ``sum(t) + (m - 1) t_max``; the smallest feasible ``t_max`` is found
+  by bisection (feasibility grows with it) and enumeration stops when the least
+  possible sum plus ``(m - 1) t_max`` exceeds the best.
 * The best candidates are timed with the schedule simulation
   (costmodel.schedules.simulate, torch's own action orders) and the winner's
   stages are solved exactly by the intra-op ILP on each stage's sub-graph.
@@ -255,11 +256,10 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
 
     candidates = sorted({c[0] for s in range(S) for i in range(L) for j in range(i + 1, L + 1)
                          if j - i <= L - S + 1 and (c := cost(i, j, s)) is not None})
-    best: SplitResult | None = None
     inf = float("inf")
-    for t_max in candidates:
-        if best is not None and (m - 1) * t_max >= best.objective_s:
-            break
+
+    def solve_for(t_max: float) -> tuple[float, list[list[int]]] | None:
+        """Least sum of stage times with every stage at most ``t_max``."""
         # g[s][i]: least sum of stage times for layers i.. in stages s.. (each <= t_max)
         g = [[inf] * (L + 1) for _ in range(S + 1)]
         nxt = [[-1] * (L + 1) for _ in range(S + 1)]
@@ -273,9 +273,28 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
                     total = c[0] + g[s + 1][j]
                     if total < g[s][i]:
                         g[s][i], nxt[s][i] = total, j
-        if g[0][0] == inf:
+        return None if g[0][0] == inf else (g[0][0], nxt)
+
+    # Feasibility only grows with t_max: skip the infeasible ones by bisection.
+    lo, hi = 0, len(candidates)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if solve_for(candidates[mid]) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo == len(candidates):
+        return None
+    least_sum = solve_for(inf)[0]  # no cut has a smaller sum of stage times
+    best: SplitResult | None = None
+    for t_max in candidates[lo:]:
+        if best is not None and least_sum + (m - 1) * t_max >= best.objective_s:
+            break
+        found = solve_for(t_max)
+        if found is None:
             continue
-        objective = g[0][0] + (m - 1) * t_max
+        total, nxt = found
+        objective = total + (m - 1) * t_max
         if best is None or objective < best.objective_s - 1e-15:
             bounds, i = [], 0
             for s in range(S):
