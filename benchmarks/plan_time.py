@@ -77,8 +77,8 @@ def time_block_ilp(name: str, cluster_spec: str, mesh_shape: tuple[int, ...]) ->
 
 
 # (model, cluster, global batch, sequence length) of the full-search benchmark
-FULL_PLANS = (("gpt3-175b", "dgx-a100-80g:128", 1536, 2048),
-              ("llama3-8b", "dgx-h100:8", 256, 8192))
+FULL_PLANS = (("llama3-8b", "dgx-h100:8", 256, 8192),
+              ("gpt3-175b", "dgx-a100-80g:128", 1536, 2048))
 
 
 def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
@@ -122,7 +122,8 @@ def main() -> None:
     for name, cluster_spec, batch, seq_len in FULL_PLANS:
         r = time_full_plan(name, cluster_spec, batch, seq_len)
         results["full_plan"].append(r)
-        print(f"plan() {name} on {cluster_spec}: {r['plan_s']:.1f} s -> {r['chosen']}")
+        print(f"plan() {name} on {cluster_spec}: {r['plan_s']:.1f} s -> {r['chosen']}", flush=True)
+        _write(args.out, results)
     if args.only_full:
         args.skip_trace = True
     if not args.skip_trace:
@@ -135,10 +136,15 @@ def main() -> None:
         print(f"ILP one gpt3-175b block on (8, 8): {results['ilp']['total_s']:.1f} s "
               f"(strategies {results['ilp']['strategies_s']:.1f} s, build "
               f"{results['ilp']['build_s']:.1f} s, solve {results['ilp']['solve_s']:.1f} s)")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    _write(args.out, results)
     print(f"wrote {args.out}")
+
+
+def _write(path: str, results: dict) -> None:
+    """Write the results so far (a long run leaves what it measured)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

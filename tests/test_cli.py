@@ -19,12 +19,26 @@ def test_plan_writes_json_and_prints_summary(tmp_path, capsys):
     assert json.loads(out.read_text())["mesh"]["shape"] == [2]
 
 
+def test_plan_with_pipeline_options_writes_a_pipeline_plan(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--pp", "2",
+                 "--schedule", "1f1b", "--microbatches", "2", "--quiet", "-o", str(out)]) == 0
+    assert "pipeline: 1f1b, pp=2" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["pipeline"]["schedule"] == "1f1b" and data["mesh"]["shape"][0] == 2
+    assert main(["show", str(out)]) == 0
+    assert "transformer.h.1" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--model", "no-such-model", "--cluster", "local-cpu:4"], "unknown model"),
     (["plan", "--model", "gpt-tiny", "--cluster", "no-such-preset:2"], "unknown cluster preset"),
     (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "3"], "has 4"),
     (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "2by2"], "2x2"),
     (["show", "missing-plan.json"], "no plan file"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--schedule", "zigzag"],
+     "unknown pipeline schedule"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--pp", "two"], "--pp"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
