@@ -84,3 +84,14 @@ def test_console_command_is_installed():
     proc = subprocess.run([sys.executable, "-m", "planner.cli", "--help"], capture_output=True,
                           text=True)
     assert proc.returncode == 0 and "plan" in proc.stdout
+
+
+@pytest.mark.multiprocess
+def test_run_check_prints_the_verdict(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--mesh", "2",
+                 "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(out), "--check", "--steps", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "check PASSED" in text and "loss" in text
