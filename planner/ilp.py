@@ -165,6 +165,9 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     name = solver.upper().replace("-", "_")
     if name not in SOLVERS:
         raise ValueError(f"unknown solver '{solver}'; choose one of {', '.join(SOLVERS)}")
+    if (all(len(c) == 1 for c in problem.node_costs)
+            and len(problem.checkpoint_groups) <= _ENUMERATED_GROUPS):
+        return _solve_fixed(problem, name)
     mip = pywraplp.Solver.CreateSolver(name)
     if mip is None:
         raise ValueError(f"OR-Tools was built without the {name} backend; use another solver")
@@ -258,6 +261,28 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     return Solution(choice=choice, objective_s=value, bound_s=min(value, bound),
                     status=_STATUS[status], solver=name, num_variables=mip.NumVariables(),
                     num_constraints=mip.NumConstraints(), checkpoint=checkpoint)
+
+
+# With one strategy per node, up to this many checkpoint decisions are enumerated.
+_ENUMERATED_GROUPS = 10
+
+
+def _solve_fixed(problem: AssignmentProblem, name: str) -> Solution:
+    """A problem whose strategies are all fixed: only the checkpoint decisions are
+    left, so every combination is tried (exact, and far quicker than a MIP)."""
+    choice = [0] * len(problem.node_costs)
+    best: tuple[float, list[bool]] | None = None
+    for ckpt in itertools.product((False, True), repeat=len(problem.checkpoint_groups)):
+        if not problem.fits(choice, list(ckpt)):
+            continue
+        value = problem.evaluate(choice, list(ckpt))
+        if math.isfinite(value) and (best is None or value < best[0]):
+            best = (value, list(ckpt))
+    if best is None:
+        raise InfeasibleError("the fixed strategies fit no checkpointing choice")
+    return Solution(choice=choice, objective_s=best[0], bound_s=best[0], status="OPTIMAL",
+                    solver=name, num_variables=len(choice) + len(best[1]), num_constraints=0,
+                    checkpoint=best[1])
 
 
 def _row(mip: pywraplp.Solver, lower: float, upper: float,

@@ -34,6 +34,9 @@ from planner.strategies import NodeStrategies, build_strategies, divisible, fake
 # previous point's memory as its budget.
 PROFILE_SHRINK = 0.5
 PROFILE_LEVELS = 4
+# Seconds each layer-profile ILP may take (they price candidates; the winner's
+# stages are solved with the caller's full limit).
+PROFILE_TIME_LIMIT_S = 3.0
 
 
 def microbatch_inputs(example_inputs: Sequence[Any], num_microbatches: int) -> tuple:
@@ -172,7 +175,8 @@ class SearchContext:
             try:
                 self.ilp_solves += 1
                 result = solve_prepared(prof.prepared, memory_budget=budget,
-                                        time_limit_s=self.time_limit_s)
+                                        time_limit_s=min(self.time_limit_s,
+                                                         PROFILE_TIME_LIMIT_S))
             except MemoryInfeasibleError:
                 prof.exhausted = True
                 break
