@@ -234,9 +234,11 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             exact.append(solve_exact(ctx, cand))
         except MemoryInfeasibleError:
             continue
-    if not exact:
-        _, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
-                                        dtype, time_limit_s, budget, optimizer)
+    if not exact:  # the layer profiles are coarse: try every single stage exactly
+        best, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
+                                           dtype, time_limit_s, budget, optimizer)
+        if best is not None:
+            return build_plan(best, cluster, info, training)
         least = min(too_big, key=lambda e: e.least_bytes) if too_big else None
         raise PlanningError((str(least) if least else "no plan fits in memory")
                             + " (no pipeline of its layers fits either)")

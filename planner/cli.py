@@ -126,6 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from codegen.launch import launch
 
     result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check)
+    print(result.get("output", "").rstrip())  # rank 0's summary
     return 0 if result.get("passed", True) else 1
 
 
@@ -135,7 +136,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
                   if v is not None}
     result = compare(args.model, args.cluster, zoo_kwargs=zoo_kwargs,
-                     time_limit_s=args.time_limit)
+                     time_limit_s=args.time_limit, micro_batch_sizes=args.micro_batch_sizes,
+                     virtual_stages=[None, 2] if args.interleaved else [None],
+                     pipeline=not args.no_pipeline,
+                     megatron_deadline_s=args.megatron_deadline)
     print(format_comparison(result))
     for path in write_outputs(result, args.output):
         print(f"wrote {path}")
@@ -205,6 +209,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--batch-size", type=int, help="global batch size of the example step")
     c.add_argument("--seq-len", type=int, help="sequence length of the example step")
     c.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds")
+    c.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 2, 4],
+                   help="Megatron micro_batch_size values tried with a pipeline (default 1 2 4)")
+    c.add_argument("--no-interleaved", dest="interleaved", action="store_false",
+                   help="leave out the interleaved (virtual pipeline size 2) Megatron configs")
+    c.add_argument("--no-pipeline", action="store_true",
+                   help="Megatron configs without pipeline parallelism only (pp=1)")
+    c.add_argument("--megatron-deadline", type=float, default=None,
+                   help="seconds of Megatron planning; later configurations are skipped")
     c.add_argument("-o", "--output", default="compare",
                    help="output prefix: writes PREFIX.json and PREFIX.png")
     c.set_defaults(func=cmd_compare)

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
 from costmodel.cluster import Cluster, load_cluster
+from ir.graph import Graph
+from ir.layers import pipeline_layers
 from ir.source import build_model
 from ir.trace import trace
 from planner.api import PlanningError, plan
-from planner.megatron import megatron_configs, megatron_plan
+from planner.megatron import MegatronConfig, MegatronDoesNotFit, megatron_configs, megatron_plan
 from planner.plan_format import Plan
 from planner.report import format_bytes
 
@@ -30,9 +33,11 @@ class Entry:
     """One compared plan (``plan`` is None when the configuration is impossible)."""
 
     name: str
-    config: str
+    config_label: str
     plan: Plan | None
     error: str | None = None
+    config: MegatronConfig | None = None
+    seconds: float | None = None  # planning time
 
 
 def _metrics(p: Plan, cluster: Cluster, forward_flops: float, tokens: int) -> dict[str, float]:
@@ -44,71 +49,166 @@ def _metrics(p: Plan, cluster: Cluster, forward_flops: float, tokens: int) -> di
             "memory_bytes_per_device": p.predicted["memory_bytes_per_device"]["total"]}
 
 
-def compare(model_spec: str, cluster_spec: str, *, zoo_kwargs: dict[str, Any] | None = None,
-            time_limit_s: float = 60.0) -> dict[str, Any]:
+def _megatron_fields(cfg: MegatronConfig) -> dict[str, Any]:
+    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "mbs": cfg.micro_batch_size,
+            "vpp": cfg.virtual_pipeline_model_parallel_size,
+            "distributed_optimizer": cfg.use_distributed_optimizer}
+
+
+def compare(model_spec: str, cluster_spec: str | Cluster, *,
+            zoo_kwargs: dict[str, Any] | None = None, time_limit_s: float = 60.0,
+            model: torch.nn.Module | None = None, inputs: tuple | None = None,
+            configs: Sequence[MegatronConfig] | None = None,
+            micro_batch_sizes: Sequence[int] = (1, 2, 4),
+            virtual_stages: Sequence[int | None] = (None, 2), pipeline: bool = True,
+            auto_options: dict[str, Any] | None = None,
+            megatron_deadline_s: float | None = None,
+            progress: Callable[[str], None] | None = None,
+            graph: Graph | None = None) -> dict[str, Any]:
     """Plan ``model_spec`` automatically and with every Megatron configuration.
 
-    Returns a JSON-ready dict: model, cluster, and ``plans`` sorted fastest first
-    (each with its metrics and configuration, or the reason it is impossible).
+    Args:
+        model, inputs: the model and its example inputs when they are not built
+            from ``model_spec`` (which is then only recorded); ``graph``: their
+            trace, if already traced.
+        configs: the Megatron configurations to price (default:
+            :func:`planner.megatron.megatron_configs` of the cluster, the batch
+            and the number of pipeline layers, with ``micro_batch_sizes`` and
+            ``virtual_stages``; ``pipeline=False`` keeps pp = 1 only).
+        auto_options: extra keyword arguments of :func:`planner.api.plan` (for
+            example ``pp``, ``schedules``, ``num_microbatches`` to restrict the
+            automatic search).
+        megatron_deadline_s: stop pricing Megatron configurations after this many
+            seconds; the rest are listed as skipped.
+
+    Memory pruning: configurations are priced in grid order; when one does not
+    fit, the larger micro-batch sizes of the same tp/pp/dp/vpp are listed as
+    impossible without planning them (more activations never fit better).
+
+    Returns a JSON-ready dict: model, cluster, ``plans`` sorted fastest first
+    (each with its metrics, configuration, planning seconds, or the reason it is
+    impossible), ``best_megatron``, ``runners_up`` (the next three Megatron
+    plans) and ``auto_speedup_over_best_megatron`` (auto throughput / best
+    Megatron throughput).
     """
     zoo_kwargs = zoo_kwargs or {}
-    cluster = load_cluster(cluster_spec)
-    model, inputs = build_model(model_spec, device="meta", **zoo_kwargs)
-    graph = trace(model, inputs)
+    say = progress or (lambda msg: None)
+    cluster = load_cluster(cluster_spec) if isinstance(cluster_spec, str) else cluster_spec
+    if model is None:
+        model, inputs = build_model(model_spec, device="meta", **zoo_kwargs)
+    inputs = tuple(inputs)
+    graph = graph or trace(model, inputs)
     tokens = int(inputs[0].numel()) if isinstance(inputs[0], torch.Tensor) else 0
+    global_batch = int(inputs[0].shape[0]) if isinstance(inputs[0], torch.Tensor) else None
+    if configs is None:
+        num_layers = len(pipeline_layers(graph)) if pipeline else None
+        configs = megatron_configs(cluster, global_batch, num_layers,
+                                   micro_batch_sizes=micro_batch_sizes,
+                                   virtual_stages=virtual_stages)
     entries: list[Entry] = []
+    cache: dict = {"graph": graph}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        t0 = time.perf_counter()
         try:
+            say("auto plan")
             auto = plan(model, cluster, example_inputs=inputs, model_source=model_spec,
-                        time_limit_s=time_limit_s, zoo_kwargs=zoo_kwargs)
-            entries.append(Entry("auto", f"mesh {'x'.join(map(str, auto.mesh_shape))}", auto))
+                        time_limit_s=time_limit_s, zoo_kwargs=zoo_kwargs, **(auto_options or {}))
+            entries.append(Entry("auto", _auto_label(auto), auto,
+                                 seconds=time.perf_counter() - t0))
         except PlanningError as err:
-            entries.append(Entry("auto", "-", None, str(err)))
-        for cfg in megatron_configs(cluster):
+            entries.append(Entry("auto", "-", None, str(err), seconds=time.perf_counter() - t0))
+        start = time.perf_counter()
+        too_big: set[tuple] = set()
+        for k, cfg in enumerate(configs):
+            family = (cfg.tp, cfg.pp, cfg.dp, cfg.virtual_pipeline_model_parallel_size,
+                      cfg.use_distributed_optimizer)
+            if family in too_big:
+                entries.append(Entry("megatron", cfg.label(), None,
+                                     "pruned: a smaller micro-batch size does not fit",
+                                     config=cfg))
+                continue
+            if megatron_deadline_s is not None and time.perf_counter() - start > megatron_deadline_s:
+                entries.append(Entry("megatron", cfg.label(), None,
+                                     "skipped: planning time budget spent", config=cfg))
+                continue
+            say(f"[{k + 1}/{len(configs)}] megatron {cfg.label()}")
+            t0 = time.perf_counter()
             try:
                 p = megatron_plan(model, cluster, cfg, example_inputs=inputs,
                                   model_source=model_spec, zoo_kwargs=zoo_kwargs,
-                                  time_limit_s=time_limit_s, graph=graph)
-                entries.append(Entry("megatron", cfg.label(), p))
+                                  time_limit_s=time_limit_s, graph=graph, cache=cache)
+                entries.append(Entry("megatron", cfg.label(), p, config=cfg,
+                                     seconds=time.perf_counter() - t0))
             except PlanningError as err:
-                entries.append(Entry("megatron", cfg.label(), None, str(err)))
+                if isinstance(err, MegatronDoesNotFit):
+                    too_big.add(family)
+                entries.append(Entry("megatron", cfg.label(), None, str(err), config=cfg,
+                                     seconds=time.perf_counter() - t0))
     rows = []
     for e in entries:
-        row: dict[str, Any] = {"name": e.name, "config": e.config}
+        row: dict[str, Any] = {"name": e.name, "config": e.config_label}
+        if e.config is not None:
+            row["megatron"] = _megatron_fields(e.config)
+        if e.seconds is not None:
+            row["planning_s"] = e.seconds
         if e.plan is None:
             row["error"] = e.error
         else:
             row.update(_metrics(e.plan, cluster, graph.forward_flops, tokens))
+            if e.plan.pipeline is not None:
+                row["bubble_s"] = e.plan.predicted.get("bubble_s")
         rows.append(row)
     rows.sort(key=lambda r: (r.get("step_time_s", float("inf")), r["config"]))
     feasible = [r for r in rows if "step_time_s" in r]
-    best_manual = next((r for r in feasible if r["name"] == "megatron"), None)
+    manual = [r for r in feasible if r["name"] == "megatron"]
+    best_manual = manual[0] if manual else None
     auto_row = next((r for r in feasible if r["name"] == "auto"), None)
     speedup = (best_manual["step_time_s"] / auto_row["step_time_s"]
                if best_manual and auto_row else None)
     return {"model": model_spec, "cluster": cluster.name, "devices": cluster.num_devices,
-            "tokens_per_step": tokens, "forward_flops": graph.forward_flops,
-            "auto_speedup_over_best_megatron": speedup, "plans": rows}
+            "tokens_per_step": tokens, "global_batch": global_batch,
+            "forward_flops": graph.forward_flops,
+            "auto_speedup_over_best_megatron": speedup,
+            "best_megatron": best_manual["config"] if best_manual else None,
+            "runners_up": [r["config"] for r in manual[1:4]],
+            "megatron_configs": len(configs),
+            "megatron_feasible": len(manual), "plans": rows}
+
+
+def _auto_label(p: Plan) -> str:
+    if p.pipeline is None:
+        return f"mesh {'x'.join(map(str, p.mesh_shape))}"
+    pipe = p.pipeline
+    return (f"pp={pipe.pp} stage mesh {'x'.join(map(str, pipe.stage_mesh['shape']))} "
+            f"{pipe.schedule} m={pipe.num_microbatches}")
 
 
 def format_comparison(result: dict[str, Any]) -> str:
-    """The comparison as a text table."""
-    head = ["plan", "config", "step", "tokens/s", "TFLOP/s/dev", "MFU", "memory/dev"]
+    """The comparison as a text table (impossible configurations last, with why)."""
+    head = ["plan", "config", "step", "tokens/s", "TFLOP/s/dev", "MFU", "memory/dev", "planned in"]
     body = []
     for r in result["plans"]:
+        took = f"{r['planning_s']:.1f} s" if r.get("planning_s") is not None else ""
         if "error" in r:
-            body.append([r["name"], r["config"], "does not fit / divide", "", "", "", ""])
+            why = r["error"]
+            short = (why if why.startswith(("pruned", "skipped")) else
+                     "does not fit" if "fit" in why else "does not divide")
+            body.append([r["name"], r["config"], short, "", "", "", "", took])
             continue
         body.append([r["name"], r["config"], f"{r['step_time_s'] * 1e3:.2f} ms",
                      f"{r['tokens_per_s']:,.0f}", f"{r['model_tflops_per_device']:.2f}",
-                     f"{r['mfu']:.1%}", format_bytes(r["memory_bytes_per_device"])])
+                     f"{r['mfu']:.1%}", format_bytes(r["memory_bytes_per_device"]), took])
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)),
              "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
     s = result["auto_speedup_over_best_megatron"]
-    lines.append(f"\n{result['model']} on {result['cluster']}: auto plan is "
+    if result.get("best_megatron"):
+        lines.append(f"\nbest Megatron plan: {result['best_megatron']}"
+                     + (f"; runners-up: {', '.join(result['runners_up'])}"
+                        if result.get("runners_up") else ""))
+    lines.append(f"{result['model']} on {result['cluster']}: auto plan is "
                  + (f"{s:.3f}x the best Megatron plan's throughput" if s else
                     "not comparable (one side has no feasible plan)"))
     return "\n".join(lines)

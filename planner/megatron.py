@@ -42,6 +42,8 @@ from planner.intra_op import FixedPlacementError, MemoryInfeasibleError, solve_i
 from planner.plan_format import Plan
 
 _MATMULS = {"aten.mm.default", "aten.addmm.default"}
+_PAD_HINT = (" (Megatron pads the vocabulary to a multiple of 128 x tp: "
+             "--make-vocab-size-divisible-by)")
 
 
 class MegatronDoesNotFit(PlanningError):
@@ -403,7 +405,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
                                 time_limit_s=time_limit_s, fixed=layout, optimizer=optimizer,
                                 memory_budget=budget + saving)
     except FixedPlacementError as err:
-        raise PlanningError(f"{cfg.label()} does not divide the model: {err}") from err
+        raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}") from err
     except MemoryInfeasibleError as err:
         raise MegatronDoesNotFit(f"{cfg.label()} does not fit: {err}") from None
     if cfg.use_distributed_optimizer and cfg.dp > 1:
@@ -421,8 +423,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                    training: dict) -> Plan:
     """A Megatron pipeline: uniform layer split, fixed layout, 1F1B / interleaved."""
     from planner.inter_op import PipelineCandidate, StageMeshOption, stage_mesh_options
-    from planner.pipeline import (ExactPipeline, SearchContext, _in_flight, _p2p_seconds,
-                                  _simulate, assemble)
+    from planner.pipeline import (ExactPipeline, SearchContext, assemble, p2p_seconds,
+                                  simulate_step, stage_in_flight)
 
     options = stage_mesh_options(cluster, cfg.pp)
     if not options:
@@ -434,9 +436,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     if ctx is None:
         ctx = cache[key] = SearchContext(model, example_inputs, cluster, dtype=dtype,
                                          optimizer=optimizer, budget=budget,
-                                         time_limit_s=time_limit_s, fixed=layout)
-        programs = cache.setdefault("programs", {})  # traces shared by every layout
-        ctx._programs = programs
+                                         time_limit_s=time_limit_s, fixed=layout,
+                                         programs=cache.setdefault("programs", {}))
     prog = ctx.program(m)
     v = cfg.stages_per_rank
     cfg.check_layers(len(prog.layers))
@@ -444,7 +445,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     per = len(prog.layers) // chunks
     bounds = [(s * per, (s + 1) * per) for s in range(chunks)]
     try:
-        copies = _in_flight(cfg.schedule, cfg.pp, m, v)
+        copies = stage_in_flight(cfg.schedule, cfg.pp, m, v)
     except ValueError as err:
         raise PlanningError(f"{cfg.label()}: torch's {cfg.schedule} schedule rejects pp={cfg.pp} "
                             f"with {m} micro-batches: {err}") from None
@@ -454,7 +455,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         try:
             r = ctx.solve_stage(prog, a, b, mesh, budget / v + saving, copies[s])
         except FixedPlacementError as err:
-            raise PlanningError(f"{cfg.label()} does not divide the model: {err}") from err
+            raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}"
+                                ) from err
         except MemoryInfeasibleError as err:
             raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
         t = ctx.times_of(r, mesh)
@@ -462,8 +464,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
             r.memory["optimizer"] /= cfg.dp  # ZeRO-1 over data parallel
         results.append(r)
         times.append(t)
-    p2p = _p2p_seconds(prog, bounds, mesh, cluster)
-    step, bubble = _simulate(cfg.schedule, cfg.pp, m, v, times, p2p)
+    p2p = p2p_seconds(prog, bounds, mesh, cluster)
+    step, bubble = simulate_step(cfg.schedule, cfg.pp, m, v, times, p2p)
     cand = PipelineCandidate(cfg.pp, v, mesh, cfg.schedule, m, None, step, bubble, sum(p2p))
     exact = ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
     return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))

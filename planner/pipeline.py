@@ -76,7 +76,8 @@ class SearchContext:
                  dtype: str, optimizer: str, budget: float, time_limit_s: float,
                  min_layers: int = 2, progress: Callable[[str], None] | None = None,
                  whole_batch_graph: Graph | None = None,
-                 fixed: dict[str, tuple] | None = None, zero_stage: int = 0):
+                 fixed: dict[str, tuple] | None = None, zero_stage: int = 0,
+                 programs: dict | None = None):
         self.model = model
         # placements every stage must use (a manual layout), by parameter FQN / input name
         self.fixed = dict(fixed or {})
@@ -91,7 +92,9 @@ class SearchContext:
         self.min_layers = min_layers
         self.progress = progress or (lambda msg: None)
         self.global_batch = global_batch_of(example_inputs)
-        self._programs: dict[int, MicrobatchProgram] = {}
+        # traced programs by micro-batch size; a dict shared between contexts
+        # (e.g. the layouts of a Megatron grid) shares the traces
+        self._programs: dict[int, MicrobatchProgram] = {} if programs is None else programs
         self._profiles: dict[tuple, LayerProfile] = {}
         # (layer index, stage mesh) -> the profile its ILP made (placements by level)
         self._reference: dict[tuple, LayerProfile] = {}
@@ -233,7 +236,7 @@ def _reference_key(layer: int, mesh: StageMeshOption) -> tuple:
     return (layer, len(mesh.shape), mesh.shape[-1] if len(mesh.shape) > 1 else 0)
 
 
-def _p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
+def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
                  cluster: Cluster) -> list[float]:
     """Seconds to send one micro-batch's boundary values between consecutive
     stages (each device sends its 1/size share; across nodes when a stage
@@ -252,11 +255,12 @@ def _p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: S
 NO_PIPELINE = "none"
 
 
-def _in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
+def stage_in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
+    """In-flight micro-batches of each stage (1 for a single stage)."""
     return [1.0] if schedule == NO_PIPELINE else in_flight(schedule, pp, m, v)
 
 
-def _simulate(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
+def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
               p2p: list[float]) -> tuple[float, float]:
     """(step seconds including the slowest gradient sync, bubble seconds)."""
     if schedule == NO_PIPELINE:
@@ -342,7 +346,7 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
     if S > len(prog.layers):
         return None
     try:
-        copies = _in_flight(schedule, pp, m, v)
+        copies = stage_in_flight(schedule, pp, m, v)
     except ValueError:  # torch rejects this (schedule, pp, m) combination
         return None
     split = None
@@ -356,8 +360,8 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
             break
     if split is None:
         return None
-    p2p = _p2p_seconds(prog, split.bounds, mesh, ctx.cluster)
-    step, bubble = _simulate(schedule, pp, m, v, split.times, p2p)
+    p2p = p2p_seconds(prog, split.bounds, mesh, ctx.cluster)
+    step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p)
     return PipelineCandidate(pp, v, mesh, schedule, m, split, step, bubble, sum(p2p))
 
 
@@ -382,15 +386,15 @@ def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
     intra-op ILP under its share of memory and in-flight activations."""
     prog = ctx.program(cand.num_microbatches)
     bounds = bounds or cand.split.bounds
-    copies = _in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
+    copies = stage_in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
     results, times = [], []
     for s, (a, b) in enumerate(bounds):
         ctx.progress(f"stage {s}: layers {a}..{b - 1}")
         r = ctx.solve_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank, copies[s])
         results.append(r)
         times.append(ctx.times_of(r, cand.mesh))
-    p2p = _p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
-    step, bubble = _simulate(cand.schedule, cand.pp, cand.num_microbatches,
+    p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
+    step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
                              cand.stages_per_rank, times, p2p)
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
 

@@ -8,8 +8,10 @@ from codegen.launch import launch
 from costmodel.cluster import load_cluster
 from ir import trace
 from ir.source import build_model
+from planner.api import PlanningError, pipeline_plan
 from planner.compare import compare
-from planner.megatron import MegatronConfig, _classify_linears, megatron_configs, megatron_plan
+from planner.megatron import (MegatronConfig, MegatronDoesNotFit, _classify_linears,
+                              megatron_configs, megatron_layout, megatron_plan)
 
 
 @pytest.mark.parametrize("name, column, row", [
@@ -34,6 +36,104 @@ def test_megatron_grid_is_powers_of_two_inside_a_node():
         (1, 16), (2, 8), (4, 4), (8, 2)]
 
 
+def test_labels_use_megatron_terms():
+    cfg = MegatronConfig(2, 8, pipeline_model_parallel_size=4, micro_batch_size=1,
+                         virtual_pipeline_model_parallel_size=2)
+    assert cfg.label() == "tp=2 pp=4 dp=8 mbs=1 vpp=2"
+    assert cfg.schedule == "interleaved_1f1b" and cfg.world_size == 64
+    assert cfg.mesh_shape == (8, 2)
+    assert cfg.num_microbatches(512) == 64  # 512 / (mbs 1 x dp 8)
+    plain = MegatronConfig(4, 1, pipeline_model_parallel_size=2, micro_batch_size=2)
+    assert plain.label() == "tp=4 pp=2 dp=1 mbs=2" and plain.schedule == "1f1b"
+    assert plain.mesh_shape == (4,)
+    assert MegatronConfig(2, 2, use_distributed_optimizer=False).label() == "tp=2 pp=1 dp=2 no-dist-opt"
+
+
+def test_configs_that_do_not_divide_are_rejected():
+    with pytest.raises(PlanningError, match="pipeline_model_parallel_size >= 2"):
+        MegatronConfig(2, 2, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(PlanningError, match="v >= 2"):
+        MegatronConfig(2, 2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=1)
+    cfg = MegatronConfig(1, 2, pipeline_model_parallel_size=4, micro_batch_size=3)
+    with pytest.raises(PlanningError, match="do not split evenly"):
+        cfg.check_layers(6)
+    cfg.check_layers(8)
+    with pytest.raises(PlanningError, match="does not divide the batch"):
+        cfg.num_microbatches(16)
+    with pytest.raises(PlanningError, match="gradient accumulation"):
+        MegatronConfig(2, 2, micro_batch_size=1).num_microbatches(8)
+    with pytest.raises(PlanningError, match="multiple of pp"):
+        MegatronConfig(1, 1, pipeline_model_parallel_size=4, micro_batch_size=2,
+                       virtual_pipeline_model_parallel_size=2).num_microbatches(12)
+    model, inputs = build_model("gpt-tiny", device="meta")  # 2 layers
+    with pytest.raises(PlanningError, match="do not split evenly"):
+        megatron_plan(model, "local-cpu:4", MegatronConfig(
+            2, 1, pipeline_model_parallel_size=2, micro_batch_size=2,
+            virtual_pipeline_model_parallel_size=2), example_inputs=inputs)
+    with pytest.raises(PlanningError, match="needs 8 devices"):
+        megatron_plan(model, "local-cpu:4", MegatronConfig(2, 2, pipeline_model_parallel_size=2,
+                                                           micro_batch_size=2),
+                      example_inputs=inputs)
+    with pytest.raises(MegatronDoesNotFit, match="parameter states"):
+        megatron_plan(model, "local-cpu:4", MegatronConfig(2, 2), example_inputs=inputs,
+                      memory_budget=1e4)
+
+
+def test_pipeline_grid_is_valid():
+    cluster = load_cluster("dgx-a100-80g:2")
+    cfgs = megatron_configs(cluster, 64, 24)
+    labels = [c.label() for c in cfgs]
+    assert len(set(labels)) == len(labels)
+    assert {c.pp for c in cfgs} == {1, 2, 4, 8}  # 16 devices, 24 layers: 16 does not divide 24
+    assert any(c.virtual_pipeline_model_parallel_size for c in cfgs)
+    for c in cfgs:
+        assert c.world_size == 16 and c.tp in (1, 2, 4, 8)
+        c.check_layers(24)
+        m = c.num_microbatches(64)  # raises if the batch does not split
+        if c.pp == 1:
+            assert m == 1 and c.micro_batch_size * c.dp == 64
+        else:
+            assert m >= c.pp and c.micro_batch_size in (1, 2, 4)
+    assert megatron_configs(cluster, 64, 24, micro_batch_sizes=[1], virtual_stages=[None])[-1]\
+        .label() == "tp=2 pp=8 dp=1 mbs=1"
+
+
+@pytest.fixture(scope="module")
+def megatron_pp2():
+    model, inputs = build_model("gpt-tiny", device="meta")
+    cfg = MegatronConfig(2, 1, pipeline_model_parallel_size=2, micro_batch_size=2)
+    return megatron_plan(model, "local-cpu:4", cfg, example_inputs=inputs,
+                         model_source="gpt-tiny"), cfg
+
+
+def test_megatron_pipeline_plan_has_stages_and_the_layout(megatron_pp2):
+    p, cfg = megatron_pp2
+    pipe = p.pipeline
+    assert p.mesh["shape"] == [2, 2] and pipe.schedule == "1f1b"
+    assert pipe.num_microbatches == 4  # batch 8 / (mbs 2 x dp 1)
+    assert [s.layers for s in pipe.stages] == [["transformer.h.0"], ["transformer.h.1"]]
+    assert [s.ranks for s in pipe.stages] == [[0, 1], [2, 3]]
+    assert p.parameters["transformer.h.0.attn.c_attn.weight"] == ["S(0)"]
+    assert p.parameters["transformer.h.1.mlp.c_proj.weight"] == ["S(1)"]
+    assert p.parameters["transformer.wte.weight"] == ["S(0)"]
+    assert p.training["manual"]["pipeline_model_parallel_size"] == 2
+    # the same plan as pipeline_plan() with the layout fixed and Megatron's uniform split
+    model, inputs = build_model("gpt-tiny", device="meta")
+    q = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
+                      schedule="1f1b", num_microbatches=4, layer_split=[1, 1],
+                      fixed=megatron_layout(trace(model, inputs), cfg), model_source="gpt-tiny")
+    assert q.parameters == p.parameters and q.nodes == p.nodes
+    assert q.predicted["step_time_s"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_megatron_pipeline_plan_runs_and_matches_one_process(megatron_pp2, tmp_path):
+    path = tmp_path / "plan.json"
+    megatron_pp2[0].save(path)
+    result = launch(path, steps=1, check=True)
+    assert result["passed"], result.get("output")
+
+
 @pytest.fixture(scope="module")
 def megatron_2x2():
     model, inputs = build_model("gpt-tiny", device="meta")
@@ -49,6 +149,7 @@ def test_megatron_plan_has_the_megatron_layout(megatron_2x2):
     assert p.parameters["transformer.wte.weight"] == ["R", "S(0)"]
     assert p.inputs["idx"] == ["S(0)", "R"]
     assert p.training["manual"]["tensor_model_parallel_size"] == 2
+    assert p.pipeline is None
 
 
 @pytest.mark.multiprocess
@@ -67,17 +168,22 @@ def test_auto_plan_is_never_slower_than_the_best_megatron_plan(tmp_path):
     best_manual = min(r["step_time_s"] for r in rows if r["name"] == "megatron")
     assert auto["step_time_s"] <= best_manual * (1 + 1e-9)
     assert result["auto_speedup_over_best_megatron"] >= 1.0
-    assert len(rows) == 4 and all(0 < r["mfu"] <= 1 for r in rows)
+    assert all(0 < r["mfu"] <= 1 for r in rows)
+    configs = {r["config"] for r in result["plans"] if r["name"] == "megatron"}
+    assert {"tp=2 pp=1 dp=2 mbs=4", "tp=2 pp=2 dp=1 mbs=1"} <= configs
+    assert result["best_megatron"] in configs and len(result["runners_up"]) == 3
+    assert any(r.get("megatron", {}).get("pp") == 2 and "step_time_s" in r for r in rows)
 
 
 def test_compare_command_writes_table_json_and_chart(tmp_path, capsys):
     from planner.cli import main
 
     prefix = tmp_path / "out" / "cmp"
-    assert main(["compare", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "-o",
-                 str(prefix)]) == 0
+    assert main(["compare", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--no-interleaved",
+                 "--micro-batch-sizes", "2", "-o", str(prefix)]) == 0
     text = capsys.readouterr().out
-    assert "megatron tp=2 dp=1" in text and "auto plan is" in text
+    assert "tp=2 pp=1 dp=1 mbs=8" in text and "tp=1 pp=2 dp=1 mbs=2" in text
+    assert "vpp" not in text and "auto plan is" in text and "best Megatron plan" in text
     data = json.loads((tmp_path / "out" / "cmp.json").read_text())
     assert data["devices"] == 2
     assert (tmp_path / "out" / "cmp.png").read_bytes()[:4] == b"\x89PNG"

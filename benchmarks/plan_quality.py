@@ -1,0 +1,295 @@
+"""Plan quality: predicted throughput of the automatic plan against the best
+Megatron-LM configuration, both priced by the same cost model.
+
+Cases:
+
+* Alpa's GPT-3 weak-scaling set on p3.16xlarge (V100 16 GB; 1 and 4 GPUs are
+  part of one node): 350M on 1 GPU, 1.3B on 4, 2.6B on 8, 6.7B on 16, 15B on
+  32, 39B on 64 (Alpa's table: sequence 1024, vocabulary 51200, float16).
+  Global batch 16 sequences per GPU (1024 on 64 GPUs, Alpa's batch): a
+  single-stage Plan has no gradient accumulation, so a fixed batch of 1024
+  does not fit one V100 at all.
+* GPT-3 on dgx-a100-80g up to 1024 GPUs (sequence 2048, bfloat16), batch as
+  in Megatron-LM's scaling table (Narayanan et al. 2021).
+* llama3-8b and llama3-70b on dgx-h100, and the MoE model (``moe-8x``) on
+  dgx-h100 (bfloat16).
+
+Every case records the auto plan, the best Megatron configuration and its
+runners-up, the ratio auto / best-Megatron throughput, the planning seconds of
+each side and what was restricted to keep this machine's budget (the
+restrictions are part of the case: ``auto`` = keyword arguments of
+``planner.plan``, ``megatron`` = the Megatron grid).
+
+Writes ``benchmarks/results/plan_quality.json`` (cases already there and not
+re-run are kept) and the markdown table between ``<!-- plan-quality:begin -->``
+and ``<!-- plan-quality:end -->`` in README.md.
+
+    python -m benchmarks.plan_quality --quick          # a small subset
+    python -m benchmarks.plan_quality --cases alpa     # cases whose name contains 'alpa'
+
+Memory note: the parameter dtype is half precision, so the cost model prices
+Adam at 8 bytes per parameter (no float32 master copy) for both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from benchmarks.plan_time import machine
+from costmodel.cluster import Cluster
+from costmodel.presets import preset
+from ir.zoo import GPTConfig, build, build_from_config
+from ir.zoo import config as zoo_config
+from planner.compare import compare
+from planner.megatron import MegatronConfig, megatron_configs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "plan_quality.json")
+README = os.path.join(os.path.dirname(HERE), "README.md")
+BEGIN, END = "<!-- plan-quality:begin -->", "<!-- plan-quality:end -->"
+
+# Alpa (OSDI'22) table 4, GPT-3: (layers, hidden, heads).
+ALPA_GPT = {"350m": (24, 1024, 16), "1.3b": (24, 2048, 32), "2.6b": (32, 2560, 32),
+            "6.7b": (32, 4096, 32), "15b": (48, 5120, 40), "39b": (48, 8192, 64)}
+
+
+@dataclass
+class Case:
+    name: str
+    model: str                      # zoo name, or "alpa-gpt3-<size>"
+    cluster: str                    # preset:nodes, or "p3.16xlarge/<gpus>" for part of a node
+    batch: int
+    seq: int
+    dtype: torch.dtype
+    auto: dict[str, Any] = field(default_factory=dict)       # plan() restrictions
+    megatron: dict[str, Any] = field(default_factory=dict)   # grid restrictions
+    quick: bool = False
+    vocab: int | None = None        # padded vocabulary (Megatron pads to a multiple of 128 tp)
+
+
+def build_cluster(spec: str) -> Cluster:
+    """``preset:nodes`` or ``preset/gpus`` (gpus of one node, e.g. 4 of a p3.16xlarge)."""
+    if "/" in spec:
+        name, gpus = spec.split("/")
+        c = preset(name, 1)
+        return dataclasses.replace(c, name=f"{name}/{gpus}gpu", devices_per_node=int(gpus))
+    name, _, nodes = spec.partition(":")
+    return preset(name, int(nodes or 1))
+
+
+def build_case_model(case: Case) -> tuple[torch.nn.Module, tuple]:
+    if case.model.startswith("alpa-gpt3-"):
+        layers, hidden, heads = ALPA_GPT[case.model.removeprefix("alpa-gpt3-")]
+        cfg = GPTConfig(layers, hidden, heads, vocab_size=51200, block_size=case.seq)
+        return build_from_config(cfg, device="meta", batch_size=case.batch, seq_len=case.seq,
+                                 dtype=case.dtype)
+    if case.vocab is not None:
+        cfg = dataclasses.replace(zoo_config(case.model), vocab_size=case.vocab)
+        return build_from_config(cfg, device="meta", batch_size=case.batch, seq_len=case.seq,
+                                 dtype=case.dtype)
+    return build(case.model, device="meta", batch_size=case.batch, seq_len=case.seq,
+                 dtype=case.dtype)
+
+
+# Restrictions, chosen so one case plans in minutes on 2 CPU cores: the auto
+# search tries Megatron's two schedules and three micro-batch counts that cover
+# the Megatron grid's (micro-batches of 16, 4 and 1 sequences).
+def _auto(batch: int, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"schedules": ["1f1b", "interleaved_1f1b"],
+                           "num_microbatches": [m for m in (batch // 16, batch // 4, batch)
+                                                if m >= 2]}
+    out.update(extra)
+    return out
+
+
+def _cases() -> list[Case]:
+    f16, bf16 = torch.float16, torch.bfloat16
+    out = []
+    for size, gpus in (("350m", 1), ("1.3b", 4), ("2.6b", 8), ("6.7b", 16), ("15b", 32),
+                       ("39b", 64)):
+        cluster = f"p3.16xlarge/{gpus}" if gpus < 8 else f"p3.16xlarge:{gpus // 8}"
+        grid = {"micro_batch_sizes": [1, 4]} if gpus <= 8 else {
+            "micro_batch_sizes": [1], "tp": [2, 4, 8]}
+        out.append(Case(f"alpa-gpt3-{size}-p3x{gpus}", f"alpa-gpt3-{size}", cluster,
+                        16 * gpus, 1024, f16, _auto(16 * gpus), grid, quick=gpus <= 8))
+    # Megatron-LM's scaling table (tp inside a node); batch as there; GPT-2's
+    # vocabulary 50257 padded to 51200 as Megatron does for tp = 8
+    # (--make-vocab-size-divisible-by 128 x tp), else the vocabulary-parallel
+    # embedding does not divide.
+    for model, nodes, batch, pps, tps in (("gpt3-6.7b", 8, 512, [1, 2, 4], [4, 8]),
+                                          ("gpt3-39b", 32, 1536, [4, 8, 16], [8]),
+                                          ("gpt3-175b", 128, 1536, [8, 16], [8])):
+        out.append(Case(f"{model}-a100x{8 * nodes}", model, f"dgx-a100-80g:{nodes}", batch,
+                        2048, bf16, _auto(batch, schedules=["1f1b"], pp=pps),
+                        {"micro_batch_sizes": [1], "tp": tps, "pp": pps,
+                         "virtual_stages": [None]}, vocab=51200))
+    out.append(Case("llama3-8b-h100x8", "llama3-8b", "dgx-h100:1", 32, 2048, bf16,
+                    _auto(32), {"micro_batch_sizes": [1, 2]}, quick=True))
+    out.append(Case("llama3-70b-h100x64", "llama3-70b", "dgx-h100:8", 128, 2048, bf16,
+                    _auto(128, schedules=["1f1b"], pp=[4, 8]),
+                    {"micro_batch_sizes": [1], "tp": [8], "pp": [4, 8]}))
+    out.append(Case("moe-8x-h100x16", "moe-8x", "dgx-h100:2", 64, 2048, bf16,
+                    _auto(64, schedules=["1f1b"], pp=[1, 2, 4]),
+                    {"micro_batch_sizes": [1], "tp": [4, 8], "pp": [1, 2, 4]}))
+    return out
+
+
+def megatron_grid(cluster: Cluster, batch: int, num_layers: int,
+                  restrict: dict[str, Any]) -> list[MegatronConfig]:
+    cfgs = megatron_configs(cluster, batch, num_layers,
+                            micro_batch_sizes=restrict.get("micro_batch_sizes", (1, 2, 4)),
+                            virtual_stages=restrict.get("virtual_stages", (None, 2)))
+    for key, attr in (("tp", "tp"), ("pp", "pp")):
+        if key in restrict:
+            cfgs = [c for c in cfgs if getattr(c, attr) in restrict[key]]
+    return cfgs
+
+
+def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float) -> dict[str, Any]:
+    from ir.layers import pipeline_layers
+    from ir.trace import trace
+
+    cluster = build_cluster(case.cluster)
+    model, inputs = build_case_model(case)
+    graph = trace(model, inputs)
+    configs = megatron_grid(cluster, case.batch, len(pipeline_layers(graph)), case.megatron)
+    t0 = time.perf_counter()
+    result = compare(case.model, cluster, model=model, inputs=inputs, time_limit_s=time_limit_s,
+                     configs=configs, auto_options=case.auto,
+                     megatron_deadline_s=megatron_deadline_s,
+                     zoo_kwargs={"batch_size": case.batch, "seq_len": case.seq}, graph=graph,
+                     progress=lambda msg: print(f"  {time.perf_counter() - t0:7.1f}s {msg}",
+                                                flush=True))
+    total = time.perf_counter() - t0
+    auto = next(r for r in result["plans"] if r["name"] == "auto")
+    manual = [r for r in result["plans"] if r["name"] == "megatron"]
+    best = next((r for r in manual if "step_time_s" in r), None)
+    return {
+        "case": case.name, "model": case.model, "cluster": cluster.name,
+        "devices": cluster.num_devices, "global_batch": case.batch, "seq_len": case.seq,
+        "dtype": str(case.dtype).replace("torch.", ""),
+        "parameters": graph.num_parameters,
+        "restricted": {"auto": case.auto, "megatron": case.megatron,
+                       "ilp_time_limit_s": time_limit_s,
+                       "megatron_deadline_s": megatron_deadline_s},
+        "auto": {k: auto.get(k) for k in ("config", "step_time_s", "tokens_per_s", "mfu",
+                                         "memory_bytes_per_device", "planning_s", "error")},
+        "best_megatron": best and {k: best.get(k) for k in (
+            "config", "step_time_s", "tokens_per_s", "mfu", "memory_bytes_per_device",
+            "planning_s")},
+        "runners_up": result["runners_up"],
+        "auto_over_best_megatron": result["auto_speedup_over_best_megatron"],
+        "megatron_configs": {
+            "grid": len(manual), "feasible": sum("step_time_s" in r for r in manual),
+            "does_not_fit": sum("fit" in r.get("error", "") for r in manual),
+            "pruned_or_skipped": sum(r.get("error", "").startswith(("pruned", "skipped"))
+                                     for r in manual),
+            "planning_s": sum(r.get("planning_s") or 0.0 for r in manual)},
+        "planning_s": total,
+        "plans": result["plans"],
+    }
+
+
+def _fmt_rate(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [
+        "| case | GPUs | batch x seq | auto plan | auto tokens/s | best Megatron | Megatron "
+        "tokens/s | auto / Megatron | Megatron configs (fit / grid) | planning s (auto / "
+        "Megatron) | restricted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["cases"]:
+        auto, best = r["auto"], r["best_megatron"] or {}
+        ratio = r["auto_over_best_megatron"]
+        restricted = "; ".join(f"{side}: " + ", ".join(f"{k}={v}" for k, v in opts.items())
+                               for side, opts in (("auto", r["restricted"]["auto"]),
+                                                  ("megatron", r["restricted"]["megatron"]))
+                               if opts) or "-"
+        lines.append(
+            f"| {r['case']} | {r['devices']} | {r['global_batch']} x {r['seq_len']} | "
+            f"{auto.get('config') or '-'} | {_fmt_rate(auto.get('tokens_per_s'))} | "
+            f"{best.get('config', '-')} | {_fmt_rate(best.get('tokens_per_s'))} | "
+            f"{f'{ratio:.3f}' if ratio else '-'} | "
+            f"{r['megatron_configs']['feasible']} / {r['megatron_configs']['grid']} | "
+            f"{auto.get('planning_s') or 0:.0f} / {r['megatron_configs']['planning_s']:.0f} | "
+            f"{restricted} |")
+    lines.append("")
+    lines.append(f"Predicted by the cost model (`python -m benchmarks.plan_quality`); "
+                 f"ILP limit {results.get('ilp_time_limit_s')} s per solve, planned on "
+                 f"{results['machine']['cpus']} CPU cores. auto / Megatron > 1: the "
+                 f"automatic plan is faster.")
+    return "\n".join(lines)
+
+
+def write_readme(table: str, path: str = README) -> bool:
+    text = open(path, encoding="utf-8").read()
+    if BEGIN not in text or END not in text:
+        return False
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(head + BEGIN + "\n" + table + "\n" + END + tail)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the small subset (1 to 8 GPUs)")
+    ap.add_argument("--cases", nargs="*", help="run cases whose name contains one of these")
+    ap.add_argument("--time-limit", type=float, default=10.0, help="ILP limit per solve, s")
+    ap.add_argument("--megatron-deadline", type=float, default=600.0,
+                    help="seconds of Megatron planning per case; later configurations skipped")
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--no-readme", action="store_true")
+    ap.add_argument("--readme-only", action="store_true",
+                    help="only rewrite README.md's table from the JSON")
+    args = ap.parse_args(argv)
+    if args.readme_only:
+        with open(args.out) as f:
+            write_readme(markdown(json.load(f)))
+        return 0
+    cases = _cases()
+    if args.quick:
+        cases = [c for c in cases if c.quick]
+    if args.cases:
+        cases = [c for c in cases if any(s in c.name for s in args.cases)]
+    previous: dict[str, Any] = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            previous = {r["case"]: r for r in json.load(f).get("cases", [])}
+    warnings.simplefilter("ignore")
+    for case in cases:
+        print(f"{case.name}: {case.model} on {case.cluster}, batch {case.batch} x {case.seq}",
+              flush=True)
+        r = run_case(case, args.time_limit, args.megatron_deadline)
+        previous[case.name] = r
+        ratio = r["auto_over_best_megatron"]
+        print(f"{case.name}: auto {r['auto']['config']} vs Megatron "
+              f"{(r['best_megatron'] or {}).get('config')}: "
+              f"{'-' if ratio is None else f'{ratio:.3f}x'} ({r['planning_s']:.0f} s)", flush=True)
+        order = [c.name for c in _cases()]
+        results = {"machine": machine(), "ilp_time_limit_s": args.time_limit,
+                   "cases": sorted(previous.values(), key=lambda x: order.index(x["case"])
+                                   if x["case"] in order else len(order))}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    if cases and not args.no_readme:
+        write_readme(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
