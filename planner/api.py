@@ -13,6 +13,7 @@ from costmodel.memory import reserve_bytes
 from costmodel.resharding import placement_str
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.trace import trace
+from planner.ilp import InfeasibleError
 from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
 from planner.plan_format import OpPlacement, Plan, Reshard, SolverReport
 
@@ -232,7 +233,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     for cand in finalists:
         try:
             exact.append(solve_exact(ctx, cand))
-        except MemoryInfeasibleError:
+        except (MemoryInfeasibleError, InfeasibleError):  # a stage has no plan within limits
             continue
     if not exact:  # the layer profiles are coarse: try every single stage exactly
         best, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),

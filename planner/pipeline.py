@@ -27,6 +27,7 @@ from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               stage_times)
 from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
                               prepare_intra_op, solve_prepared)
+from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
 from planner.strategies import NodeStrategies, build_strategies, divisible, fake_mesh
 
@@ -180,7 +181,7 @@ class SearchContext:
                 result = solve_prepared(prof.prepared, memory_budget=budget,
                                         time_limit_s=min(self.time_limit_s,
                                                          PROFILE_TIME_LIMIT_S))
-            except MemoryInfeasibleError:
+            except (MemoryInfeasibleError, InfeasibleError):  # none fits, or none found in time
                 prof.exhausted = True
                 break
             t = self.times_of(result, mesh)
