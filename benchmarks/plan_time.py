@@ -113,6 +113,8 @@ def main() -> None:
                                                       "plan_time.json"))
     parser.add_argument("--skip-trace", action="store_true", help="no trace benchmark")
     parser.add_argument("--only-full", action="store_true", help="only the full plan() searches")
+    parser.add_argument("--full-models", nargs="+", default=[m for m, *_ in FULL_PLANS],
+                        help="which full plan() searches to run (default: all)")
     args = parser.parse_args()
     results = {"machine": machine(), "targets": {"trace_gpt3_175b_s": 15.0,
                                                  "ilp_block_8x8_s": 5.0,
@@ -120,6 +122,8 @@ def main() -> None:
                                                  "plan_llama3_8b_64_gpus_s": 10.0}}
     results["full_plan"] = []
     for name, cluster_spec, batch, seq_len in FULL_PLANS:
+        if name not in args.full_models:
+            continue
         r = time_full_plan(name, cluster_spec, batch, seq_len)
         results["full_plan"].append(r)
         print(f"plan() {name} on {cluster_spec}: {r['plan_s']:.1f} s -> {r['chosen']}", flush=True)
