@@ -37,7 +37,7 @@ PROFILE_SHRINK = 0.5
 PROFILE_LEVELS = 4
 # Seconds each layer-profile ILP may take (they price candidates; the winner's
 # stages are solved with the caller's full limit).
-PROFILE_TIME_LIMIT_S = 3.0
+PROFILE_TIME_LIMIT_S = 10.0
 
 
 def microbatch_inputs(example_inputs: Sequence[Any], num_microbatches: int) -> tuple:
