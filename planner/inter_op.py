@@ -368,10 +368,3 @@ class PipelineCandidate:
     def label(self) -> str:
         return (f"pp={self.pp} v={self.stages_per_rank} stage mesh "
                 f"{'x'.join(map(str, self.mesh.shape))} {self.schedule} m={self.num_microbatches}")
-
-
-def pipeline_plan(*args: Any, **kwargs: Any):
-    """A fixed-configuration pipeline plan: see :func:`planner.api.pipeline_plan`."""
-    from planner.api import pipeline_plan as build
-
-    return build(*args, **kwargs)
