@@ -33,27 +33,30 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
-from costmodel.cluster import Cluster, Link
-from costmodel.collectives import collective_time
-from costmodel.compute import op_time
-from costmodel.profile import (
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:  # python benchmarks/costmodel_fidelity.py as well as python -m ...
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import load_average, machine_block, median, write_results, wrote_message  # noqa: E402
+from costmodel.cluster import Cluster, Link  # noqa: E402
+from costmodel.collectives import collective_time  # noqa: E402
+from costmodel.compute import op_time  # noqa: E402
+from costmodel.profile import (  # noqa: E402
     ProfileError,
     group_sizes,
     load_profile,
-    machine_info,
     measure,
     profile_local,
     profile_path,
 )
-from costmodel.profile_worker import COLLECTIVE_KINDS
+from costmodel.profile_worker import COLLECTIVE_KINDS  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 
 #: Issue 3 targets: median absolute percentage error per group.
@@ -75,10 +78,6 @@ QUICK_GEMMS = HELDOUT_GEMMS[:4] + HELDOUT_GEMMS[5:6]
 
 def _ape(pred: float, meas: float) -> float:
     return abs(pred - meas) / meas * 100.0
-
-
-def _median(xs: list[float]) -> float | None:
-    return statistics.median(xs) if xs else None
 
 
 def fresh_profile(ranks: int, quick: bool, keep: bool) -> tuple[dict[str, Any], str]:
@@ -156,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    load_before = machine_info()["loadavg"]
+    load_before = load_average()
     sizes = QUICK_SIZES if args.quick else HELDOUT_SIZES
     shapes = QUICK_GEMMS if args.quick else HELDOUT_GEMMS
     profiles: list[tuple[dict[str, Any], str]] = []
@@ -183,28 +182,28 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     summary = {
-        "collectives": _median([r["abs_pct_error"] for r in coll_rows]),
-        "gemms": _median([r["abs_pct_error"] for r in gemm_rows]),
+        "collectives": median([r["abs_pct_error"] for r in coll_rows]),
+        "gemms": median([r["abs_pct_error"] for r in gemm_rows]),
     }
     detail: dict[str, Any] = {}
     worlds = sorted({p["ranks"] for p, _ in profiles})
     for w in worlds:
         for n in sorted({r["group_size"] for r in coll_rows if r["world"] == w}, reverse=True):
             rows = [r for r in coll_rows if r["world"] == w and r["group_size"] == n]
-            detail[f"collectives world {w} group {n}"] = _median([r["abs_pct_error"] for r in rows])
+            detail[f"collectives world {w} group {n}"] = median([r["abs_pct_error"] for r in rows])
             for kind in COLLECTIVE_KINDS:
-                v = _median([r["abs_pct_error"] for r in rows if r["kind"] == kind])
+                v = median([r["abs_pct_error"] for r in rows if r["kind"] == kind])
                 if v is not None:
                     detail[f"  {kind} world {w} group {n}"] = v
-        detail[f"gemms world {w}"] = _median([r["abs_pct_error"] for r in gemm_rows if r["world"] == w])
+        detail[f"gemms world {w}"] = median([r["abs_pct_error"] for r in gemm_rows if r["world"] == w])
     reference = {
-        "collectives, per-collective links": _median([r["abs_pct_error_per_kind_link"] for r in coll_rows
-                                                      if "abs_pct_error_per_kind_link" in r]),
-        "gemms, constant flop_efficiency": _median([r["abs_pct_error_constant_efficiency"] for r in gemm_rows]),
+        "collectives, per-collective links": median([r["abs_pct_error_per_kind_link"] for r in coll_rows
+                                                     if "abs_pct_error_per_kind_link" in r]),
+        "gemms, constant flop_efficiency": median([r["abs_pct_error_constant_efficiency"] for r in gemm_rows]),
     }
     result = {
         "benchmark": "costmodel_fidelity",
-        "machine": {**machine_info(), "loadavg_before": load_before, "loadavg_after": machine_info()["loadavg"]},
+        "machine": machine_block(load_before, after=True),
         "profiles": [{"file": _rel(f), "ranks": p["ranks"], "quick": p["quick"], "wall_s": p["wall_s"],
                       "created": p.get("created"), "cluster": p["cluster"], "fits": p["fits"],
                       "loadavg": p.get("machine", {}).get("loadavg")} for p, f in profiles],
@@ -222,18 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         "gemms": gemm_rows,
         "wall_s": time.perf_counter() - t_start,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=2)
-        f.write("\n")
+    write_results(args.output, result, indent=2)
     print_report(result)
-    print(f"wrote {args.output} ({result['wall_s']:.0f} s)")
+    print(wrote_message(args.output, result))
     return 0
 
 
 def _rel(path: str) -> str:
-    root = os.path.dirname(HERE)
-    return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
 
 
 def _fmt_s(x: float) -> str:

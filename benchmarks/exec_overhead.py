@@ -40,9 +40,9 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
 from codegen.launch import LaunchError, _end_group, _tail, launch  # noqa: E402
 from costmodel.cluster import load_cluster  # noqa: E402
-from costmodel.profile import machine_info  # noqa: E402
 from ir.source import build_model  # noqa: E402
 from planner.megatron import MegatronConfig, megatron_plan  # noqa: E402
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
-    load_before = machine_info()["loadavg"]
+    load_before = load_average()
     kw = {"batch_size": args.batch_size}
     worlds_out = []
     for world in args.worlds:
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     single = single_process_step(args.model, args.batch_size, args.steps, args.warmup)
     result = {
         "benchmark": "exec_overhead",
-        "machine": {**machine_info(), "loadavg_before": load_before},
+        "machine": machine_block(load_before),
         "model": args.model, "batch_size": args.batch_size,
         "method": {"steps_per_launch": args.steps, "warmup_steps_dropped": args.warmup,
                    "repeats": args.repeats, "statistic": "median over all kept steps of all launches",
@@ -170,17 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         "worlds": worlds_out,
         "wall_s": time.perf_counter() - t_start,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    write_results(args.output, result)
     print(f"\n{'ranks':<7}{'config':<26}{'generated':>11}{'hand-written':>14}{'ratio':>8}  checks")
     for w in worlds_out:
         print(f"{w['ranks']:<7}{w['config']:<26}{w['generated_step_s'] * 1e3:>9.1f}ms"
               f"{w['handwritten_step_s'] * 1e3:>12.1f}ms{w['ratio_generated_over_handwritten']:>8.2f}  "
               f"{'ok' if w['both_checks_passed'] else 'FAILED'}")
     print(f"one process, one thread, plain PyTorch: {single * 1e3:.1f} ms")
-    print(f"\nwrote {args.output} ({result['wall_s']:.0f} s)")
+    print("\n" + wrote_message(args.output, result))
     return 0
 
 

@@ -47,10 +47,11 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # python benchmarks/measured.py as well as python -m benchmarks.measured
     sys.path.insert(0, ROOT)
 
+from benchmarks.common import load_average, load_average_1min, machine_block, write_results, wrote_message  # noqa: E402
 from benchmarks.stats import mape, median_after_warmup, spearman  # noqa: E402
 from codegen.launch import LaunchError, launch  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
-from costmodel.profile import ProfileError, load_profile, machine_info, profile_local, profile_path  # noqa: E402
+from costmodel.profile import ProfileError, load_profile, profile_local, profile_path  # noqa: E402
 from ir.source import build_model  # noqa: E402
 from ir.trace import trace  # noqa: E402
 from planner.api import PlanningError, plan  # noqa: E402
@@ -163,13 +164,6 @@ def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool
     return rows
 
 
-def _load1() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
 def run_row(row: Row, steps: int, warmup: int, timeout_s: float) -> None:
     try:
         t0 = time.perf_counter()
@@ -186,7 +180,7 @@ def run_row(row: Row, steps: int, warmup: int, timeout_s: float) -> None:
         "predicted_s": pred, "ratio_measured_over_predicted": meas / pred,
         "passed": res.get("passed"), "max_rel_grad_err": res.get("max_rel_grad_err"),
         "explicit_reshards": res.get("explicit_reshards"), "fallback_ops": res.get("fallback_ops"),
-        "launch_wall_s": wall, "setup_s": res.get("setup_s"), "loadavg_1min_after": _load1(),
+        "launch_wall_s": wall, "setup_s": res.get("setup_s"), "loadavg_1min_after": load_average_1min(),
     }
 
 
@@ -286,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = min(args.steps, 4)
 
     t_start = time.perf_counter()
-    load_before = machine_info()["loadavg"]
+    load_before = load_average()
     cases = [c for c in (QUICK_CASES if args.quick else CASES) if c.ranks in args.worlds]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="measured-") as tmp:
@@ -339,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         plans_out.append(d)
     result = {
         "benchmark": "measured",
-        "machine": {**machine_info(), "loadavg_before": load_before},
+        "machine": machine_block(load_before),
         "profiles": {str(w): {"source": p["source"], "ranks": p["ranks"], "device": p["device"],
                               "created": p.get("created"), "quick": p.get("quick"), "wall_s": p.get("wall_s"),
                               "cluster": p["cluster"]}
@@ -358,12 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         "running_s": running_s,
         "wall_s": time.perf_counter() - t_start,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-        f.write("\n")
+    write_results(args.output, result)
     print_report(result)
-    print(f"\nwrote {args.output} ({result['wall_s']:.0f} s)")
+    print("\n" + wrote_message(args.output, result))
     return 0
 
 

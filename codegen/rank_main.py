@@ -26,13 +26,15 @@ Rank 0 writes the result JSON and prints a short summary. Exit status: 0 passed,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import sys
 import time
 import warnings
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -131,27 +133,109 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _check_result(args: argparse.Namespace, ref: Any, losses: list[float],
-                  grad_errors: dict[str, float], missing_grads: list[str],
-                  observed_match: bool) -> tuple[dict[str, Any], bool]:
-    """The --check fields of the result (rank 0) and whether the check passed."""
-    loss_errs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref.losses)]
-    worst = max(grad_errors, key=grad_errors.get) if grad_errors else None
-    max_err = grad_errors[worst] if worst else 0.0
-    fields = {
-        "reference_loss": ref.loss,
-        "reference_losses": ref.losses,
-        "loss_rel_err": loss_errs[0],
-        "max_loss_rel_err": max(loss_errs),
-        "max_rel_grad_err": max_err,
-        "worst_param": worst,
-        "num_params_checked": len(grad_errors),
-        "missing_grads": missing_grads,
-        "rtol": args.rtol,
+@contextlib.contextmanager
+def _recording_warnings(into: list[Any]) -> Iterator[None]:
+    """Append every warning raised inside the block (repeats too) to ``into``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    into.extend(caught)
+
+
+@dataclass
+class _Steps:
+    """What :func:`_train_steps` measured on this rank."""
+
+    losses: list[float]  # one per step that had a loss on this rank
+    times: list[float]  # seconds per step, synchronised before and after
+    peak_memory: int | None
+    peak_memory_kind: str
+
+
+def _train_steps(args: argparse.Namespace, device: torch.device,
+                 step_fn: Callable[[int], float | None],
+                 after_step: Callable[[int], None] | None = None) -> _Steps:
+    """Train ``args.steps`` steps: the loop the single-stage and pipeline runs share.
+
+    ``step_fn(step)`` does one whole step (forward, backward, gradient
+    reductions, optimizer) and returns its loss, or None where this rank has
+    none (a pipeline rank without the last stage). Each step is timed between
+    device synchronisations; ``after_step(step)`` runs after the timing. Peak
+    memory is measured over the steps (CUDA: from a reset before the first).
+    """
+    losses: list[float] = []
+    times: list[float] = []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for step in range(args.steps):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        loss = step_fn(step)
+        if loss is not None:
+            losses.append(loss)
+        _synchronize(device)
+        times.append(time.perf_counter() - t0)
+        if after_step is not None:
+            after_step(step)
+    peak, peak_kind = _peak_memory(device)
+    return _Steps(losses, times, peak, peak_kind)
+
+
+def _result(args: argparse.Namespace, plan: Any, world: int, device: torch.device, *,
+            losses: list[float], nodes_executed: int, diffs: list[str], mismatches: list[str],
+            explicit_reshards: int, implicit_reshards: int, grad_reductions: int,
+            fallback_ops: list[str], caught: list[Any], setup_s: float,
+            steps: _Steps) -> dict[str, Any]:
+    """The result dict both runs write (before the --check fields and ``passed``)."""
+    return {
+        "world_size": world,
+        "mesh_shape": list(plan.mesh_shape),
+        "device": device.type,
+        "optimizer": args.optimizer,
+        "loss": losses[0] if losses else None,
+        "losses": losses,
+        "plan_nodes": len(plan.nodes),
+        "nodes_executed": nodes_executed,
+        "observed_match": not diffs and not mismatches,
+        "placement_diffs": diffs[:50],
+        "mismatches": mismatches[:50],
+        "num_mismatches": len(mismatches),
+        "explicit_reshards": explicit_reshards,
+        "implicit_reshards": implicit_reshards,
+        "grad_reductions": grad_reductions,
+        "fallback_ops": fallback_ops,
+        "warnings": _warning_lines(caught),
+        "setup_s": setup_s,
+        "step_times_s": steps.times,
+        "peak_memory_bytes": steps.peak_memory,
+        "peak_memory_kind": steps.peak_memory_kind,
     }
-    passed = (max(loss_errs) <= args.rtol and max_err <= args.rtol and not missing_grads
-              and len(grad_errors) > 0 and observed_match)
-    return fields, passed
+
+
+def _finish(args: argparse.Namespace, result: dict[str, Any], check: bool, ref: Any,
+            grad_errors: dict[str, float], missing_grads: list[str]) -> tuple[dict[str, Any], bool]:
+    """Add ``passed`` and, when ``check`` (rank 0 with --check), the check's fields
+    to ``result``; return it and whether the check passed."""
+    passed = True
+    if check:
+        loss_errs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result["losses"], ref.losses)]
+        worst = max(grad_errors, key=grad_errors.get) if grad_errors else None
+        max_err = grad_errors[worst] if worst else 0.0
+        result.update({
+            "reference_loss": ref.loss,
+            "reference_losses": ref.losses,
+            "loss_rel_err": loss_errs[0],
+            "max_loss_rel_err": max(loss_errs),
+            "max_rel_grad_err": max_err,
+            "worst_param": worst,
+            "num_params_checked": len(grad_errors),
+            "missing_grads": missing_grads,
+            "rtol": args.rtol,
+        })
+        passed = (max(loss_errs) <= args.rtol and max_err <= args.rtol and not missing_grads
+                  and len(grad_errors) > 0 and result["observed_match"])
+    result["passed"] = passed
+    return result, passed
 
 
 def _compare_grads(grads: dict[str, Any], ref: Any, grad_errors: dict[str, float],
@@ -195,8 +279,8 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
     source = plan.model["source"]
     model, inputs = build_model(source, device=str(device), seed=0, **zoo_kwargs(plan.training))
     model.train()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    caught: list[Any] = []
+    with _recording_warnings(caught):
         try:
             executor = PlanExecutor(plan, model, inputs, mesh)
         except PlanMismatchError as err:
@@ -208,20 +292,14 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
 
     ref = _reference(args, plan, rank, device)
     replicate = [Replicate()] * mesh.ndim
-    losses: list[float] = []
-    step_times: list[float] = []
     grad_errors: dict[str, float] = {}
     missing_grads: list[str] = []
     grad_reductions = 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for step in range(args.steps):
-        _synchronize(device)
-        t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as step_warnings:
-            warnings.simplefilter("always")
+
+    def step_fn(step: int) -> float:
+        nonlocal grad_reductions
+        with _recording_warnings(caught):
             loss = loss_of(executor(*inputs))
-        caught.extend(step_warnings)
         if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
             loss = loss.redistribute(mesh, replicate)
         loss.backward()
@@ -239,45 +317,22 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
         opt.step()
         opt.zero_grad(set_to_none=True)
         local = loss.to_local() if isinstance(loss, DTensor) else loss
-        losses.append(float(local.detach()))
-        _synchronize(device)
-        step_times.append(time.perf_counter() - t0)
+        return float(local.detach())
+
+    def after_step(step: int) -> None:
         if step == 0 and args.record and rank == 0:
             executor.recorded_plan().save(args.record)
-    peak, peak_kind = _peak_memory(device)
 
-    diffs = executor.compare_with_plan()
-    observed_match = not diffs and not executor.mismatches
-    result: dict[str, Any] = {
-        "world_size": world,
-        "mesh_shape": list(plan.mesh_shape),
-        "device": device.type,
-        "optimizer": args.optimizer,
-        "loss": losses[0] if losses else None,
-        "losses": losses,
-        "plan_nodes": len(plan.nodes),
-        "nodes_executed": len(executor.observed),
-        "observed_match": observed_match,
-        "placement_diffs": diffs[:50],
-        "mismatches": executor.mismatches[:50],
-        "num_mismatches": len(executor.mismatches),
-        "explicit_reshards": executor.explicit_reshards,
-        "implicit_reshards": executor.implicit_reshards,
-        "grad_reductions": grad_reductions,
-        "fallback_ops": list(executor.fallback_ops),
-        "warnings": _warning_lines(caught),
-        "setup_s": setup_s,
-        "step_times_s": step_times,
-        "peak_memory_bytes": peak,
-        "peak_memory_kind": peak_kind,
-    }
-    passed = True
-    if args.check and rank == 0:
-        fields, passed = _check_result(args, ref, losses, grad_errors, missing_grads,
-                                       observed_match)
-        result.update(fields)
-    result["passed"] = passed
-    return result, passed
+    steps = _train_steps(args, device, step_fn, after_step)
+
+    result = _result(args, plan, world, device, losses=steps.losses,
+                     nodes_executed=len(executor.observed),
+                     diffs=executor.compare_with_plan(), mismatches=executor.mismatches,
+                     explicit_reshards=executor.explicit_reshards,
+                     implicit_reshards=executor.implicit_reshards,
+                     grad_reductions=grad_reductions, fallback_ops=list(executor.fallback_ops),
+                     caught=caught, setup_s=setup_s, steps=steps)
+    return _finish(args, result, args.check and rank == 0, ref, grad_errors, missing_grads)
 
 
 def _warning_lines(caught: list[Any]) -> list[str]:
@@ -302,8 +357,8 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
     source = plan.model["source"]
     model, inputs = build_model(source, device=str(device), seed=0, **zoo_kwargs(plan.training))
     model.train()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    caught: list[Any] = []
+    with _recording_warnings(caught):
         try:
             runtime = PipelineRuntime.build(plan, model, inputs, device)
         except PlanMismatchError as err:
@@ -315,35 +370,29 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
     setup_s = time.perf_counter() - t_setup
 
     ref = _reference(args, plan, rank, device)
-    step_losses: list[float] = []
-    step_times: list[float] = []
     grads: dict[str, Any] = {}
     grad_reductions = 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for step in range(args.steps):
-        _synchronize(device)
-        t0 = time.perf_counter()
-        with warnings.catch_warnings(record=True) as step_warnings:
-            warnings.simplefilter("always")
+
+    def step_fn(step: int) -> float | None:
+        nonlocal grads, grad_reductions
+        with _recording_warnings(caught):
             mb_losses = runtime.step(inputs)
-        caught.extend(step_warnings)
         grad_reductions = runtime.sync_grads()
         if step == 0 and args.check:
             grads = runtime.full_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if mb_losses:
-            step_losses.append(sum(float(x.detach()) for x in mb_losses) / len(mb_losses))
-        _synchronize(device)
-        step_times.append(time.perf_counter() - t0)
-    peak, peak_kind = _peak_memory(device)
+        if not mb_losses:
+            return None
+        return sum(float(x.detach()) for x in mb_losses) / len(mb_losses)
+
+    steps = _train_steps(args, device, step_fn)
 
     report = None
     if runtime.is_stage_leader:
         report = {"grads": {k: (v.detach().cpu() if v is not None else None)
                             for k, v in grads.items()},
-                  "losses": step_losses if runtime.has_last else None,
+                  "losses": steps.losses if runtime.has_last else None,
                   "diffs": [d for e in runtime.executors for d in e.compare_with_plan()],
                   "mismatches": [m for e in runtime.executors for m in e.mismatches],
                   "explicit": sum(e.explicit_reshards for e in runtime.executors),
@@ -357,50 +406,28 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
         return {}, True
     reports = [r for r in reports if r is not None]
     losses = next(r["losses"] for r in reports if r["losses"] is not None)
-    diffs = [d for r in reports for d in r["diffs"]]
-    mismatches = [m for r in reports for m in r["mismatches"]]
-    observed_match = not diffs and not mismatches
+    result = _result(args, plan, world, device, losses=losses,
+                     nodes_executed=sum(r["executed"] for r in reports),
+                     diffs=[d for r in reports for d in r["diffs"]],
+                     mismatches=[m for r in reports for m in r["mismatches"]],
+                     explicit_reshards=sum(r["explicit"] for r in reports),
+                     implicit_reshards=sum(r["implicit"] for r in reports),
+                     grad_reductions=sum(r["grad_reductions"] for r in reports),
+                     fallback_ops=sorted({op for r in reports for op in r["fallback"]}),
+                     caught=caught, setup_s=setup_s, steps=steps)
     pipe = plan.pipeline
-    result: dict[str, Any] = {
-        "world_size": world,
-        "mesh_shape": list(plan.mesh_shape),
-        "device": device.type,
-        "optimizer": args.optimizer,
-        "loss": losses[0] if losses else None,
-        "losses": losses,
-        "plan_nodes": len(plan.nodes),
-        "nodes_executed": sum(r["executed"] for r in reports),
-        "observed_match": observed_match,
-        "placement_diffs": diffs[:50],
-        "mismatches": mismatches[:50],
-        "num_mismatches": len(mismatches),
-        "explicit_reshards": sum(r["explicit"] for r in reports),
-        "implicit_reshards": sum(r["implicit"] for r in reports),
-        "grad_reductions": sum(r["grad_reductions"] for r in reports),
-        "fallback_ops": sorted({op for r in reports for op in r["fallback"]}),
-        "warnings": _warning_lines(caught),
-        "setup_s": setup_s,
-        "step_times_s": step_times,
-        "peak_memory_bytes": peak,
-        "peak_memory_kind": peak_kind,
-        "pipeline": {"schedule": pipe.schedule, "pp": pipe.pp,
-                     "num_microbatches": pipe.num_microbatches,
-                     "stages_per_rank": pipe.stages_per_rank,
-                     "stage_mesh": list(pipe.stage_mesh["shape"])},
-    }
-    passed = True
+    result["pipeline"] = {"schedule": pipe.schedule, "pp": pipe.pp,
+                          "num_microbatches": pipe.num_microbatches,
+                          "stages_per_rank": pipe.stages_per_rank,
+                          "stage_mesh": list(pipe.stage_mesh["shape"])}
+    grad_errors: dict[str, float] = {}
+    missing_grads: list[str] = []
     if args.check:
-        grad_errors: dict[str, float] = {}
-        missing_grads: list[str] = []
         all_grads = {k: v for r in reports for k, v in r["grads"].items()}
         _compare_grads(all_grads, ref, grad_errors, missing_grads)
         missing_grads += [fqn for fqn, g in ref.grads.items()
                           if g is not None and fqn not in all_grads]
-        fields, passed = _check_result(args, ref, losses, grad_errors, missing_grads,
-                                       observed_match)
-        result.update(fields)
-    result["passed"] = passed
-    return result, passed
+    return _finish(args, result, args.check, ref, grad_errors, missing_grads)
 
 
 def _summary(r: dict[str, Any], check: bool) -> str:

@@ -1,0 +1,89 @@
+"""Helpers the benchmark scripts share: what machine a result came from, its load,
+and writing the result JSON.
+
+    from benchmarks.common import load_average, machine_block, write_results, wrote_message
+
+    load_before = load_average()
+    ...                                               # measure
+    result = {"machine": machine_block(load_before), ..., "wall_s": wall}
+    write_results(path, result)
+    print(wrote_message(path, result))                # "wrote PATH (12 s)"
+
+A script run as ``python benchmarks/NAME.py`` puts the repository root on
+``sys.path`` before importing this module (``benchmarks`` is not an installed
+package).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from typing import Any, Sequence
+
+__all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
+           "median", "write_results", "wrote_message"]
+
+#: The keys of ``machine_info(brief=True)``, in order (``benchmarks.plan_time.machine()``'s).
+BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
+
+
+def machine_info(*, brief: bool = False) -> dict[str, Any]:
+    """This machine: ``costmodel.profile.machine_info()`` (platform, python,
+    processor, cpus, torch, memory_bytes, loadavg and, with CUDA, gpu and gpus).
+
+    ``brief``: only platform, python, torch, cpus and processor (no load, memory or GPU).
+    """
+    from costmodel.profile import machine_info as full_machine_info
+
+    info = full_machine_info()
+    if brief:
+        return {k: info[k] for k in BRIEF_MACHINE_KEYS}
+    return info
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, rounded to 0.01 (None where the
+    platform has none): other work on a shared machine skews every timing."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def load_average_1min() -> float | None:
+    """The 1 minute load average, rounded to 0.01 (None where the platform has none)."""
+    loads = load_average()
+    return loads[0] if loads else None
+
+
+def machine_block(loadavg_before: list[float] | None, *, after: bool = False) -> dict[str, Any]:
+    """A result's ``"machine"`` entry: :func:`machine_info` plus ``loadavg_before``
+    (:func:`load_average` taken when the run started) and, with ``after``,
+    ``loadavg_after`` (the load average now)."""
+    block = {**machine_info(), "loadavg_before": loadavg_before}
+    if after:
+        block["loadavg_after"] = load_average()
+    return block
+
+
+def median(values: Sequence[float]) -> float | None:
+    """The median of ``values``; None when there are none."""
+    return statistics.median(values) if values else None
+
+
+def write_results(path: str, result: dict[str, Any], *, indent: int = 1) -> None:
+    """Write ``result`` to ``path`` as JSON (``indent`` spaces, a final newline),
+    making its folder first when it is missing."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=indent)
+        f.write("\n")
+
+
+def wrote_message(path: str, result: dict[str, Any] | None = None) -> str:
+    """``wrote PATH (N s)``, with the run's ``result["wall_s"]``; ``wrote PATH``
+    when there is no wall time."""
+    if result is not None and "wall_s" in result:
+        return f"wrote {path} ({result['wall_s']:.0f} s)"
+    return f"wrote {path}"
