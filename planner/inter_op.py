@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from costmodel.cluster import Cluster
 from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
 from ir.graph import INPUT, OP, Graph
@@ -233,47 +235,52 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
     L, S, m = num_layers, num_stages, num_microbatches
     if S > L:
         return None
+    # prefix[lv][i]: StageTimes of layers 0 .. i - 1 at level lv (summed in layer order)
     prefix = [[ZERO_TIMES] for _ in range(levels)]
     for lv in range(levels):
         for i in range(L):
             prefix[lv].append(prefix[lv][-1] + layer_times(i, lv))
-
-    def stage(i: int, j: int, s: int) -> tuple[float, int] | None:
-        """Fastest memory level of layers [i, j) as stage s: (seconds, level)."""
-        for lv in range(levels):
-            t = _diff(prefix[lv][j], prefix[lv][i])
-            if t.memory(copies[s]) <= budget:
-                return t.microbatch_s, lv
-        return None
-
-    cache: dict[tuple[int, int, int], tuple[float, int] | None] = {}
-
-    def cost(i: int, j: int, s: int) -> tuple[float, int] | None:
-        key = (i, j, s)
-        if key not in cache:
-            cache[key] = stage(i, j, s)
-        return cache[key]
-
-    candidates = sorted({c[0] for s in range(S) for i in range(L) for j in range(i + 1, L + 1)
-                         if j - i <= L - S + 1 and (c := cost(i, j, s)) is not None})
+    # per level, seconds and bytes of every range [i, j) as (L + 1) x (L + 1) arrays
+    p = np.array([[t._values() for t in row] for row in prefix])  # levels x (L+1) x 6
+    d = p[:, None, :, :] - p[:, :, None, :]  # [lv, i, j] = prefix[j] - prefix[i]
+    seconds = d[..., 0] + d[..., 1] + d[..., 2]
+    state, activations = d[..., 4], d[..., 5]
     inf = float("inf")
+    ii, jj = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
+    ranges = jj > ii
+    # cost[s, i, j]: seconds of layers [i, j) as stage s at its fastest level that
+    # fits (inf when none fits); level[s, i, j] that level
+    cost = np.full((S, L + 1, L + 1), inf)
+    level = np.zeros((S, L + 1, L + 1), dtype=np.int64)
+    for s in range(S):
+        open_ = ranges.copy()
+        for lv in range(levels):
+            fits = open_ & (state[lv] + copies[s] * activations[lv] <= budget)
+            cost[s][fits] = seconds[lv][fits]
+            level[s][fits] = lv
+            open_ &= ~fits
+    # a stage may not take so many layers that a later stage gets none
+    candidates = np.unique(cost[:, ranges & (jj - ii <= L - S + 1)])
+    candidates = candidates[np.isfinite(candidates)].tolist()
+    # stage s may start at i <= L - (S - s) and end at j <= L - (S - s - 1)
+    allowed = [ranges & (ii <= L - (S - s)) & (jj <= L - (S - s - 1)) for s in range(S)]
+    allowed_cost = [np.where(allowed[s], cost[s], inf) for s in range(S)]
 
-    def solve_for(t_max: float) -> tuple[float, list[list[int]]] | None:
-        """Least sum of stage times with every stage at most ``t_max``."""
-        # g[s][i]: least sum of stage times for layers i.. in stages s.. (each <= t_max)
-        g = [[inf] * (L + 1) for _ in range(S + 1)]
-        nxt = [[-1] * (L + 1) for _ in range(S + 1)]
-        g[S][L] = 0.0
+    def solve_for(t_max: float) -> tuple[float, list[int]] | None:
+        """Least sum of stage times with every stage at most ``t_max``, and the
+        first layer after each stage."""
+        # g[i]: least sum of stage times for layers i.. in stages s.. (each <= t_max)
+        g = np.full(L + 1, inf)
+        g[L] = 0.0
+        nxt = []
         for s in range(S - 1, -1, -1):
-            for i in range(L - (S - s), -1, -1):
-                for j in range(i + 1, L - (S - s - 1) + 1):
-                    c = cost(i, j, s)
-                    if c is None or c[0] > t_max or g[s + 1][j] == inf:
-                        continue
-                    total = c[0] + g[s + 1][j]
-                    if total < g[s][i]:
-                        g[s][i], nxt[s][i] = total, j
-        return None if g[0][0] == inf else (g[0][0], nxt)
+            total = np.where(allowed_cost[s] <= t_max, allowed_cost[s], inf) + g[None, :]
+            j = np.argmin(total, axis=1)  # the first (smallest) end layer on ties
+            g = total[np.arange(L + 1), j]
+            nxt.append(j)
+        if not np.isfinite(g[0]):
+            return None
+        return float(g[0]), nxt[::-1]
 
     # Feasibility only grows with t_max: skip the infeasible ones by bisection.
     lo, hi = 0, len(candidates)
@@ -298,10 +305,10 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
         if best is None or objective < best.objective_s - 1e-15:
             bounds, i = [], 0
             for s in range(S):
-                j = nxt[s][i]
+                j = int(nxt[s][i])
                 bounds.append((i, j))
                 i = j
-            lv = [cost(a, b_, s)[1] for s, (a, b_) in enumerate(bounds)]
+            lv = [int(level[s, a, b_]) for s, (a, b_) in enumerate(bounds)]
             times = [_diff(prefix[l][b_], prefix[l][a]) for l, (a, b_) in zip(lv, bounds)]
             best = SplitResult(bounds, lv, times, objective)
     return best
