@@ -47,7 +47,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from .cluster import Link
 from .collectives import collective_time
 
-__all__ = ["ReshardStep", "reshard_steps", "reshard_time", "placement_str", "parse_placement"]
+__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_time", "placement_str",
+           "parse_placement"]
 
 PlacementLike = Union[Placement, str]
 
@@ -157,13 +158,90 @@ def _transforms(src: list[Placement], dst: list[Placement], mesh_shape: tuple[in
     return out
 
 
-def _local_elems(shape: tuple[int, ...], placements: list[Placement], mesh_shape: tuple[int, ...], skip: int | None) -> int:
-    """Elements one device holds, sharding on every axis except ``skip`` applied (ceil)."""
-    dims = list(shape)
+def _divisors(placements: Sequence[Placement], mesh_shape: tuple[int, ...], ndim: int,
+              skip: int | None) -> tuple[int, ...]:
+    """Per tensor dim, the product of the mesh sizes sharding it (every axis but ``skip``)."""
+    div = [1] * ndim
     for j, (p, m) in enumerate(zip(placements, mesh_shape)):
         if j != skip and isinstance(p, Shard):
-            dims[p.dim] = -(-dims[p.dim] // m)
-    return math.prod(dims)
+            div[p.dim] *= m
+    return tuple(div)
+
+
+def _local_elems(shape: tuple[int, ...], divisors: tuple[int, ...]) -> int:
+    """Elements one device holds when dim d is split ``divisors[d]`` ways (ceil, like
+    DTensor's padded chunks; ceil(ceil(x/a)/b) == ceil(x/(a*b)), so one division
+    per dim equals sharding axis by axis)."""
+    n = 1
+    for s, k in zip(shape, divisors):
+        n *= -(-s // k)
+    return n
+
+
+@dataclass(frozen=True)
+class _PlannedStep:
+    """One transform of :func:`_plan`, its bytes still a function of the shape:
+    ``itemsize * max(_local_elems(shape, d) for d in sizes)`` (0 when no ``sizes``)."""
+
+    mesh_axis: int
+    src: Placement
+    dst: Placement
+    collective: str | None
+    sizes: tuple[tuple[int, ...], ...]
+
+    def nbytes(self, shape: tuple[int, ...], itemsize: int) -> int:
+        return max((itemsize * _local_elems(shape, d) for d in self.sizes), default=0)
+
+
+def _plan(src: Sequence[PlacementLike], dst: Sequence[PlacementLike], ndim: int,
+          mesh: tuple[int, ...]) -> tuple[_PlannedStep, ...]:
+    """DTensor's transforms from ``src`` to ``dst`` for any ``ndim``-D tensor, each
+    with its collective (see the table in the module docstring)."""
+    srcp = _normalize(src, ndim, "src")
+    dstp = _normalize(dst, ndim, "dst")
+    steps = []
+    for axis, a, b, state in _transforms(srcp, dstp, mesh):
+        full = (_divisors(state, mesh, ndim, skip=axis),)  # gathered over `axis`
+        if isinstance(a, Replicate):
+            kind, sizes = None, ()  # R -> S: local slice; R -> P: local zeroing
+        elif isinstance(a, Shard) and isinstance(b, Shard):
+            kind = "all_to_all"  # the per-device shard, larger of before/after
+            sizes = (_divisors(state[:axis] + [a] + state[axis + 1:], mesh, ndim, skip=None),
+                     _divisors(state[:axis] + [b] + state[axis + 1:], mesh, ndim, skip=None))
+        elif isinstance(a, Shard):
+            kind, sizes = "all_gather", full  # S -> R, and S -> P via R
+        elif isinstance(b, Shard):
+            kind, sizes = "reduce_scatter", full  # P -> S
+        else:
+            kind, sizes = "all_reduce", full  # P -> R, and P(a) -> P(b) via R
+        steps.append(_PlannedStep(axis, a, b, kind, sizes))
+    return tuple(steps)
+
+
+def _check_tensor(shape: tuple[int, ...], itemsize: int) -> None:
+    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"shape must be non-negative integers, got {shape!r}")
+    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
+        raise ValueError(f"itemsize must be a positive integer (bytes), got {itemsize!r}")
+
+
+def _check_mesh(mesh: tuple[int, ...], mesh_shape) -> None:
+    if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in mesh) or not mesh:
+        raise ValueError(f"mesh_shape must be a non-empty tuple of integers >= 1, got {mesh_shape!r}")
+
+
+def _check_placements(src, dst, mesh: tuple[int, ...]) -> None:
+    if len(src) != len(mesh) or len(dst) != len(mesh):
+        raise ValueError(
+            f"need one placement per mesh axis: mesh {mesh} has {len(mesh)} axes, src has {len(src)}, dst has {len(dst)}"
+        )
+
+
+def _check(src, dst, shape: tuple[int, ...], itemsize: int, mesh: tuple[int, ...],
+           mesh_shape) -> None:
+    _check_tensor(shape, itemsize)
+    _check_mesh(mesh, mesh_shape)
+    _check_placements(src, dst, mesh)
 
 
 def reshard_steps(
@@ -183,39 +261,36 @@ def reshard_steps(
     """
     shape = tuple(shape)
     mesh = tuple(mesh_shape)
-    if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
-        raise ValueError(f"shape must be non-negative integers, got {shape!r}")
-    if isinstance(itemsize, bool) or not isinstance(itemsize, int) or itemsize < 1:
-        raise ValueError(f"itemsize must be a positive integer (bytes), got {itemsize!r}")
-    if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in mesh) or not mesh:
-        raise ValueError(f"mesh_shape must be a non-empty tuple of integers >= 1, got {mesh_shape!r}")
-    if len(src) != len(mesh) or len(dst) != len(mesh):
-        raise ValueError(
-            f"need one placement per mesh axis: mesh {mesh} has {len(mesh)} axes, src has {len(src)}, dst has {len(dst)}"
-        )
-    srcp = _normalize(src, len(shape), "src")
-    dstp = _normalize(dst, len(shape), "dst")
-    steps: list[ReshardStep] = []
-    for axis, a, b, state in _transforms(srcp, dstp, mesh):
-        full = itemsize * _local_elems(shape, state, mesh, skip=axis)  # bytes gathered over `axis`
-        kind: str | None
-        nbytes = 0
-        if isinstance(a, Replicate):
-            kind = None  # R -> S: local slice; R -> P: local zeroing
-        elif isinstance(a, Shard) and isinstance(b, Shard):
-            kind = "all_to_all"
-            nbytes = max(
-                itemsize * _local_elems(shape, state[:axis] + [a] + state[axis + 1:], mesh, skip=None),
-                itemsize * _local_elems(shape, state[:axis] + [b] + state[axis + 1:], mesh, skip=None),
-            )
-        elif isinstance(a, Shard):
-            kind, nbytes = "all_gather", full  # S -> R, and S -> P via R
-        elif isinstance(b, Shard):
-            kind, nbytes = "reduce_scatter", full  # P -> S
-        else:
-            kind, nbytes = "all_reduce", full  # P -> R, and P(a) -> P(b) via R
-        steps.append(ReshardStep(axis, placement_str(a), placement_str(b), kind, nbytes))
-    return steps
+    _check(src, dst, shape, itemsize, mesh, mesh_shape)
+    return [ReshardStep(s.mesh_axis, placement_str(s.src), placement_str(s.dst), s.collective,
+                        s.nbytes(shape, itemsize))
+            for s in _plan(src, dst, len(shape), mesh)]
+
+
+def _plan_time(plan: Sequence[_PlannedStep], shape: tuple[int, ...], itemsize: int,
+               mesh: tuple[int, ...], links: Sequence[Link],
+               memo: dict[tuple[str, int, int], float] | None = None) -> float:
+    """Seconds of the collectives of ``plan`` for a tensor of ``shape``; ``memo``
+    keeps each collective's seconds by (kind, bytes, mesh axis)."""
+    total = 0.0
+    for step in plan:
+        if step.collective is None:
+            continue
+        nbytes, axis = step.nbytes(shape, itemsize), step.mesh_axis
+        if memo is None:
+            total += collective_time(step.collective, nbytes, mesh[axis], links[axis])
+            continue
+        key = (step.collective, nbytes, axis)
+        t = memo.get(key)
+        if t is None:
+            t = memo[key] = collective_time(step.collective, nbytes, mesh[axis], links[axis])
+        total += t
+    return total
+
+
+def _check_links(mesh_shape: Sequence[int], links: Sequence[Link]) -> None:
+    if len(links) != len(tuple(mesh_shape)):
+        raise ValueError(f"need one link per mesh axis: mesh {tuple(mesh_shape)}, got {len(links)} links")
 
 
 def reshard_time(
@@ -235,10 +310,64 @@ def reshard_time(
         mesh_shape: logical mesh shape.
         links: one :class:`Link` per mesh axis (see :func:`axis_links`).
     """
-    if len(links) != len(tuple(mesh_shape)):
-        raise ValueError(f"need one link per mesh axis: mesh {tuple(mesh_shape)}, got {len(links)} links")
-    total = 0.0
-    for step in reshard_steps(src, dst, shape, itemsize, mesh_shape):
-        if step.collective is not None:
-            total += collective_time(step.collective, step.nbytes, mesh_shape[step.mesh_axis], links[step.mesh_axis])
-    return total
+    _check_links(mesh_shape, links)
+    shape, mesh = tuple(shape), tuple(mesh_shape)
+    _check(src, dst, shape, itemsize, mesh, mesh_shape)
+    return _plan_time(_plan(src, dst, len(shape), mesh), shape, itemsize, mesh, links)
+
+
+class ReshardPricer:
+    """:func:`reshard_time` on one mesh, memoised for planners that ask for the same
+    pairs many times. Placement tuples are interned to small ints once
+    (:meth:`spec_id`); DTensor's transform list is planned once per (src, dst,
+    tensor rank), each collective priced once per (kind, bytes, axis), and each
+    (src, dst, shape, itemsize) once. Returns exactly the floats of
+    :func:`reshard_time` (seconds).
+    """
+
+    def __init__(self, mesh_shape: Sequence[int], links: Sequence[Link]):
+        _check_links(mesh_shape, links)
+        _check_mesh(tuple(mesh_shape), mesh_shape)
+        self.mesh_shape = tuple(mesh_shape)
+        self.links = list(links)
+        self.specs: list[tuple[PlacementLike, ...]] = []  # id -> placements
+        self._ids: dict[tuple[PlacementLike, ...], int] = {}
+        self._plans: dict[tuple[int, int, int], tuple[_PlannedStep, ...]] = {}
+        self._times: dict[tuple, float] = {}
+        self._collectives: dict[tuple[str, int, int], float] = {}
+        self._checked: set[tuple] = set()  # (shape, itemsize) already validated
+
+    def spec_id(self, placements: Sequence[PlacementLike]) -> int:
+        """A small int naming ``placements`` (one per mesh axis); equal placements
+        get equal ids."""
+        placements = tuple(placements)
+        i = self._ids.get(placements)
+        if i is None:
+            _check_placements(placements, placements, self.mesh_shape)
+            i = self._ids[placements] = len(self.specs)
+            self.specs.append(placements)
+        return i
+
+    def time(self, src: Sequence[PlacementLike], dst: Sequence[PlacementLike],
+             shape: Sequence[int], itemsize: int) -> float:
+        """Seconds to redistribute a tensor of GLOBAL ``shape`` (elements) with
+        ``itemsize`` bytes per element from ``src`` to ``dst`` placements."""
+        return self.time_ids(self.spec_id(src), self.spec_id(dst), tuple(shape), itemsize)
+
+    def time_ids(self, src: int, dst: int, shape: tuple[int, ...], itemsize: int) -> float:
+        """:meth:`time` with placements given by :meth:`spec_id` and ``shape`` a tuple."""
+        key = (src, dst, shape, itemsize)
+        t = self._times.get(key)
+        if t is not None:
+            return t
+        if (shape, itemsize) not in self._checked:
+            _check_tensor(shape, itemsize)
+            self._checked.add((shape, itemsize))
+        pkey = (src, dst, len(shape))
+        plan = self._plans.get(pkey)
+        if plan is None:
+            plan = self._plans[pkey] = _plan(self.specs[src], self.specs[dst], len(shape),
+                                             self.mesh_shape)
+        t = _plan_time(plan, shape, itemsize, self.mesh_shape, self.links, self._collectives)
+        self._times[key] = t
+        return t

@@ -4,19 +4,24 @@ Abstract form (Alpa's intra-op formulation): pick one strategy per node to
 minimise the sum of node costs plus, on every edge (u, v), the cost of the pair
 of strategies chosen at its ends. All costs are seconds.
 
-Edge matrices are compressed exactly before solving: producer strategies with an
-identical cost row (and consumer strategies with an identical column) share edge
-variables, and an edge whose cost depends on one end only is folded into that
-node's cost.
+Before solving, nodes that cannot matter to the memory budget and have at most
+two neighbours are eliminated exactly (:func:`eliminate`: chains of views,
+element-wise ops and tuple projections collapse into one edge). Edge matrices
+are then compressed exactly: producer strategies with an identical cost row (and
+consumer strategies with an identical column) share edge variables, and an edge
+whose cost depends on one end only is folded into that node's cost. The MIP is
+written into an ``MPModelProto`` and loaded in one call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
 
-from ortools.linear_solver import pywraplp
+import numpy as np
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 # Costs enter the solver in microseconds, so solver tolerances (about 1e-6 in
 # objective units) are far below any cost difference that matters.
@@ -67,6 +72,12 @@ class AssignmentProblem:
             strategy i (optional).
         memory_budget: bytes per device the chosen strategies may hold in total.
         checkpoint_groups: groups the solver may checkpoint (a yes/no decision each).
+        memory_weight: seconds per byte the solver adds to its objective for the
+            memory of the assignment (a Lagrange multiplier of the memory: a
+            larger weight trades time for memory without a budget row, whose
+            knapsack structure is what makes a MIP slow). Reported objectives
+            stay seconds (:meth:`evaluate`); the solver minimises
+            :meth:`weighted`.
     """
 
     node_costs: list[list[float]]
@@ -74,6 +85,20 @@ class AssignmentProblem:
     node_memory: list[list[float]] | None = None
     memory_budget: float | None = None
     checkpoint_groups: list[CheckpointGroup] = field(default_factory=list)
+    memory_weight: float = 0.0
+
+    @property
+    def memory_matters(self) -> bool:
+        """Whether memory enters the answer (a budget, or a weight on memory)."""
+        return self.node_memory is not None and (self.memory_budget is not None
+                                                 or self.memory_weight > 0)
+
+    def weighted(self, choice: list[int], checkpoint: list[bool] | None = None) -> float:
+        """What the solver minimises: seconds plus ``memory_weight`` x bytes."""
+        value = self.evaluate(choice, checkpoint)
+        if self.memory_weight > 0:
+            value += self.memory_weight * self.memory(choice, checkpoint)
+        return value
 
     def memory(self, choice: list[int], checkpoint: list[bool] | None = None) -> float:
         """Bytes per device of an assignment (0 when the problem has no memory model)."""
@@ -85,8 +110,12 @@ class AssignmentProblem:
                 total += g.kept - sum(g.saved[k][choice[v]] for k, v in enumerate(g.nodes))
         return total
 
-    def size(self) -> tuple[int, int]:
-        """(variables, constraints) of the MIP :func:`solve` builds for this problem."""
+    def size(self, reduce: bool = True) -> tuple[int, int]:
+        """(variables, constraints) of the MIP :func:`solve` builds for this problem
+        (after :func:`eliminate` unless ``reduce`` is False)."""
+        reduced = eliminate(self) if reduce else None
+        if reduced is not None:
+            return reduced.problem.size(reduce=False)
         variables = sum(len(c) for c in self.node_costs)
         constraints = len(self.node_costs) + (1 if self.memory_budget is not None else 0)
         for _, _, m in self.edges:
@@ -139,8 +168,17 @@ def _groups(vectors: list[tuple[float, ...]]) -> tuple[list[tuple[float, ...]], 
 
 def _compress(matrix: list[list[float]]):
     """Distinct rows of ``matrix`` and distinct columns of those rows, with the
-    group of every original row and column: ``cols[c][r]`` is the compressed cost."""
-    rows, row_of = _groups([tuple(r) for r in matrix])
+    group of every original row and column: ``cols[c][r]`` is the compressed cost.
+
+    Rows that are one list object (as :func:`planner.intra_op.build_problem` shares
+    them between strategies with the same output placement) are compared once."""
+    objects: dict[int, int] = {}  # id(row) -> index among distinct row objects
+    distinct = []
+    for r in matrix:
+        if objects.setdefault(id(r), len(distinct)) == len(distinct):
+            distinct.append(r)
+    rows, object_row = _groups([tuple(r) for r in distinct])
+    row_of = [object_row[objects[id(r)]] for r in matrix]
     cols, col_of = _groups([tuple(c) for c in zip(*rows)])
     return rows, row_of, cols, col_of
 
@@ -149,7 +187,7 @@ SOLVERS = ("CBC", "HIGHS", "SCIP", "CP_SAT")
 
 
 def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
-          hint: list[int] | None = None, solver: str = "CBC") -> Solution:
+          hint: list[int] | None = None, solver: str = "CBC", reduce: bool = True) -> Solution:
     """Solve the assignment problem with an OR-Tools backend.
 
     ``solver`` is one of :data:`SOLVERS`. CBC is the default: on a 3-node case SCIP
@@ -159,27 +197,117 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     variables are continuous there because the transport constraints make them
     integral once the node variables are.
 
+    ``hint`` (one strategy index per node) is the warm start and the anytime
+    answer: passed to the backend with ``SetHint``, and returned (status
+    ``TIME_LIMIT_WARM_START``, with no checkpointing or with every group
+    checkpointed, whichever fits and is cheaper) when the time limit ends the
+    search with nothing, or with something worse. So the answer is never worse
+    than a hint that fits the memory budget. Measured (OR-Tools 9.15, a
+    llama3-8b layer on an 8x8 mesh, ~39k variables, the optimum as the hint):
+    CBC through pywraplp ignores the hint - with time limits of 0.05 to 0.5 s it
+    still ends NOT_SOLVED after its root LP (~0.7 s; it does not stop during
+    the root LP), where a honoured hint would be a FEASIBLE incumbent; SCIP also
+    ended NOT_SOLVED up to 1 s. The hint is therefore a floor applied here, not a
+    way of speeding the solver up.
+
+    With ``reduce`` the problem is first shrunk exactly by :func:`eliminate`; the
+    answer (choice, objective, checkpointing) is always for ``problem`` itself.
+
     Raises:
         InfeasibleError: when every assignment uses a forbidden pair.
     """
     name = solver.upper().replace("-", "_")
     if name not in SOLVERS:
         raise ValueError(f"unknown solver '{solver}'; choose one of {', '.join(SOLVERS)}")
+    groups = len(problem.checkpoint_groups)
+    if problem.memory_matters and groups <= _CHECKPOINT_COMBINATIONS_GROUPS and (
+            problem.memory_weight > 0 if groups == 0
+            else not all(len(c) == 1 for c in problem.node_costs)):
+        return _solve_per_checkpointing(problem, time_limit_s, hint, name, reduce)
+    reduced = eliminate(problem) if reduce else None
+    if reduced is None:
+        return _solve(problem, time_limit_s, hint, name)
+    sol = _solve(reduced.problem, time_limit_s,
+                 None if hint is None else [hint[v] for v in reduced.kept], name)
+    choice = reduced.expand(sol.choice)
+    checkpoint = sol.checkpoint if reduced.kept_groups else [False] * len(problem.checkpoint_groups)
+    value = problem.evaluate(choice, checkpoint)
+    bound = value if sol.status == "OPTIMAL" else min(value, sol.bound_s + reduced.offset)
+    return dataclasses.replace(sol, choice=choice, objective_s=value, bound_s=bound,
+                               checkpoint=checkpoint)
+
+
+# Up to this many checkpoint groups are decided by enumeration when memory
+# matters (each combination is an assignment problem without checkpoint terms).
+_CHECKPOINT_COMBINATIONS_GROUPS = 4
+
+
+def _solve_per_checkpointing(problem: AssignmentProblem, time_limit_s: float,
+                             hint: list[int] | None, name: str, reduce: bool) -> Solution:
+    """Solve once per combination of checkpoint decisions and keep the best
+    (exact). With the decisions fixed, recomputation and the memory a
+    checkpoint frees fold into node costs and node memory, and a memory weight
+    into node costs, leaving an assignment problem (with at most the budget
+    row): the MIP solves that about as fast as an unconstrained one, where the
+    linearised checkpoint terms (``x AND ckpt``) make CBC crawl (a llama3-8b
+    layer on 8x8: 10 s FEASIBLE per weighted solve before, 0.7 s OPTIMAL now)."""
+    w = problem.memory_weight
+    best: tuple[float, Solution, list[bool]] | None = None
+    statuses = []
+    for combo in itertools.product((False, True), repeat=len(problem.checkpoint_groups)):
+        costs = [list(c) for c in problem.node_costs]
+        memory = [list(m) for m in problem.node_memory]
+        budget = problem.memory_budget
+        for g, on in zip(problem.checkpoint_groups, combo):
+            if not on:
+                continue
+            if budget is not None:
+                budget -= g.kept
+            for k, v in enumerate(g.nodes):
+                costs[v] = [c + r for c, r in zip(costs[v], g.recompute[k])]
+                memory[v] = [m - s for m, s in zip(memory[v], g.saved[k])]
+        if w > 0:
+            costs = [[c + w * m for c, m in zip(cs, ms)] for cs, ms in zip(costs, memory)]
+        sub = AssignmentProblem(costs, problem.edges, node_memory=memory, memory_budget=budget)
+        if budget is not None and sum(min(m) for m in memory) > budget:
+            continue  # nothing fits with these decisions
+        try:
+            sol = solve(sub, time_limit_s=time_limit_s, hint=hint, solver=name, reduce=reduce)
+        except InfeasibleError:
+            continue
+        checkpoint = list(combo)
+        if not problem.fits(sol.choice, checkpoint):
+            continue
+        statuses.append(sol.status)
+        value = problem.weighted(sol.choice, checkpoint)
+        if best is None or value < best[0]:
+            best = (value, sol, checkpoint)
+    if best is None:
+        raise InfeasibleError("no assignment fits the memory budget or every one uses a "
+                              "forbidden pair")
+    _, sol, checkpoint = best
+    seconds = problem.evaluate(sol.choice, checkpoint)
+    optimal = all(s == "OPTIMAL" for s in statuses)
+    return dataclasses.replace(sol, objective_s=seconds, status=sol.status if optimal else
+                               next(s for s in statuses if s != "OPTIMAL"),
+                               bound_s=seconds if optimal else min(seconds, sol.bound_s),
+                               checkpoint=checkpoint)
+
+
+def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | None,
+           name: str) -> Solution:
+    """:func:`solve` without the reduction."""
     if (all(len(c) == 1 for c in problem.node_costs)
             and len(problem.checkpoint_groups) <= _ENUMERATED_GROUPS):
         return _solve_fixed(problem, name)
-    mip = pywraplp.Solver.CreateSolver(name)
-    if mip is None:
-        raise ValueError(f"OR-Tools was built without the {name} backend; use another solver")
-    mip.SuppressOutput()
+    model = _Model()
     integral_edges = name == "CP_SAT"
     node_costs = [list(c) for c in problem.node_costs]
-    x = [[mip.BoolVar(f"x{v}_{i}") for i in range(len(c))] for v, c in enumerate(node_costs)]
+    x = [[model.var(integer=True) for _ in c] for c in node_costs]
     for v, xs in enumerate(x):
         if not xs:
             raise InfeasibleError(f"node {v} has no strategy")
-        _row(mip, 1.0, 1.0, [(var, 1.0) for var in xs])
-    objective = mip.Objective()
+        model.row(1.0, 1.0, [(var, 1.0) for var in xs])
     for u, v, m in problem.edges:
         rows, row_of, cols, col_of = _compress(m)
         if len(rows) == 1:  # cost depends on v only
@@ -190,27 +318,25 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
             for i in range(len(node_costs[u])):
                 node_costs[u][i] += cols[0][row_of[i]]
             continue
-        e = {}
-        for r, c in itertools.product(range(len(rows)), range(len(cols))):
-            cost = cols[c][r]
-            if not math.isfinite(cost):
-                continue  # forbidden pair: no variable, so it can never be chosen
-            e[r, c] = mip.BoolVar("") if integral_edges else mip.NumVar(0.0, 1.0, "")
-            objective.SetCoefficient(e[r, c], cost * _SCALE)
-        for r in range(len(rows)):
-            _row(mip, 0.0, 0.0, [(e[r, c], 1.0) for c in range(len(cols)) if (r, c) in e]
-                 + [(x[u][i], -1.0) for i in range(len(row_of)) if row_of[i] == r])
+        # e[r][c]: u takes a strategy of row group r and v one of column group c
+        # (None for a forbidden pair: no variable, so it can never be chosen)
+        e = [[model.var(integral_edges, col[r] * _SCALE) if math.isfinite(col[r]) else None
+              for col in cols] for r in range(len(rows))]
+        row_members = _members(row_of, len(rows))
+        col_members = _members(col_of, len(cols))
+        for r, er in enumerate(e):
+            model.row(0.0, 0.0, [(var, 1.0) for var in er if var is not None]
+                      + [(x[u][i], -1.0) for i in row_members[r]])
         for c in range(len(cols)):
-            _row(mip, 0.0, 0.0, [(e[r, c], 1.0) for r in range(len(rows)) if (r, c) in e]
-                 + [(x[v][j], -1.0) for j in range(len(col_of)) if col_of[j] == c])
+            model.row(0.0, 0.0, [(er[c], 1.0) for er in e if er[c] is not None]
+                      + [(x[v][j], -1.0) for j in col_members[c]])
     for v, c in enumerate(node_costs):
         for i, k in enumerate(c):
             if math.isfinite(k):
-                objective.SetCoefficient(x[v][i], k * _SCALE)
+                model.cost(x[v][i], k * _SCALE)
             else:
-                x[v][i].SetUb(0)
-    objective.SetMinimization()
-    ckpt = [mip.BoolVar(f"ckpt{g}") for g in range(len(problem.checkpoint_groups))]
+                model.forbid(x[v][i])
+    ckpt = [model.var(integer=True) for _ in problem.checkpoint_groups]
     freed: dict[tuple[int, int], float] = {}  # (node, strategy) -> bytes a checkpoint frees
     kept_terms, freed_terms = [], []  # (variable, bytes)
     for g, group in enumerate(problem.checkpoint_groups):
@@ -219,22 +345,40 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
             for i in range(len(x[v])):
                 # z = x AND ckpt (recompute paid), y = x AND NOT ckpt (activations kept)
                 if group.recompute[k][i] > 0:
-                    z = mip.NumVar(0.0, 1.0, "")
-                    _row(mip, -1.0, mip.infinity(), [(z, 1.0), (x[v][i], -1.0), (ckpt[g], -1.0)])
-                    objective.SetCoefficient(z, group.recompute[k][i] * _SCALE)
+                    z = model.var(False, group.recompute[k][i] * _SCALE)
+                    model.row(-1.0, math.inf, [(z, 1.0), (x[v][i], -1.0), (ckpt[g], -1.0)])
                 if group.saved[k][i] > 0:
-                    y = mip.NumVar(0.0, 1.0, "")
-                    _row(mip, 0.0, mip.infinity(), [(y, 1.0), (x[v][i], -1.0), (ckpt[g], 1.0)])
+                    y = model.var(False)
+                    model.row(0.0, math.inf, [(y, 1.0), (x[v][i], -1.0), (ckpt[g], 1.0)])
                     freed[v, i] = freed.get((v, i), 0.0) + group.saved[k][i]
                     freed_terms.append((y, group.saved[k][i]))
+    if problem.memory_weight > 0 and problem.node_memory is not None:
+        # memory priced in the objective: the terms of the memory row, weighted
+        w = problem.memory_weight * _SCALE
+        for v, mem in enumerate(problem.node_memory):
+            for i, m in enumerate(mem):
+                if m - freed.get((v, i), 0.0) and math.isfinite(node_costs[v][i]):
+                    model.add_cost(x[v][i], w * (m - freed.get((v, i), 0.0)))
+        for var, b in freed_terms + kept_terms:
+            model.add_cost(var, w * b)
     if problem.memory_budget is not None and problem.node_memory is not None:
         # bytes as a fraction of the budget keep the row's coefficients near 1
         unit = max(problem.memory_budget, 1.0)
         fixed = [(x[v][i], (m - freed.get((v, i), 0.0)) / unit)
                  for v, mem in enumerate(problem.node_memory) for i, m in enumerate(mem)
                  if m - freed.get((v, i), 0.0)]
-        _row(mip, -mip.infinity(), problem.memory_budget / unit,
-             fixed + [(var, b / unit) for var, b in freed_terms + kept_terms])
+        model.row(-math.inf, problem.memory_budget / unit,
+                  fixed + [(var, b / unit) for var, b in freed_terms + kept_terms])
+    mip = pywraplp.Solver.CreateSolver(name)
+    if mip is None:
+        raise ValueError(f"OR-Tools was built without the {name} backend; use another solver")
+    mip.SuppressOutput()
+    error = mip.LoadModelFromProto(model.proto)
+    if error:
+        raise RuntimeError(f"OR-Tools rejected the model: {error}")
+    x = [[mip.variable(i) for i in xs] for xs in x]
+    ckpt = [mip.variable(i) for i in ckpt]
+    objective = mip.Objective()
     if hint is not None:
         mip.SetHint([var for xs in x for var in xs],
                     [1.0 if j == hint[v] else 0.0 for v, xs in enumerate(x) for j in range(len(xs))])
@@ -242,25 +386,48 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     params = pywraplp.MPSolverParameters()
     params.SetDoubleParam(params.RELATIVE_MIP_GAP, 1e-9)
     status = mip.Solve(params)
+    fallback = warm_start_value(problem, hint) if hint is not None else None
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        if (status == pywraplp.Solver.NOT_SOLVED and hint is not None and problem.fits(hint)
-                and math.isfinite(problem.evaluate(hint))):
-            # anytime answer: the time limit passed before the solver found anything
-            # better than the warm start, so the warm start is the answer
-            value = problem.evaluate(hint)
-            return Solution(choice=list(hint), objective_s=value, bound_s=0.0,
-                            status="TIME_LIMIT_WARM_START", solver=name,
-                            num_variables=mip.NumVariables(),
-                            num_constraints=mip.NumConstraints(),
-                            checkpoint=[False] * len(ckpt))
+        if status == pywraplp.Solver.NOT_SOLVED and fallback is not None:
+            # anytime answer: the time limit passed before the solver found anything,
+            # so the warm start is the answer
+            return _warm_start_solution(hint, fallback, 0.0, name, mip)
         raise InfeasibleError(f"{name} ended with status {_STATUS.get(status, status)}")
     choice = [max(range(len(xs)), key=lambda i: xs[i].solution_value()) for xs in x]
     checkpoint = [c.solution_value() > 0.5 for c in ckpt]
     value = problem.evaluate(choice, checkpoint)
     bound = objective.BestBound() / _SCALE if status != pywraplp.Solver.OPTIMAL else value
+    if (status != pywraplp.Solver.OPTIMAL and fallback is not None
+            and problem.weighted(hint, fallback[1]) < problem.weighted(choice, checkpoint)):
+        # CBC does not start from the hint (see above): an answer cut off by the
+        # time limit can be worse than the warm start, which is then the answer
+        return _warm_start_solution(hint, fallback, min(fallback[0], bound), name, mip)
     return Solution(choice=choice, objective_s=value, bound_s=min(value, bound),
                     status=_STATUS[status], solver=name, num_variables=mip.NumVariables(),
                     num_constraints=mip.NumConstraints(), checkpoint=checkpoint)
+
+
+def warm_start_value(problem: AssignmentProblem, hint: list[int]) -> tuple[float, list[bool]] | None:
+    """(seconds, checkpoint decisions) of the warm start ``hint``: without
+    checkpointing, or with every group checkpointed, whichever fits the memory
+    budget and is cheaper; None when neither fits or the hint uses a forbidden pair."""
+    options = []
+    for on in (False, True):
+        checkpoint = [on] * len(problem.checkpoint_groups)
+        value = problem.evaluate(hint, checkpoint)
+        if problem.fits(hint, checkpoint) and math.isfinite(value):
+            options.append((value, checkpoint))
+        if not problem.checkpoint_groups:
+            break
+    return min(options, key=lambda o: o[0]) if options else None
+
+
+def _warm_start_solution(hint: list[int], fallback: tuple[float, list[bool]], bound_s: float,
+                         name: str, mip: pywraplp.Solver) -> Solution:
+    return Solution(choice=list(hint), objective_s=fallback[0], bound_s=bound_s,
+                    status="TIME_LIMIT_WARM_START", solver=name,
+                    num_variables=mip.NumVariables(), num_constraints=mip.NumConstraints(),
+                    checkpoint=list(fallback[1]))
 
 
 # With one strategy per node, up to this many checkpoint decisions are enumerated.
@@ -275,22 +442,210 @@ def _solve_fixed(problem: AssignmentProblem, name: str) -> Solution:
     for ckpt in itertools.product((False, True), repeat=len(problem.checkpoint_groups)):
         if not problem.fits(choice, list(ckpt)):
             continue
-        value = problem.evaluate(choice, list(ckpt))
+        value = problem.weighted(choice, list(ckpt))
         if math.isfinite(value) and (best is None or value < best[0]):
             best = (value, list(ckpt))
     if best is None:
         raise InfeasibleError("the fixed strategies fit no checkpointing choice")
-    return Solution(choice=choice, objective_s=best[0], bound_s=best[0], status="OPTIMAL",
+    seconds = problem.evaluate(choice, best[1])
+    return Solution(choice=choice, objective_s=seconds, bound_s=seconds, status="OPTIMAL",
                     solver=name, num_variables=len(choice) + len(best[1]), num_constraints=0,
                     checkpoint=best[1])
 
 
-def _row(mip: pywraplp.Solver, lower: float, upper: float,
-         terms: list[tuple[pywraplp.Variable, float]]) -> None:
-    """``lower <= sum(coefficient * variable) <= upper`` (each variable once)."""
-    row = mip.Constraint(lower, upper)
-    for var, coefficient in terms:
-        row.SetCoefficient(var, coefficient)
+def _members(group_of: list[int], groups: int) -> list[list[int]]:
+    """The indices in each group, ascending: ``out[g] = [i for i if group_of[i] == g]``."""
+    out: list[list[int]] = [[] for _ in range(groups)]
+    for i, g in enumerate(group_of):
+        out[g].append(i)
+    return out
+
+
+class _Model:
+    """A minimisation MIP written straight into an ``MPModelProto`` and loaded in one
+    call: pywraplp's per-variable and per-coefficient calls cost about 3 us each
+    and were most of the build time. Variables are ints in creation order."""
+
+    def __init__(self):
+        self.proto = linear_solver_pb2.MPModelProto(maximize=False)
+        self._variables = self.proto.variable
+        self._constraints = self.proto.constraint
+
+    def var(self, integer: bool, cost: float = 0.0) -> int:
+        """A new variable in [0, 1] with objective coefficient ``cost``."""
+        self._variables.add(lower_bound=0.0, upper_bound=1.0, is_integer=integer,
+                            objective_coefficient=cost)
+        return len(self._variables) - 1
+
+    def cost(self, var: int, cost: float) -> None:
+        self._variables[var].objective_coefficient = cost
+
+    def add_cost(self, var: int, cost: float) -> None:
+        self._variables[var].objective_coefficient += cost
+
+    def forbid(self, var: int) -> None:
+        self._variables[var].upper_bound = 0.0
+
+    def row(self, lower: float, upper: float, terms: list[tuple[int, float]]) -> None:
+        """``lower <= sum(coefficient * variable) <= upper`` (each variable once)."""
+        row = self._constraints.add(lower_bound=lower, upper_bound=upper)
+        row.var_index.extend([var for var, _ in terms])
+        row.coefficient.extend([coefficient for _, coefficient in terms])
+
+
+# A node is eliminated only if the cost tensor it needs has at most this many
+# entries (bytes = 8 x this), so one elimination never takes more than ~64 MB.
+_ELIMINATION_ENTRIES = 8_000_000
+
+
+@dataclass
+class Reduction:
+    """A problem shrunk by :func:`eliminate` and how to map answers back.
+
+    Attributes:
+        problem: the reduced problem (nodes renumbered in ``kept`` order).
+        kept: original index of each reduced node.
+        kept_groups: whether ``problem`` keeps the checkpoint groups (else none
+            is checkpointed: without a memory budget that is optimal).
+        offset: seconds the eliminated nodes add whatever the rest chooses.
+        steps: in elimination order, ``(v, costs, neighbours, matrices)``: node v
+            is best at ``argmin_j costs[j] + sum_k matrices[k][j, choice[neighbours[k]]]``.
+    """
+
+    problem: AssignmentProblem
+    kept: list[int]
+    offset: float
+    steps: list[tuple[int, "np.ndarray", list[int], list["np.ndarray"]]]
+    kept_groups: bool = True  # False: the checkpoint groups were dropped (never checkpointed)
+
+    def expand(self, choice: list[int]) -> list[int]:
+        """Strategy index of every original node from a choice per reduced node."""
+        full: list[int] = [0] * (len(self.kept) + len(self.steps))
+        for i, v in enumerate(self.kept):
+            full[v] = choice[i]
+        for v, costs, neighbours, matrices in reversed(self.steps):
+            total = costs
+            for w, m in zip(neighbours, matrices):
+                total = total + m[:, full[w]]
+            full[v] = int(np.argmin(total))
+        return full
+
+
+def eliminate(problem: AssignmentProblem) -> Reduction | None:
+    """Exact shrinking by variable elimination (None when nothing can be eliminated).
+
+    A node that holds no memory, is in no checkpoint group and has at most two
+    neighbours is removed (without a memory budget memory and checkpointing do
+    not matter, and the groups are dropped): with neighbours a and b its cost is folded into one
+    a-b edge ``M[i][k] = min_j (c[j] + M_va[j][i] + M_vb[j][k])`` (parallel edges
+    are summed); with one neighbour into that neighbour's node costs; alone, into
+    a constant. Chains of views and element-wise ops (a getitem, whose
+    strategy its producer forces, included) collapse so, and the optimum is
+    unchanged: after solving, each removed node takes its best strategy given its
+    neighbours' (:meth:`Reduction.expand`). A two-neighbour node is kept when the
+    new edge would have more entries than the two it replaces.
+    """
+    n = len(problem.node_costs)
+    pinned = {v for v, c in enumerate(problem.node_costs) if not c}  # infeasible: the MIP says so
+    # without a budget memory is free and checkpointing only costs recomputation,
+    # so the groups are dropped (never checkpointed) and memory pins nothing
+    bounded = problem.memory_matters
+    groups = problem.checkpoint_groups if bounded else []
+    pinned |= {v for g in groups for v in g.nodes}
+    if bounded:
+        pinned |= {v for v, m in enumerate(problem.node_memory) if any(m)}
+    if len(pinned) == n:
+        return None
+    costs = [np.asarray(c, dtype=float) for c in problem.node_costs]
+    nbr: list[dict[int, np.ndarray]] = [{} for _ in range(n)]  # nbr[v][w][i of v, j of w]
+
+    def link(a: int, b: int, m: np.ndarray) -> None:
+        if a == b:
+            costs[a] = costs[a] + np.diagonal(m)
+            return
+        if b in nbr[a]:
+            m = nbr[a][b] + m
+        nbr[a][b], nbr[b][a] = m, m.T
+
+    for u, v, m in problem.edges:
+        link(u, v, np.asarray(m, dtype=float).reshape(len(costs[u]), len(costs[v])))
+    alive = [True] * n
+    steps: list[tuple[int, np.ndarray, list[int], list[np.ndarray]]] = []
+    offset = 0.0
+    changed = True
+    while changed:
+        changed = False
+        for v in range(n):
+            if not alive[v] or v in pinned or len(nbr[v]) > 2:
+                continue
+            neighbours = sorted(nbr[v])
+            matrices = [nbr[v][w] for w in neighbours]
+            c = costs[v]
+            if len(neighbours) == 2:
+                a, b = neighbours
+                ma, mb = matrices
+                j, i, k = ma.shape[0], ma.shape[1], mb.shape[1]
+                if i * k > j * (i + k) or j * i * k > _ELIMINATION_ENTRIES:
+                    continue
+                merged = ((c[:, None] + ma)[:, :, None] + mb[:, None, :]).min(axis=0)
+                del nbr[a][v], nbr[b][v]
+                link(a, b, merged)
+            elif len(neighbours) == 1:
+                (a,), (ma,) = neighbours, matrices
+                costs[a] = costs[a] + (c[:, None] + ma).min(axis=0)
+                del nbr[a][v]
+            elif np.isfinite(c.min()):
+                offset += float(c.min())
+            else:  # every strategy forbidden: left to the MIP, which reports it
+                continue
+            nbr[v] = {}
+            alive[v] = False
+            steps.append((v, c, neighbours, matrices))
+            changed = True
+    if not steps and len(groups) == len(problem.checkpoint_groups):
+        return None
+    kept = [v for v in range(n) if alive[v]]
+    index = {v: i for i, v in enumerate(kept)}
+    edges = [(index[a], index[b], m.tolist()) for a in kept for b, m in sorted(nbr[a].items())
+             if b > a]
+    reduced = AssignmentProblem(
+        node_costs=[costs[v].tolist() for v in kept], edges=edges,
+        node_memory=None if problem.node_memory is None else [problem.node_memory[v] for v in kept],
+        memory_budget=problem.memory_budget,
+        checkpoint_groups=[dataclasses.replace(g, nodes=[index[v] for v in g.nodes])
+                           for g in groups],
+        memory_weight=problem.memory_weight)
+    return Reduction(reduced, kept, offset, steps, bool(groups) or not problem.checkpoint_groups)
+
+
+def greedy_assignment(problem: AssignmentProblem,
+                      allowed: list[list[int] | None] | None = None) -> list[int]:
+    """An assignment built node by node in index order: each node takes, among its
+    ``allowed`` strategies (None: all), the one with the least seconds of node cost
+    plus edges to the nodes already assigned (ties: the lowest index). Checkpoint
+    groups and the memory budget are not considered. Used to turn a partial
+    layout (say, Megatron's parameter placements) into a complete warm start;
+    ``allowed[v]`` must be non-empty where given.
+    """
+    n = len(problem.node_costs)
+    allowed = allowed or [None] * n
+    neighbours: list[list[tuple[int, list[list[float]], bool]]] = [[] for _ in range(n)]
+    for u, v, m in problem.edges:
+        neighbours[u].append((v, m, False))  # m[i of u][j of v]
+        neighbours[v].append((u, m, True))
+    choice: list[int | None] = [None] * n
+    for v in range(n):
+        best, best_cost = None, math.inf
+        for i in (allowed[v] if allowed[v] is not None else range(len(problem.node_costs[v]))):
+            cost = problem.node_costs[v][i]
+            for w, m, v_is_col in neighbours[v]:
+                j = choice[w]
+                if j is not None:
+                    cost += m[j][i] if v_is_col else m[i][j]
+            if best is None or cost < best_cost:
+                best, best_cost = i, cost
+        choice[v] = best if best is not None else 0
+    return choice
 
 
 def brute_force(problem: AssignmentProblem) -> tuple[list[int], float]:

@@ -71,6 +71,11 @@ class StageTimes:
     def microbatch_s(self) -> float:
         return self.forward_s + self.backward_input_s + self.backward_weight_s
 
+    @property
+    def total_s(self) -> float:
+        """One micro-batch and the gradient sync: the intra-op ILP's objective."""
+        return self.microbatch_s + self.grad_sync_s
+
     def memory(self, copies: float) -> float:
         """Bytes per device with ``copies`` micro-batches in flight."""
         return self.state_bytes + copies * self.activation_bytes
@@ -146,15 +151,17 @@ def layer_signature(graph: Graph, layer: PipelineLayer) -> str:
 @dataclass
 class LayerProfile:
     """Pareto points (time, memory) of one layer kind on one stage mesh, from the
-    intra-op ILP at decreasing memory budgets; ``points[0]`` is unconstrained
-    (fastest), later points use less memory (sharded states, checkpointing)."""
+    intra-op ILP with memory priced at increasing weights; ``points[0]`` is the
+    fastest, later points use less memory (sharded states, checkpointing)."""
 
     points: list[StageTimes]
     prepared: Any = field(default=None, repr=False)  # the priced problem every level solves
     exhausted: bool = False  # no smaller-memory point exists
     assignments: list = field(default_factory=list, repr=False)  # chosen strategies per point
-    microbatch_size: int = 0  # of the program the assignments were solved for
-    mesh_size: int = 1  # devices of the mesh they were solved on
+    # seconds per byte of memory each point's ILP added to its objective
+    weights: list[float] = field(default_factory=list)
+    # (memory, memory) of neighbouring points with no supported point between them
+    closed: set = field(default_factory=set, repr=False)
 
     def point(self, level: int) -> StageTimes:
         return self.points[min(level, len(self.points) - 1)]

@@ -30,12 +30,13 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import backward_op_times, op_time
 from costmodel.memory import training_state_bytes
-from costmodel.resharding import reshard_time
+from costmodel.resharding import ReshardPricer
 from costmodel.cluster import Cluster
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
 from ir.layers import Layer, find_layers
 from planner.report import format_bytes
-from planner.ilp import AssignmentProblem, CheckpointGroup, Solution, solve
+from planner.ilp import (AssignmentProblem, CheckpointGroup, Solution, greedy_assignment, solve,
+                         warm_start_value)
 from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
 
 
@@ -96,7 +97,12 @@ class IntraOpCost:
         self.dtype = dtype
         self.requires_grad = self._requires_grad()
         self.param_derived = self._param_derived()
-        self._reshard_cache: dict[tuple, float] = {}
+        self._pricer = ReshardPricer(self.mesh_shape, self.links)
+        self._grad_of: dict[int, int] = {}  # spec id -> id of its gradient's placements
+        # (shape, itemsize, requires_grad) -> int, and edge seconds by
+        # (producer spec id, consumer spec id, that int)
+        self._tensor_ids: dict[tuple, int] = {}
+        self._edge_cache: dict[tuple[int, int, int], float] = {}
 
     def _requires_grad(self) -> set[str]:
         out: set[str] = set(self.graph.grad_inputs)
@@ -117,15 +123,16 @@ class IntraOpCost:
                 out.add(n.name)
         return out
 
+    def spec_id(self, placements: Placements) -> int:
+        """A small int naming ``placements`` (equal placements, equal ids), so that
+        prices are cached under int keys instead of hashing Placement objects."""
+        return self._pricer.spec_id(placements)
+
     def reshard(self, src: Placements, dst: Placements, info: TensorInfo) -> float:
+        """Seconds to redistribute ``info`` from ``src`` to ``dst`` placements."""
         if src == dst:
             return 0.0
-        key = (src, dst, info.shape, info.itemsize)
-        t = self._reshard_cache.get(key)
-        if t is None:
-            t = reshard_time(src, dst, info.shape, info.itemsize, self.mesh_shape, self.links)
-            self._reshard_cache[key] = t
-        return t
+        return self._pricer.time(src, dst, info.shape, info.itemsize)
 
     def shard_factor(self, s: Strategy) -> int:
         """Devices one op instance is split over under strategy ``s``."""
@@ -216,10 +223,41 @@ class IntraOpCost:
 
     def edge(self, producer_out: Placements, consumer_in: Placements, info: TensorInfo,
              requires_grad: bool) -> float:
-        t = self.reshard(producer_out, consumer_in, info)
+        """Seconds of an edge: forward reshard of ``info`` from the producer's output
+        placements into the consumer's input placements, plus (``requires_grad``)
+        the reverse reshard of its gradient."""
+        return self.edge_prices([producer_out], [consumer_in], info, requires_grad)[0][0]
+
+    def edge_prices(self, producer_outs: Sequence[Placements], consumer_ins: Sequence[Placements],
+                    info: TensorInfo, requires_grad: bool) -> list[list[float]]:
+        """:meth:`edge` for every (producer output, consumer input) pair: seconds,
+        ``[i][j]`` for ``producer_outs[i]`` and ``consumer_ins[j]`` (memoised)."""
+        pricer, grad_of = self._pricer, self._grad_of
+        shape, itemsize = info.shape, info.itemsize
+        tensor = self._tensor_ids.setdefault((shape, itemsize, requires_grad),
+                                             len(self._tensor_ids))
+        srcs = [pricer.spec_id(p) for p in producer_outs]
+        dsts = [pricer.spec_id(p) for p in consumer_ins]
         if requires_grad:
-            t += self.reshard(_grad_placements(consumer_in), _grad_placements(producer_out), info)
-        return t
+            for i in (*srcs, *dsts):
+                if i not in grad_of:
+                    grad_of[i] = pricer.spec_id(_grad_placements(pricer.specs[i]))
+        cache = self._edge_cache
+        out = []
+        for a in srcs:
+            row = []
+            for b in dsts:
+                key = (a, b, tensor)
+                t = cache.get(key)
+                if t is None:
+                    t = 0.0 if a == b else pricer.time_ids(a, b, shape, itemsize)
+                    if requires_grad:
+                        ga, gb = grad_of[a], grad_of[b]
+                        t += 0.0 if gb == ga else pricer.time_ids(gb, ga, shape, itemsize)
+                    cache[key] = t
+                row.append(t)
+            out.append(row)
+        return out
 
 
 def _distinct(specs: list[Placements]) -> tuple[list[Placements], list[int]]:
@@ -313,7 +351,13 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
                 loop_costs[cu][i] += count * matrix[i][i]
                 node_costs[cu][i] += count * matrix[i][i]
         else:
-            edges.append((cu, cv, [[count * x for x in row] for row in matrix]))
+            if count != 1:  # scale each distinct row object once, keeping rows shared
+                scaled: dict[int, list[float]] = {}
+                for row in matrix:
+                    if id(row) not in scaled:
+                        scaled[id(row)] = [count * x for x in row]
+                matrix = [scaled[id(row)] for row in matrix]
+            edges.append((cu, cv, matrix))
     groups, group_layers = _checkpoint_groups(cost, strategies, layers, classes, members,
                                               node_memory)
     problem = AssignmentProblem(node_costs, edges, node_memory=node_memory,
@@ -377,8 +421,11 @@ def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
     if node.target == "getitem":  # a tuple projection cannot reshard: it follows
         priced = [[0.0 if a == b else math.inf for b in dst_specs] for a in src_specs]
     else:
-        priced = [[cost.edge(a, b, info, rg) for b in dst_specs] for a in src_specs]
-    return [[priced[i][j] for j in dst_of] for i in src_of]
+        priced = cost.edge_prices(src_specs, dst_specs, info, rg)
+    # producer strategies with the same output placement share one row object
+    # (ilp._compress recognises them by identity)
+    rows = [[row[j] for j in dst_of] for row in priced]
+    return [rows[i] for i in src_of]
 
 
 class FixedPlacementError(ValueError):
@@ -402,11 +449,69 @@ class MemoryInfeasibleError(RuntimeError):
 
 
 def _replicated_index(ns: NodeStrategies) -> int:
-    """Index of the all-replicate strategy (the warm start), or 0 if there is none."""
+    """Index of the all-replicate strategy, or 0 if there is none."""
     for i, s in enumerate(ns.strategies):
         if all(isinstance(p, Replicate) for pl in (*s.inputs, *s.outputs) for p in pl):
             return i
     return 0
+
+
+def megatron_targets(graph: Graph, mesh_shape: Sequence[int]) -> dict[str, list[Placements]]:
+    """Megatron-style output placements of parameters (by FQN) and user inputs (by
+    name), most wanted first: tensor parallel on the last mesh axis (column-parallel
+    weights ``S(0)``, row-parallel ``S(1)``, vocabulary-parallel embedding, as
+    :func:`planner.megatron.megatron_layout` classifies them) and data parallel on
+    every other axis (parameters replicated, inputs split on the batch dim); then
+    the same without the data-parallel split; then replicated."""
+    from planner.megatron import MegatronConfig, megatron_layout  # megatron imports this module
+
+    n = len(tuple(mesh_shape))
+    r = Replicate()
+    layout = megatron_layout(graph, MegatronConfig(tensor_model_parallel_size=2,
+                                                   data_parallel_size=2))  # (dp, tp) each
+    out: dict[str, list[Placements]] = {}
+    for key, (dp_p, tp_p) in layout.items():
+        wanted = [(dp_p,) * (n - 1) + (tp_p,) if n > 1 else (tp_p,),
+                  (r,) * (n - 1) + (tp_p,), (r,) * n]
+        out[key] = list(dict.fromkeys(wanted))
+    return out
+
+
+def warm_starts(prepared: "PreparedIntraOp") -> dict[str, list[int]]:
+    """Candidate warm starts, one strategy index per problem variable (class):
+
+    * ``replicate``: every node all-replicated where it can be;
+    * ``megatron``: parameters and user inputs on :func:`megatron_targets`'s
+      layout, every op then taking greedily (in program order) the strategy
+      cheapest given what its producers took (:func:`planner.ilp.greedy_assignment`).
+    """
+    strategies, built = prepared.strategies, prepared.built
+    replicate = [_replicated_index(strategies[group[0]]) for group in built.members]
+    targets = megatron_targets(prepared.graph, prepared.mesh_shape)
+    allowed: list[list[int] | None] = []
+    for group in built.members:
+        ns = strategies[group[0]]
+        key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
+        allowed.append(None)
+        if ns.node.kind in (PARAM, INPUT) and key in targets:
+            for want in targets[key]:
+                match = [i for i, s in enumerate(ns.strategies) if s.outputs[0] == want]
+                if match:
+                    allowed[-1] = match
+                    break
+    return {"replicate": replicate, "megatron": greedy_assignment(built.problem, allowed)}
+
+
+def best_warm_start(problem: AssignmentProblem, candidates: Mapping[str, list[int]]) -> str:
+    """Name of the candidate with the least seconds among those that fit
+    ``problem``'s memory budget (:func:`planner.ilp.warm_start_value`, which may
+    checkpoint every group); if none fits, the one with the least seconds without
+    checkpointing. Ties: the first."""
+    values = {k: warm_start_value(problem, c) for k, c in candidates.items()}
+    fitting = [k for k, v in values.items() if v is not None]
+    if fitting:
+        return min(fitting, key=lambda k: values[k][0])
+    return min(candidates, key=lambda k: problem.evaluate(candidates[k]))
 
 
 def least_memory(problem: AssignmentProblem) -> float:
@@ -496,19 +601,22 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
 
 
 def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = None,
-                   time_limit_s: float = 30.0) -> IntraOpResult:
-    """Solve a prepared problem under ``memory_budget`` (bytes per device).
+                   time_limit_s: float = 30.0, memory_weight: float = 0.0) -> IntraOpResult:
+    """Solve a prepared problem under ``memory_budget`` (bytes per device),
+    minimising seconds plus ``memory_weight`` (seconds per byte) x bytes per device.
 
     Raises:
         MemoryInfeasibleError: no assignment fits the budget.
     """
     graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
     cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
-    problem = dataclasses.replace(built.problem, memory_budget=memory_budget)
+    problem = dataclasses.replace(built.problem, memory_budget=memory_budget,
+                                  memory_weight=memory_weight)
     if memory_budget is not None and least_memory(problem) > memory_budget:
         raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
+    hints = warm_starts(prepared)
     solution = solve(problem, time_limit_s=time_limit_s,
-                     hint=[_replicated_index(strategies[group[0]]) for group in built.members])
+                     hint=hints[best_warm_start(problem, hints)])
     choice = built.expand(solution.choice)
     chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, choice)}
     breakdown = CostBreakdown()

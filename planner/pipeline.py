@@ -31,10 +31,16 @@ from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
 from planner.strategies import NodeStrategies, build_strategies, divisible, fake_mesh
 
-# Memory levels of a layer profile: each next ILP gets this fraction of the
-# previous point's memory as its budget.
-PROFILE_SHRINK = 0.5
+# Memory levels of a layer profile are the supported Pareto points of (seconds,
+# bytes), found as in the non-inferior set estimation (NISE) method: level 0
+# is the fastest plan, the next the least-memory one (memory weighted
+# PROFILE_LEAST_MEMORY_WEIGHT x the fastest plan's seconds per byte), and each
+# further point comes from the widest gap between two known points, solved with
+# memory weighted by the slope between them (it is new if it beats both there).
+# A weight, unlike a memory budget row, keeps every ILP as easy as the
+# unconstrained one.
 PROFILE_LEVELS = 4
+PROFILE_LEAST_MEMORY_WEIGHT = 1e3
 # Seconds each layer-profile ILP may take (they price candidates; the winner's
 # stages are solved with the caller's full limit).
 PROFILE_TIME_LIMIT_S = 10.0
@@ -175,25 +181,69 @@ class SearchContext:
         while len(prof.points) < levels and not prof.exhausted:
             if prof.prepared is None:
                 prof.prepared = self.prepare_stage(prog, layer, layer + 1, mesh, 1.0)
-            budget = PROFILE_SHRINK * prof.points[-1].memory(1.0) if prof.points else None
-            try:
-                self.ilp_solves += 1
-                result = solve_prepared(prof.prepared, memory_budget=budget,
-                                        time_limit_s=min(self.time_limit_s,
-                                                         PROFILE_TIME_LIMIT_S))
-            except (MemoryInfeasibleError, InfeasibleError):  # none fits, or none found in time
+            if not self._next_level(prof, mesh):
                 prof.exhausted = True
                 break
-            t = self.times_of(result, mesh)
-            if prof.points and t.memory(1.0) >= prof.points[-1].memory(1.0) * 0.999:
-                prof.exhausted = True
-                break
-            prof.points.append(t)
-            prof.assignments.append(result.chosen)
-            prof.microbatch_size, prof.mesh_size = prog.microbatch_size, math.prod(mesh.shape)
         if prof.assignments and len(prof.assignments) == len(prof.points):
             self._reference[_reference_key(layer, mesh)] = prof
         return prof
+
+    def _next_level(self, prof: LayerProfile, mesh: StageMeshOption) -> bool:
+        """Add the profile's next memory level (points stay sorted, fastest
+        first); False when there is none: no gap left that a weight splits, or
+        the ILP found nothing in time."""
+        if not prof.points:
+            return self._add_point(prof, mesh, 0.0)
+        if len(prof.points) == 1:
+            fastest = prof.points[0]
+            weight = PROFILE_LEAST_MEMORY_WEIGHT * fastest.total_s / max(fastest.memory(1.0), 1.0)
+            return self._add_point(prof, mesh, weight, below=0.999 * fastest.memory(1.0))
+        gaps = sorted(zip(prof.points, prof.points[1:]),
+                      key=lambda ab: -ab[0].memory(1.0) / max(ab[1].memory(1.0), 1.0))
+        for a, b in gaps:  # the widest gap first
+            key = (a.memory(1.0), b.memory(1.0))
+            if key in prof.closed or b.total_s <= a.total_s:
+                continue
+            # the weight at which a and b tie; a new point must beat both there
+            weight = (b.total_s - a.total_s) / (a.memory(1.0) - b.memory(1.0))
+            tie = a.total_s + weight * a.memory(1.0)
+            found = self._solve_weighted(prof, mesh, weight)
+            if found is None:
+                return False
+            t = found[1]
+            if (t.total_s + weight * t.memory(1.0) < tie * (1 - 1e-6)
+                    and b.memory(1.0) < t.memory(1.0) < a.memory(1.0)):
+                self._insert(prof, weight, *found)
+                return True
+            prof.closed.add(key)
+        return False
+
+    def _add_point(self, prof: LayerProfile, mesh: StageMeshOption, weight: float,
+                   below: float = math.inf) -> bool:
+        """Solve with memory weighted by ``weight`` (seconds per byte) and add the
+        point if it uses less than ``below`` bytes."""
+        found = self._solve_weighted(prof, mesh, weight)
+        if found is None or found[1].memory(1.0) >= below:
+            return False
+        self._insert(prof, weight, *found)
+        return True
+
+    def _solve_weighted(self, prof: LayerProfile, mesh: StageMeshOption, weight: float
+                        ) -> tuple[IntraOpResult, StageTimes] | None:
+        try:
+            self.ilp_solves += 1
+            result = solve_prepared(prof.prepared, memory_weight=weight,
+                                    time_limit_s=min(self.time_limit_s, PROFILE_TIME_LIMIT_S))
+        except InfeasibleError:  # nothing found in time
+            return None
+        return result, self.times_of(result, mesh)
+
+    @staticmethod
+    def _insert(prof: LayerProfile, weight: float, result: IntraOpResult, t: StageTimes) -> None:
+        at = sum(p.memory(1.0) > t.memory(1.0) for p in prof.points)
+        prof.points.insert(at, t)
+        prof.weights.insert(at, weight)
+        prof.assignments.insert(at, result.chosen)
 
     def _repriced(self, prog: MicrobatchProgram, layer: int,
                   mesh: StageMeshOption) -> LayerProfile | None:
@@ -205,8 +255,7 @@ class SearchContext:
             return None
         sub = self.stage_graph(prog, layer, layer + 1)
         points = []
-        scale = prog.microbatch_size / ref.microbatch_size  # activations scale with the batch
-        for level, (chosen, point) in enumerate(zip(ref.assignments, ref.points)):
+        for level, chosen in enumerate(ref.assignments):
             strategies = []
             for n in sub.nodes:
                 s = chosen.get(n.name)
@@ -218,17 +267,11 @@ class SearchContext:
             prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
                                         dtype=self.dtype, optimizer=self.optimizer,
                                         strategies=strategies)
-            # the same checkpointing decision: the reference's memory, rescaled
-            budget = None if level == 0 else 1.0001 * (
-                point.state_bytes * ref.mesh_size / math.prod(mesh.shape)
-                + point.activation_bytes * scale)
-            try:
-                result = solve_prepared(prepared, memory_budget=budget,
-                                        time_limit_s=self.time_limit_s)
-            except MemoryInfeasibleError:  # the smaller points come from the ILP if needed
-                return LayerProfile(points) if points else None
+            # the same price of memory decides checkpointing
+            result = solve_prepared(prepared, memory_weight=ref.weights[level],
+                                    time_limit_s=self.time_limit_s)
             points.append(self.times_of(result, mesh))
-        return LayerProfile(points, exhausted=ref.exhausted)
+        return LayerProfile(points, exhausted=ref.exhausted, weights=list(ref.weights))
 
 
 def _reference_key(layer: int, mesh: StageMeshOption) -> tuple:

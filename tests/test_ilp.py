@@ -98,11 +98,11 @@ def test_time_limit_without_solution_returns_the_warm_start(monkeypatch):
     monkeypatch.setattr(ilp.pywraplp.Solver, "CreateSolver",
                         staticmethod(lambda name: NeverSolves(create(name))))
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])])
-    sol = solve(problem, hint=[0, 0])
+    sol = solve(problem, hint=[0, 0], reduce=False)  # reduced, the problem needs no MIP
     assert sol.choice == [0, 0] and sol.status == "TIME_LIMIT_WARM_START"
     assert sol.objective_s == pytest.approx(1.0) and sol.gap == pytest.approx(1.0)
     with pytest.raises(InfeasibleError):
-        solve(problem)
+        solve(problem, reduce=False)
 
 
 @st.composite
@@ -130,3 +130,106 @@ def test_ilp_with_checkpointing_decision_equals_brute_force(problem):
     solution, best = solved
     assert problem.fits(solution.choice, solution.checkpoint)
     assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def _fake_backend(monkeypatch, status):
+    """CreateSolver returns solvers whose Solve only reports ``status`` (all
+    variables stay 0, so every node reads as taking strategy 0)."""
+    import planner.ilp as ilp
+
+    class Fake:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def Solve(self, *args):
+            return status
+
+    create = ilp.pywraplp.Solver.CreateSolver
+    monkeypatch.setattr(ilp.pywraplp.Solver, "CreateSolver",
+                        staticmethod(lambda name: Fake(create(name))))
+
+
+def test_time_limited_answer_is_never_worse_than_the_warm_start(monkeypatch):
+    """A search cut off with a FEASIBLE answer worse than the hint returns the hint."""
+    import planner.ilp as ilp
+
+    _fake_backend(monkeypatch, ilp.pywraplp.Solver.FEASIBLE)
+    problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[2.0, 5.0], [1.0, 0.0]])])
+    sol = solve(problem, hint=[1, 0], reduce=False)  # 0 + 0 + 1; the all-zero answer costs 3
+    assert sol.choice == [1, 0] and sol.status == "TIME_LIMIT_WARM_START"
+    assert sol.objective_s == pytest.approx(1.0)
+    # a hint that is worse than the solver's answer (7 s) is not taken
+    sol = solve(problem, hint=[0, 1], reduce=False)
+    assert sol.choice == [0, 0] and sol.status == "FEASIBLE"
+
+
+def test_warm_start_checkpoints_when_that_is_what_fits(monkeypatch):
+    import planner.ilp as ilp
+    from planner.ilp import CheckpointGroup
+
+    _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)
+    problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])],
+                                node_memory=[[4.0, 4.0], [4.0, 4.0]], memory_budget=6.0,
+                                checkpoint_groups=[CheckpointGroup([0], [[3.0, 3.0]], [[0.5, 0.5]],
+                                                                   kept=1.0)])
+    sol = solve(problem, hint=[0, 0], reduce=False)
+    assert sol.status == "TIME_LIMIT_WARM_START" and sol.checkpoint == [True]
+    assert sol.objective_s == pytest.approx(1.5) and problem.fits(sol.choice, sol.checkpoint)
+
+
+def test_greedy_assignment_follows_allowed_and_producers():
+    from planner.ilp import greedy_assignment
+
+    problem = AssignmentProblem(
+        node_costs=[[0.0, 0.0], [1.0, 1.0, 0.5], [0.0, 0.0]],
+        edges=[(0, 1, [[0.0, 2.0, 2.0], [2.0, 0.0, 2.0]]), (1, 2, [[0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])])
+    # node 0 pinned to strategy 1: node 1 follows it (1 + 0 < 0.5 + 2), node 2 follows node 1
+    assert greedy_assignment(problem, [[1], None, None]) == [1, 1, 1]
+    # unpinned, ties go to the lowest index
+    assert greedy_assignment(problem) == [0, 0, 0]
+
+
+@settings(max_examples=100, deadline=None)
+@given(checkpoint_problems())
+def test_elimination_keeps_the_optimum(problem):
+    """Solving the eliminated problem gives the optimum of the original one, with
+    and without a memory budget."""
+    import dataclasses
+
+    for p in (problem, dataclasses.replace(problem, memory_budget=None)):
+        try:
+            _, best = brute_force(p)
+        except InfeasibleError:
+            with pytest.raises(InfeasibleError):
+                solve(p)
+            continue
+        sol = solve(p)
+        assert p.fits(sol.choice, sol.checkpoint)
+        assert sol.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+        assert p.evaluate(sol.choice, sol.checkpoint) == pytest.approx(sol.objective_s)
+
+
+def test_elimination_collapses_a_chain_but_not_memory_under_a_budget():
+    from planner.ilp import eliminate
+
+    swap = [[0.0, 1.0, 2.0], [1.0, 0.0, 1.0], [2.0, 1.0, 0.0]]
+    problem = AssignmentProblem(
+        node_costs=[[0.0, 1.0, 1.0], [3.0, 0.0, 3.0], [2.0, 2.0, 0.5], [0.0, 0.0, 0.0],
+                    [1.0, 0.0, 1.0]],
+        edges=[(v, v + 1, swap) for v in range(4)] + [(0, 4, swap)],  # a ring of 5
+        node_memory=[[1.0] * 3, [0.0] * 3, [0.0] * 3, [2.0, 1.0, 1.0], [0.0] * 3],
+        memory_budget=10.0)
+    reduced = eliminate(problem)
+    assert reduced is not None and reduced.kept == [0, 3]  # the memory-holding nodes stay
+    assert len(reduced.problem.node_costs) == 2 and len(reduced.problem.edges) == 1
+    choice, best = brute_force(problem)
+    sol = solve(problem)
+    assert sol.objective_s == pytest.approx(best) and sol.status == "OPTIMAL"
+    assert problem.size() < problem.size(reduce=False)
+    # no budget: memory does not matter and the whole ring goes
+    import dataclasses
+    free = dataclasses.replace(problem, memory_budget=None)
+    assert eliminate(free).kept == [] and solve(free).objective_s == pytest.approx(best)

@@ -111,3 +111,34 @@ def test_two_nodes_data_parallel_across_megatron_inside():
     assert p.parameters[blk + "mlp.c_proj.weight"] == ["R", "S(1)"]
     assert p.parameters[blk + "attn.c_attn.weight"] == ["R", "S(0)"]
     assert p.nodes["addmm_2"].inputs[1][0] == "S(0)"  # activations batch-sharded over nodes
+
+
+def test_megatron_warm_start_and_time_limited_solve():
+    """The Megatron-style warm start pins the Megatron parameter layout, is far
+    cheaper than replicating everything on a small-batch model, and a solve cut off
+    by a tiny time limit is never worse than it."""
+    from planner.intra_op import best_warm_start, prepare_intra_op, solve_prepared, warm_starts
+
+    model, inputs = build_from_config(GPTConfig(1, 1024, 16, vocab_size=50304, block_size=1024),
+                                      batch_size=1)
+    graph = trace(model, inputs)
+    prepared = prepare_intra_op(graph, _a100(4), (4,))
+    hints = warm_starts(prepared)
+    problem, built = prepared.built.problem, prepared.built
+    meg = {prepared.strategies[g[0]].node.fqn: prepared.strategies[g[0]].strategies[i].outputs[0]
+           for g, i in zip(built.members, hints["megatron"])
+           if prepared.strategies[g[0]].node.kind == "param"}
+    block = "transformer.h.0."
+    from torch.distributed.tensor.placement_types import Shard
+    assert meg[block + "attn.c_attn.weight"] == (Shard(0),)
+    assert meg[block + "attn.c_proj.weight"] == (Shard(1),)
+    assert meg[block + "mlp.c_fc.weight"] == (Shard(0),)
+    assert meg[block + "mlp.c_proj.weight"] == (Shard(1),)
+    megatron, replicate = (problem.evaluate(hints[k]) for k in ("megatron", "replicate"))
+    assert megatron < 0.7 * replicate
+    assert best_warm_start(problem, hints) == "megatron"
+    optimum = solve_prepared(prepared, time_limit_s=30).solution.objective_s
+    assert optimum <= megatron * (1 + 1e-9)
+    quick = solve_prepared(prepared, time_limit_s=0.001).solution
+    assert quick.objective_s <= megatron * (1 + 1e-9)
+    assert problem.evaluate(quick.choice, quick.checkpoint) == pytest.approx(quick.objective_s)
