@@ -162,6 +162,7 @@ class LayerProfile:
     weights: list[float] = field(default_factory=list)
     # (memory, memory) of neighbouring points with no supported point between them
     closed: set = field(default_factory=set, repr=False)
+    mesh: Any = None  # the StageMeshOption its own ILPs run on (None: re-priced)
 
     def point(self, level: int) -> StageTimes:
         return self.points[min(level, len(self.points) - 1)]

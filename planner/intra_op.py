@@ -600,6 +600,35 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                            float(activation_copies))
 
 
+def restrict(prepared: PreparedIntraOp, allowed: Sequence[Sequence[int]]) -> PreparedIntraOp:
+    """``prepared`` with problem variable (tie class) ``c`` limited to the
+    strategies ``allowed[c]`` (indices into its list). Costs, memory and
+    checkpoint terms are sliced from the priced problem, not priced again, so
+    evaluating a known assignment on it (one index per class) is cheap."""
+    built, p = prepared.built, prepared.built.problem
+    strategies = list(prepared.strategies)
+    for c, members in enumerate(built.members):
+        for v in members:
+            ns = strategies[v]
+            strategies[v] = NodeStrategies(ns.node, [ns.strategies[i] for i in allowed[c]],
+                                           ns.fallback)
+
+    def pick(values: Sequence[float], c: int) -> list[float]:
+        return [values[i] for i in allowed[c]]
+
+    problem = dataclasses.replace(
+        p, node_costs=[pick(x, c) for c, x in enumerate(p.node_costs)],
+        edges=[(u, v, [pick(m[i], v) for i in allowed[u]]) for u, v, m in p.edges],
+        node_memory=None if p.node_memory is None else
+        [pick(x, c) for c, x in enumerate(p.node_memory)],
+        checkpoint_groups=[dataclasses.replace(
+            g, saved=[pick(x, c) for x, c in zip(g.saved, g.nodes)],
+            recompute=[pick(x, c) for x, c in zip(g.recompute, g.nodes)])
+            for g in p.checkpoint_groups])
+    return dataclasses.replace(prepared, strategies=strategies, built=dataclasses.replace(
+        built, problem=problem, loop_costs=[pick(x, c) for c, x in enumerate(built.loop_costs)]))
+
+
 def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = None,
                    time_limit_s: float = 30.0, memory_weight: float = 0.0) -> IntraOpResult:
     """Solve a prepared problem under ``memory_budget`` (bytes per device),

@@ -438,7 +438,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                                          optimizer=optimizer, budget=budget,
                                          time_limit_s=time_limit_s, fixed=layout,
                                          programs=cache.setdefault("programs", {}))
-    prog = ctx.program(m)
+    prog = ctx.program(m, traced=True)
     v = cfg.stages_per_rank
     cfg.check_layers(len(prog.layers))
     chunks = cfg.pp * v

@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
 from ir.graph import INPUT, PARAM, Graph
 from ir.layers import PipelineLayer, pipeline_layers
+from ir.rescale import BatchRule, batch_rule
 from ir.subgraph import boundary_values, subgraph
 from ir.trace import trace
 from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
@@ -26,7 +27,7 @@ from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               in_flight, layer_signature, split_layers, stage_mesh_options,
                               stage_times)
 from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
-                              prepare_intra_op, solve_prepared)
+                              prepare_intra_op, restrict, solve_prepared)
 from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
 from planner.strategies import NodeStrategies, build_strategies, divisible, fake_mesh
@@ -73,6 +74,9 @@ class MicrobatchProgram:
     layers: list[PipelineLayer]
     boundaries: list[tuple[list[str], list[str]]]  # per layer: (receives, sends)
     signatures: list[str]
+    # captured (True) or derived from two captures by ir.rescale (False: shapes,
+    # FLOPs and bytes only, no exported program for strategy queries)
+    traced: bool = True
 
 
 class SearchContext:
@@ -102,31 +106,65 @@ class SearchContext:
         # traced programs by micro-batch size; a dict shared between contexts
         # (e.g. the layouts of a Megatron grid) shares the traces
         self._programs: dict[int, MicrobatchProgram] = {} if programs is None else programs
+        # how the program follows the micro-batch size (ir.rescale), once two
+        # captures gave it and a third confirmed it; False when they did not agree
+        self._batch_rule: BatchRule | None | bool = None
+        self._batch_rule_checked = False
         self._profiles: dict[tuple, LayerProfile] = {}
-        # (layer index, stage mesh) -> the profile its ILP made (placements by level)
-        self._reference: dict[tuple, LayerProfile] = {}
+        # (layer kind, mesh family) -> the profiles with ILPs of their own, whose
+        # placements the family re-prices
+        self._reference: dict[tuple, list[LayerProfile]] = {}
         self.ilp_solves = 0
         if whole_batch_graph is not None:
             self._add_program(self.global_batch, whole_batch_graph)
 
-    def _add_program(self, mb: int, graph: Graph) -> None:
+    def _add_program(self, mb: int, graph: Graph, traced: bool = True) -> None:
         layers = pipeline_layers(graph, self.min_layers)
         self._programs[mb] = MicrobatchProgram(
             mb, graph, layers, boundary_values(graph, [l.ops for l in layers]),
-            [layer_signature(graph, l) for l in layers])
+            [layer_signature(graph, l) for l in layers], traced)
 
-    def program(self, num_microbatches: int) -> MicrobatchProgram:
-        """The program of one micro-batch when the batch is split ``num_microbatches`` ways."""
+    def program(self, num_microbatches: int, traced: bool = False) -> MicrobatchProgram:
+        """The program of one micro-batch when the batch is split ``num_microbatches``
+        ways: captured, or (unless ``traced``) derived from earlier captures when
+        the program follows the batch size exactly (:mod:`ir.rescale`, checked
+        on a third capture first). Derived programs price known placements;
+        anything that enumerates strategies asks for a captured one."""
         mb = self.global_batch // num_microbatches
-        if mb not in self._programs:
-            self.progress(f"tracing micro-batch {mb}")
-            self._add_program(mb, trace(self.model, microbatch_inputs(self.example_inputs,
-                                                                      num_microbatches)))
+        prog = self._programs.get(mb)
+        if prog is not None and (prog.traced or not traced):
+            return prog
+        if not traced and self._batch_rule_checked and self._batch_rule:
+            self._add_program(mb, self._batch_rule.at(mb), traced=False)
+            return self._programs[mb]
+        self.progress(f"tracing micro-batch {mb}")
+        graph = trace(self.model, microbatch_inputs(self.example_inputs, num_microbatches))
+        if prog is not None and graph.fingerprint() != prog.graph.fingerprint():
+            self._batch_rule = False  # the derived program was not the real one
+        self._learn_batch_rule(mb, graph)
+        self._add_program(mb, graph)
         return self._programs[mb]
+
+    def _learn_batch_rule(self, mb: int, graph: Graph) -> None:
+        """Infer the batch rule from the first two captures, check it on the third."""
+        if self._batch_rule is False or self._batch_rule_checked:
+            return
+        if self._batch_rule is None:
+            others = [p for b, p in sorted(self._programs.items()) if p.traced and b != mb]
+            if others:
+                self._batch_rule = batch_rule(others[0].graph, others[0].microbatch_size,
+                                              graph, mb) or False
+            return
+        self._batch_rule_checked = True
+        if not self._batch_rule.matches(graph, mb):
+            self._batch_rule = False
 
     def prepare_stage(self, prog: MicrobatchProgram, first: int, end: int,
                       mesh: StageMeshOption, copies: float) -> PreparedIntraOp:
-        """The priced intra-op problem of layers ``first .. end - 1`` on ``mesh``."""
+        """The priced intra-op problem of layers ``first .. end - 1`` on ``mesh``
+        (on the captured program: strategies come from its fake tensors)."""
+        if not prog.traced:
+            prog = self.program(self.global_batch // prog.microbatch_size, traced=True)
         sub = self.stage_graph(prog, first, end)
         with fake_mesh(mesh.shape) as fm:
             strategies = build_strategies(sub, fm)
@@ -171,22 +209,44 @@ class SearchContext:
         """At least ``levels`` time/memory points of one layer (fewer when no
         smaller-memory plan exists), shared by all layers of its kind.
 
-        The ILP runs once per layer and stage mesh: at another micro-batch size
-        the same placements are re-priced (when they still divide the shapes);
-        the winner's stages are solved exactly anyway."""
+        The ILP runs at the first (micro-batch size, stage mesh) of each layer
+        kind and mesh family (:func:`_reference_key`): that profile is a
+        reference of the family, and elsewhere its placements are re-priced with
+        the program's shapes; a level the reference lacks is added to the
+        reference first. Where no reference's placements divide the shapes
+        (e.g. a batch split more ways than the micro-batch has rows), the ILP
+        runs again and makes another reference. The winner's stages are solved
+        exactly anyway."""
         key = (prog.signatures[layer], mesh.shape, prog.microbatch_size)
         prof = self._profiles.get(key)
-        if prof is None:
-            prof = self._profiles[key] = self._repriced(prog, layer, mesh) or LayerProfile([])
-        while len(prof.points) < levels and not prof.exhausted:
-            if prof.prepared is None:
-                prof.prepared = self.prepare_stage(prog, layer, layer + 1, mesh, 1.0)
-            if not self._next_level(prof, mesh):
-                prof.exhausted = True
-                break
-        if prof.assignments and len(prof.assignments) == len(prof.points):
-            self._reference[_reference_key(layer, mesh)] = prof
+        if prof is not None and (len(prof.points) >= levels or prof.exhausted):
+            return prof
+        if prof is None or prof.prepared is None:  # re-price a reference if one carries over
+            for ref in self._reference.setdefault(_reference_key(prog, layer, mesh), []):
+                repriced = self._repriced(prog, layer, mesh, ref)
+                if repriced is not None and len(ref.points) < levels and not ref.exhausted:
+                    self._extend(ref, levels)
+                    repriced = self._repriced(prog, layer, mesh, ref)
+                if repriced is not None:
+                    self._profiles[key] = repriced
+                    return repriced
+            # the first of its family here, or no reference's placements divide
+            # this program's shapes: ILPs of its own, a new reference
+            prof = self._profiles[key] = self._own_profile(prog, layer, mesh)
+            self._reference[_reference_key(prog, layer, mesh)].append(prof)
+        self._extend(prof, levels)
         return prof
+
+    def _own_profile(self, prog: MicrobatchProgram, layer: int,
+                     mesh: StageMeshOption) -> LayerProfile:
+        return LayerProfile([], prepared=self.prepare_stage(prog, layer, layer + 1, mesh, 1.0),
+                            mesh=mesh)
+
+    def _extend(self, prof: LayerProfile, levels: int) -> None:
+        """Add memory levels to a profile with its own ILP until it has ``levels``."""
+        while len(prof.points) < levels and not prof.exhausted:
+            if not self._next_level(prof, prof.mesh):
+                prof.exhausted = True
 
     def _next_level(self, prof: LayerProfile, mesh: StageMeshOption) -> bool:
         """Add the profile's next memory level (points stay sorted, fastest
@@ -245,39 +305,46 @@ class SearchContext:
         prof.weights.insert(at, weight)
         prof.assignments.insert(at, result.chosen)
 
-    def _repriced(self, prog: MicrobatchProgram, layer: int,
-                  mesh: StageMeshOption) -> LayerProfile | None:
-        """The points of this layer's ILP at another micro-batch size, priced with
-        this program's shapes; None when there is none or a placement no longer
-        divides a shape."""
-        ref = self._reference.get(_reference_key(layer, mesh))
-        if ref is None:
-            return None
+    def _repriced(self, prog: MicrobatchProgram, layer: int, mesh: StageMeshOption,
+                  ref: LayerProfile) -> LayerProfile | None:
+        """The points of the reference profile ``ref`` of this layer's kind,
+        re-priced with this program's shapes on ``mesh``; None when a placement
+        no longer divides a shape."""
         sub = self.stage_graph(prog, layer, layer + 1)
-        points = []
-        for level, chosen in enumerate(ref.assignments):
-            strategies = []
-            for n in sub.nodes:
+        # one problem holding every level's strategy of each node, priced once
+        strategies = []
+        for n in sub.nodes:
+            picks: list = []
+            for chosen in ref.assignments:
                 s = chosen.get(n.name)
                 if s is None or not all(
                         divisible(info.shape, p, mesh.shape)
                         for info, p in zip((*n.inputs, *n.outputs), (*s.inputs, *s.outputs))):
                     return None
-                strategies.append(NodeStrategies(n, [s]))
-            prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
-                                        dtype=self.dtype, optimizer=self.optimizer,
-                                        strategies=strategies)
+                if s not in picks:
+                    picks.append(s)
+            strategies.append(NodeStrategies(n, picks))
+        prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
+                                    dtype=self.dtype, optimizer=self.optimizer,
+                                    strategies=strategies)
+        points = []
+        for chosen, weight in zip(ref.assignments, ref.weights):
+            level = restrict(prepared, [
+                [prepared.strategies[group[0]].strategies.index(
+                    chosen[prepared.strategies[group[0]].node.name])]
+                for group in prepared.built.members])
             # the same price of memory decides checkpointing
-            result = solve_prepared(prepared, memory_weight=ref.weights[level],
-                                    time_limit_s=self.time_limit_s)
+            result = solve_prepared(level, memory_weight=weight, time_limit_s=self.time_limit_s)
             points.append(self.times_of(result, mesh))
         return LayerProfile(points, exhausted=ref.exhausted, weights=list(ref.weights))
 
 
-def _reference_key(layer: int, mesh: StageMeshOption) -> tuple:
-    """Meshes whose placements carry over: same number of axes and the same
-    inner (in-node, tensor-parallel) axis size."""
-    return (layer, len(mesh.shape), mesh.shape[-1] if len(mesh.shape) > 1 else 0)
+def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
+    """The layer kind (its first layer's index, the same at every micro-batch
+    size) and the mesh family whose placements carry over: same number of axes
+    and the same inner (in-node, tensor-parallel) axis size."""
+    first = prog.signatures.index(prog.signatures[layer])
+    return (first, len(mesh.shape), mesh.shape[-1] if len(mesh.shape) > 1 else 0)
 
 
 def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
@@ -428,7 +495,7 @@ def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
                 bounds: list[tuple[int, int]] | None = None) -> ExactPipeline:
     """Solve each stage of ``cand`` (or of the given layer ``bounds``) with the
     intra-op ILP under its share of memory and in-flight activations."""
-    prog = ctx.program(cand.num_microbatches)
+    prog = ctx.program(cand.num_microbatches, traced=True)
     bounds = bounds or cand.split.bounds
     copies = stage_in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
     results, times = [], []

@@ -142,3 +142,30 @@ def test_megatron_warm_start_and_time_limited_solve():
     quick = solve_prepared(prepared, time_limit_s=0.001).solution
     assert quick.objective_s <= megatron * (1 + 1e-9)
     assert problem.evaluate(quick.choice, quick.checkpoint) == pytest.approx(quick.objective_s)
+
+
+def test_restricted_problem_prices_a_known_assignment_without_repricing():
+    """restrict() keeps the priced costs: solving a problem narrowed to one strategy
+    per variable gives exactly that assignment's seconds on the full problem, and
+    with a weight on memory it decides checkpointing by the weighted objective."""
+    from planner.intra_op import prepare_intra_op, restrict, solve_prepared
+
+    model, inputs = build_from_config(GPTConfig(2, 256, 4, vocab_size=512, block_size=64),
+                                      batch_size=8)
+    graph = trace(model, inputs)
+    prepared = prepare_intra_op(graph, _a100(4), (2, 2))
+    full = prepared.built.problem
+    best = solve_prepared(prepared, time_limit_s=30)
+    choice = best.solution.choice
+    narrowed = restrict(prepared, [[i] for i in choice])
+    assert all(len(c) == 1 for c in narrowed.built.problem.node_costs)
+    again = solve_prepared(narrowed, time_limit_s=30)
+    assert again.chosen == best.chosen
+    assert again.solution.objective_s == pytest.approx(full.evaluate(choice, again.solution.checkpoint),
+                                                       rel=1e-12)
+    # memory priced high enough: the cheaper-in-memory checkpoint decision wins
+    heavy = solve_prepared(narrowed, time_limit_s=30, memory_weight=1.0)
+    light = full.memory(choice, heavy.solution.checkpoint)
+    assert light <= full.memory(choice, [False] * len(full.checkpoint_groups))
+    assert light == min(full.memory(choice, list(c)) for c in
+                        itertools.product((False, True), repeat=len(full.checkpoint_groups)))
