@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import time
 import warnings
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import load_average, machine_info, write_results
 from costmodel.cluster import load_cluster
 from ir import trace
 from ir.source import build_model
@@ -25,12 +26,6 @@ from ir.zoo import GPTConfig, build_from_config, config
 from planner.intra_op import IntraOpCost, build_problem
 from planner.ilp import solve
 from planner.strategies import build_strategies, fake_mesh
-
-
-def machine() -> dict:
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine()}
 
 
 def time_trace(name: str) -> dict:
@@ -89,6 +84,7 @@ def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
 
     model, inputs = build_model(name, device="meta", batch_size=batch, seq_len=seq_len)
     steps: list[tuple[float, str]] = []
+    load_before = load_average()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -102,9 +98,13 @@ def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
         chosen.update(schedule=p.pipeline.schedule, microbatches=p.pipeline.num_microbatches,
                       layers_per_stage=[len(s.layers) for s in p.pipeline.stages],
                       stage_mesh=p.pipeline.stage_mesh["shape"])
+    # the exact stage solves of the finalists start with the first "stage" message
+    exact_from = next((t for t, msg in steps if msg.startswith("stage ")), total)
     return {"model": name, "cluster": cluster_spec, "global_batch": batch, "seq_len": seq_len,
-            "plan_s": total, "ilp_time_limit_s": time_limit_s, "search_steps": len(steps),
-            "chosen": chosen}
+            "plan_s": total, "search_s": exact_from, "exact_stages_s": total - exact_from,
+            "captures": sum(msg.startswith("tracing") for _, msg in steps),
+            "ilp_time_limit_s": time_limit_s, "search_steps": len(steps),
+            "loadavg_before": load_before, "loadavg_after": load_average(), "chosen": chosen}
 
 
 def main() -> None:
@@ -116,39 +116,43 @@ def main() -> None:
     parser.add_argument("--full-models", nargs="+", default=[m for m, *_ in FULL_PLANS],
                         help="which full plan() searches to run (default: all)")
     args = parser.parse_args()
-    results = {"machine": machine(), "targets": {"trace_gpt3_175b_s": 15.0,
-                                                 "ilp_block_8x8_s": 5.0,
-                                                 "plan_gpt3_175b_1024_gpus_s": 60.0,
-                                                 "plan_llama3_8b_64_gpus_s": 10.0}}
-    results["full_plan"] = []
+    # sections not re-run keep their earlier results (each carries its machine)
+    results = _load(args.out)
+    results["targets"] = {"trace_gpt3_175b_s": 15.0, "ilp_block_8x8_s": 5.0,
+                          "plan_gpt3_175b_1024_gpus_s": 60.0, "plan_llama3_8b_64_gpus_s": 10.0}
+    machine = machine_info(brief=True)
+    full = {r["model"]: r for r in results.get("full_plan", [])}
     for name, cluster_spec, batch, seq_len in FULL_PLANS:
         if name not in args.full_models:
             continue
         r = time_full_plan(name, cluster_spec, batch, seq_len)
-        results["full_plan"].append(r)
+        full[name] = {**r, "machine": machine}
+        results["full_plan"] = [full[m] for m, *_ in FULL_PLANS if m in full]
         print(f"plan() {name} on {cluster_spec}: {r['plan_s']:.1f} s -> {r['chosen']}", flush=True)
-        _write(args.out, results)
+        write_results(args.out, results)
     if args.only_full:
         args.skip_trace = True
     if not args.skip_trace:
-        results["trace"] = time_trace("gpt3-175b")
+        results["trace"] = {**time_trace("gpt3-175b"), "machine": machine}
         print(f"trace gpt3-175b: {results['trace']['trace_s']:.1f} s, "
               f"{results['trace']['nodes']} nodes")
     if not args.only_full:
-        results["ilp"] = time_block_ilp("gpt3-175b", "dgx-a100-80g:8", (8, 8))
-    if "ilp" in results:
+        results["ilp"] = {**time_block_ilp("gpt3-175b", "dgx-a100-80g:8", (8, 8)),
+                          "machine": machine}
         print(f"ILP one gpt3-175b block on (8, 8): {results['ilp']['total_s']:.1f} s "
               f"(strategies {results['ilp']['strategies_s']:.1f} s, build "
               f"{results['ilp']['build_s']:.1f} s, solve {results['ilp']['solve_s']:.1f} s)")
-    _write(args.out, results)
+    write_results(args.out, results)
     print(f"wrote {args.out}")
 
 
-def _write(path: str, results: dict) -> None:
-    """Write the results so far (a long run leaves what it measured)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
+def _load(path: str) -> dict:
+    """The results file written before, or an empty one."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
 
 
 if __name__ == "__main__":
