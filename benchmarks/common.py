@@ -24,7 +24,7 @@ from typing import Any, Sequence
 __all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
            "median", "write_results", "wrote_message"]
 
-#: The keys of ``machine_info(brief=True)``, in order (``benchmarks.plan_time.machine()``'s).
+#: The keys of ``machine_info(brief=True)``, in order (the benchmarks' short machine record).
 BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
 
 

@@ -20,7 +20,8 @@ import json
 import os
 import time
 
-from benchmarks.plan_time import machine, timed_problem
+from benchmarks.common import machine_info
+from benchmarks.plan_time import timed_problem
 from costmodel.cluster import load_cluster
 from ir import trace
 from ir.source import build_model
@@ -108,7 +109,7 @@ def main() -> None:
     if wanted is not None and os.path.exists(args.out):
         with open(args.out) as f:
             kept = [c for c in json.load(f).get("cases", []) if c["model"] not in wanted]
-    results = {"machine": machine(), "cases": kept}
+    results = {"machine": machine_info(brief=True), "cases": kept}
     for name, cluster, mesh, target, fraction in CASES:
         if wanted is not None and name not in wanted:
             continue

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.plan_time import machine
+from benchmarks.common import machine_info
 from costmodel.cluster import Cluster
 from costmodel.presets import preset
 from ir.zoo import GPTConfig, build, build_from_config
@@ -101,12 +101,11 @@ def build_case_model(case: Case) -> tuple[torch.nn.Module, tuple]:
                  dtype=case.dtype)
 
 
-# Restrictions, chosen so one case plans in minutes on 2 CPU cores: the auto
-# search tries Megatron's two schedules and three micro-batch counts that cover
-# the Megatron grid's (micro-batches of 16, 4 and 1 sequences).
+# The auto search tries every pipeline degree, stage mesh and schedule, with
+# three micro-batch counts that cover the Megatron grid's (micro-batches of 16,
+# 4 and 1 sequences) so that neither side has counts the other lacks.
 def _auto(batch: int, **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"schedules": ["1f1b", "interleaved_1f1b"],
-                           "num_microbatches": [m for m in (batch // 16, batch // 4, batch)
+    out: dict[str, Any] = {"num_microbatches": [m for m in (batch // 16, batch // 4, batch)
                                                 if m >= 2]}
     out.update(extra)
     return out
@@ -130,16 +129,16 @@ def _cases() -> list[Case]:
                                           ("gpt3-39b", 32, 1536, [4, 8, 16], [8]),
                                           ("gpt3-175b", 128, 1536, [8, 16], [8])):
         out.append(Case(f"{model}-a100x{8 * nodes}", model, f"dgx-a100-80g:{nodes}", batch,
-                        2048, bf16, _auto(batch, schedules=["1f1b"], pp=pps),
+                        2048, bf16, _auto(batch),
                         {"micro_batch_sizes": [1], "tp": tps, "pp": pps,
                          "virtual_stages": [None]}, vocab=51200))
     out.append(Case("llama3-8b-h100x8", "llama3-8b", "dgx-h100:1", 32, 2048, bf16,
                     _auto(32), {"micro_batch_sizes": [1, 2]}, quick=True))
     out.append(Case("llama3-70b-h100x64", "llama3-70b", "dgx-h100:8", 128, 2048, bf16,
-                    _auto(128, schedules=["1f1b"], pp=[4, 8]),
+                    _auto(128),
                     {"micro_batch_sizes": [1], "tp": [8], "pp": [4, 8]}))
     out.append(Case("moe-8x-h100x16", "moe-8x", "dgx-h100:2", 64, 2048, bf16,
-                    _auto(64, schedules=["1f1b"], pp=[1, 2, 4]),
+                    _auto(64),
                     {"micro_batch_sizes": [1], "tp": [4, 8], "pp": [1, 2, 4]}))
     return out
 
@@ -280,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{(r['best_megatron'] or {}).get('config')}: "
               f"{'-' if ratio is None else f'{ratio:.3f}x'} ({r['planning_s']:.0f} s)", flush=True)
         order = [c.name for c in _cases()]
-        results = {"machine": machine(), "ilp_time_limit_s": args.time_limit,
+        results = {"machine": machine_info(brief=True), "ilp_time_limit_s": args.time_limit,
                    "cases": sorted(previous.values(), key=lambda x: order.index(x["case"])
                                    if x["case"] in order else len(order))}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
