@@ -111,6 +111,8 @@ class SearchContext:
         self._batch_rule: BatchRule | None | bool = None
         self._batch_rule_checked = False
         self._profiles: dict[tuple, LayerProfile] = {}
+        # DTensor's strategies by node signature, per stage mesh shape
+        self._strategy_cache: dict[tuple, dict] = {}
         # (layer kind, mesh family) -> the profiles with ILPs of their own, whose
         # placements the family re-prices
         self._reference: dict[tuple, list[LayerProfile]] = {}
@@ -167,7 +169,7 @@ class SearchContext:
             prog = self.program(self.global_batch // prog.microbatch_size, traced=True)
         sub = self.stage_graph(prog, first, end)
         with fake_mesh(mesh.shape) as fm:
-            strategies = build_strategies(sub, fm)
+            strategies = build_strategies(sub, fm, self._strategy_cache.setdefault(mesh.shape, {}))
         if self.zero_stage == 3:  # FSDP2 shards parameters that are replicated on axis 0
             strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
                 ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],

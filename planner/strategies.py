@@ -126,7 +126,8 @@ def _spec_list(output_specs) -> list[DTensorSpec | None]:
 class StrategyBuilder:
     """Enumerates strategies for every node of a Graph on one mesh shape."""
 
-    def __init__(self, graph: Graph, mesh: DeviceMesh):
+    def __init__(self, graph: Graph, mesh: DeviceMesh,
+                 cache: dict[tuple, list[Strategy] | Exception] | None = None):
         self.graph = graph
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
@@ -134,8 +135,9 @@ class StrategyBuilder:
         self.fx_nodes = {n.name: n for n in graph.exported.graph.nodes}
         # node name -> candidate placements of each output (distinct, ordered)
         self._out_candidates: dict[str, list[list[Placements]]] = {}
-        # structural signature of a node -> its strategies (or why it has none)
-        self._cache: dict[tuple, list[Strategy] | Exception] = {}
+        # structural signature of a node -> its strategies (or why it has none);
+        # a caller may share one between graphs planned on the same mesh shape
+        self._cache: dict[tuple, list[Strategy] | Exception] = {} if cache is None else cache
 
     # -- candidates flowing along edges -------------------------------------------------
     def _record(self, ns: NodeStrategies) -> None:
@@ -338,6 +340,11 @@ def _without_dtensor_costs() -> Iterator[None]:
         op_utils.redistribute_cost = original
 
 
-def build_strategies(graph: Graph, mesh: DeviceMesh) -> list[NodeStrategies]:
-    """Strategies for every node of ``graph`` (topological order) on ``mesh``."""
-    return StrategyBuilder(graph, mesh).build()
+def build_strategies(graph: Graph, mesh: DeviceMesh,
+                     cache: dict[tuple, list[Strategy] | Exception] | None = None
+                     ) -> list[NodeStrategies]:
+    """Strategies for every node of ``graph`` (topological order) on ``mesh``.
+
+    ``cache``: DTensor's answers by structural signature, to share between
+    graphs planned on meshes of one shape (e.g. the stages of a pipeline)."""
+    return StrategyBuilder(graph, mesh, cache).build()
