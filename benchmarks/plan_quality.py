@@ -174,7 +174,7 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float) -> dic
     manual = [r for r in result["plans"] if r["name"] == "megatron"]
     best = next((r for r in manual if "step_time_s" in r), None)
     return {
-        "case": case.name, "model": case.model, "cluster": cluster.name,
+        "case": case.name, "commit": _commit(), "model": case.model, "cluster": cluster.name,
         "devices": cluster.num_devices, "global_batch": case.batch, "seq_len": case.seq,
         "dtype": str(case.dtype).replace("torch.", ""),
         "parameters": graph.num_parameters,
@@ -197,6 +197,18 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float) -> dic
         "planning_s": total,
         "plans": result["plans"],
     }
+
+
+def _commit() -> str | None:
+    """The git commit the case ran at (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _fmt_rate(x: float | None) -> str:

@@ -217,15 +217,15 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
         return build_plan(best, cluster, info, training)
 
-    from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, assemble, search,
-                                  solve_exact)
+    from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, assemble, refine,
+                                  search, solve_exact)
 
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, progress=progress,
                         whole_batch_graph=graph)
     opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
     exact = []
-    ranked = search(ctx, opts)
+    ranked = refine(ctx, search(ctx, opts))
     singles = [c for c in ranked if c.schedule == NO_PIPELINE]
     # the fastest few, and the best single stage (pipelines are priced from layer
     # profiles; the exact solve decides)
