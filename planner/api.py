@@ -225,11 +225,14 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                         whole_batch_graph=graph)
     opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
     exact = []
-    ranked = refine(ctx, search(ctx, opts))
+    first = search(ctx, opts)
+    ranked = refine(ctx, first)
     singles = [c for c in ranked if c.schedule == NO_PIPELINE]
-    # the fastest few, and the best single stage (pipelines are priced from layer
-    # profiles; the exact solve decides)
-    finalists = ranked[:opts.finalists] + [c for c in singles[:1] if c not in ranked[:opts.finalists]]
+    # the fastest few as ranked after refining and as first priced (a refined
+    # profile can move a cut the exact solve liked better), and the best single
+    # stage: pipelines are priced from layer profiles, the exact solve decides
+    finalists = list({(c.label(), tuple(c.split.bounds)): c for c in
+                      ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]}.values())
     for cand in finalists:
         try:
             exact.append(solve_exact(ctx, cand))
