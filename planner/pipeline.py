@@ -26,7 +26,7 @@ from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               PipelineInfeasibleError, SplitResult, StageMeshOption, StageTimes,
                               in_flight, layer_signature, split_layers, stage_mesh_options,
                               stage_times)
-from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
+from planner.intra_op import (IntraOpResult, PreparedIntraOp,
                               prepare_intra_op, restrict, solve_prepared)
 from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
