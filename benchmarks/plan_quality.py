@@ -154,7 +154,9 @@ def megatron_grid(cluster: Cluster, batch: int, num_layers: int,
     return cfgs
 
 
-def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float) -> dict[str, Any]:
+def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
+             commit: str | None = None) -> dict[str, Any]:
+    """Plan ``case`` both ways; ``commit``: the code's git commit, recorded."""
     from ir.layers import pipeline_layers
     from ir.trace import trace
 
@@ -174,7 +176,7 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float) -> dic
     manual = [r for r in result["plans"] if r["name"] == "megatron"]
     best = next((r for r in manual if "step_time_s" in r), None)
     return {
-        "case": case.name, "commit": _commit(), "model": case.model, "cluster": cluster.name,
+        "case": case.name, "commit": commit, "model": case.model, "cluster": cluster.name,
         "devices": cluster.num_devices, "global_batch": case.batch, "seq_len": case.seq,
         "dtype": str(case.dtype).replace("torch.", ""),
         "parameters": graph.num_parameters,
@@ -200,7 +202,7 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float) -> dic
 
 
 def _commit() -> str | None:
-    """The git commit the case ran at (None outside a git checkout)."""
+    """The checkout's git commit (None outside a git checkout)."""
     import subprocess
 
     try:
@@ -281,10 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out) as f:
             previous = {r["case"]: r for r in json.load(f).get("cases", [])}
     warnings.simplefilter("ignore")
+    commit = _commit()  # the code this process loaded (later commits do not change it)
     for case in cases:
         print(f"{case.name}: {case.model} on {case.cluster}, batch {case.batch} x {case.seq}",
               flush=True)
-        r = run_case(case, args.time_limit, args.megatron_deadline)
+        r = run_case(case, args.time_limit, args.megatron_deadline, commit)
         previous[case.name] = r
         ratio = r["auto_over_best_megatron"]
         print(f"{case.name}: auto {r['auto']['config']} vs Megatron "
