@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -250,11 +251,14 @@ def _solve_per_checkpointing(problem: AssignmentProblem, time_limit_s: float,
     into node costs, leaving an assignment problem (with at most the budget
     row): the MIP solves that about as fast as an unconstrained one, where the
     linearised checkpoint terms (``x AND ckpt``) make CBC crawl (a llama3-8b
-    layer on 8x8: 10 s FEASIBLE per weighted solve before, 0.7 s OPTIMAL now)."""
+    layer on 8x8: 10 s FEASIBLE per weighted solve before, 0.7 s OPTIMAL now).
+    The combinations share ``time_limit_s``: each gets an equal part of what is left."""
     w = problem.memory_weight
     best: tuple[float, Solution, list[bool]] | None = None
     statuses = []
-    for combo in itertools.product((False, True), repeat=len(problem.checkpoint_groups)):
+    combos = list(itertools.product((False, True), repeat=len(problem.checkpoint_groups)))
+    deadline = time.monotonic() + time_limit_s  # the caller's limit covers every combination
+    for done, combo in enumerate(combos):
         costs = [list(c) for c in problem.node_costs]
         memory = [list(m) for m in problem.node_memory]
         budget = problem.memory_budget
@@ -272,7 +276,8 @@ def _solve_per_checkpointing(problem: AssignmentProblem, time_limit_s: float,
         if budget is not None and sum(min(m) for m in memory) > budget:
             continue  # nothing fits with these decisions
         try:
-            sol = solve(sub, time_limit_s=time_limit_s, hint=hint, solver=name, reduce=reduce)
+            share = max(deadline - time.monotonic(), 0.0) / (len(combos) - done)
+            sol = solve(sub, time_limit_s=max(share, 0.05), hint=hint, solver=name, reduce=reduce)
         except InfeasibleError:
             continue
         checkpoint = list(combo)
