@@ -84,19 +84,7 @@ def test_ilp_with_memory_budget_equals_brute_force(problem):
 def test_time_limit_without_solution_returns_the_warm_start(monkeypatch):
     import planner.ilp as ilp
 
-    class NeverSolves:
-        def __init__(self, real):
-            self.real = real
-
-        def __getattr__(self, name):
-            return getattr(self.real, name)
-
-        def Solve(self, *args):
-            return ilp.pywraplp.Solver.NOT_SOLVED
-
-    create = ilp.pywraplp.Solver.CreateSolver
-    monkeypatch.setattr(ilp.pywraplp.Solver, "CreateSolver",
-                        staticmethod(lambda name: NeverSolves(create(name))))
+    _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])])
     sol = solve(problem, hint=[0, 0], reduce=False)  # reduced, the problem needs no MIP
     assert sol.choice == [0, 0] and sol.status == "TIME_LIMIT_WARM_START"
