@@ -22,7 +22,7 @@ import statistics
 from typing import Any, Sequence
 
 __all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
-           "median", "write_results", "wrote_message"]
+           "median", "read_results", "write_results", "wrote_message"]
 
 #: The keys of ``machine_info(brief=True)``, in order (the benchmarks' short machine record).
 BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
@@ -70,6 +70,16 @@ def machine_block(loadavg_before: list[float] | None, *, after: bool = False) ->
 def median(values: Sequence[float]) -> float | None:
     """The median of ``values``; None when there are none."""
     return statistics.median(values) if values else None
+
+
+def read_results(path: str) -> dict[str, Any]:
+    """The results a script wrote to ``path`` before (an empty dict when there
+    are none), so that a run of some cases keeps the others."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
 
 
 def write_results(path: str, result: dict[str, Any], *, indent: int = 1) -> None:

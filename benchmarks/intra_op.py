@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import time
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, read_results, write_results
 from benchmarks.plan_time import timed_problem
 from costmodel.cluster import load_cluster
 from ir import trace
@@ -105,10 +104,8 @@ def main() -> None:
     args = parser.parse_args()
     solvers = tuple(s.strip().upper() for s in args.solvers.split(","))
     wanted = None if args.cases is None else {c.strip() for c in args.cases.split(",")}
-    kept = []
-    if wanted is not None and os.path.exists(args.out):
-        with open(args.out) as f:
-            kept = [c for c in json.load(f).get("cases", []) if c["model"] not in wanted]
+    kept = [] if wanted is None else [c for c in read_results(args.out).get("cases", [])
+                                      if c["model"] not in wanted]
     results = {"machine": machine_info(brief=True), "cases": kept}
     for name, cluster, mesh, target, fraction in CASES:
         if wanted is not None and name not in wanted:
@@ -129,9 +126,7 @@ def main() -> None:
                   f"variables; {solvers[0]}: {b[solvers[0]]}")
     order = [c[0] for c in CASES]
     results["cases"].sort(key=lambda c: order.index(c["model"]) if c["model"] in order else len(order))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(args.out, results)
     print(f"wrote {args.out}")
 
 

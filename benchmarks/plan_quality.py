@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info
+from benchmarks.common import machine_info, read_results, write_results
 from costmodel.cluster import Cluster
 from costmodel.presets import preset
 from ir.zoo import GPTConfig, build, build_from_config
@@ -278,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.quick]
     if args.cases:
         cases = [c for c in cases if any(s in c.name for s in args.cases)]
-    previous: dict[str, Any] = {}
-    if os.path.exists(args.out):
-        with open(args.out) as f:
-            previous = {r["case"]: r for r in json.load(f).get("cases", [])}
+    previous: dict[str, Any] = {r["case"]: r for r in read_results(args.out).get("cases", [])}
     warnings.simplefilter("ignore")
     commit = _commit()  # the code this process loaded (later commits do not change it)
     for case in cases:
@@ -297,9 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {"machine": machine_info(brief=True), "ilp_time_limit_s": args.time_limit,
                    "cases": sorted(previous.values(), key=lambda x: order.index(x["case"])
                                    if x["case"] in order else len(order))}
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        write_results(args.out, results)
     if cases and not args.no_readme:
         write_readme(markdown(results))
     return 0

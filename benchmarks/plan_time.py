@@ -10,7 +10,6 @@ mesh < 5 s (issue 2); full ``plan()`` of gpt3-175b on 128 x dgx-a100-80g
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import load_average, machine_info, write_results
+from benchmarks.common import load_average, machine_info, read_results, write_results
 from costmodel.cluster import load_cluster
 from ir import trace
 from ir.source import build_model
@@ -117,7 +116,7 @@ def main() -> None:
                         help="which full plan() searches to run (default: all)")
     args = parser.parse_args()
     # sections not re-run keep their earlier results (each carries its machine)
-    results = _load(args.out)
+    results = read_results(args.out)
     results["targets"] = {"trace_gpt3_175b_s": 15.0, "ilp_block_8x8_s": 5.0,
                           "plan_gpt3_175b_1024_gpus_s": 60.0, "plan_llama3_8b_64_gpus_s": 10.0}
     machine = machine_info(brief=True)
@@ -144,15 +143,6 @@ def main() -> None:
               f"{results['ilp']['build_s']:.1f} s, solve {results['ilp']['solve_s']:.1f} s)")
     write_results(args.out, results)
     print(f"wrote {args.out}")
-
-
-def _load(path: str) -> dict:
-    """The results file written before, or an empty one."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return {}
 
 
 if __name__ == "__main__":
