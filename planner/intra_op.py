@@ -643,9 +643,12 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
                                   memory_weight=memory_weight)
     if memory_budget is not None and least_memory(problem) > memory_budget:
         raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
-    hints = warm_starts(prepared)
-    solution = solve(problem, time_limit_s=time_limit_s,
-                     hint=hints[best_warm_start(problem, hints)])
+    if all(len(c) == 1 for c in problem.node_costs):  # one assignment (e.g. re-pricing)
+        hint = [0] * len(problem.node_costs)
+    else:
+        hints = warm_starts(prepared)
+        hint = hints[best_warm_start(problem, hints)]
+    solution = solve(problem, time_limit_s=time_limit_s, hint=hint)
     choice = built.expand(solution.choice)
     chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, choice)}
     breakdown = CostBreakdown()
