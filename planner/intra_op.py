@@ -542,8 +542,9 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
     Args:
         memory_budget: bytes per device the plan may use (parameters, gradients,
             optimizer states, saved activations); None means unbounded.
-        fixed: placements the plan must use for some parameters (by FQN) or user
-            inputs (by name), e.g. a Megatron layout; the rest is optimised.
+        fixed: output placements the plan must use for some parameters (by FQN),
+            user inputs or operators (by node name), e.g. a Megatron layout with
+            sequence parallelism; the rest is optimised.
         activation_copies: micro-batches whose saved activations are alive at
             once (a pipeline stage's in-flight count); the memory constraint and
             the reported ``activations`` count them that many times.
@@ -587,7 +588,7 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
     strategies = list(strategies)
     for i, ns in enumerate(strategies):
         key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
-        if fixed and key in fixed and ns.node.kind in (PARAM, INPUT):
+        if fixed and key in fixed:
             want = tuple(fixed[key])
             ns = strategies[i] = NodeStrategies(
                 ns.node, [s for s in ns.strategies if s.outputs[0] == want], ns.fallback)
