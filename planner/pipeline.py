@@ -30,6 +30,7 @@ from planner.intra_op import (IntraOpResult, PreparedIntraOp,
                               prepare_intra_op, restrict, solve_prepared)
 from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
+from planner.stage_reuse import moved_result, total_memory
 from planner.strategies import NodeStrategies, build_strategies, divisible, fake_mesh
 
 # Memory levels of a layer profile are the supported Pareto points of (seconds,
@@ -116,7 +117,11 @@ class SearchContext:
         # (layer kind, mesh family) -> the profiles with ILPs of their own, whose
         # placements the family re-prices
         self._reference: dict[tuple, list[LayerProfile]] = {}
+        # exact stage solutions by (micro-batch size, stage mesh, memory budget,
+        # layer kinds): (in-flight copies, solution) for stage_to_reuse
+        self._stage_results: dict[tuple, list[tuple[float, IntraOpResult]]] = {}
         self.ilp_solves = 0
+        self.stages_reused = 0
         if whole_batch_graph is not None:
             self._add_program(self.global_batch, whole_batch_graph)
 
@@ -184,6 +189,28 @@ class SearchContext:
         self.ilp_solves += 1
         return solve_prepared(self.prepare_stage(prog, first, end, mesh, copies),
                               memory_budget=budget, time_limit_s=self.time_limit_s)
+
+    def exact_stage(self, prog: MicrobatchProgram, first: int, end: int,
+                    mesh: StageMeshOption, budget: float | None, copies: float) -> IntraOpResult:
+        """:meth:`solve_stage`, or an earlier stage's solution moved here when
+        that stage is the same program with at most ``copies`` in-flight
+        micro-batches and its solution fits ``budget`` with ``copies``
+        (:mod:`planner.stage_reuse`: then it is this stage's optimum too)."""
+        key = (prog.microbatch_size, mesh.shape, budget, tuple(prog.signatures[first:end]))
+        earlier = self._stage_results.setdefault(key, [])
+        sub = None
+        for done_copies, done in earlier:
+            if done_copies > copies:
+                continue
+            if sub is None:
+                sub = self.stage_graph(prog, first, end)
+            moved = moved_result(done, sub, copies / done_copies)
+            if moved is not None and (budget is None or total_memory(moved) <= budget):
+                self.stages_reused += 1
+                return moved
+        result = self.solve_stage(prog, first, end, mesh, budget, copies)
+        earlier.append((copies, result))
+        return result
 
     def times_of(self, result: IntraOpResult, mesh: StageMeshOption) -> StageTimes:
         """:func:`stage_times` of a stage; under ZeRO-3 the parameter states are
@@ -546,12 +573,15 @@ def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
     prog = ctx.program(cand.num_microbatches, traced=True)
     bounds = bounds or cand.split.bounds
     copies = stage_in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
-    results, times = [], []
-    for s, (a, b) in enumerate(bounds):
+    results: list[IntraOpResult | None] = [None] * len(bounds)
+    # stages with fewer in-flight micro-batches first: their solutions may
+    # carry over to stages of the same layers that hold more
+    for s in sorted(range(len(bounds)), key=lambda s: copies[s]):
+        a, b = bounds[s]
         ctx.progress(f"stage {s}: layers {a}..{b - 1}")
-        r = ctx.solve_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank, copies[s])
-        results.append(r)
-        times.append(ctx.times_of(r, cand.mesh))
+        results[s] = ctx.exact_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank,
+                                     copies[s])
+    times = [ctx.times_of(r, cand.mesh) for r in results]
     p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
                              cand.stages_per_rank, times, p2p)

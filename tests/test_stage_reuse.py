@@ -1,0 +1,49 @@
+"""Exact stage solutions carried over between stages of the same layers
+(planner.stage_reuse) equal solving each stage on its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel.presets import local_cpu_cluster
+from ir.source import build_model
+from planner import pipeline as ps
+from planner.stage_reuse import node_map, total_memory
+
+
+def _context(budget: float) -> ps.SearchContext:
+    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+    return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+                            optimizer="adam", budget=budget, time_limit_s=10, min_layers=2)
+
+
+@pytest.mark.parametrize("budget", [2e9, 1.5e6])
+def test_reused_stage_solutions_equal_solving_every_stage(budget):
+    """1F1B over 4 stages of 2 blocks: stages 1-2 hold 3 and 2 micro-batches,
+    stage 3 (with the head) 1. With room to spare the 2-copy solution carries
+    over to the 3-copy stage; under a budget where it no longer fits there,
+    that stage is solved again. Either way every stage's answer is what its
+    own ILP gives."""
+    ctx = _context(budget)
+    prog = ctx.program(4, traced=True)
+    mesh = ps.stage_mesh_options(ctx.cluster, 4)[0]
+    copies = ps.stage_in_flight("1f1b", 4, 4, 1)
+    bounds = [(0, 2), (2, 4), (4, 6), (6, 8)]
+    for s in sorted(range(4), key=lambda s: copies[s]):
+        (a, b), c = bounds[s], copies[s]
+        got = ctx.exact_stage(prog, a, b, mesh, budget, c)
+        own = ctx.solve_stage(prog, a, b, mesh, budget, c)
+        assert got.solution.objective_s == pytest.approx(own.solution.objective_s, rel=1e-12)
+        assert total_memory(got) == pytest.approx(total_memory(own), rel=1e-12)
+        assert got.checkpointed == own.checkpointed
+        assert set(got.chosen) == {n.name for n in got.graph.nodes} == set(own.chosen)
+    assert ctx.stages_reused == 1
+
+
+def test_graphs_of_different_layers_do_not_map():
+    ctx = _context(2e9)
+    prog = ctx.program(4, traced=True)
+    middle = ctx.stage_graph(prog, 2, 4)
+    assert node_map(ctx.stage_graph(prog, 4, 6), middle) is not None
+    assert node_map(ctx.stage_graph(prog, 0, 2), middle) is None  # the embedding
+    assert node_map(ctx.stage_graph(prog, 2, 5), middle) is None  # one block more
