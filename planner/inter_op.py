@@ -27,6 +27,7 @@ world mesh is ``[pp] + stage mesh``, which is what the code generator runs):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -329,9 +330,16 @@ def _diff(a: StageTimes, b: StageTimes) -> StageTimes:
 def in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
     """Micro-batches of activations each stage keeps alive at the schedule's
     peak (a rank's peak shared evenly among its ``v`` stages), by stage."""
+    return list(_in_flight(schedule, pp, m, v))
+
+
+@functools.lru_cache(maxsize=1024)
+def _in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, ...]:
+    # one event simulation of the whole step (0.1 s at pp=64, m=256), asked
+    # for by every stage mesh and search round of the same schedule shape
     result = simulate(schedule, pp, m, 1.0, 1.0, 1.0, 0.0, stages_per_rank=v)
-    return [max(1.0, result.peak_activations[result.stage_to_rank[s]] / v)
-            for s in range(pp * v)]
+    return tuple(max(1.0, result.peak_activations[result.stage_to_rank[s]] / v)
+                 for s in range(pp * v))
 
 
 def exhaustive_split(layer_times: Callable[[int, int], StageTimes], num_layers: int,
