@@ -138,6 +138,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     result = compare(args.model, args.cluster, zoo_kwargs=zoo_kwargs,
                      time_limit_s=args.time_limit, micro_batch_sizes=args.micro_batch_sizes,
                      virtual_stages=[None, 2] if args.interleaved else [None],
+                     sequence_parallel=[False, True] if args.sequence_parallel else [False],
                      pipeline=not args.no_pipeline,
                      megatron_deadline_s=args.megatron_deadline)
     print(format_comparison(result))
@@ -213,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron micro_batch_size values tried with a pipeline (default 1 2 4)")
     c.add_argument("--no-interleaved", dest="interleaved", action="store_false",
                    help="leave out the interleaved (virtual pipeline size 2) Megatron configs")
+    c.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="leave out the Megatron configs with --sequence-parallel (tried for "
+                        "every tp > 1 by default)")
     c.add_argument("--no-pipeline", action="store_true",
                    help="Megatron configs without pipeline parallelism only (pp=1)")
     c.add_argument("--megatron-deadline", type=float, default=None,

@@ -52,7 +52,8 @@ def _metrics(p: Plan, cluster: Cluster, forward_flops: float, tokens: int) -> di
 def _megatron_fields(cfg: MegatronConfig) -> dict[str, Any]:
     return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "mbs": cfg.micro_batch_size,
             "vpp": cfg.virtual_pipeline_model_parallel_size,
-            "distributed_optimizer": cfg.use_distributed_optimizer}
+            "distributed_optimizer": cfg.use_distributed_optimizer,
+            "sequence_parallel": cfg.sequence_parallel}
 
 
 def compare(model_spec: str, cluster_spec: str | Cluster, *,
@@ -60,7 +61,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             model: torch.nn.Module | None = None, inputs: tuple | None = None,
             configs: Sequence[MegatronConfig] | None = None,
             micro_batch_sizes: Sequence[int] = (1, 2, 4),
-            virtual_stages: Sequence[int | None] = (None, 2), pipeline: bool = True,
+            virtual_stages: Sequence[int | None] = (None, 2),
+            sequence_parallel: Sequence[bool] = (False, True), pipeline: bool = True,
             auto_options: dict[str, Any] | None = None,
             megatron_deadline_s: float | None = None,
             progress: Callable[[str], None] | None = None,
@@ -73,8 +75,9 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             trace, if already traced.
         configs: the Megatron configurations to price (default:
             :func:`planner.megatron.megatron_configs` of the cluster, the batch
-            and the number of pipeline layers, with ``micro_batch_sizes`` and
-            ``virtual_stages``; ``pipeline=False`` keeps pp = 1 only).
+            and the number of pipeline layers, with ``micro_batch_sizes``,
+            ``virtual_stages`` and ``sequence_parallel``; ``pipeline=False``
+            keeps pp = 1 only).
         auto_options: extra keyword arguments of :func:`planner.api.plan` (for
             example ``pp``, ``schedules``, ``num_microbatches`` to restrict the
             automatic search).
@@ -82,7 +85,7 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             seconds; the rest are listed as skipped.
 
     Memory pruning: configurations are priced in grid order; when one does not
-    fit, the larger micro-batch sizes of the same tp/pp/dp/vpp are listed as
+    fit, the larger micro-batch sizes of the same tp/pp/dp/vpp/sp are listed as
     impossible without planning them (more activations never fit better).
 
     Returns a JSON-ready dict: model, cluster, ``plans`` sorted fastest first
@@ -104,7 +107,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
         num_layers = len(pipeline_layers(graph)) if pipeline else None
         configs = megatron_configs(cluster, global_batch, num_layers,
                                    micro_batch_sizes=micro_batch_sizes,
-                                   virtual_stages=virtual_stages)
+                                   virtual_stages=virtual_stages,
+                                   sequence_parallel=sequence_parallel)
     entries: list[Entry] = []
     cache: dict = {"graph": graph}
     with warnings.catch_warnings():
@@ -122,7 +126,7 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
         too_big: set[tuple] = set()
         for k, cfg in enumerate(configs):
             family = (cfg.tp, cfg.pp, cfg.dp, cfg.virtual_pipeline_model_parallel_size,
-                      cfg.use_distributed_optimizer)
+                      cfg.use_distributed_optimizer, cfg.sequence_parallel)
             if family in too_big:
                 entries.append(Entry("megatron", cfg.label(), None,
                                      "pruned: a smaller micro-batch size does not fit",

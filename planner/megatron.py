@@ -15,12 +15,16 @@ pipeline stages (Megatron's uniform split) and run by 1F1B, or interleaved 1F1B
 with ``virtual_pipeline_model_parallel_size``, each stage on a (dp, tp) sub-mesh
 with the same layout fixed.
 
-Not modelled: ``sequence_parallel`` (it shards the activations between the
-blocks on the sequence dimension over the tp axis; the fixed-placement
-mechanism pins only parameters and user inputs, so it cannot be forced, and
-the ILP may or may not choose it) and ``recompute_granularity`` (the intra-op
-ILP decides per layer kind whether to checkpoint, under the memory budget;
-there is no way to force full recomputation from outside it).
+With ``sequence_parallel`` the activations between the tensor-parallel
+blocks (the residual stream and the layer-norm outputs, [batch, seq, hidden])
+are also fixed, split on the sequence dimension over the tp axis (and on the
+batch over dp); the ILP then prices the reduce-scatter that replaces the
+row-parallel all-reduce and the all-gather before each column-parallel block,
+and the activation memory those regions no longer replicate.
+
+Not modelled: ``recompute_granularity`` (the intra-op ILP decides per layer
+kind whether to checkpoint, under the memory budget; there is no way to force
+full recomputation from outside it).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from planner.plan_format import Plan
 _MATMULS = {"aten.mm.default", "aten.addmm.default"}
 _PAD_HINT = (" (Megatron pads the vocabulary to a multiple of 128 x tp: "
              "--make-vocab-size-divisible-by)")
+_SEQ_DIM = 1  # of the [batch, seq, hidden] activations sequence parallelism splits
 
 
 class MegatronDoesNotFit(PlanningError):
@@ -61,6 +66,9 @@ class MegatronConfig:
     without a pipeline, since a single-stage Plan has no gradient accumulation.
     ``virtual_pipeline_model_parallel_size`` (None, or v >= 2 model chunks per
     pipeline rank) selects the interleaved 1F1B schedule.
+    ``sequence_parallel`` (Megatron's ``--sequence-parallel``, needs tp > 1)
+    splits the activations between the tensor-parallel blocks on the sequence
+    dimension over the tp axis.
     """
 
     tensor_model_parallel_size: int
@@ -69,6 +77,7 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None
     micro_batch_size: int | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "data_parallel_size",
@@ -82,6 +91,9 @@ class MegatronConfig:
                 f"pipeline_model_parallel_size >= 2 (got {self.pipeline_model_parallel_size})")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise PlanningError(f"micro_batch_size must be at least 1, got {self.micro_batch_size}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise PlanningError("sequence_parallel splits the tensor-parallel group's activations: "
+                                "it needs tensor_model_parallel_size > 1")
 
     @property
     def tp(self) -> int:
@@ -151,12 +163,14 @@ class MegatronConfig:
                                 f"{chunks} pipeline stages")
 
     def label(self) -> str:
-        """Megatron terms, e.g. ``tp=2 pp=4 dp=8 mbs=1 vpp=2``."""
+        """Megatron terms, e.g. ``tp=2 pp=4 dp=8 mbs=1 vpp=2 sp``."""
         out = f"tp={self.tp} pp={self.pp} dp={self.dp}"
         if self.micro_batch_size is not None:
             out += f" mbs={self.micro_batch_size}"
         if self.virtual_pipeline_model_parallel_size:
             out += f" vpp={self.virtual_pipeline_model_parallel_size}"
+        if self.sequence_parallel:
+            out += " sp"
         if not self.use_distributed_optimizer and self.dp > 1:
             out += " no-dist-opt"
         return out
@@ -173,6 +187,22 @@ def _views_of(graph: Graph, name: str, users: dict[str, list[str]]) -> list[str]
     return out
 
 
+def _matmuls_of(graph: Graph, param: str, users: dict[str, list[str]]) -> list[str]:
+    """The matmuls that read parameter ``param`` (directly or through views)."""
+    return [u for v in _views_of(graph, param, users) for u in users[v]
+            if graph[u].target in _MATMULS]
+
+
+def _viewed(graph: Graph, name: str) -> str:
+    """The node whose data ``name`` views (walking back through views and
+    first-output projections; ``name`` itself when it moves bytes)."""
+    n = graph[name]
+    while (n.kind == OP and n.bytes_moved == 0 and n.flops == 0 and len(n.args) == 1
+           and (n.target != "getitem" or n.arg_index == 0)):
+        n = graph[n.args[0]]
+    return n.name
+
+
 def _classify_linears(graph: Graph) -> dict[str, str]:
     """Weight FQN -> "column" | "row" for every nn.Linear-like weight in a layer."""
     users = graph.users()
@@ -181,8 +211,7 @@ def _classify_linears(graph: Graph) -> dict[str, str]:
     for p in graph.nodes:
         if p.kind != PARAM or len(p.output.shape) != 2:
             continue
-        matmuls = [u for v in _views_of(graph, p.name, users) for u in users[v]
-                   if graph[u].target in _MATMULS]
+        matmuls = _matmuls_of(graph, p.name, users)
         if not matmuls:
             continue
         if p.name not in in_layer:
@@ -194,8 +223,42 @@ def _classify_linears(graph: Graph) -> dict[str, str]:
     return kinds
 
 
+def _sequence_parallel_nodes(graph: Graph, linears: dict[str, str]) -> list[str]:
+    """Op nodes (by name) holding the activations between the tensor-parallel
+    blocks of each layer, the ones Megatron's sequence parallelism splits:
+
+    * the residual adds: ``aten.add.Tensor`` nodes of a layer with an operand
+      of their own shape that comes from outside the layer (the layer's input)
+      or from an earlier residual add;
+    * the norm outputs: what the column-parallel linears of a layer read
+      (through views), i.e. the layer-norm or RMS-norm output.
+
+    Only [batch, seq, hidden] (3-D) values are returned."""
+    users = graph.users()
+    out: list[str] = []
+    for layer in find_layers(graph):
+        members = set(layer.nodes)
+        stream: set[str] = set()
+        for name in layer.nodes:
+            n = graph[name]
+            if n.kind == OP and n.target == "aten.add.Tensor" and any(
+                    ((a not in members and graph[a].kind in (OP, INPUT)) or a in stream)
+                    and graph[a].outputs[0].shape == n.output.shape for a in n.args):
+                stream.add(name)
+        norms = {_viewed(graph, a) for p in layer.nodes if linears.get(graph[p].fqn) == "column"
+                 for m in _matmuls_of(graph, p, users) for a in graph[m].args}
+        out += [name for name in layer.nodes if (name in stream or name in norms)
+                and graph[name].kind == OP and len(graph[name].outputs[0].shape) == 3]
+    return out
+
+
 def megatron_layout(graph: Graph, cfg: MegatronConfig) -> dict[str, tuple[Placement, ...]]:
-    """Fixed placements (FQN or input name -> one placement per mesh axis)."""
+    """Fixed placements (FQN, input or op node name -> one placement per mesh axis).
+
+    Raises:
+        PlanningError: ``cfg.sequence_parallel`` and tp does not divide the
+            sequence length, or the model has no activations it could split.
+    """
     dp, tp = cfg.data_parallel_size, cfg.tensor_model_parallel_size
 
     def on_mesh(dp_p: Placement, tp_p: Placement) -> tuple[Placement, ...]:
@@ -234,6 +297,18 @@ def megatron_layout(graph: Graph, cfg: MegatronConfig) -> dict[str, tuple[Placem
                 layout[n.fqn] = on_mesh(r, Shard(0))  # vocabulary-parallel embedding
             else:
                 layout[n.fqn] = on_mesh(r, r)
+    if cfg.sequence_parallel:
+        names = _sequence_parallel_nodes(graph, linears)
+        if not names:
+            raise PlanningError(f"{cfg.label()}: found no [batch, seq, hidden] activations "
+                                f"between tensor-parallel blocks to split; drop sequence_parallel")
+        seq = graph[names[0]].outputs[0].shape[_SEQ_DIM]
+        if seq % tp:
+            raise PlanningError(f"{cfg.label()}: sequence_parallel needs the sequence length "
+                                f"({seq}) to be a multiple of tp={tp}; change the sequence "
+                                f"length or drop sequence_parallel")
+        for name in names:
+            layout[name] = on_mesh(Shard(0), Shard(_SEQ_DIM))
     return layout
 
 
@@ -241,6 +316,7 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
                      num_layers: int | None = None, *,
                      micro_batch_sizes: Sequence[int] = (1, 2, 4),
                      virtual_stages: Sequence[int | None] = (None, 2),
+                     sequence_parallel: Sequence[bool] = (False, True),
                      use_distributed_optimizer: bool = True) -> list[MegatronConfig]:
     """The configurations a Megatron practitioner would try on ``cluster``.
 
@@ -255,21 +331,31 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
       batch and leaves at least pp micro-batches (fewer leave ranks idle);
     * virtual stages: each of ``virtual_stages`` (None = plain 1F1B, v =
       interleaved) where pp >= 2, the layers split into pp x v chunks and the
-      micro-batches are a multiple of pp.
+      micro-batches are a multiple of pp;
+    * sequence parallelism: each of ``sequence_parallel`` where tp > 1 (with
+      tp = 1 the configuration is listed once, without it, as Megatron turns
+      it off there).
 
     Pruning, to keep the grid small (each pipeline configuration costs one
     ILP per stage): the powers of two above, the micro-batch sizes given
     (default 1, 2, 4) and v <= 2. Memory is pruned later, by the plans
     themselves: a configuration that does not fit raises
     :class:`MegatronDoesNotFit` (and :func:`planner.compare.compare` then skips
-    the larger micro-batch sizes of the same tp/pp/dp/vpp).
+    the larger micro-batch sizes of the same tp/pp/dp/vpp/sp).
 
-    Order: pp, then tp, then micro-batch size, then v, ascending.
+    Order: pp, then tp, then micro-batch size, then v, ascending, then
+    sequence parallelism in the order of ``sequence_parallel`` (off first by
+    default).
     """
     from planner.inter_op import stage_mesh_options
 
     n, dpn = cluster.num_devices, cluster.devices_per_node
     out: list[MegatronConfig] = []
+
+    def add(tp: int, dp: int, pp: int = 1, v: int | None = None, mbs: int | None = None) -> None:
+        for sp in dict.fromkeys(bool(s) and tp > 1 for s in sequence_parallel):
+            out.append(MegatronConfig(tp, dp, use_distributed_optimizer, pp, v, mbs, sp))
+
     tps = []
     tp = 1
     while tp <= min(n, dpn):
@@ -287,10 +373,9 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
             dp = n // (pp * tp)
             if pp == 1:
                 if global_batch is None:
-                    out.append(MegatronConfig(tp, dp, use_distributed_optimizer))
+                    add(tp, dp)
                 elif global_batch % dp == 0:
-                    out.append(MegatronConfig(tp, dp, use_distributed_optimizer,
-                                              micro_batch_size=global_batch // dp))
+                    add(tp, dp, mbs=global_batch // dp)
                 continue
             mbss = [None] if global_batch is None else [
                 b for b in micro_batch_sizes
@@ -300,7 +385,7 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
                     if v is not None and (num_layers % (pp * v) or (
                             global_batch is not None and (global_batch // (mbs * dp)) % pp)):
                         continue
-                    out.append(MegatronConfig(tp, dp, use_distributed_optimizer, pp, v, mbs))
+                    add(tp, dp, pp, v, mbs)
     return out
 
 
@@ -431,7 +516,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         raise PlanningError(f"{cfg.label()}: pp={cfg.pp} does not cut cluster '{cluster.name}' "
                             f"into sub-meshes inside a node or of whole nodes")
     mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node)
-    key = ("ctx", cfg.dp, cfg.tp, budget, time_limit_s, optimizer)
+    key = ("ctx", cfg.dp, cfg.tp, cfg.sequence_parallel, budget, time_limit_s, optimizer)
     ctx = cache.get(key)
     if ctx is None:
         ctx = cache[key] = SearchContext(model, example_inputs, cluster, dtype=dtype,

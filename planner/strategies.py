@@ -303,9 +303,12 @@ class StrategyBuilder:
             if len(tensor_outs) != len(node.outputs):
                 continue
             # Partial inputs are kept only where a contraction consumes them (the
-            # bias of a row-parallel addmm); elsewhere the plan reduces first, which
-            # costs the same collective and keeps the search small.
-            ok = node.flops > 0 or not any(
+            # bias of a row-parallel addmm) or a view carries them on (so that a
+            # row-parallel [tokens, hidden] output viewed as [batch, seq, hidden]
+            # can be reduce-scattered on seq: Megatron's sequence parallelism);
+            # elsewhere the plan reduces first, which costs the same collective
+            # and keeps the search small.
+            ok = node.flops > 0 or node.bytes_moved == 0 or not any(
                 isinstance(p, Partial) for spec_ in ins for p in spec_.placements)
             for s, info in itertools.chain(zip(ins, node.inputs), zip(tensor_outs, node.outputs)):
                 if not ok:

@@ -32,8 +32,12 @@ def test_linears_are_classified_as_megatron_would(name, column, row):
 
 def test_megatron_grid_is_powers_of_two_inside_a_node():
     cfgs = megatron_configs(load_cluster("dgx-a100-80g:2"))
-    assert [(c.tensor_model_parallel_size, c.data_parallel_size) for c in cfgs] == [
-        (1, 16), (2, 8), (4, 4), (8, 2)]
+    assert [(c.tensor_model_parallel_size, c.data_parallel_size, c.sequence_parallel)
+            for c in cfgs] == [(1, 16, False), (2, 8, False), (2, 8, True), (4, 4, False),
+                               (4, 4, True), (8, 2, False), (8, 2, True)]
+    assert [c.label() for c in megatron_configs(load_cluster("dgx-a100-80g:2"),
+                                                sequence_parallel=[True])] == [
+        "tp=1 pp=1 dp=16", "tp=2 pp=1 dp=8 sp", "tp=4 pp=1 dp=4 sp", "tp=8 pp=1 dp=2 sp"]
 
 
 def test_labels_use_megatron_terms():
@@ -47,6 +51,7 @@ def test_labels_use_megatron_terms():
     assert plain.label() == "tp=4 pp=2 dp=1 mbs=2" and plain.schedule == "1f1b"
     assert plain.mesh_shape == (4,)
     assert MegatronConfig(2, 2, use_distributed_optimizer=False).label() == "tp=2 pp=1 dp=2 no-dist-opt"
+    assert MegatronConfig(2, 2, sequence_parallel=True).label() == "tp=2 pp=1 dp=2 sp"
 
 
 def test_configs_that_do_not_divide_are_rejected():
@@ -94,8 +99,9 @@ def test_pipeline_grid_is_valid():
             assert m == 1 and c.micro_batch_size * c.dp == 64
         else:
             assert m >= c.pp and c.micro_batch_size in (1, 2, 4)
-    assert megatron_configs(cluster, 64, 24, micro_batch_sizes=[1], virtual_stages=[None])[-1]\
-        .label() == "tp=2 pp=8 dp=1 mbs=1"
+    assert [c.label() for c in megatron_configs(
+        cluster, 64, 24, micro_batch_sizes=[1], virtual_stages=[None])[-2:]] == [
+        "tp=2 pp=8 dp=1 mbs=1", "tp=2 pp=8 dp=1 mbs=1 sp"]
 
 
 @pytest.fixture(scope="module")
@@ -183,7 +189,13 @@ def test_compare_command_writes_table_json_and_chart(tmp_path, capsys):
                  "--micro-batch-sizes", "2", "-o", str(prefix)]) == 0
     text = capsys.readouterr().out
     assert "tp=2 pp=1 dp=1 mbs=8" in text and "tp=1 pp=2 dp=1 mbs=2" in text
+    assert "tp=2 pp=1 dp=1 mbs=8 sp" in text  # sequence parallelism is tried too
     assert "vpp" not in text and "auto plan is" in text and "best Megatron plan" in text
     data = json.loads((tmp_path / "out" / "cmp.json").read_text())
     assert data["devices"] == 2
+    assert {r["megatron"]["sequence_parallel"] for r in data["plans"] if "megatron" in r} == {
+        False, True}
+    from planner.cli import build_parser
+    assert not build_parser().parse_args(["compare", "--model", "m", "--cluster", "c",
+                                          "--no-sequence-parallel"]).sequence_parallel
     assert (tmp_path / "out" / "cmp.png").read_bytes()[:4] == b"\x89PNG"
