@@ -542,7 +542,9 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
             return None
         split = split_layers(lambda i, lv: profiles[i].point(lv), len(prog.layers), S, m, copies,
                              ctx.budget / v, levels)
-        if split is not None or all(len(p.points) < levels for p in profiles):
+        # no fit with every point, the least-memory one (the second a profile
+        # gets) among them: points added later use more memory, so none fits
+        if split is not None or (levels >= 2 and all(len(p.points) <= levels for p in profiles)):
             break
     if split is None:
         return None
