@@ -147,7 +147,8 @@ def megatron_grid(cluster: Cluster, batch: int, num_layers: int,
                   restrict: dict[str, Any]) -> list[MegatronConfig]:
     cfgs = megatron_configs(cluster, batch, num_layers,
                             micro_batch_sizes=restrict.get("micro_batch_sizes", (1, 2, 4)),
-                            virtual_stages=restrict.get("virtual_stages", (None, 2)))
+                            virtual_stages=restrict.get("virtual_stages", (None, 2)),
+                            sequence_parallel=restrict.get("sequence_parallel", (False, True)))
     for key, attr in (("tp", "tp"), ("pp", "pp")):
         if key in restrict:
             cfgs = [c for c in cfgs if getattr(c, attr) in restrict[key]]
