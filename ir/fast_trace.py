@@ -48,7 +48,7 @@ import logging
 import re
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -90,6 +90,11 @@ class SynthesizedProgram:
         source: the decomposed capture of the truncated model it was built from.
         block_path: FQN of the ``nn.ModuleList`` of repeated blocks.
         num_blocks: number of blocks of the full model.
+        suffix_steps: how far node numbers after the blocks move per block.
+        probe: the short probe's program without its values and literals
+            (:func:`_structure`); a later trace of the same model at other
+            shapes whose short probe has this structure is written out from
+            that probe alone (see :func:`fast_trace`'s ``like``).
     """
 
     graph: torch.fx.Graph
@@ -97,11 +102,21 @@ class SynthesizedProgram:
     source: Any
     block_path: str
     num_blocks: int
+    suffix_steps: dict[str, int] = field(default_factory=dict)
+    probe: tuple = ()
 
 
 def fast_trace(model: nn.Module, example_inputs: Any, *,
-               min_blocks: int | None = None) -> Graph | None:
+               min_blocks: int | None = None,
+               like: SynthesizedProgram | None = None) -> Graph | None:
     """The :class:`Graph` of ``model(*example_inputs)`` from two short probe captures.
+
+    ``like``: the program of an earlier fast trace of the same model (say, at
+    another batch size). When this trace's short probe is that trace's short
+    probe up to values and literal sizes (same nodes, names, targets, wiring
+    and module paths), the method checked there (names advancing by the same
+    steps, the longer probe rebuilt exactly) holds here too, and the program
+    is written out from the short probe alone: one probe capture instead of two.
 
     Returns None when the model has no ``nn.ModuleList`` of at least
     ``min_blocks`` (default :data:`MIN_BLOCKS`, at least 4) identical blocks or
@@ -114,19 +129,19 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
     try:
         path, num_blocks = _find_block_list(model, min_blocks)
         args = _as_tuple(example_inputs)
-        probes = []
-        for k in _PROBES:
-            try:
-                ep = capture(_truncated(model, path, k), args)
-            except Exception as err:  # noqa: BLE001 - the full capture reports it
-                raise _Unsupported(f"capture of the first {k} blocks failed: {err}") from err
-            probes.append(_Layout(ep, path, k))
-        short, long = probes
-        suffix_steps = _suffix_steps(short, long)
-        # The method, checked on the probes: the 3-block program from the 2-block one.
-        rebuilt = _synthesize(short, long.k, suffix_steps)
-        _require_same(rebuilt, long.ep)
-        program = _synthesize(long, num_blocks, suffix_steps)
+        short = _probe(model, path, _PROBES[0], args)
+        if (like is not None and like.probe and like.block_path == path
+                and like.num_blocks == num_blocks and _structure(short) == like.probe):
+            steps = like.suffix_steps
+            program = _synthesize(short, num_blocks, steps)
+        else:
+            long = _probe(model, path, _PROBES[1], args)
+            steps = _suffix_steps(short, long)
+            # The method, checked on the probes: the 3-block program from the 2-block one.
+            rebuilt = _synthesize(short, long.k, steps)
+            _require_same(rebuilt, long.ep)
+            program = _synthesize(long, num_blocks, steps)
+        program = replace(program, suffix_steps=dict(steps), probe=_structure(short))
         _check_state(program, model)
         graph = graph_from_exported(program, model_name=name)
     except _Unsupported as err:
@@ -135,9 +150,29 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
     except Exception:  # noqa: BLE001 - any surprise: the full capture is always right
         log.debug("fast trace failed for %s", name, exc_info=True)
         return None
-    log.debug("fast trace of %s: %d blocks of %s from %d-block probes, %d nodes",
-              name, num_blocks, path, long.k, len(graph))
+    log.debug("fast trace of %s: %d blocks of %s, %d nodes", name, num_blocks, path, len(graph))
     return graph
+
+
+def _probe(model: nn.Module, path: str, k: int, args: tuple) -> "_Layout":
+    """The capture of ``model`` truncated to its first ``k`` blocks, laid out."""
+    try:
+        ep = capture(_truncated(model, path, k), args)
+    except Exception as err:  # noqa: BLE001 - the full capture reports it
+        raise _Unsupported(f"capture of the first {k} blocks failed: {err}") from err
+    return _Layout(ep, path, k)
+
+
+def _structure(lay: "_Layout") -> tuple:
+    """A probe's program without values and literal arguments: per node its
+    kind, name, target, wiring (literals as their type) and module path."""
+    def enc(a: Any) -> Any:
+        return ("node", a.name) if isinstance(a, torch.fx.Node) else type(a).__name__
+
+    return tuple((n.op, n.name, str(n.target),
+                  torch.fx.node.map_aggregate((n.args, n.kwargs), enc),
+                  _module_path(n) if n.op == "call_function" else "")
+                 for n in lay.ep.graph.nodes)
 
 
 # -- finding the blocks ------------------------------------------------------------------

@@ -157,7 +157,8 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "") 
     return Graph(nodes=nodes, output_names=output_names, model_name=model_name, exported=ep)
 
 
-def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any) -> Graph:
+def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
+          like: Graph | None = None) -> Graph:
     """Capture ``model`` called on ``example_inputs`` as a planner Graph.
 
     Pass a model built on the meta device (and meta example inputs) to plan
@@ -166,14 +167,18 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any) -> Graph:
     Models whose blocks sit in an ``nn.ModuleList`` of many identical modules
     are captured from two short probes and the rest written out
     (:mod:`ir.fast_trace`); the Graph is the same, node for node, as the full
-    capture's. ``PLANNER_FULL_TRACE=1`` in the environment always captures fully.
+    capture's. ``like``: an earlier trace of the same model (other input
+    shapes), whose checked method the fast path may reuse with one probe.
+    ``PLANNER_FULL_TRACE=1`` in the environment always captures fully.
     """
     import os
 
-    from ir.fast_trace import fast_trace
+    from ir.fast_trace import SynthesizedProgram, fast_trace
 
     if os.environ.get("PLANNER_FULL_TRACE", "0") in ("", "0"):
-        graph = fast_trace(model, example_inputs)
+        earlier = like.exported if like is not None else None
+        graph = fast_trace(model, example_inputs, like=earlier if isinstance(
+            earlier, SynthesizedProgram) else None)
         if graph is not None:
             return graph
     ep = capture(model, example_inputs)

@@ -145,7 +145,9 @@ class SearchContext:
             self._add_program(mb, self._batch_rule.at(mb), traced=False)
             return self._programs[mb]
         self.progress(f"tracing micro-batch {mb}")
-        graph = trace(self.model, microbatch_inputs(self.example_inputs, num_microbatches))
+        earlier = self._programs.get(self.global_batch)
+        graph = trace(self.model, microbatch_inputs(self.example_inputs, num_microbatches),
+                      like=earlier.graph if earlier is not None and earlier.traced else None)
         if prog is not None and graph.fingerprint() != prog.graph.fingerprint():
             self._batch_rule = False  # the derived program was not the real one
         self._learn_batch_rule(mb, graph)

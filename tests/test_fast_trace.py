@@ -48,6 +48,8 @@ def _assert_same(fast, ep, full):
 
 
 GPT = lambda n: GPTConfig(n, 64, 4, vocab_size=128, block_size=32)  # noqa: E731
+MOE4 = MoEConfig(n_layer=4, n_embd=64, n_head=4, n_expert=4, expert_hidden=128, vocab_size=128,
+                 block_size=32, capacity_factor=2.0, group_size=64)
 
 
 @pytest.mark.parametrize("cfg", [
@@ -65,6 +67,45 @@ def test_fast_equals_full(cfg):
     # The user's model is left as it was.
     blocks = model.layers if isinstance(cfg, LlamaConfig) else model.transformer.h
     assert len(blocks) == (cfg.n_layers if isinstance(cfg, LlamaConfig) else cfg.n_layer)
+
+
+LLAMA5 = LlamaConfig(n_layers=5, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=128,
+                     max_seq_len=32, rope_theta=10000.0)
+
+
+@pytest.mark.parametrize("cfg", [GPT(6), LLAMA5], ids=["gpt-L6", "llama-L5"])
+def test_later_trace_at_other_shapes_takes_one_probe(cfg, monkeypatch):
+    """A trace ``like`` an earlier one at another batch size captures only the
+    short probe and still equals the full capture at the new size. (MoE's
+    program changes with the batch, its expert capacity, so it takes both.)"""
+    model, inputs = zoo.build_from_config(cfg, batch_size=4, seq_len=16)
+    first = fast_trace(model, inputs, min_blocks=4)
+    model2, inputs2 = zoo.build_from_config(cfg, batch_size=2, seq_len=16)
+    ep, full = _full(model2, inputs2)
+    probes = []
+    real = fast_trace_module.capture
+    monkeypatch.setattr(fast_trace_module, "capture",
+                        lambda m, a: probes.append(m) or real(m, a))
+    again = fast_trace(model2, inputs2, min_blocks=4, like=first.exported)
+    _assert_same(again, ep, full)
+    assert len(probes) == 1
+
+
+@pytest.mark.parametrize("batch", [2, 4])
+def test_a_trace_like_a_different_program_checks_both_probes(batch, monkeypatch):
+    """Another model's program, or MoE's at another batch size (its expert
+    capacity changes the program), is not taken as the method."""
+    model, inputs = zoo.build_from_config(MOE4, batch_size=batch, seq_len=16)
+    other, other_inputs = zoo.build_from_config(LLAMA5 if batch == 2 else MOE4, batch_size=2,
+                                                seq_len=16)
+    first = fast_trace(other, other_inputs, min_blocks=4)
+    ep, full = _full(model, inputs)
+    probes = []
+    real = fast_trace_module.capture
+    monkeypatch.setattr(fast_trace_module, "capture",
+                        lambda m, a: probes.append(m) or real(m, a))
+    _assert_same(fast_trace(model, inputs, min_blocks=4, like=first.exported), ep, full)
+    assert len(probes) == 2
 
 
 # ---------------------------------------------------------------- custom models
