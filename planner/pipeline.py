@@ -40,7 +40,9 @@ from planner.strategies import NodeStrategies, build_strategies, divisible, fake
 # further point comes from the widest gap between two known points, solved with
 # memory weighted by the slope between them (it is new if it beats both there).
 # A weight, unlike a memory budget row, keeps every ILP as easy as the
-# unconstrained one.
+# unconstrained one. The search asks for the first two (the least-memory point
+# decides whether a configuration fits at all); refine() adds the rest for the
+# leading candidates' (mesh, micro-batch size) pairs.
 PROFILE_LEVELS = 4
 PROFILE_LEAST_MEMORY_WEIGHT = 1e3
 # Seconds each layer-profile ILP may take (they price candidates; the winner's
@@ -268,17 +270,24 @@ class SearchContext:
         self._extend(prof, levels)
         return prof
 
-    def own_profiles(self, prog: MicrobatchProgram, mesh: StageMeshOption) -> bool:
+    def own_profiles(self, prog: MicrobatchProgram, mesh: StageMeshOption,
+                     levels: int = PROFILE_LEVELS) -> bool:
         """Give every layer kind of ``prog`` on ``mesh`` a profile from its own
-        ILP where it had a re-priced one; whether any changed."""
+        ILP where it had a re-priced one, with up to ``levels`` memory levels;
+        whether any changed."""
         changed = False
         for layer in dict.fromkeys(prog.signatures.index(s) for s in prog.signatures):
             key = (prog.signatures[layer], mesh.shape, prog.microbatch_size)
             prof = self._profiles.get(key)
-            if prof is not None and prof.prepared is None:
-                self._profiles[key] = own = self._own_profile(prog, layer, mesh)
-                self._reference.setdefault(_reference_key(prog, layer, mesh), []).append(own)
+            if prof is None:
+                continue
+            if prof.prepared is None:
+                self._profiles[key] = prof = self._own_profile(prog, layer, mesh)
+                self._reference.setdefault(_reference_key(prog, layer, mesh), []).append(prof)
                 changed = True
+            before = len(prof.points)
+            self._extend(prof, levels)
+            changed |= len(prof.points) != before
         return changed
 
     def _own_profile(self, prog: MicrobatchProgram, layer: int,
@@ -500,7 +509,7 @@ REFINE_PAIRS = 3
 
 def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[PipelineCandidate]:
     """Re-price the leading candidates with ILP profiles of their own (mesh,
-    micro-batch size), then rank again.
+    micro-batch size) and all :data:`PROFILE_LEVELS` memory levels, then rank again.
 
     Re-priced profiles carry placements the ILP chose at another micro-batch
     size or mesh of the family; they are feasible but can be far from the
@@ -538,15 +547,16 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
     except ValueError:  # torch rejects this (schedule, pp, m) combination
         return None
     split = None
-    for levels in range(1, PROFILE_LEVELS + 1):  # smaller-memory points only when needed
+    for levels in (1, 2):  # the least-memory points only when the fastest do not fit
         profiles = [ctx.profile(prog, i, mesh, levels) for i in range(len(prog.layers))]
         if any(not p.points for p in profiles):
             return None
+        # every point found so far is used; with the least-memory ones among
+        # them, no point added later (they use more memory) could make it fit
+        known = max(len(p.points) for p in profiles)
         split = split_layers(lambda i, lv: profiles[i].point(lv), len(prog.layers), S, m, copies,
-                             ctx.budget / v, levels)
-        # no fit with every point, the least-memory one (the second a profile
-        # gets) among them: points added later use more memory, so none fits
-        if split is not None or (levels >= 2 and all(len(p.points) <= levels for p in profiles)):
+                             ctx.budget / v, known)
+        if split is not None:
             break
     if split is None:
         return None
