@@ -119,9 +119,11 @@ class SearchContext:
         # (layer kind, mesh family) -> the profiles with ILPs of their own, whose
         # placements the family re-prices
         self._reference: dict[tuple, list[LayerProfile]] = {}
-        # exact stage solutions by (micro-batch size, stage mesh, memory budget,
-        # layer kinds): (in-flight copies, solution) for stage_to_reuse
+        # exact stage solutions for exact_stage: by (memory budget, micro-batch
+        # size, stage mesh, layer kinds) the (in-flight copies, solution) pairs,
+        # and by the same key less the budget the fastest plan
         self._stage_results: dict[tuple, list[tuple[float, IntraOpResult]]] = {}
+        self._fastest_stages: dict[tuple, tuple[float, IntraOpResult]] = {}
         self.ilp_solves = 0
         self.stages_reused = 0
         if whole_batch_graph is not None:
@@ -196,25 +198,43 @@ class SearchContext:
 
     def exact_stage(self, prog: MicrobatchProgram, first: int, end: int,
                     mesh: StageMeshOption, budget: float | None, copies: float) -> IntraOpResult:
-        """:meth:`solve_stage`, or an earlier stage's solution moved here when
-        that stage is the same program with at most ``copies`` in-flight
-        micro-batches and its solution fits ``budget`` with ``copies``
-        (:mod:`planner.stage_reuse`: then it is this stage's optimum too)."""
-        key = (prog.microbatch_size, mesh.shape, budget, tuple(prog.signatures[first:end]))
-        earlier = self._stage_results.setdefault(key, [])
-        sub = None
-        for done_copies, done in earlier:
-            if done_copies > copies:
-                continue
-            if sub is None:
-                sub = self.stage_graph(prog, first, end)
-            moved = moved_result(done, sub, copies / done_copies)
+        """:meth:`solve_stage`, or a known solution moved here when it is this
+        stage's optimum (:mod:`planner.stage_reuse`): the fastest plan of the
+        same layers (no memory budget) when it fits ``budget`` with ``copies``
+        in-flight micro-batches, or the solution of a stage of the same layers
+        under the same budget with at most ``copies`` when it fits."""
+        layers = (prog.microbatch_size, mesh.shape, tuple(prog.signatures[first:end]))
+        sub = self.stage_graph(prog, first, end)
+        known: list[tuple[float, IntraOpResult]] = []  # (copies ratio, solution)
+        if budget is not None and self._fastest_may_fit(prog, first, end, mesh, budget, copies):
+            if layers not in self._fastest_stages:
+                self._fastest_stages[layers] = (
+                    copies, self.solve_stage(prog, first, end, mesh, None, copies))
+            fastest_copies, fastest = self._fastest_stages[layers]
+            known.append((copies / fastest_copies, fastest))
+        solved = self._stage_results.setdefault((budget, *layers), [])
+        known += [(copies / c, r) for c, r in solved if c <= copies]
+        for ratio, done in known:
+            moved = moved_result(done, sub, ratio)
             if moved is not None and (budget is None or total_memory(moved) <= budget):
                 self.stages_reused += 1
                 return moved
         result = self.solve_stage(prog, first, end, mesh, budget, copies)
-        earlier.append((copies, result))
+        solved.append((copies, result))
         return result
+
+    def _fastest_may_fit(self, prog: MicrobatchProgram, first: int, end: int,
+                         mesh: StageMeshOption, budget: float, copies: float) -> bool:
+        """Whether the layers' fastest profile points fit ``budget`` bytes with
+        ``copies`` in-flight micro-batches (True when a layer has no profile):
+        where they do not, solving the stage without a budget is not worth it."""
+        total = 0.0
+        for i in range(first, end):
+            prof = self._profiles.get((prog.signatures[i], mesh.shape, prog.microbatch_size))
+            if prof is None or not prof.points:
+                return True
+            total += prof.points[0].memory(copies)
+        return total <= budget
 
     def times_of(self, result: IntraOpResult, mesh: StageMeshOption) -> StageTimes:
         """:func:`stage_times` of a stage; under ZeRO-3 the parameter states are
