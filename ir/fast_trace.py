@@ -164,15 +164,9 @@ def _probe(model: nn.Module, path: str, k: int, args: tuple) -> "_Layout":
 
 
 def _structure(lay: "_Layout") -> tuple:
-    """A probe's program without values and literal arguments: per node its
-    kind, name, target, wiring (literals as their type) and module path."""
-    def enc(a: Any) -> Any:
-        return ("node", a.name) if isinstance(a, torch.fx.Node) else type(a).__name__
-
-    return tuple((n.op, n.name, str(n.target),
-                  torch.fx.node.map_aggregate((n.args, n.kwargs), enc),
-                  _module_path(n) if n.op == "call_function" else "")
-                 for n in lay.ep.graph.nodes)
+    """A probe's program without values and literal arguments
+    (:func:`_node_record` with ``literals=False`` of every node)."""
+    return tuple(_node_record(n, literals=False) for n in lay.ep.graph.nodes)
 
 
 # -- finding the blocks ------------------------------------------------------------------
@@ -625,9 +619,18 @@ def _synthesize(lay: _Layout, num_blocks: int, suffix_steps: dict[str, int]) -> 
                               block_path=path, num_blocks=num_blocks)
 
 
-def _node_record(n: torch.fx.Node) -> tuple:
-    args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", a.name))
-    return (n.op, n.name, n.target, args, _val_sig(n.meta.get("val")),
+def _node_record(n: torch.fx.Node, literals: bool = True) -> tuple:
+    """Kind, name, target, wiring, value and module path of a node; without
+    ``literals``, literal arguments are replaced by their type and the value
+    is left out (what stays the same when only the input shapes change)."""
+    if literals:
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", a.name))
+        value = _val_sig(n.meta.get("val"))
+    else:
+        args = torch.fx.node.map_aggregate((n.args, n.kwargs), lambda a: (
+            ("node", a.name) if isinstance(a, torch.fx.Node) else type(a).__name__))
+        value = None
+    return (n.op, n.name, n.target, args, value,
             _module_path(n) if n.op == "call_function" else "")
 
 
