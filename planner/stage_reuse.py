@@ -61,10 +61,12 @@ def moved_result(result: IntraOpResult, graph: Graph, copies_ratio: float
     names = node_map(result.graph, graph)
     if names is None:
         return None
-    layers = dict(zip((l.name for l in find_layers(result.graph)),
-                      (l.name for l in find_layers(graph))))
-    if any(name not in layers for name in result.checkpointed):
-        return None
+    layers: dict[str, str] = {}
+    if result.checkpointed:  # layer names, only when there are some to map
+        layers = dict(zip((l.name for l in find_layers(result.graph)),
+                          (l.name for l in find_layers(graph))))
+        if any(name not in layers for name in result.checkpointed):
+            return None
     by_name = {n.name: n for n in graph.nodes}
     memory = dict(result.memory)
     if "activations" in memory:
