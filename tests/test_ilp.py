@@ -221,3 +221,23 @@ def test_elimination_collapses_a_chain_but_not_memory_under_a_budget():
     import dataclasses
     free = dataclasses.replace(problem, memory_budget=None)
     assert eliminate(free).kept == [] and solve(free).objective_s == pytest.approx(best)
+
+
+def test_integral_relaxation_answers_without_the_mip_and_a_binding_budget_uses_it():
+    """Without a budget the LP relaxation of this chain is integral, so GLOP's
+    vertex is the answer; a budget that cuts the LP optimum in half (a knapsack)
+    leaves a fractional vertex, and CBC finds the integral optimum."""
+    chain = AssignmentProblem(
+        node_costs=[[1.0, 0.0], [0.0, 3.0], [2.0, 0.5]],
+        edges=[(0, 1, [[0.0, 5.0], [4.0, 0.0]]), (1, 2, [[0.0, 1.0], [1.0, 0.0]])])
+    unconstrained = solve(chain, reduce=False)
+    assert unconstrained.solver == "GLOP" and unconstrained.status == "OPTIMAL"
+    assert unconstrained.objective_s == pytest.approx(brute_force(chain)[1])
+
+    knapsack = AssignmentProblem(node_costs=[[0.0, 3.0], [0.0, 2.0], [0.0, 2.0]],
+                                 node_memory=[[4.0, 0.0], [3.0, 0.0], [3.0, 0.0]],
+                                 memory_budget=5.0)
+    solution = solve(knapsack, reduce=False)
+    assert solution.solver == "CBC"
+    assert solution.objective_s == pytest.approx(brute_force(knapsack)[1])  # 4.0
+    assert knapsack.fits(solution.choice)
