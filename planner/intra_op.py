@@ -86,7 +86,11 @@ class IntraOpCost:
     """Prices strategies and edges of one graph on one mesh of one cluster (seconds)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
-                 optimizer: str = "adam", activation_copies: float = 1.0):
+                 optimizer: str = "adam", activation_copies: float = 1.0,
+                 pricer: ReshardPricer | None = None):
+        """``pricer``: a :class:`ReshardPricer` of this mesh and cluster to share
+        (its prices are memoised, so graphs priced on the same mesh one after
+        another reuse them); a new one when None."""
         self.graph = graph
         # micro-batches whose saved activations are alive at once (pipeline in-flight)
         self.activation_copies = float(activation_copies)
@@ -97,7 +101,12 @@ class IntraOpCost:
         self.dtype = dtype
         self.requires_grad = self._requires_grad()
         self.param_derived = self._param_derived()
-        self._pricer = ReshardPricer(self.mesh_shape, self.links)
+        if pricer is None:
+            pricer = ReshardPricer(self.mesh_shape, self.links)
+        elif pricer.mesh_shape != self.mesh_shape or pricer.links != self.links:
+            raise ValueError(f"the shared pricer is for mesh {pricer.mesh_shape} and other "
+                             f"links; this cost is for mesh {self.mesh_shape}")
+        self._pricer = pricer
         self._grad_of: dict[int, int] = {}  # spec id -> id of its gradient's placements
         # (shape, itemsize, requires_grad) -> int, and edge seconds by
         # (producer spec id, consumer spec id, that int)
@@ -578,9 +587,11 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                      dtype: str = "float32", optimizer: str = "adam",
                      fixed: Mapping[str, Placements] | None = None,
                      activation_copies: float = 1.0,
-                     strategies: list[NodeStrategies] | None = None) -> PreparedIntraOp:
+                     strategies: list[NodeStrategies] | None = None,
+                     pricer: ReshardPricer | None = None) -> PreparedIntraOp:
     """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
-    several budgets can be solved without pricing again."""
+    several budgets can be solved without pricing again. ``pricer``: see
+    :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
         with fake_mesh(mesh_shape) as mesh:
@@ -596,7 +607,7 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                 raise FixedPlacementError(
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
-    cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies)
+    cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer)
     return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
                            float(activation_copies))
 

@@ -15,6 +15,7 @@ import torch
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links, collective_time
+from costmodel.resharding import ReshardPricer
 from torch.distributed.tensor.placement_types import Replicate
 from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
 from ir.graph import INPUT, PARAM, Graph
@@ -116,6 +117,8 @@ class SearchContext:
         self._profiles: dict[tuple, LayerProfile] = {}
         # DTensor's strategies by node signature, per stage mesh shape
         self._strategy_cache: dict[tuple, dict] = {}
+        # memoised resharding prices per stage mesh (shape, nodes, devices per node)
+        self._pricers: dict[tuple, ReshardPricer] = {}
         # (layer kind, mesh family) -> the profiles with ILPs of their own, whose
         # placements the family re-prices
         self._reference: dict[tuple, list[LayerProfile]] = {}
@@ -187,7 +190,16 @@ class SearchContext:
                 ns.fallback) for ns in strategies]
         return prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
                                 optimizer=self.optimizer, fixed=self.fixed or None,
-                                activation_copies=copies, strategies=strategies)
+                                activation_copies=copies, strategies=strategies,
+                                pricer=self.pricer(mesh))
+
+    def pricer(self, mesh: StageMeshOption) -> ReshardPricer:
+        """The resharding pricer every problem on ``mesh`` shares."""
+        key = (mesh.shape, mesh.num_nodes, mesh.devices_per_node)
+        if key not in self._pricers:
+            self._pricers[key] = ReshardPricer(
+                mesh.shape, axis_links(mesh.cluster(self.cluster), mesh.shape))
+        return self._pricers[key]
 
     def solve_stage(self, prog: MicrobatchProgram, first: int, end: int, mesh: StageMeshOption,
                     budget: float | None, copies: float) -> IntraOpResult:
@@ -399,7 +411,7 @@ class SearchContext:
             strategies.append(NodeStrategies(n, picks))
         prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
                                     dtype=self.dtype, optimizer=self.optimizer,
-                                    strategies=strategies)
+                                    strategies=strategies, pricer=self.pricer(mesh))
         points = []
         for chosen, weight in zip(ref.assignments, ref.weights):
             level = restrict(prepared, [

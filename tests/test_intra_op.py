@@ -169,3 +169,26 @@ def test_restricted_problem_prices_a_known_assignment_without_repricing():
     assert light <= full.memory(choice, [False] * len(full.checkpoint_groups))
     assert light == min(full.memory(choice, list(c)) for c in
                         itertools.product((False, True), repeat=len(full.checkpoint_groups)))
+
+
+def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh():
+    """Problems priced one after another on one mesh may share a ReshardPricer
+    (the search does): the prices are the same as with a pricer of their own."""
+    from costmodel.collectives import axis_links
+    from costmodel.resharding import ReshardPricer
+
+    model, inputs = build_from_config(GPTConfig(2, 32, 4, vocab_size=64, block_size=16),
+                                      batch_size=4)
+    graph = trace(model, inputs)
+    cluster = load_cluster("local-cpu:4")
+    with fake_mesh((2, 2)) as mesh:
+        strategies = build_strategies(graph, mesh)
+    alone = build_problem(IntraOpCost(graph, cluster, (2, 2), "float32"), strategies).problem
+    shared = ReshardPricer((2, 2), axis_links(cluster, (2, 2)))
+    build_problem(IntraOpCost(graph, cluster, (2, 2), "float32", pricer=shared), strategies)
+    again = build_problem(IntraOpCost(graph, cluster, (2, 2), "float32", pricer=shared),
+                          strategies).problem
+    assert again.node_costs == alone.node_costs
+    assert [(u, v, m) for u, v, m in again.edges] == [(u, v, m) for u, v, m in alone.edges]
+    with pytest.raises(ValueError, match="shared pricer is for mesh"):
+        IntraOpCost(graph, cluster, (4,), "float32", pricer=shared)
