@@ -33,9 +33,12 @@ The order is always torch's own; nothing here re-derives a schedule.
   constructors only read ``num_stages``, ``group_size``, ``group_rank`` and
   ``submod`` (None: skips the torch.compile check) of the stage objects and
   write ``stage_index_to_group_rank``, so they are built here with minimal
-  stand-in stages (no process group, no model). The compute actions of
-  ``pipeline_order_with_comms[rank]`` (F, B, I, W, OVERLAP_F_B; comm, FSDP
-  UNSHARD/RESHARD and REDUCE_GRAD actions dropped) are the order used, and
+  stand-in stages (no process group, no model), and without the lowering,
+  which only inserts communication, FSDP UNSHARD/RESHARD and REDUCE_GRAD
+  actions around each rank's compute actions (and costs 15-30x the rest). The
+  compute actions of ``pipeline_order[rank]`` (F, B, I, W, OVERLAP_F_B), which
+  are those of ``pipeline_order_with_comms[rank]`` in the same order (the
+  tests check it), are the order used, and
   torch's inferred ``stage_index_to_group_rank`` gives the stage placement
   (loop style ``s % pp``; V style for zbv/dualpipev).
 
@@ -312,10 +315,31 @@ def _torch_ops(action) -> list:
     return [action]
 
 
+def _stub_stages(name: str, pp: int, num_stages: int) -> list[_StubStage]:
+    """Rank 0's stand-in stages of a multi-stage schedule (loop or V placement)."""
+    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+
+    style = "v" if name in _V_STYLE else "loop"
+    local = generate_rank_to_stage_mapping(pp, num_stages, style=style)[0]
+    return [_StubStage(s, num_stages, pp, 0) for s in local]
+
+
+def _compute_only(cls: type) -> type:
+    """``cls`` (a ``_PipelineScheduleRuntime``) without the lowering of its
+    compute order to communication actions: the stage mapping is still
+    validated and set. The lowering only inserts actions (UNSHARD/RESHARD,
+    REDUCE_GRAD, SEND/RECV) around each rank's compute actions, in their order
+    (``tests/test_schedules.py`` checks the orders agree), and at pp=64,
+    m=256 it took 3.5-7 s of a 0.1-0.5 s construction."""
+    def validate_only(self, actions, format="compute_only"):
+        self._validate_and_set_stage_mapping(actions)
+
+    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": validate_only})
+
+
 @functools.lru_cache(maxsize=512)
 def _rank_orders_cached(name: str, pp: int, m: int, v: int):
     import torch.distributed.pipelining.schedules as tsched
-    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
 
     cls = getattr(tsched, TORCH_SCHEDULE_CLASSES[name])
     num_stages = pp * v
@@ -336,14 +360,11 @@ def _rank_orders_cached(name: str, pp: int, m: int, v: int):
             orders[rank] = tuple(stage.calls)
         return orders, {s: s for s in range(num_stages)}
 
-    style = "v" if name in _V_STYLE else "loop"
-    local = generate_rank_to_stage_mapping(pp, num_stages, style=style)[0]
-    stages = [_StubStage(s, num_stages, pp, 0) for s in local]
-    sched = cls(stages, n_microbatches=m)
+    sched = _compute_only(cls)(_stub_stages(name, pp, num_stages), n_microbatches=m)
     stage_to_rank = {int(s): int(r) for s, r in sched.stage_index_to_group_rank.items()}
     for rank in range(pp):
         ops: list[ScheduleOp] = []
-        compute = [a for a in sched.pipeline_order_with_comms[rank] if a.is_compute_op]
+        compute = [a for a in sched.pipeline_order[rank] if a is not None]
         for pos, action in enumerate(compute):
             group = pos if action.sub_actions is not None else None
             for a in _torch_ops(action):

@@ -88,6 +88,16 @@ def test_multi_stage_orders_are_torch_pipeline_order(name, pp, m):
         assert all(op.kind in ("F", "B") for ops in orders.values() for op in ops)
     if name in ("interleaved_zero_bubble", "zbv"):
         assert any(op.kind == "W" for op in orders[0])
+    # the order read without torch's lowering is the compute order torch runs:
+    # the compute actions of the lowered pipeline_order_with_comms
+    from costmodel.schedules import _stub_stages
+
+    lowered = cls(_stub_stages(name, pp, 2 * pp), n_microbatches=m).pipeline_order_with_comms
+    for r, ops in orders.items():
+        runs = [a for a in lowered[r] if a.is_compute_op]
+        flat = [sub for a in runs for sub in (a.sub_actions or (a,))]
+        assert [(op.kind, op.stage, op.microbatch) for op in ops] == [
+            (a.computation_type.value, a.stage_index, a.microbatch_index) for a in flat]
 
 
 def test_dualpipev_overlap_pairs_are_timed_as_their_sum():
