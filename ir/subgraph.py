@@ -31,17 +31,24 @@ def boundary_values(graph: Graph, stage_ops: list[Iterable[str]]) -> list[tuple[
             for a in n.args:
                 if graph[a].kind in (OP, INPUT):
                     last_reader[a] = max(last_reader.get(a, -1), owner[n.name])
-    out = []
-    for s in range(len(stage_ops)):
-        recv = [n.name for n in graph.nodes if n.kind in (OP, INPUT) and n.name in last_reader
-                and owner.get(n.name, -1) < s <= last_reader[n.name]]
-        if s == len(stage_ops) - 1:
-            send = list(graph.output_names)
-        else:
-            send = [n.name for n in graph.nodes if n.kind in (OP, INPUT) and n.name in last_reader
-                    and owner.get(n.name, -1) <= s < last_reader[n.name]]
-        out.append((recv, send))
-    return out
+    if not stage_ops:
+        return []
+    # each value goes from the stage after its owner up to its last reader:
+    # one pass over the nodes in program order (stages x nodes took 1.3 s
+    # per call for gpt3-175b's 98 layers)
+    recv: list[list[str]] = [[] for _ in stage_ops]
+    send: list[list[str]] = [[] for _ in stage_ops]
+    for n in graph.nodes:
+        last = last_reader.get(n.name)
+        if n.kind not in (OP, INPUT) or last is None:
+            continue
+        first = owner.get(n.name, -1)
+        for s in range(first + 1, last + 1):
+            recv[s].append(n.name)
+        for s in range(max(first, 0), last):
+            send[s].append(n.name)
+    send[-1] = list(graph.output_names)
+    return list(zip(recv, send))
 
 
 def subgraph(graph: Graph, ops: Iterable[str], receives: Iterable[str],
