@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from costmodel.cluster import Cluster
-from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
+from costmodel.schedules import canonical_schedule, default_stages_per_rank, peak_activations
 from ir.graph import INPUT, OP, Graph
 from ir.layers import PipelineLayer
 from ir.subgraph import boundary_values, subgraph
@@ -335,11 +335,9 @@ def in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
 
 @functools.lru_cache(maxsize=1024)
 def _in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, ...]:
-    # one event simulation of the whole step (0.1 s at pp=64, m=256), asked
-    # for by every stage mesh and search round of the same schedule shape
-    result = simulate(schedule, pp, m, 1.0, 1.0, 1.0, 0.0, stages_per_rank=v)
-    return tuple(max(1.0, result.peak_activations[result.stage_to_rank[s]] / v)
-                 for s in range(pp * v))
+    # asked for by every stage mesh and search round of the same schedule shape
+    peaks, stage_to_rank = peak_activations(schedule, pp, m, v)
+    return tuple(max(1.0, peaks[stage_to_rank[s]] / v) for s in range(pp * v))
 
 
 def exhaustive_split(layer_times: Callable[[int, int], StageTimes], num_layers: int,

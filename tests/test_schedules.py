@@ -13,7 +13,9 @@ from costmodel.schedules import (
     ScheduleOp,
     _RecordingStage,
     canonical_schedule,
+    default_stages_per_rank,
     load_csv_orders,
+    peak_activations,
     rank_orders,
     simulate,
     simulate_orders,
@@ -347,3 +349,13 @@ def test_csv_round_trip(tmp_path):
     assert (orders, s2r) == rank_orders("zbv", pp, m)
     a = simulate_orders(orders, s2r, 1.0, 1.0, 1.0, p2p=0.1)
     assert _approx(a.step_time, simulate("zbv", pp, m, 1.0, 1.0, 1.0, p2p=0.1).step_time)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 16)])
+def test_peak_activations_without_timing_equal_the_simulation(name, pp, m):
+    stages = pp * default_stages_per_rank(canonical_schedule(name))
+    result = simulate(name, pp, m, [1.0 + s % 3 for s in range(stages)], 2.0, 0.5, p2p=0.25)
+    peaks, stage_to_rank = peak_activations(name, pp, m)
+    assert peaks == result.peak_activations
+    assert stage_to_rank == result.stage_to_rank
