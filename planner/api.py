@@ -13,7 +13,6 @@ from costmodel.memory import reserve_bytes
 from costmodel.resharding import placement_str
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.trace import trace
-from planner.ilp import InfeasibleError
 from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
 from planner.plan_format import OpPlacement, Plan, Reshard, SolverReport
 
@@ -218,13 +217,12 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         return build_plan(best, cluster, info, training)
 
     from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, assemble, refine,
-                                  search, solve_exact)
+                                  search, solve_finalists)
 
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, progress=progress,
                         whole_batch_graph=graph)
     opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
-    exact = []
     first = search(ctx, opts)
     ranked = refine(ctx, first)
     singles = [c for c in ranked if c.schedule == NO_PIPELINE]
@@ -233,11 +231,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     # stage: pipelines are priced from layer profiles, the exact solve decides
     finalists = list({(c.label(), tuple(c.split.bounds)): c for c in
                       ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]}.values())
-    for cand in finalists:
-        try:
-            exact.append(solve_exact(ctx, cand))
-        except (MemoryInfeasibleError, InfeasibleError):  # a stage has no plan within limits
-            continue
+    # finalists with a stage that has no plan within limits are dropped
+    exact = [e for e in solve_finalists(ctx, finalists) if e is not None]
     if not exact:  # the layer profiles are coarse: try every single stage exactly
         best, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
                                            dtype, time_limit_s, budget, optimizer)

@@ -27,7 +27,8 @@ from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               PipelineInfeasibleError, SplitResult, StageMeshOption, StageTimes,
                               in_flight, layer_signature, split_layers, stage_mesh_options,
                               stage_times)
-from planner.intra_op import (IntraOpResult, PreparedIntraOp,
+from planner.forked import run_forked
+from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
                               prepare_intra_op, restrict, solve_prepared)
 from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
@@ -632,6 +633,52 @@ def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
                              cand.stages_per_rank, times, p2p)
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
+
+
+def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
+                    ) -> list[ExactPipeline | None]:
+    """:func:`solve_exact` of every finalist (None where a stage has no plan
+    within limits), groups of finalists on two CPU cores.
+
+    Finalists of one (stage mesh, micro-batch count) form a group, solved in
+    order in one process, so that their stages share exact solutions
+    (:meth:`SearchContext.exact_stage`); groups share no solution, so each
+    group's answers are the same whichever process solves it
+    (:mod:`planner.forked`). The programs are traced first, here, so that both
+    processes hold them and results refer to them instead of copying them."""
+    groups: dict[tuple, list[int]] = {}
+    for i, cand in enumerate(finalists):
+        groups.setdefault((cand.mesh.shape, cand.num_microbatches), []).append(i)
+    programs = [ctx.program(m, traced=True) for m in dict.fromkeys(k[1] for k in groups)]
+    shared: list[object] = [ctx.cluster]
+    for prog in programs:
+        shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
+
+    def group_task(members: list[int]) -> Callable[[], tuple]:
+        def run() -> tuple:
+            solves, reused = ctx.ilp_solves, ctx.stages_reused
+            out = []
+            for i in members:
+                try:
+                    out.append(solve_exact(ctx, finalists[i]))
+                except (MemoryInfeasibleError, InfeasibleError):  # no plan within limits
+                    out.append(None)
+            return out, ctx.ilp_solves - solves, ctx.stages_reused - reused
+        return run
+
+    def quiet() -> None:
+        ctx.progress = lambda msg: None
+
+    solves, reused = ctx.ilp_solves, ctx.stages_reused
+    done = run_forked([group_task(members) for members in groups.values()], shared, quiet)
+    exact: list[ExactPipeline | None] = [None] * len(finalists)
+    for members, (results, _, _) in zip(groups.values(), done):
+        for i, result in zip(members, results):
+            exact[i] = result
+    # the counts of both processes (a child's never reach ctx by themselves)
+    ctx.ilp_solves = solves + sum(d[1] for d in done)
+    ctx.stages_reused = reused + sum(d[2] for d in done)
+    return exact
 
 
 def stage_to_rank(schedule: str, pp: int, v: int) -> dict[int, int]:

@@ -1,0 +1,135 @@
+"""Run independent pieces of a search on two CPU cores by forking.
+
+The exact stage solves of the finalists are independent between groups that
+share no cache entry (another stage mesh or micro-batch size), and most of
+their time is CBC, which holds the GIL. :func:`run_forked` runs the tasks in
+this process and a forked child, each taking the next task when it is free.
+The child inherits the whole search state (copy-on-write), so nothing is sent
+to it; its results come back pickled through a file, with the objects both
+processes already hold (the traced programs) passed by reference instead of
+copied.
+
+Each task's answer depends only on its own inputs, so which process runs it
+does not change it: the result list is the same as running the tasks in order.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import tempfile
+import traceback
+from typing import Any, Callable, Sequence
+
+
+class ForkedTaskError(RuntimeError):
+    """A task failed in the forked child with an exception that could not be sent back."""
+
+
+def can_fork() -> bool:
+    """Whether tasks can run in a forked child: POSIX fork and two or more CPUs."""
+    return hasattr(os, "fork") and (os.cpu_count() or 1) >= 2
+
+
+def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = (),
+               in_child: Callable[[], None] | None = None) -> list[Any]:
+    """``[task() for task in tasks]``, run by this process and one forked
+    child together: each takes the next task not yet taken when it is free
+    (so one long task does not leave the other process idle).
+
+    Args:
+        tasks: callables without arguments; their results must pickle.
+        shared: objects that exist before the fork and may be part of the
+            results: they come back as these same objects, not copies.
+        in_child: called first in the child (e.g. to silence progress output).
+
+    An exception a task raises is raised here, in task order, after every
+    task has run. Runs everything here when there is one task or no fork.
+    """
+    if len(tasks) < 2 or not can_fork():
+        return [task() for task in tasks]
+    next_task = multiprocessing.Value("i", 0)  # shared memory, inherited by the child
+
+    def take() -> int | None:
+        with next_task.get_lock():
+            i = next_task.value
+            next_task.value += 1
+        return i if i < len(tasks) else None
+
+    with tempfile.TemporaryDirectory(prefix="planner-fork-") as tmp:
+        path = os.path.join(tmp, "results.pickle")
+        pid = os.fork()
+        if pid == 0:  # the child: run tasks, write their outcomes, leave at once
+            code = 0
+            try:
+                if in_child is not None:
+                    in_child()
+                outcomes = {}
+                while (i := take()) is not None:
+                    outcomes[i] = _sendable(_outcome(tasks[i]))
+                with open(path, "wb") as fh:
+                    _SharedPickler(fh, shared).dump(outcomes)
+            except BaseException:  # noqa: BLE001 - reported through the exit code
+                traceback.print_exc()
+                code = 1
+            os._exit(code)  # no atexit handlers or finalizers of the parent's state
+        outcomes = {}
+        while (i := take()) is not None:
+            outcomes[i] = _outcome(tasks[i])
+        _, status = os.waitpid(pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(path):
+            raise ForkedTaskError("the forked search process failed (its traceback is above); "
+                                  "run the search again, or report it with that traceback")
+        with open(path, "rb") as fh:
+            outcomes.update(_SharedUnpickler(fh, shared).load())
+    results = []
+    for i in range(len(tasks)):
+        ok, value = outcomes[i]
+        if not ok:
+            raise value
+        results.append(value)
+    return results
+
+
+def _outcome(task: Callable[[], Any]) -> tuple[bool, Any]:
+    """(True, result) or (False, the exception it raised)."""
+    try:
+        return True, task()
+    except Exception as exc:  # noqa: BLE001 - handed to the caller by run_forked
+        return False, exc
+
+
+def _sendable(outcome: tuple[bool, Any]) -> tuple[bool, Any]:
+    """The outcome, with an exception that does not pickle replaced by a
+    :class:`ForkedTaskError` carrying its type and message."""
+    ok, value = outcome
+    if ok:
+        return outcome
+    try:
+        pickle.loads(pickle.dumps(value))
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        return False, ForkedTaskError(f"{type(value).__name__}: {value}")
+    return outcome
+
+
+class _SharedPickler(pickle.Pickler):
+    """Writes the objects of ``shared`` as their index in it."""
+
+    def __init__(self, fh, shared: Sequence[object]):
+        super().__init__(fh, protocol=pickle.HIGHEST_PROTOCOL)
+        self._index = {id(obj): i for i, obj in enumerate(shared)}
+
+    def persistent_id(self, obj: object) -> int | None:
+        return self._index.get(id(obj))
+
+
+class _SharedUnpickler(pickle.Unpickler):
+    """Reads an index written by :class:`_SharedPickler` as that object of ``shared``."""
+
+    def __init__(self, fh, shared: Sequence[object]):
+        super().__init__(fh)
+        self._shared = shared
+
+    def persistent_load(self, pid: int) -> object:
+        return self._shared[pid]

@@ -1,0 +1,73 @@
+"""Finalists solved on two cores (planner.forked) give what solving them in
+order gives, and failures in the forked child are reported, not lost."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from costmodel.presets import local_cpu_cluster
+from ir.source import build_model
+from planner import pipeline as ps
+from planner.forked import ForkedTaskError, can_fork, run_forked
+
+needs_fork = pytest.mark.skipif(not can_fork(), reason="needs os.fork and two CPUs")
+
+
+class _Unpicklable(Exception):
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+@needs_fork
+def test_tasks_run_in_both_processes_and_shared_objects_come_back_as_themselves():
+    shared = [object(), {"big": list(range(10))}]
+
+    def task(k):
+        time.sleep(0.2)  # long enough for the child to take some
+        return k, os.getpid(), shared[k % 2]
+
+    tasks = [lambda k=k: task(k) for k in range(6)]
+    results = run_forked(tasks, shared)
+    assert [k for k, _, _ in results] == list(range(6))
+    assert all(obj is shared[k % 2] for k, _, obj in results)  # not copies
+    assert {pid for _, pid, _ in results} - {os.getpid()}  # the child ran some
+
+
+@needs_fork
+def test_a_task_error_is_raised_here_even_when_it_does_not_pickle():
+    def fail():
+        raise _Unpicklable(1, 2)  # cannot be rebuilt from its args
+
+    # whichever process runs the failing task, its error reaches the caller
+    with pytest.raises((_Unpicklable, ForkedTaskError), match="1 and 2"):
+        run_forked([lambda: 1, fail, lambda: 3, fail])
+
+
+@needs_fork
+def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
+    """Three finalists on several meshes (several groups): every step time, stage
+    memory and choice equals what solve_exact gives in this process."""
+    def context():
+        model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+        return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2)
+
+    ctx = context()
+    ranked = ps.search(ctx, ps.SearchOptions(pp=[2, 4], schedules=["1f1b"],
+                                             num_microbatches=[4]))
+    finalists = [c for c in ranked if c.pp > 1][:3]
+    assert len({c.mesh.shape for c in finalists}) >= 2  # groups for both processes
+    both = ps.solve_finalists(ctx, finalists)
+    alone = context()
+    for cand, got in zip(finalists, both):
+        want = ps.solve_exact(alone, cand)
+        assert got.step_time_s == want.step_time_s
+        assert got.program is ctx.program(cand.num_microbatches)
+        for r, w in zip(got.results, want.results):
+            assert r.solution.objective_s == w.solution.objective_s
+            assert r.memory == w.memory and r.checkpointed == w.checkpointed
+            assert {k: (s.inputs, s.outputs) for k, s in r.chosen.items()} == {
+                k: (s.inputs, s.outputs) for k, s in w.chosen.items()}
