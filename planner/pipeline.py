@@ -617,52 +617,87 @@ def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
                 bounds: list[tuple[int, int]] | None = None) -> ExactPipeline:
     """Solve each stage of ``cand`` (or of the given layer ``bounds``) with the
     intra-op ILP under its share of memory and in-flight activations."""
+    prog, bounds, copies = _stages(ctx, cand, bounds)
+    results = [None] * len(bounds)
+    for s in _solve_order(copies):
+        results[s] = _exact_stage(ctx, prog, cand, bounds[s], copies[s], s)
+    return _exact_pipeline(ctx, cand, prog, bounds, copies, results)
+
+
+def _stages(ctx: SearchContext, cand: PipelineCandidate,
+            bounds: list[tuple[int, int]] | None = None
+            ) -> tuple[MicrobatchProgram, list[tuple[int, int]], list[float]]:
+    """The captured program, the layer bounds and the in-flight micro-batches
+    of each stage of ``cand``."""
     prog = ctx.program(cand.num_microbatches, traced=True)
-    bounds = bounds or cand.split.bounds
     copies = stage_in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
-    results: list[IntraOpResult | None] = [None] * len(bounds)
-    # stages with fewer in-flight micro-batches first: their solutions may
-    # carry over to stages of the same layers that hold more
-    for s in sorted(range(len(bounds)), key=lambda s: copies[s]):
-        a, b = bounds[s]
-        ctx.progress(f"stage {s}: layers {a}..{b - 1}")
-        results[s] = ctx.exact_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank,
-                                     copies[s])
+    return prog, list(bounds or cand.split.bounds), copies
+
+
+def _solve_order(copies: list[float]) -> list[int]:
+    """Stages with fewer in-flight micro-batches first: their solutions may
+    carry over to stages of the same layers that hold more."""
+    return sorted(range(len(copies)), key=lambda s: copies[s])
+
+
+def _exact_stage(ctx: SearchContext, prog: MicrobatchProgram, cand: PipelineCandidate,
+                 bounds: tuple[int, int], copies: float, s: int) -> IntraOpResult:
+    a, b = bounds
+    ctx.progress(f"stage {s}: layers {a}..{b - 1}")
+    return ctx.exact_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank, copies)
+
+
+def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: MicrobatchProgram,
+                    bounds: list[tuple[int, int]], copies: list[float],
+                    results: list[IntraOpResult]) -> ExactPipeline:
+    """The step time of ``cand`` with its stages' exact solutions ``results``."""
     times = [ctx.times_of(r, cand.mesh) for r in results]
     p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
-                             cand.stages_per_rank, times, p2p)
+                                 cand.stages_per_rank, times, p2p)
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
 
 
 def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
                     ) -> list[ExactPipeline | None]:
     """:func:`solve_exact` of every finalist (None where a stage has no plan
-    within limits), groups of finalists on two CPU cores.
+    within limits), on two CPU cores.
 
-    Finalists of one (stage mesh, micro-batch count) form a group, solved in
-    order in one process, so that their stages share exact solutions
-    (:meth:`SearchContext.exact_stage`); groups share no solution, so each
-    group's answers are the same whichever process solves it
-    (:mod:`planner.forked`). The programs are traced first, here, so that both
-    processes hold them and results refer to them instead of copying them."""
-    groups: dict[tuple, list[int]] = {}
-    for i, cand in enumerate(finalists):
-        groups.setdefault((cand.mesh.shape, cand.num_microbatches), []).append(i)
-    programs = [ctx.program(m, traced=True) for m in dict.fromkeys(k[1] for k in groups)]
+    A stage's exact solve reads and writes only the solutions of its own
+    layer kinds on its stage mesh at its micro-batch size
+    (:meth:`SearchContext.exact_stage`). The stages of all finalists are
+    therefore cut into chains by that key, each chain in the order
+    :func:`solve_exact` of the finalists one after another would reach them;
+    chains share nothing, so each gives the same answers whichever process
+    runs it (:mod:`planner.forked`). The programs are captured first, here,
+    so that both processes hold them and results refer to them instead of
+    copying them."""
+    ctx.progress(f"exact stage solves of {len(finalists)} finalists")
+    staged = [_stages(ctx, cand) for cand in finalists]
+    chains: dict[tuple, list[tuple[int, int]]] = {}
+    for i, (cand, (prog, bounds, copies)) in enumerate(zip(finalists, staged)):
+        for s in _solve_order(copies):
+            a, b = bounds[s]
+            key = (cand.mesh.shape, cand.num_microbatches, tuple(prog.signatures[a:b]))
+            chains.setdefault(key, []).append((i, s))
     shared: list[object] = [ctx.cluster]
-    for prog in programs:
+    for prog in {id(p): p for p, _, _ in staged}.values():
         shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
 
-    def group_task(members: list[int]) -> Callable[[], tuple]:
+    def chain_task(items: list[tuple[int, int]]) -> Callable[[], tuple]:
         def run() -> tuple:
             solves, reused = ctx.ilp_solves, ctx.stages_reused
-            out = []
-            for i in members:
-                try:
-                    out.append(solve_exact(ctx, finalists[i]))
-                except (MemoryInfeasibleError, InfeasibleError):  # no plan within limits
-                    out.append(None)
+            failed: set[int] = set()  # finalists with a stage that has no plan
+            out: list[IntraOpResult | None] = []
+            for i, s in items:
+                prog, bounds, copies = staged[i]
+                result = None
+                if i not in failed:
+                    try:
+                        result = _exact_stage(ctx, prog, finalists[i], bounds[s], copies[s], s)
+                    except (MemoryInfeasibleError, InfeasibleError):  # no plan within limits
+                        failed.add(i)
+                out.append(result)
             return out, ctx.ilp_solves - solves, ctx.stages_reused - reused
         return run
 
@@ -670,15 +705,17 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
         ctx.progress = lambda msg: None
 
     solves, reused = ctx.ilp_solves, ctx.stages_reused
-    done = run_forked([group_task(members) for members in groups.values()], shared, quiet)
-    exact: list[ExactPipeline | None] = [None] * len(finalists)
-    for members, (results, _, _) in zip(groups.values(), done):
-        for i, result in zip(members, results):
-            exact[i] = result
+    done = run_forked([chain_task(items) for items in chains.values()], shared, quiet)
     # the counts of both processes (a child's never reach ctx by themselves)
     ctx.ilp_solves = solves + sum(d[1] for d in done)
     ctx.stages_reused = reused + sum(d[2] for d in done)
-    return exact
+    results: list[list[IntraOpResult | None]] = [[None] * len(b) for _, b, _ in staged]
+    for items, (out, _, _) in zip(chains.values(), done):
+        for (i, s), result in zip(items, out):
+            results[i][s] = result
+    return [None if any(r is None for r in rs) else
+            _exact_pipeline(ctx, cand, prog, bounds, copies, rs)
+            for cand, (prog, bounds, copies), rs in zip(finalists, staged, results)]
 
 
 def stage_to_rank(schedule: str, pp: int, v: int) -> dict[int, int]:

@@ -48,8 +48,9 @@ def test_a_task_error_is_raised_here_even_when_it_does_not_pickle():
 
 @needs_fork
 def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
-    """Three finalists on several meshes (several groups): every step time, stage
-    memory and choice equals what solve_exact gives in this process."""
+    """Three finalists on several meshes (chains of stages for both
+    processes): every step time, stage memory and choice equals what
+    solve_exact gives in this process, one finalist after another."""
     def context():
         model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
         return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
@@ -59,7 +60,7 @@ def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
     ranked = ps.search(ctx, ps.SearchOptions(pp=[2, 4], schedules=["1f1b"],
                                              num_microbatches=[4]))
     finalists = [c for c in ranked if c.pp > 1][:3]
-    assert len({c.mesh.shape for c in finalists}) >= 2  # groups for both processes
+    assert len({c.mesh.shape for c in finalists}) >= 2
     both = ps.solve_finalists(ctx, finalists)
     alone = context()
     for cand, got in zip(finalists, both):
