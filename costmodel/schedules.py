@@ -389,14 +389,19 @@ def rank_orders(
     """
     name = canonical_schedule(schedule)
     pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
+    orders, s2r = _torch_orders(name, pp, m, v)
+    return {r: list(o) for r, o in orders.items()}, dict(s2r)
+
+
+def _torch_orders(name: str, pp: int, m: int, v: int):
+    """The cached orders and stage map; torch's rejection as a ``ValueError``."""
     try:
-        orders, s2r = _rank_orders_cached(name, pp, m, v)
+        return _rank_orders_cached(name, pp, m, v)
     except (ValueError, AssertionError) as exc:
         raise ValueError(
             f"torch's {TORCH_SCHEDULE_CLASSES[name]} rejects pp={pp}, num_microbatches={m}, "
             f"stages_per_rank={v}: {exc}"
         ) from exc
-    return {r: list(o) for r, o in orders.items()}, dict(s2r)
 
 
 def _check_shape(name: str, pp, m, v) -> tuple[int, int, int]:
@@ -448,6 +453,7 @@ def simulate(
     p2p: PerStage = 0.0,
     stages_per_rank: int | None = None,
     activation_bytes: PerStage | None = None,
+    timeline: bool = True,
 ) -> ScheduleResult:
     """Time one training step of a pipeline schedule as torch executes it.
 
@@ -466,16 +472,25 @@ def simulate(
             (zbv and dualpipev require 2).
         activation_bytes: optional bytes one micro-batch's saved activations
             take per stage; gives ``peak_activation_bytes``.
+        timeline: build the result's per-action timeline (else it is empty).
 
     Returns:
         :class:`ScheduleResult`. See the module docstring for the model.
     """
     name = canonical_schedule(schedule)
     pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
-    orders, s2r = rank_orders(name, pp, m, v)
-    return simulate_orders(
-        orders, s2r, f, b, w, p2p, activation_bytes=activation_bytes, schedule=name, num_microbatches=m
-    )
+    orders, s2r, order = _torch_dependency_order(name, pp, m, v)
+    return _simulate_order(order, orders, s2r,
+                           *_stage_values(pp * v, f, b, w, p2p, activation_bytes),
+                           name, m, timeline)
+
+
+@functools.lru_cache(maxsize=512)
+def _torch_dependency_order(name: str, pp: int, m: int, v: int) -> tuple:
+    """Torch's orders, stage map and their :func:`_dependency_order` (one per
+    schedule shape: a search times the same shape with many stage times)."""
+    orders, s2r = _torch_orders(name, pp, m, v)
+    return orders, s2r, _dependency_order(orders, s2r, name)
 
 
 def peak_activations(schedule: str, pp: int, num_microbatches: int,
@@ -486,8 +501,8 @@ def peak_activations(schedule: str, pp: int, num_microbatches: int,
     no timing is needed; a tenth of a simulation's cost at pp=64, m=256)."""
     name = canonical_schedule(schedule)
     pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
-    orders, s2r = rank_orders(name, pp, m, v)
-    return _peaks(orders, pp, None)[0], s2r
+    orders, s2r = _torch_orders(name, pp, m, v)
+    return _peaks(orders, pp, None)[0], dict(s2r)
 
 
 def _peaks(orders: dict[int, Sequence[ScheduleOp]], pp: int, act_b: list[float] | None
@@ -562,13 +577,16 @@ def simulate_orders(
     activation_bytes: PerStage | None = None,
     schedule: str = "custom",
     num_microbatches: int | None = None,
+    timeline: bool = True,
 ) -> ScheduleResult:
     """The timing model of :func:`simulate` applied to given per-rank orders.
 
     ``orders[rank]`` is that rank's compute actions in execution order (as
     :func:`rank_orders` or :func:`load_csv_orders` return them) and
     ``stage_to_rank`` places every global stage. Raises ``ValueError`` when the
-    orders deadlock (an action waits for one that can never run).
+    orders deadlock (an action waits for one that can never run). Without
+    ``timeline`` the result's timeline is empty (the step and busy times are
+    the same; a search that needs only them skips building it).
     """
     name = schedule
     s2r = {int(s): int(r) for s, r in stage_to_rank.items()}
@@ -580,7 +598,6 @@ def simulate_orders(
     S = len(s2r)
     if S % pp != 0:
         raise ValueError(f"{S} stages do not divide evenly over {pp} ranks")
-    v = S // pp
     if num_microbatches is None:
         num_microbatches = 1 + max((op.microbatch for o in orders.values() for op in o), default=0)
     m = num_microbatches
@@ -593,86 +610,119 @@ def simulate_orders(
                     f"rank {r}: action {op} is for stage {op.stage}, "
                     f"which stage_to_rank puts on rank {s2r.get(op.stage)}"
                 )
-    fs = _per_stage(f, S, "f")
-    bs = _per_stage(b, S, "b")
-    ws = _per_stage(w, S, "w")
-    lat = _per_stage(p2p, max(S - 1, 0), "p2p") if S > 1 else []
-    act_b = _per_stage(activation_bytes, S, "activation_bytes", allow_none=True)
+    order = _dependency_order(orders, s2r, name)
+    return _simulate_order(order, orders, s2r, *_stage_values(S, f, b, w, p2p, activation_bytes),
+                           name, m, timeline)
 
-    def duration(op: ScheduleOp) -> float:
-        if op.kind == "F":
-            return fs[op.stage]
-        if op.kind == "I":
-            return bs[op.stage]
-        if op.kind == "W":
-            return ws[op.stage]
-        if op.kind == "B":
-            return bs[op.stage] + ws[op.stage]
-        raise ValueError(f"unexpected action kind {op.kind!r}")
 
-    def deps(op: ScheduleOp) -> list[tuple[tuple[str, int, int], float]]:
+def _stage_values(S: int, f: PerStage, b: PerStage, w: PerStage, p2p: PerStage,
+                  activation_bytes: PerStage | None) -> tuple:
+    """(f, b, w, p2p, activation bytes) as lists: one value per stage (per
+    boundary for p2p; None for absent activation bytes), checked."""
+    return (_per_stage(f, S, "f"), _per_stage(b, S, "b"), _per_stage(w, S, "w"),
+            _per_stage(p2p, max(S - 1, 0), "p2p") if S > 1 else [],
+            _per_stage(activation_bytes, S, "activation_bytes", allow_none=True))
+
+
+# One action of a dependency-respecting order of all ranks' actions: (rank,
+# action, what it waits for as (position in the order, stage boundary whose
+# p2p latency it adds or -1)).
+_Ordered = tuple[int, ScheduleOp, tuple[tuple[int, int], ...]]
+
+
+def _dependency_order(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, int],
+                      name: str) -> tuple[_Ordered, ...]:
+    """Every rank's actions in one order in which each comes after its rank's
+    earlier actions and after the actions it waits for: an F after the F of
+    the previous stage, a B or I after its F and the gradient of the next
+    stage (that stage's B or I), a W after its I. Timing is then one pass over
+    it. Raises ``ValueError`` when the orders deadlock."""
+    S = len(s2r)
+
+    def deps(op: ScheduleOp) -> list[tuple[tuple[str, int, int], int]]:
         s, j = op.stage, op.microbatch
         if op.kind == "F":
             if s == 0:
                 return []
-            return [(("F", s - 1, j), lat[s - 1] if s2r[s - 1] != s2r[s] else 0.0)]
+            return [(("F", s - 1, j), s - 1 if s2r[s - 1] != s2r[s] else -1)]
         if op.kind in ("B", "I"):
-            d = [(("F", s, j), 0.0)]
+            d = [(("F", s, j), -1)]
             if s < S - 1:
-                d.append((("G", s + 1, j), lat[s] if s2r[s + 1] != s2r[s] else 0.0))
+                d.append((("G", s + 1, j), s if s2r[s + 1] != s2r[s] else -1))
             return d
         # W: after the input-gradient part of the same stage/micro-batch.
-        return [(("I", s, j), 0.0)]
+        return [(("I", s, j), -1)]
 
-    end_of: dict[tuple[str, int, int], float] = {}
+    position: dict[tuple[str, int, int], int] = {}
     waiting: dict[tuple[str, int, int], list[int]] = {}
-    ptr = {r: 0 for r in range(pp)}
-    free_at = {r: 0.0 for r in range(pp)}
-    timeline: list[TimedAction] = []
-    ready = deque(range(pp))
-    queued = set(range(pp))
-
+    ptr = {r: 0 for r in orders}
+    out: list[_Ordered] = []
+    ready = deque(sorted(orders))
+    queued = set(orders)
     while ready:
         r = ready.popleft()
         queued.discard(r)
         order = orders[r]
         while ptr[r] < len(order):
             op = order[ptr[r]]
-            start = free_at[r]
+            after: list[tuple[int, int]] = []
             blocked = None
-            for key, delay in deps(op):
-                t = end_of.get(key)
-                if t is None:
+            for key, boundary in deps(op):
+                at = position.get(key)
+                if at is None:
                     blocked = key
                     break
-                start = max(start, t + delay)
+                after.append((at, boundary))
             if blocked is not None:
                 waiting.setdefault(blocked, []).append(r)
                 break
-            end = start + duration(op)
-            free_at[r] = end
             ptr[r] += 1
-            timeline.append(TimedAction(r, str(op), op.kind, op.stage, op.microbatch, start, end, op.overlap_group))
+            out.append((r, op, tuple(after)))
             keys = [(op.kind, op.stage, op.microbatch)]
             if op.kind in ("B", "I"):
                 keys.append(("G", op.stage, op.microbatch))
             for key in keys:
-                if key in end_of:
+                if key in position:
                     raise ValueError(f"rank {r}: action {op} appears twice in torch's order")
-                end_of[key] = end
+                position[key] = len(out) - 1
                 for other in waiting.pop(key, ()):
                     if other not in queued:
                         queued.add(other)
                         ready.append(other)
-
-    stuck = {r: str(orders[r][ptr[r]]) for r in range(pp) if ptr[r] < len(orders[r])}
+    stuck = {r: str(orders[r][ptr[r]]) for r in sorted(orders) if ptr[r] < len(orders[r])}
     if stuck:
         raise ValueError(f"{name}: schedule deadlocks; ranks blocked at {stuck}")
+    return tuple(out)
 
-    step_time = max((a.end for a in timeline), default=0.0)
+
+def _simulate_order(order: tuple[_Ordered, ...], orders: dict[int, Sequence[ScheduleOp]],
+                    s2r: dict[int, int], fs: list[float], bs: list[float], ws: list[float],
+                    lat: list[float], act_b: list[float] | None, name: str, m: int,
+                    with_timeline: bool) -> ScheduleResult:
+    """Time ``order`` (from :func:`_dependency_order`): each action starts
+    when its rank is free and what it waits for has ended (plus the p2p
+    latency across ranks), and lasts its stage's f, b, w or b + w seconds."""
+    pp = len(orders)
+    v = len(s2r) // pp
+    ends = [0.0] * len(order)
+    free_at = [0.0] * pp
     busy = [0.0] * pp
-    for a in timeline:
-        busy[a.rank] += a.end - a.start
+    timeline: list[TimedAction] = []
+    for k, (r, op, after) in enumerate(order):
+        start = free_at[r]
+        for at, boundary in after:
+            t = ends[at] + (lat[boundary] if boundary >= 0 else 0.0)
+            if t > start:
+                start = t
+        kind, s = op.kind, op.stage
+        end = start + (fs[s] if kind == "F" else bs[s] if kind == "I" else ws[s] if kind == "W"
+                       else bs[s] + ws[s])
+        ends[k] = free_at[r] = end
+        busy[r] += end - start
+        if with_timeline:
+            timeline.append(TimedAction(r, str(op), kind, s, op.microbatch, start, end,
+                                        op.overlap_group))
+    step_time = max(ends, default=0.0)
     idle = [step_time - x for x in busy]
     ideal = max(busy) if busy else 0.0
     bubble_ratio = (step_time - ideal) / ideal if ideal > 0 else 0.0

@@ -464,7 +464,7 @@ def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes
         return times[0].microbatch_s + times[0].grad_sync_s, 0.0
     r = simulate(schedule, pp, m, [t.forward_s for t in times],
                  [t.backward_input_s for t in times], [t.backward_weight_s for t in times],
-                 p2p if p2p else 0.0, stages_per_rank=v)
+                 p2p if p2p else 0.0, stages_per_rank=v, timeline=False)
     sync = max(t.grad_sync_s for t in times)
     return r.step_time + sync, r.step_time - max(r.busy)
 
