@@ -91,6 +91,12 @@ class Node:
     fqn: str | None = None
 
     @property
+    def is_view(self) -> bool:
+        """An op that moves no bytes and does no FLOPs: a view of its input
+        (tuple projections included)."""
+        return self.kind == OP and self.bytes_moved == 0 and self.flops == 0
+
+    @property
     def output(self) -> TensorInfo:
         """The single tensor output; raises for multi-output nodes."""
         if len(self.outputs) != 1:

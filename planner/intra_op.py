@@ -127,8 +127,7 @@ class IntraOpCost:
         """Parameters and the views of them (a transposed weight is still the weight)."""
         out: set[str] = set()
         for n in self.graph.nodes:
-            if n.kind == PARAM or (n.kind == OP and n.bytes_moved == 0 and n.flops == 0
-                                   and n.args and all(a in out for a in n.args)):
+            if n.kind == PARAM or (n.is_view and n.args and all(a in out for a in n.args)):
                 out.add(n.name)
         return out
 
@@ -169,7 +168,7 @@ class IntraOpCost:
         """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
         if node.kind != OP or node.name not in self.requires_grad:
             return 0.0, 0.0
-        if node.flops == 0 and node.bytes_moved == 0:
+        if node.is_view:
             return self._dispatch(node), 0.0
         f = self.shard_factor(s)
         input_grad = any(a in self.requires_grad and a not in self.param_derived
@@ -183,7 +182,7 @@ class IntraOpCost:
         """Seconds of the op's forward alone (what activation checkpointing re-runs)."""
         if node.kind != OP:
             return 0.0
-        if node.flops == 0 and node.bytes_moved == 0:
+        if node.is_view:
             return self._dispatch(node)
         f = self.shard_factor(s)
         return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)

@@ -182,8 +182,7 @@ def _views_of(graph: Graph, name: str, users: dict[str, list[str]]) -> list[str]
     while todo:
         n = todo.pop()
         out.append(n)
-        todo += [u for u in users[n] if graph[u].kind == OP and graph[u].bytes_moved == 0
-                 and graph[u].flops == 0 and graph[u].target != "getitem"]
+        todo += [u for u in users[n] if graph[u].is_view and graph[u].target != "getitem"]
     return out
 
 
@@ -197,8 +196,7 @@ def _viewed(graph: Graph, name: str) -> str:
     """The node whose data ``name`` views (walking back through views and
     first-output projections; ``name`` itself when it moves bytes)."""
     n = graph[name]
-    while (n.kind == OP and n.bytes_moved == 0 and n.flops == 0 and len(n.args) == 1
-           and (n.target != "getitem" or n.arg_index == 0)):
+    while n.is_view and len(n.args) == 1 and (n.target != "getitem" or n.arg_index == 0):
         n = graph[n.args[0]]
     return n.name
 
