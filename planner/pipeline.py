@@ -216,7 +216,7 @@ class SearchContext:
         same layers (no memory budget) when it fits ``budget`` with ``copies``
         in-flight micro-batches, or the solution of a stage of the same layers
         under the same budget with at most ``copies`` when it fits."""
-        layers = (prog.microbatch_size, mesh.shape, tuple(prog.signatures[first:end]))
+        layers = self.stage_key(prog, first, end, mesh)
         sub = self.stage_graph(prog, first, end)
         known: list[tuple[float, IntraOpResult]] = []  # (copies ratio, solution)
         if budget is not None and self._fastest_may_fit(prog, first, end, mesh, budget, copies):
@@ -235,6 +235,13 @@ class SearchContext:
         result = self.solve_stage(prog, first, end, mesh, budget, copies)
         solved.append((copies, result))
         return result
+
+    @staticmethod
+    def stage_key(prog: MicrobatchProgram, first: int, end: int, mesh: StageMeshOption) -> tuple:
+        """What :meth:`exact_stage` files the solutions of layers ``first ..
+        end - 1`` under (besides the budget): micro-batch size, stage mesh and
+        layer kinds. Stages of different keys share no solution."""
+        return prog.microbatch_size, mesh.shape, tuple(prog.signatures[first:end])
 
     def _fastest_may_fit(self, prog: MicrobatchProgram, first: int, end: int,
                          mesh: StageMeshOption, budget: float, copies: float) -> bool:
@@ -663,9 +670,9 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
     """:func:`solve_exact` of every finalist (None where a stage has no plan
     within limits), on two CPU cores.
 
-    A stage's exact solve reads and writes only the solutions of its own
-    layer kinds on its stage mesh at its micro-batch size
-    (:meth:`SearchContext.exact_stage`). The stages of all finalists are
+    A stage's exact solve reads and writes only the solutions filed under
+    its :meth:`SearchContext.stage_key` (its layer kinds on its stage mesh
+    at its micro-batch size). The stages of all finalists are
     therefore cut into chains by that key, each chain in the order
     :func:`solve_exact` of the finalists one after another would reach them;
     chains share nothing, so each gives the same answers whichever process
@@ -677,9 +684,7 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
     chains: dict[tuple, list[tuple[int, int]]] = {}
     for i, (cand, (prog, bounds, copies)) in enumerate(zip(finalists, staged)):
         for s in _solve_order(copies):
-            a, b = bounds[s]
-            key = (cand.mesh.shape, cand.num_microbatches, tuple(prog.signatures[a:b]))
-            chains.setdefault(key, []).append((i, s))
+            chains.setdefault(ctx.stage_key(prog, *bounds[s], cand.mesh), []).append((i, s))
     shared: list[object] = [ctx.cluster]
     for prog in {id(p): p for p, _, _ in staged}.values():
         shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
