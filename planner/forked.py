@@ -1,7 +1,7 @@
 """Run independent pieces of a search on two CPU cores by forking.
 
-The exact stage solves of the finalists are independent between groups that
-share no cache entry (another stage mesh or micro-batch size), and most of
+The finalists' exact stage solves fall into chains that share no cached
+solution (other layer kinds, stage mesh or micro-batch size), and most of
 their time is CBC, which holds the GIL. :func:`run_forked` runs the tasks in
 this process and a forked child, each taking the next task when it is free.
 The child inherits the whole search state (copy-on-write), so nothing is sent
@@ -29,7 +29,8 @@ class ForkedTaskError(RuntimeError):
 
 def can_fork() -> bool:
     """Whether tasks can run in a forked child: POSIX fork and two or more CPUs."""
-    return hasattr(os, "fork") and (os.cpu_count() or 1) >= 2
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return hasattr(os, "fork") and (cpus or 1) >= 2
 
 
 def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = (),
