@@ -285,7 +285,7 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     schedule = canonical_schedule(schedule)
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, fixed=fixed,
-                        zero_stage=zero_stage)
+                        zero_stage=zero_stage, whole_batch_graph=graph)
     if ctx.global_batch % num_microbatches:
         raise PlanningError(f"{num_microbatches} micro-batches do not divide the batch of "
                             f"{ctx.global_batch}")

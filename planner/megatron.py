@@ -520,7 +520,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         ctx = cache[key] = SearchContext(model, example_inputs, cluster, dtype=dtype,
                                          optimizer=optimizer, budget=budget,
                                          time_limit_s=time_limit_s, fixed=layout,
-                                         programs=cache.setdefault("programs", {}))
+                                         programs=cache.setdefault("programs", {}),
+                                         whole_batch_graph=graph)
     prog = ctx.program(m, traced=True)
     v = cfg.stages_per_rank
     cfg.check_layers(len(prog.layers))

@@ -130,7 +130,7 @@ class SearchContext:
         self._fastest_stages: dict[tuple, tuple[float, IntraOpResult]] = {}
         self.ilp_solves = 0
         self.stages_reused = 0
-        if whole_batch_graph is not None:
+        if whole_batch_graph is not None and self.global_batch not in self._programs:
             self._add_program(self.global_batch, whole_batch_graph)
 
     def _add_program(self, mb: int, graph: Graph, traced: bool = True) -> None:
