@@ -19,6 +19,20 @@ def _full(model, inputs):
     return ep, graph_from_exported(ep, model_name=type(model).__name__)
 
 
+@pytest.fixture(scope="module")
+def full_capture():
+    """``full_capture(cfg, batch)``: the full capture of the zoo model of ``cfg``
+    at ``batch`` x 16 tokens, made once per module (several tests compare with it)."""
+    done = {}
+
+    def get(cfg, batch):
+        key = (repr(cfg), batch)
+        if key not in done:
+            done[key] = _full(*zoo.build_from_config(cfg, batch_size=batch, seq_len=16))
+        return done[key]
+    return get
+
+
 def _fx_record(n: torch.fx.Node) -> tuple:
     return (n.op, n.name, n.target,
             torch.fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", a.name)))
@@ -59,9 +73,9 @@ MOE4 = MoEConfig(n_layer=4, n_embd=64, n_head=4, n_expert=4, expert_hidden=128, 
     MoEConfig(n_layer=4, n_embd=64, n_head=4, n_expert=4, expert_hidden=128, vocab_size=128,
               block_size=32, capacity_factor=2.0, group_size=64),
 ], ids=["gpt-L6", "llama-L5", "moe-L4"])
-def test_fast_equals_full(cfg):
+def test_fast_equals_full(cfg, full_capture):
     model, inputs = zoo.build_from_config(cfg, batch_size=2, seq_len=16)
-    ep, full = _full(model, inputs)
+    ep, full = full_capture(cfg, 2)
     fast = fast_trace(model, inputs, min_blocks=4)
     _assert_same(fast, ep, full)
     # The user's model is left as it was.
@@ -74,14 +88,14 @@ LLAMA5 = LlamaConfig(n_layers=5, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=176, v
 
 
 @pytest.mark.parametrize("cfg", [GPT(6), LLAMA5], ids=["gpt-L6", "llama-L5"])
-def test_later_trace_at_other_shapes_takes_one_probe(cfg, monkeypatch):
+def test_later_trace_at_other_shapes_takes_one_probe(cfg, monkeypatch, full_capture):
     """A trace ``like`` an earlier one at another batch size captures only the
     short probe and still equals the full capture at the new size. (MoE's
     program changes with the batch, its expert capacity, so it takes both.)"""
     model, inputs = zoo.build_from_config(cfg, batch_size=4, seq_len=16)
     first = fast_trace(model, inputs, min_blocks=4)
     model2, inputs2 = zoo.build_from_config(cfg, batch_size=2, seq_len=16)
-    ep, full = _full(model2, inputs2)
+    ep, full = full_capture(cfg, 2)
     probes = []
     real = fast_trace_module.capture
     monkeypatch.setattr(fast_trace_module, "capture",
@@ -92,14 +106,15 @@ def test_later_trace_at_other_shapes_takes_one_probe(cfg, monkeypatch):
 
 
 @pytest.mark.parametrize("batch", [2, 4])
-def test_a_trace_like_a_different_program_checks_both_probes(batch, monkeypatch):
+def test_a_trace_like_a_different_program_checks_both_probes(batch, monkeypatch,
+                                                              full_capture):
     """Another model's program, or MoE's at another batch size (its expert
     capacity changes the program), is not taken as the method."""
     model, inputs = zoo.build_from_config(MOE4, batch_size=batch, seq_len=16)
     other, other_inputs = zoo.build_from_config(LLAMA5 if batch == 2 else MOE4, batch_size=2,
                                                 seq_len=16)
     first = fast_trace(other, other_inputs, min_blocks=4)
-    ep, full = _full(model, inputs)
+    ep, full = full_capture(MOE4, batch)
     probes = []
     real = fast_trace_module.capture
     monkeypatch.setattr(fast_trace_module, "capture",
