@@ -1,8 +1,8 @@
 """Run a Plan with DTensor: an interpreter over the captured aten program.
 
 :class:`PlanExecutor` captures the model exactly as the planner did
-(``ir.capture``), refuses a plan made for a different program, distributes every
-parameter with ``distribute_tensor`` as the plan says, and then executes the
+(:func:`ir.trace.trace`), refuses a plan made for a different program, distributes
+every parameter with ``distribute_tensor`` as the plan says, and then executes the
 exported graph one aten op at a time on DTensors:
 
 * placeholders become the DTensor parameters, buffers and user inputs;
@@ -40,15 +40,17 @@ import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
 
 from ir.layers import find_layers
-from ir.trace import capture, graph_from_exported
+from ir.fast_trace import SynthesizedProgram
+from ir.trace import trace
 from planner.plan_format import OpPlacement, Plan, Reshard
 
 __all__ = [
-    "CapturedProgram", "PlanExecutor", "PlanMismatchError", "ReshardEvent", "capture_program",
-    "parse_placement", "placement_str", "placements_of", "record_plan", "redistribute",
+    "CapturedProgram", "PlanExecutor", "PlanMismatchError", "ReshardEvent", "WrittenOutProgram",
+    "capture_program", "parse_placement", "placement_str", "placements_of", "record_plan",
+    "redistribute",
 ]
 
 
@@ -294,17 +296,37 @@ def _tensor_leaves(value: Any) -> list[Any]:
 
 # ---------------------------------------------------------------------------- executor
 @dataclass
-class CapturedProgram:
-    """A model captured as the planner captures it: the exported program and its Graph."""
+class WrittenOutProgram:
+    """A fast trace's program (:class:`ir.fast_trace.SynthesizedProgram`) with
+    the model's own parameters and buffers: the parts of an ``ExportedProgram``
+    the executor reads."""
 
-    ep: torch.export.ExportedProgram
+    graph: torch.fx.Graph
+    graph_signature: ExportGraphSignature
+    state_dict: dict[str, torch.Tensor]  # FQN -> the model's parameter or buffer
+    constants: dict[str, torch.Tensor]
+
+
+@dataclass
+class CapturedProgram:
+    """A model captured as the planner captures it: the program and its Graph."""
+
+    ep: torch.export.ExportedProgram | WrittenOutProgram
     graph: Any  # ir.graph.Graph
 
 
 def capture_program(model: torch.nn.Module, example_inputs: Any) -> CapturedProgram:
-    """Capture ``model(*example_inputs)`` exactly as the planner did (``ir.capture``)."""
-    ep = capture(model, example_inputs)
-    return CapturedProgram(ep, graph_from_exported(ep, model_name=type(model).__name__))
+    """Capture ``model(*example_inputs)`` exactly as the planner did
+    (:func:`ir.trace.trace`): a model of many identical blocks from two short
+    probe captures with the rest written out (the same program, node for node,
+    as the full capture; seconds instead of minutes for a deep model), any
+    other with the full ``torch.export`` capture."""
+    graph = trace(model, example_inputs)
+    program = graph.exported
+    if isinstance(program, SynthesizedProgram):
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        program = WrittenOutProgram(program.graph, program.graph_signature, state, {})
+    return CapturedProgram(program, graph)
 
 
 class PlanExecutor:

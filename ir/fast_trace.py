@@ -31,8 +31,8 @@ targets, wiring, shapes, FLOPs, bytes, parameters, module paths), so its
 ``fingerprint()`` is the same. Its ``exported`` is a :class:`SynthesizedProgram`:
 a real ``torch.fx.Graph`` of the whole program (nodes share the ``meta["val"]``
 of the captured block they copy) and an ``ExportGraphSignature``, enough for
-``planner.strategies``; it is not a runnable ``ExportedProgram`` (code
-generation captures the real model with :func:`ir.trace.capture`).
+``planner.strategies``, and with the model's own tensors enough for code
+generation to run (``codegen.executor.WrittenOutProgram``).
 
 Anything that does not fit (no such ModuleList, blocks that differ in shapes,
 attributes or hooks, ops between blocks, blocks called out of order, names

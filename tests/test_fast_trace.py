@@ -59,6 +59,9 @@ def _assert_same(fast, ep, full):
     assert fast.exported.graph_signature.inputs_to_parameters == \
         ep.graph_signature.inputs_to_parameters
     assert fast.exported.graph_signature.user_inputs == ep.graph_signature.user_inputs
+    # what codegen.executor reads to run the program
+    assert fast.exported.graph_signature.input_specs == ep.graph_signature.input_specs
+    assert fast.exported.graph_signature.output_specs == ep.graph_signature.output_specs
 
 
 GPT = lambda n: GPTConfig(n, 64, 4, vocab_size=128, block_size=32)  # noqa: E731
