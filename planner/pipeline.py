@@ -17,7 +17,8 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links, collective_time
 from costmodel.resharding import ReshardPricer
 from torch.distributed.tensor.placement_types import Replicate
-from costmodel.schedules import canonical_schedule, default_stages_per_rank, simulate
+from costmodel.schedules import (canonical_schedule, default_stages_per_rank, rank_orders,
+                                 simulate)
 from ir.graph import INPUT, PARAM, Graph
 from ir.layers import PipelineLayer, pipeline_layers
 from ir.rescale import BatchRule, batch_rule
@@ -724,10 +725,10 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
 
 
 def stage_to_rank(schedule: str, pp: int, v: int) -> dict[int, int]:
-    """Pipeline rank of every stage, as torch's schedule places it."""
-    return simulate(schedule, pp, max(pp, 2 * pp if canonical_schedule(schedule) == "dualpipev"
-                                      else pp), 1.0, 1.0, 1.0, 0.0,
-                    stages_per_rank=v).stage_to_rank
+    """Pipeline rank of every stage, as torch's schedule places it (read from
+    its order at the fewest micro-batches it accepts; no simulation)."""
+    m = 2 * pp if canonical_schedule(schedule) == "dualpipev" else pp
+    return rank_orders(schedule, pp, m, v)[1]
 
 
 def assemble(exact: ExactPipeline, ctx: SearchContext, base_plan: Callable[[IntraOpResult, Cluster], Plan],
