@@ -87,11 +87,14 @@ class IntraOpCost:
 
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
                  optimizer: str = "adam", activation_copies: float = 1.0,
-                 pricer: ReshardPricer | None = None):
+                 pricer: ReshardPricer | None = None, state_shards: int = 1):
         """``pricer``: a :class:`ReshardPricer` of this mesh and cluster to share
         (its prices are memoised, so graphs priced on the same mesh one after
-        another reuse them); a new one when None."""
+        another reuse them); a new one when None. ``state_shards``: ranks that
+        FSDP2 (ZeRO-3, one unit per stage) shards the parameter states over
+        (:meth:`memory_breakdown`); 1 without ZeRO."""
         self.graph = graph
+        self.state_shards = int(state_shards)
         # micro-batches whose saved activations are alive at once (pipeline in-flight)
         self.activation_copies = float(activation_copies)
         self.optimizer = optimizer
@@ -209,12 +212,20 @@ class IntraOpCost:
         Parameters bring their gradient and optimizer states (sharded like the
         parameter); a user input its local batch; an op on the gradient path that
         writes memory (not a view) keeps its outputs for backward.
+
+        Under ZeRO-3 (``state_shards`` n > 1; FSDP2 with the whole stage as one
+        unit) parameters, gradients and optimizer states are kept 1/n each, and
+        on top the stage's parameters are all-gathered whole while it computes
+        and its gradients stay whole until they are reduce-scattered: params
+        and grads count ``1 + 1/n`` times, optimizer states ``1/n``.
         """
         if node.kind == PARAM:
             numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
             state = training_state_bytes(int(math.ceil(numel)), param_bytes=node.output.itemsize,
                                          optimizer=self.optimizer)
-            return {k: float(v) for k, v in state.items() if k != "total"}
+            n = self.state_shards
+            return {k: v / n + (v if n > 1 and k in ("params", "grads") else 0.0)
+                    for k, v in ((k, float(v)) for k, v in state.items() if k != "total")}
         if node.kind == INPUT:
             return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
                     * node.output.itemsize}
@@ -587,10 +598,11 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                      fixed: Mapping[str, Placements] | None = None,
                      activation_copies: float = 1.0,
                      strategies: list[NodeStrategies] | None = None,
-                     pricer: ReshardPricer | None = None) -> PreparedIntraOp:
+                     pricer: ReshardPricer | None = None,
+                     state_shards: int = 1) -> PreparedIntraOp:
     """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
-    several budgets can be solved without pricing again. ``pricer``: see
-    :class:`IntraOpCost`."""
+    several budgets can be solved without pricing again. ``pricer``,
+    ``state_shards``: see :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
         with fake_mesh(mesh_shape) as mesh:
@@ -606,7 +618,8 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                 raise FixedPlacementError(
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
-    cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer)
+    cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer,
+                       state_shards)
     return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
                            float(activation_copies))
 

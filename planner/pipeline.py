@@ -193,7 +193,11 @@ class SearchContext:
         return prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
                                 optimizer=self.optimizer, fixed=self.fixed or None,
                                 activation_copies=copies, strategies=strategies,
-                                pricer=self.pricer(mesh))
+                                pricer=self.pricer(mesh), state_shards=self.state_shards(mesh))
+
+    def state_shards(self, mesh: StageMeshOption) -> int:
+        """Ranks a stage's parameter states are sharded over (mesh axis 0 under ZeRO-3)."""
+        return mesh.shape[0] if self.zero_stage == 3 else 1
 
     def pricer(self, mesh: StageMeshOption) -> ReshardPricer:
         """The resharding pricer every problem on ``mesh`` shares."""
@@ -258,19 +262,20 @@ class SearchContext:
         return total <= budget
 
     def times_of(self, result: IntraOpResult, mesh: StageMeshOption) -> StageTimes:
-        """:func:`stage_times` of a stage; under ZeRO-3 the parameter states are
-        split over mesh axis 0 and FSDP2 all-gathers the parameters in forward
-        and again in backward."""
+        """:func:`stage_times` of a stage; under ZeRO-3 FSDP2 all-gathers the
+        parameters (sharded over mesh axis 0) in forward and again in backward.
+        The stage's memory already counts ZeRO-3 (:meth:`state_shards`)."""
         cluster = mesh.cluster(self.cluster)
         t = stage_times(result, cluster, self.dtype, self.optimizer)
-        if self.zero_stage != 3 or mesh.shape[0] == 1:
+        n = self.state_shards(mesh)
+        if n == 1:
             return t
-        n = mesh.shape[0]
         link = axis_links(cluster, mesh.shape)[0]
-        param_bytes = result.memory.get("params", 0.0)
+        # the whole parameters: the kept 1/n plus the gathered copy
+        param_bytes = result.memory.get("params", 0.0) * n / (n + 1)
         gather = collective_time("all_gather", param_bytes / n, n, link)
         return StageTimes(t.forward_s + gather, t.backward_input_s + gather, t.backward_weight_s,
-                          t.grad_sync_s, t.state_bytes / n, t.activation_bytes)
+                          t.grad_sync_s, t.state_bytes, t.activation_bytes)
 
     @staticmethod
     def stage_graph(prog: MicrobatchProgram, first: int, end: int) -> Graph:
@@ -420,7 +425,8 @@ class SearchContext:
             strategies.append(NodeStrategies(n, picks))
         prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
                                     dtype=self.dtype, optimizer=self.optimizer,
-                                    strategies=strategies, pricer=self.pricer(mesh))
+                                    strategies=strategies, pricer=self.pricer(mesh),
+                                    state_shards=self.state_shards(mesh))
         points = []
         for chosen, weight in zip(ref.assignments, ref.weights):
             level = restrict(prepared, [
@@ -765,13 +771,6 @@ def assemble(exact: ExactPipeline, ctx: SearchContext, base_plan: Callable[[Intr
                        "in_flight_microbatches": exact.copies[s],
                        "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))
     first = parts[0]
-    if zero_stage == 3 and mesh_shape[0] > 1:
-        for part in parts:
-            mem = part.predicted["memory_bytes_per_device"]
-            for kind in ("params", "grads", "optimizer"):
-                if kind in mem:
-                    mem[kind] = int(mem[kind] // mesh_shape[0])
-            mem["total"] = sum(v for k, v in mem.items() if k != "total")
     plan = Plan(
         model={**first.model, "fingerprint": prog.graph.fingerprint()}, cluster=ctx.cluster.to_dict(),
         mesh={"shape": [cand.pp] + mesh_shape,

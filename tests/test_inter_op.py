@@ -148,6 +148,28 @@ def test_pipeline_plan_json_round_trips_and_is_deterministic(pp_plan, tmp_path):
     assert second.to_json() == pp_plan.to_json()
 
 
+def test_zero3_stages_count_sharded_states_and_the_gathered_parameters():
+    """Under ZeRO-3 (FSDP2, one unit per stage, sharded over stage mesh axis 0
+    of size 2) a stage keeps half its parameters, gradients and optimizer
+    states, and on top holds the whole parameters while it computes and the
+    whole gradients until they are reduce-scattered."""
+    from planner.megatron import MegatronConfig, megatron_layout
+
+    model, inputs = build_model("gpt-tiny")
+    layout = megatron_layout(trace(model, inputs), MegatronConfig(1, 2))  # params replicated
+    plans = [pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
+                           schedule="1f1b", num_microbatches=2, zero_stage=zero, fixed=layout)
+             for zero in (0, 3)]
+    for plain, zero3 in zip(plans[0].pipeline.stages, plans[1].pipeline.stages):
+        assert zero3.zero_stage == 3 and zero3.zero_axis == 0
+        a = plain.predicted["memory_bytes_per_device"]
+        b = zero3.predicted["memory_bytes_per_device"]
+        assert b["params"] == pytest.approx(1.5 * a["params"], rel=1e-6, abs=2)
+        assert b["grads"] == pytest.approx(1.5 * a["grads"], rel=1e-6, abs=2)
+        assert b["optimizer"] == pytest.approx(0.5 * a["optimizer"], rel=1e-6, abs=2)
+        assert zero3.predicted["forward_s"] > plain.predicted["forward_s"]  # the all-gather
+
+
 def test_pipeline_plan_rejects_impossible_requests():
     model, inputs = build_model("gpt-tiny")
     with pytest.raises(PlanningError, match="devices"):
