@@ -316,5 +316,4 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         raise PlanningError(f"a stage does not fit: {err}") from None
     info = model_record(model, graph, model_source)
     training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
-    return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training),
-                    zero_stage=zero_stage)
+    return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))

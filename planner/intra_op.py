@@ -224,8 +224,11 @@ class IntraOpCost:
             state = training_state_bytes(int(math.ceil(numel)), param_bytes=node.output.itemsize,
                                          optimizer=self.optimizer)
             n = self.state_shards
-            return {k: v / n + (v if n > 1 and k in ("params", "grads") else 0.0)
-                    for k, v in ((k, float(v)) for k, v in state.items() if k != "total")}
+            kept = {k: float(v) / n for k, v in state.items() if k != "total"}
+            if n > 1:  # the gathered parameters and the whole gradients
+                kept["params"] += state["params"]
+                kept["grads"] += state["grads"]
+            return kept
         if node.kind == INPUT:
             return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
                     * node.output.itemsize}

@@ -737,8 +737,8 @@ def stage_to_rank(schedule: str, pp: int, v: int) -> dict[int, int]:
     return rank_orders(schedule, pp, m, v)[1]
 
 
-def assemble(exact: ExactPipeline, ctx: SearchContext, base_plan: Callable[[IntraOpResult, Cluster], Plan],
-             zero_stage: int = 0) -> Plan:
+def assemble(exact: ExactPipeline, ctx: SearchContext,
+             base_plan: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
     """One Plan from the exactly solved stages (placements merged by node name)."""
     cand = exact.candidate
     prog = exact.program
@@ -765,7 +765,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext, base_plan: Callable[[Intr
             index=s, pp_rank=rank, layers=[l.name for l in prog.layers[a:b]],
             nodes=[op for l in prog.layers[a:b] for op in l.ops], ranks=ranks,
             inputs=inputs, outputs=outputs, checkpoint=list(r.checkpointed),
-            zero_stage=zero_stage, zero_axis=0 if zero_stage else None,
+            zero_stage=ctx.zero_stage, zero_axis=0 if ctx.zero_stage else None,
             predicted={"forward_s": t.forward_s, "backward_input_s": t.backward_input_s,
                        "backward_weight_s": t.backward_weight_s, "grad_sync_s": t.grad_sync_s,
                        "in_flight_microbatches": exact.copies[s],
