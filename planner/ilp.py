@@ -423,6 +423,11 @@ def _load(name: str, proto: linear_solver_pb2.MPModelProto) -> pywraplp.Solver:
     return solver
 
 
+# GLOP's dual simplex without presolve: on the llama3-8b stage and layer
+# relaxations (~18k variables) 0.016 s against 0.05-0.08 s for the defaults
+# (primal simplex after presolve), the same optimum.
+_GLOP_PARAMETERS = "use_dual_simplex: true use_preprocessing: false"
+
 # An LP value this close to 0 or 1 counts as integral.
 _INTEGRAL_TOLERANCE = 1e-6
 
@@ -443,6 +448,7 @@ def _integral_relaxation(problem: AssignmentProblem, proto: linear_solver_pb2.MP
     at 0.07 s each where CBC took 0.48 s; a budget that binds makes it
     fractional, and CBC decides."""
     lp = _load("GLOP", proto)
+    lp.SetSolverSpecificParametersAsString(_GLOP_PARAMETERS)
     lp.SetTimeLimit(int(time_limit_s * 1000))
     if lp.Solve() != pywraplp.Solver.OPTIMAL:
         return None
