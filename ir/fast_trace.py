@@ -58,6 +58,7 @@ from torch.export.graph_signature import (
 )
 
 from ir.graph import Graph
+from ir.probe_rescale import RescaleError, rescale_program
 from ir.trace import _as_tuple, _module_path, capture, graph_from_exported
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,9 @@ class SynthesizedProgram:
             (:func:`_structure`); a later trace of the same model at other
             shapes whose short probe has this structure is written out from
             that probe alone (see :func:`fast_trace`'s ``like``).
+        short_probe: the short probe's program itself (captured, or written out
+            by :func:`rescaled_trace`).
+        batch: dim 0 of the user inputs it was traced at (None when they differ).
     """
 
     graph: torch.fx.Graph
@@ -107,6 +111,8 @@ class SynthesizedProgram:
     num_blocks: int
     suffix_steps: dict[str, int] = field(default_factory=dict)
     probe: tuple = ()
+    short_probe: Any = None
+    batch: int | None = None
 
 
 def fast_trace(model: nn.Module, example_inputs: Any, *,
@@ -144,7 +150,8 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
             rebuilt = _synthesize(short, long.k, steps)
             _require_same(rebuilt, long.ep)
             program = _synthesize(long, num_blocks, steps)
-        program = replace(program, suffix_steps=dict(steps), probe=_structure(short))
+        program = replace(program, suffix_steps=dict(steps), probe=_structure(short),
+                          short_probe=short.ep, batch=_batch_of(args))
         _check_state(program, model)
         graph = graph_from_exported(program, model_name=name)
     except _Unsupported as err:
@@ -155,6 +162,52 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
         return None
     log.debug("fast trace of %s: %d blocks of %s, %d nodes", name, num_blocks, path, len(graph))
     return graph
+
+
+def rescaled_trace(model: nn.Module, example_inputs: Any, a: SynthesizedProgram,
+                   b: SynthesizedProgram) -> Graph | None:
+    """The :class:`Graph` of ``model(*example_inputs)`` written out, without a
+    capture, from the short probes of two fast traces ``a`` and ``b`` of the
+    same model at other batch sizes (:func:`ir.probe_rescale.rescale_program`
+    for the probe, then the method of ``a``).
+
+    Two traces cannot tell a batch-affine literal from every other rule, so
+    the caller checks the result against one confirmed on a third capture
+    (:class:`ir.rescale.BatchRule`). Returns None when the traces do not
+    carry the method and probe of one model at two batch sizes, or the probe
+    does not rescale (the reason is logged at debug level).
+    """
+    name = type(model).__name__
+    try:
+        args = _as_tuple(example_inputs)
+        batch = _batch_of(args)
+        same = (a.block_path, a.num_blocks, a.probe, a.suffix_steps) == \
+            (b.block_path, b.num_blocks, b.probe, b.suffix_steps)
+        if not same or a.short_probe is None or b.short_probe is None or None in (
+                a.batch, b.batch, batch):
+            raise _Unsupported("the two traces are not of one model at known batch sizes")
+        probe = rescale_program(a.short_probe, a.batch, b.short_probe, b.batch, batch, args)
+        short = _Layout(probe, a.block_path, _PROBES[0])
+        if _structure(short) != a.probe:
+            raise _Unsupported("the rescaled probe has another structure")
+        program = replace(_synthesize(short, a.num_blocks, a.suffix_steps),
+                          suffix_steps=dict(a.suffix_steps), probe=a.probe,
+                          short_probe=probe, batch=batch)
+        _check_state(program, model)
+        graph = graph_from_exported(program, model_name=name)
+    except (_Unsupported, RescaleError) as err:
+        log.debug("rescaled trace not used for %s: %s", name, err)
+        return None
+    except Exception:  # noqa: BLE001 - any surprise: a capture is always right
+        log.debug("rescaled trace failed for %s", name, exc_info=True)
+        return None
+    return graph
+
+
+def _batch_of(args: tuple) -> int | None:
+    """Dim 0 shared by every tensor input, or None."""
+    sizes = {int(t.shape[0]) for t in args if isinstance(t, torch.Tensor) and t.ndim > 0}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def _probe(model: nn.Module, path: str, k: int, args: tuple) -> "_Layout":

@@ -8,7 +8,8 @@ from torch import nn
 
 import ir.fast_trace as fast_trace_module
 from ir import zoo
-from ir.fast_trace import SynthesizedProgram, fast_trace
+from ir.fast_trace import SynthesizedProgram, fast_trace, rescaled_trace
+from ir.probe_rescale import RescaleError, rescale_program
 from ir.trace import capture, graph_from_exported, trace
 from ir.zoo import GPTConfig, LlamaConfig, MoEConfig
 from planner.api import plan
@@ -124,6 +125,47 @@ def test_a_trace_like_a_different_program_checks_both_probes(batch, monkeypatch,
                         lambda m, a: probes.append(m) or real(m, a))
     _assert_same(fast_trace(model, inputs, min_blocks=4, like=first.exported), ep, full)
     assert len(probes) == 2
+
+
+@pytest.mark.parametrize("cfg", [GPT(6), LLAMA5], ids=["gpt-L6", "llama-L5"])
+def test_rescaled_trace_equals_the_capture(cfg, monkeypatch, full_capture):
+    """The program at a third batch size, written out from the short probes of
+    two traces without capturing, equals the full capture: Graph, fx literals
+    (view sizes) and values."""
+    traces = {}
+    for batch in (4, 2):
+        model, inputs = zoo.build_from_config(cfg, batch_size=batch, seq_len=16)
+        traces[batch] = fast_trace(model, inputs, min_blocks=4,
+                                   like=traces[4].exported if traces else None)
+    model, inputs = zoo.build_from_config(cfg, batch_size=6, seq_len=16)
+    monkeypatch.setattr(fast_trace_module, "capture", lambda m, a: pytest.fail("captured"))
+    written = rescaled_trace(model, inputs, traces[4].exported, traces[2].exported)
+    _assert_same(written, *full_capture(cfg, 6))
+    assert written.exported.batch == 6
+
+
+class _Flatten(nn.Module):
+    def forward(self, x):
+        return x.reshape(x.shape[0] * x.shape[1], -1).sum(0)
+
+
+class _MeanOverRows(nn.Module):
+    def forward(self, x):
+        return x.sum() * (1.0 / x.shape[0])  # a float literal that follows the batch
+
+
+def test_rescale_program_follows_integer_literals_and_refuses_the_rest():
+    caps = {b: capture(_Flatten(), (torch.randn(b, 3, 4),)) for b in (2, 4, 6)}
+    out = rescale_program(caps[4], 4, caps[2], 2, 6, (torch.randn(6, 3, 4),))
+    want = list(caps[6].graph.nodes)
+    assert [_fx_record(n) for n in out.graph.nodes] == [_fx_record(n) for n in want]
+    assert [n.meta["val"].shape for n in out.graph.nodes if n.op != "output"] == \
+        [n.meta["val"].shape for n in want if n.op != "output"]
+    means = {b: capture(_MeanOverRows(), (torch.randn(b, 3),)) for b in (2, 4)}
+    with pytest.raises(RescaleError, match="literal"):
+        rescale_program(means[4], 4, means[2], 2, 6, (torch.randn(6, 3),))
+    with pytest.raises(RescaleError, match="differs|nodes"):  # two different programs
+        rescale_program(caps[4], 4, means[2], 2, 6, (torch.randn(6, 3, 4),))
 
 
 # ---------------------------------------------------------------- custom models

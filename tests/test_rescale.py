@@ -10,7 +10,8 @@ from costmodel.cluster import load_cluster
 from ir import trace
 from ir.rescale import batch_rule
 from ir.source import build_model
-from planner.pipeline import SearchContext
+from ir.zoo import GPTConfig, build_from_config
+from planner.pipeline import SearchContext, microbatch_inputs
 
 
 def _capture(name: str, batch: int):
@@ -60,3 +61,29 @@ def test_search_derives_programs_after_a_confirming_capture():
         assert real.traced and len(traced) == 3
         assert real.graph.fingerprint() == derived.graph.fingerprint()
         assert real.signatures == derived.signatures
+
+
+def test_search_writes_out_programs_for_strategy_queries_once_the_rule_is_confirmed():
+    """After the confirming capture, a program that strategy enumeration needs
+    at a new micro-batch size is written out from the first two captures'
+    probes (ir.fast_trace.rescaled_trace) instead of captured, and equals the
+    capture node for node."""
+    model, inputs = build_from_config(GPTConfig(8, 64, 4, vocab_size=128, block_size=32),
+                                      batch_size=16, seq_len=16)
+    said: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ctx = SearchContext(model, inputs, load_cluster("local-cpu:4"), dtype="float32",
+                            optimizer="adam", budget=1e12, time_limit_s=10,
+                            whole_batch_graph=trace(model, inputs), progress=said.append)
+        assert ctx.program(2).captured and ctx.program(4).captured  # learn, then confirm
+        written = ctx.program(8, traced=True)
+        real = trace(model, microbatch_inputs(inputs, 8))
+        # torch specialises size-1 dimensions: a micro-batch of 1 is captured
+        single = ctx.program(16, traced=True)
+    assert said == ["tracing micro-batch 8", "tracing micro-batch 4",
+                    "writing out micro-batch 2", "tracing micro-batch 1"]
+    assert written.traced and not written.captured
+    assert written.graph.nodes == real.nodes
+    assert written.graph.fingerprint() == real.fingerprint()
+    assert single.captured
