@@ -78,7 +78,7 @@ def test_search_writes_out_programs_for_strategy_queries_once_the_rule_is_confir
                             whole_batch_graph=trace(model, inputs), progress=said.append)
         assert ctx.program(2).captured and ctx.program(4).captured  # learn, then confirm
         written = ctx.program(8, traced=True)
-        real = trace(model, microbatch_inputs(inputs, 8))
+        real = trace(model, microbatch_inputs(inputs, 8), like=ctx.program(4).graph)
         # torch specialises size-1 dimensions: a micro-batch of 1 is captured
         single = ctx.program(16, traced=True)
     assert said == ["tracing micro-batch 8", "tracing micro-batch 4",
