@@ -6,6 +6,7 @@ Units: seconds, bytes. See :mod:`planner.inter_op` for the pieces.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
@@ -329,11 +330,11 @@ class SearchContext:
         prof = self._profiles.get(key)
         if prof is not None and (len(prof.points) >= levels or prof.exhausted):
             return prof
-        if prof is None or prof.prepared is None:  # re-price a reference if one carries over
+        if prof is None or prof.mesh is None:  # re-price a reference if one carries over
             for ref in self._reference.setdefault(_reference_key(prog, layer, mesh), []):
                 repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None and len(ref.points) < levels and not ref.exhausted:
-                    self._extend(ref, levels)
+                    self._extend(ref, levels, prog, layer)
                     repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None:
                     self._profiles[key] = repriced
@@ -342,36 +343,55 @@ class SearchContext:
             # this program's shapes: ILPs of its own, a new reference
             prof = self._profiles[key] = self._own_profile(prog, layer, mesh)
             self._reference[_reference_key(prog, layer, mesh)].append(prof)
-        self._extend(prof, levels)
+        self._extend(prof, levels, prog, layer)
         return prof
 
     def own_profiles(self, prog: MicrobatchProgram, mesh: StageMeshOption,
-                     levels: int = PROFILE_LEVELS) -> bool:
-        """Give every layer kind of ``prog`` on ``mesh`` a profile from its own
-        ILP where it had a re-priced one, with up to ``levels`` memory levels;
-        whether any changed."""
-        changed = False
+                     levels: int = PROFILE_LEVELS) -> list[tuple[int, LayerProfile]]:
+        """Profiles from ILPs of their own, with up to ``levels`` memory
+        levels, for every layer kind of ``prog`` on ``mesh`` that has a profile:
+        the (layer, profile) pairs that are new or have more levels. An own
+        profile is extended in place; a re-priced one is replaced by a new
+        one, which only :meth:`adopt` files."""
+        changed = []
         for layer in dict.fromkeys(prog.signatures.index(s) for s in prog.signatures):
-            key = (prog.signatures[layer], mesh.shape, prog.microbatch_size)
-            prof = self._profiles.get(key)
+            prof = self._profiles.get((prog.signatures[layer], mesh.shape, prog.microbatch_size))
             if prof is None:
                 continue
-            if prof.prepared is None:
-                self._profiles[key] = prof = self._own_profile(prog, layer, mesh)
-                self._reference.setdefault(_reference_key(prog, layer, mesh), []).append(prof)
-                changed = True
             before = len(prof.points)
-            self._extend(prof, levels)
-            changed |= len(prof.points) != before
+            if prof.mesh is None:
+                prof, before = self._own_profile(prog, layer, mesh), -1
+            self._extend(prof, levels, prog, layer)
+            if len(prof.points) != before:
+                changed.append((layer, prof))
         return changed
+
+    def adopt(self, prog: MicrobatchProgram, layer: int, prof: LayerProfile) -> None:
+        """File ``prof``, a profile with ILPs of its own on ``prof.mesh`` (from
+        :meth:`own_profiles`, here or in a forked process), as the profile of
+        ``layer``'s kind: an extended own profile keeps its place among the
+        references of its mesh family, a new one is added after them."""
+        key = (prog.signatures[layer], prof.mesh.shape, prog.microbatch_size)
+        old = self._profiles.get(key)
+        self._profiles[key] = prof
+        refs = self._reference.setdefault(_reference_key(prog, layer, prof.mesh), [])
+        if old is not None and old.mesh is not None:
+            refs[:] = [prof if r is old else r for r in refs]
+        else:
+            refs.append(prof)
 
     def _own_profile(self, prog: MicrobatchProgram, layer: int,
                      mesh: StageMeshOption) -> LayerProfile:
         return LayerProfile([], prepared=self.prepare_stage(prog, layer, layer + 1, mesh, 1.0),
                             mesh=mesh)
 
-    def _extend(self, prof: LayerProfile, levels: int) -> None:
-        """Add memory levels to a profile with its own ILP until it has ``levels``."""
+    def _extend(self, prof: LayerProfile, levels: int, prog: MicrobatchProgram,
+                layer: int) -> None:
+        """Add memory levels to a profile with its own ILP (of ``layer`` of
+        ``prog``) until it has ``levels``."""
+        if len(prof.points) < levels and not prof.exhausted and prof.prepared is None:
+            # made in a forked process, which kept its priced problem
+            prof.prepared = self.prepare_stage(prog, layer, layer + 1, prof.mesh, 1.0)
         while len(prof.points) < levels and not prof.exhausted:
             if not self._next_level(prof, prof.mesh):
                 prof.exhausted = True
@@ -597,7 +617,7 @@ def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[Pipeline
     for c in top:
         pairs.setdefault((c.mesh.shape, c.num_microbatches), c.mesh)
     pairs = dict(list(pairs.items())[:REFINE_PAIRS])
-    changed = [key for key, mesh in pairs.items() if ctx.own_profiles(ctx.program(key[1]), mesh)]
+    changed = _own_profiles_forked(ctx, pairs)
     if not changed:
         return ranked
     again = []
@@ -608,6 +628,51 @@ def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[Pipeline
             again.append(c)
     again.sort(key=lambda c: c.step_time_s)
     return again
+
+
+def _own_profiles_forked(ctx: SearchContext, pairs: dict[tuple, StageMeshOption]
+                         ) -> list[tuple]:
+    """:meth:`SearchContext.own_profiles` of every (stage mesh, micro-batches)
+    pair, on two CPU cores (:mod:`planner.forked`); the pairs whose profiles
+    changed.
+
+    The pairs share no profile (each is filed under its own mesh and
+    micro-batch size), so each gives the same profiles whichever process
+    makes them. The programs whose strategies are enumerated are made here
+    first, so that both processes hold them. A forked process's profiles come
+    back without their priced problem, which is made again only if they are
+    extended later (:meth:`SearchContext._extend`)."""
+    progs = {}
+    for (shape, m), mesh in pairs.items():
+        prog = ctx.program(m)
+        repriced = any(p is not None and p.mesh is None for p in (
+            ctx._profiles.get((sig, shape, prog.microbatch_size)) for sig in prog.signatures))
+        progs[shape, m] = ctx.program(m, traced=True) if repriced else prog
+    in_child = [False]
+
+    def task(prog: MicrobatchProgram, mesh: StageMeshOption) -> Callable[[], tuple]:
+        def run() -> tuple:
+            solves = ctx.ilp_solves
+            changed = ctx.own_profiles(prog, mesh)
+            if in_child[0]:  # sent back by pickling: without the priced problems
+                changed = [(layer, dataclasses.replace(p, prepared=None)) for layer, p in changed]
+            return changed, ctx.ilp_solves - solves
+        return run
+
+    def quiet() -> None:
+        in_child[0] = True
+        ctx.progress = lambda msg: None
+
+    shared: list[object] = [ctx.cluster]
+    for prog in {id(p): p for p in progs.values()}.values():
+        shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
+    solves = ctx.ilp_solves
+    done = run_forked([task(progs[key], mesh) for key, mesh in pairs.items()], shared, quiet)
+    ctx.ilp_solves = solves + sum(d[1] for d in done)  # a child's never reach ctx by themselves
+    for key, (changed, _) in zip(pairs, done):
+        for layer, prof in changed:
+            ctx.adopt(progs[key], layer, prof)
+    return [key for key, (changed, _) in zip(pairs, done) if changed]
 
 
 def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule: str,

@@ -72,3 +72,33 @@ def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
             assert r.memory == w.memory and r.checkpointed == w.checkpointed
             assert {k: (s.inputs, s.outputs) for k, s in r.chosen.items()} == {
                 k: (s.inputs, s.outputs) for k, s in w.chosen.items()}
+
+
+@needs_fork
+def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
+    """refine() makes the profiles of its (mesh, micro-batches) pairs in this
+    process and a forked one: the ranking, every profile and the order of the
+    mesh families' references equal making them here one pair after another."""
+    def refined(forked: bool):
+        if not forked:
+            monkeypatch.setattr(ps, "run_forked",
+                                lambda tasks, shared=(), in_child=None: [t() for t in tasks])
+        model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+        ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2)
+        ranked = ps.refine(ctx, ps.search(ctx, ps.SearchOptions(
+            pp=[2, 4], schedules=["1f1b", "gpipe"], num_microbatches=[4])))
+        monkeypatch.undo()
+        return ctx, ranked
+
+    ctx, ranked = refined(forked=True)
+    alone, want = refined(forked=False)
+    assert len({(c.mesh.shape, c.num_microbatches) for c in ranked[:ps.REFINE_CANDIDATES]}) >= 2
+    assert [(c.label(), c.step_time_s, c.split.bounds) for c in ranked] == \
+        [(c.label(), c.step_time_s, c.split.bounds) for c in want]
+    profile = lambda p: (p.points, p.weights, p.exhausted, p.mesh)  # noqa: E731
+    assert {k: profile(p) for k, p in ctx._profiles.items()} == \
+        {k: profile(p) for k, p in alone._profiles.items()}
+    assert {k: [profile(p) for p in refs] for k, refs in ctx._reference.items()} == \
+        {k: [profile(p) for p in refs] for k, refs in alone._reference.items()}
+    assert ctx.ilp_solves == alone.ilp_solves
