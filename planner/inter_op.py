@@ -164,6 +164,8 @@ class LayerProfile:
     # (memory, memory) of neighbouring points with no supported point between them
     closed: set = field(default_factory=set, repr=False)
     mesh: Any = None  # the StageMeshOption its own ILPs run on (None: re-priced)
+    # (micro-batch size, layer) whose sub-graph its own ILPs price (None: re-priced)
+    origin: tuple[int, int] | None = None
 
     def point(self, level: int) -> StageTimes:
         return self.points[min(level, len(self.points) - 1)]

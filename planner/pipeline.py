@@ -334,7 +334,7 @@ class SearchContext:
             for ref in self._reference.setdefault(_reference_key(prog, layer, mesh), []):
                 repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None and len(ref.points) < levels and not ref.exhausted:
-                    self._extend(ref, levels, prog, layer)
+                    self._extend(ref, levels)
                     repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None:
                     self._profiles[key] = repriced
@@ -343,7 +343,7 @@ class SearchContext:
             # this program's shapes: ILPs of its own, a new reference
             prof = self._profiles[key] = self._own_profile(prog, layer, mesh)
             self._reference[_reference_key(prog, layer, mesh)].append(prof)
-        self._extend(prof, levels, prog, layer)
+        self._extend(prof, levels)
         return prof
 
     def own_profiles(self, prog: MicrobatchProgram, mesh: StageMeshOption,
@@ -361,10 +361,17 @@ class SearchContext:
             before = len(prof.points)
             if prof.mesh is None:
                 prof, before = self._own_profile(prog, layer, mesh), -1
-            self._extend(prof, levels, prog, layer)
+            self._extend(prof, levels)
             if len(prof.points) != before:
                 changed.append((layer, prof))
         return changed
+
+    def has_repriced(self, prog: MicrobatchProgram, mesh: StageMeshOption) -> bool:
+        """Whether a layer kind of ``prog`` on ``mesh`` has a re-priced profile
+        (:meth:`own_profiles` enumerates its strategies on a traced program)."""
+        return any(p is not None and p.mesh is None for p in (
+            self._profiles.get((sig, mesh.shape, prog.microbatch_size))
+            for sig in prog.signatures))
 
     def adopt(self, prog: MicrobatchProgram, layer: int, prof: LayerProfile) -> None:
         """File ``prof``, a profile with ILPs of its own on ``prof.mesh`` (from
@@ -383,14 +390,14 @@ class SearchContext:
     def _own_profile(self, prog: MicrobatchProgram, layer: int,
                      mesh: StageMeshOption) -> LayerProfile:
         return LayerProfile([], prepared=self.prepare_stage(prog, layer, layer + 1, mesh, 1.0),
-                            mesh=mesh)
+                            mesh=mesh, origin=(prog.microbatch_size, layer))
 
-    def _extend(self, prof: LayerProfile, levels: int, prog: MicrobatchProgram,
-                layer: int) -> None:
-        """Add memory levels to a profile with its own ILP (of ``layer`` of
-        ``prog``) until it has ``levels``."""
+    def _extend(self, prof: LayerProfile, levels: int) -> None:
+        """Add memory levels to a profile with its own ILP until it has ``levels``."""
         if len(prof.points) < levels and not prof.exhausted and prof.prepared is None:
             # made in a forked process, which kept its priced problem
+            mb, layer = prof.origin
+            prog = self.program(self.global_batch // mb, traced=True)
             prof.prepared = self.prepare_stage(prog, layer, layer + 1, prof.mesh, 1.0)
         while len(prof.points) < levels and not prof.exhausted:
             if not self._next_level(prof, prof.mesh):
@@ -630,6 +637,16 @@ def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[Pipeline
     return again
 
 
+def _held_by_both(ctx: SearchContext, progs: Sequence[MicrobatchProgram]) -> list[object]:
+    """What this process and a forked one both hold and a result may refer
+    to (:func:`planner.forked.run_forked`'s ``shared``): the cluster and the
+    programs with their graphs and nodes."""
+    shared: list[object] = [ctx.cluster]
+    for prog in {id(p): p for p in progs}.values():
+        shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
+    return shared
+
+
 def _own_profiles_forked(ctx: SearchContext, pairs: dict[tuple, StageMeshOption]
                          ) -> list[tuple]:
     """:meth:`SearchContext.own_profiles` of every (stage mesh, micro-batches)
@@ -645,9 +662,7 @@ def _own_profiles_forked(ctx: SearchContext, pairs: dict[tuple, StageMeshOption]
     progs = {}
     for (shape, m), mesh in pairs.items():
         prog = ctx.program(m)
-        repriced = any(p is not None and p.mesh is None for p in (
-            ctx._profiles.get((sig, shape, prog.microbatch_size)) for sig in prog.signatures))
-        progs[shape, m] = ctx.program(m, traced=True) if repriced else prog
+        progs[shape, m] = ctx.program(m, traced=True) if ctx.has_repriced(prog, mesh) else prog
     in_child = [False]
 
     def task(prog: MicrobatchProgram, mesh: StageMeshOption) -> Callable[[], tuple]:
@@ -663,9 +678,7 @@ def _own_profiles_forked(ctx: SearchContext, pairs: dict[tuple, StageMeshOption]
         in_child[0] = True
         ctx.progress = lambda msg: None
 
-    shared: list[object] = [ctx.cluster]
-    for prog in {id(p): p for p in progs.values()}.values():
-        shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
+    shared = _held_by_both(ctx, list(progs.values()))
     solves = ctx.ilp_solves
     done = run_forked([task(progs[key], mesh) for key, mesh in pairs.items()], shared, quiet)
     ctx.ilp_solves = solves + sum(d[1] for d in done)  # a child's never reach ctx by themselves
@@ -786,9 +799,7 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
     for i, (cand, (prog, bounds, copies)) in enumerate(zip(finalists, staged)):
         for s in _solve_order(copies):
             chains.setdefault(ctx.stage_key(prog, *bounds[s], cand.mesh), []).append((i, s))
-    shared: list[object] = [ctx.cluster]
-    for prog in {id(p): p for p, _, _ in staged}.values():
-        shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
+    shared = _held_by_both(ctx, [prog for prog, _, _ in staged])
 
     def chain_task(items: list[tuple[int, int]]) -> Callable[[], tuple]:
         def run() -> tuple:

@@ -1,10 +1,13 @@
-"""Finalists solved on two cores (planner.forked) give what solving them in
-order gives, and failures in the forked child are reported, not lost."""
+"""Finalists solved and profiles refined on two cores (planner.forked) give
+what doing it in order gives, and failures in the forked child are reported,
+not lost."""
 
 from __future__ import annotations
 
 import os
 import time
+
+import dataclasses
 
 import pytest
 
@@ -102,3 +105,34 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
     assert {k: [profile(p) for p in refs] for k, refs in ctx._reference.items()} == \
         {k: [profile(p) for p in refs] for k, refs in alone._reference.items()}
     assert ctx.ilp_solves == alone.ilp_solves
+
+
+def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here():
+    """A profile from the forked process has no priced problem: extending it
+    prices its own layer at its own micro-batch size again, and gives the
+    points a profile made here gives."""
+    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+    programs: dict = {}  # traced once, for both contexts
+
+    def context():
+        return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+                                programs=programs)
+
+    def own(ctx, levels):
+        prog = ctx.program(4, traced=True)
+        mesh = ps.stage_mesh_options(ctx.cluster, 2)[-1]
+        for layer in range(len(prog.layers)):
+            ctx.profile(prog, layer, mesh)
+        return prog, ctx.own_profiles(prog, mesh, levels)
+
+    ctx = context()
+    prog, made = own(ctx, levels=1)
+    for layer, prof in made:
+        ctx.adopt(prog, layer, dataclasses.replace(prof, prepared=None))
+    _, want = own(context(), levels=3)
+    for (layer, prof), (_, w) in zip(made, want):
+        sent = ctx._profiles[(prog.signatures[layer], prof.mesh.shape, 8)]
+        assert sent.prepared is None and sent.origin == (8, layer)
+        ctx._extend(sent, 3)
+        assert (sent.points, sent.weights, sent.exhausted) == (w.points, w.weights, w.exhausted)
