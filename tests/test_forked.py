@@ -54,10 +54,13 @@ def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
     """Three finalists on several meshes (chains of stages for both
     processes): every step time, stage memory and choice equals what
     solve_exact gives in this process, one finalist after another."""
+    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+    programs: dict = {}  # traced once, for both contexts
+
     def context():
-        model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
         return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2)
+                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+                                programs=programs)
 
     ctx = context()
     ranked = ps.search(ctx, ps.SearchOptions(pp=[2, 4], schedules=["1f1b"],
@@ -82,13 +85,16 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
     """refine() makes the profiles of its (mesh, micro-batches) pairs in this
     process and a forked one: the ranking, every profile and the order of the
     mesh families' references equal making them here one pair after another."""
+    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+    programs: dict = {}  # traced once, for both searches
+
     def refined(forked: bool):
         if not forked:
             monkeypatch.setattr(ps, "run_forked",
                                 lambda tasks, shared=(), in_child=None: [t() for t in tasks])
-        model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
         ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2)
+                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+                               programs=programs)
         ranked = ps.refine(ctx, ps.search(ctx, ps.SearchOptions(
             pp=[2, 4], schedules=["1f1b", "gpipe"], num_microbatches=[4])))
         monkeypatch.undo()

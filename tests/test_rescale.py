@@ -2,6 +2,7 @@
 equal real captures node for node, and the search uses them only once a third
 capture has confirmed the rule."""
 
+import functools
 import warnings
 
 import pytest
@@ -14,6 +15,7 @@ from ir.zoo import GPTConfig, build_from_config
 from planner.pipeline import SearchContext, microbatch_inputs
 
 
+@functools.lru_cache(maxsize=None)  # the tests only read the Graphs: capture each once
 def _capture(name: str, batch: int):
     model, inputs = build_model(name, device="meta", batch_size=batch)
     with warnings.catch_warnings():
