@@ -49,19 +49,25 @@ def test_a_task_error_is_raised_here_even_when_it_does_not_pickle():
         run_forked([lambda: 1, fail, lambda: 3, fail])
 
 
+def _gpt8_contexts():
+    """A maker of fresh SearchContexts of the 8-block test GPT on 8 CPU ranks
+    that share one programs dict (each micro-batch size is traced once)."""
+    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+    programs: dict = {}
+
+    def context() -> ps.SearchContext:
+        return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+                                programs=programs)
+    return context
+
+
 @needs_fork
 def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
     """Three finalists on several meshes (chains of stages for both
     processes): every step time, stage memory and choice equals what
     solve_exact gives in this process, one finalist after another."""
-    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
-    programs: dict = {}  # traced once, for both contexts
-
-    def context():
-        return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
-                                programs=programs)
-
+    context = _gpt8_contexts()
     ctx = context()
     ranked = ps.search(ctx, ps.SearchOptions(pp=[2, 4], schedules=["1f1b"],
                                              num_microbatches=[4]))
@@ -85,16 +91,13 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
     """refine() makes the profiles of its (mesh, micro-batches) pairs in this
     process and a forked one: the ranking, every profile and the order of the
     mesh families' references equal making them here one pair after another."""
-    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
-    programs: dict = {}  # traced once, for both searches
+    context = _gpt8_contexts()
 
     def refined(forked: bool):
         if not forked:
             monkeypatch.setattr(ps, "run_forked",
                                 lambda tasks, shared=(), in_child=None: [t() for t in tasks])
-        ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
-                               programs=programs)
+        ctx = context()
         ranked = ps.refine(ctx, ps.search(ctx, ps.SearchOptions(
             pp=[2, 4], schedules=["1f1b", "gpipe"], num_microbatches=[4])))
         monkeypatch.undo()
@@ -117,14 +120,7 @@ def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here(
     """A profile from the forked process has no priced problem: extending it
     prices its own layer at its own micro-batch size again, and gives the
     points a profile made here gives."""
-    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
-    programs: dict = {}  # traced once, for both contexts
-
-    def context():
-        return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
-                                programs=programs)
-
+    context = _gpt8_contexts()
     def own(ctx, levels):
         prog = ctx.program(4, traced=True)
         mesh = ps.stage_mesh_options(ctx.cluster, 2)[-1]
