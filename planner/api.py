@@ -163,6 +163,17 @@ def _best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, .
     return best, too_big
 
 
+def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
+    """``zero_stages`` as a list, or None (the search's default)."""
+    if zero_stages is None:
+        return None
+    out = [int(z) for z in zero_stages]
+    if not out or any(z not in (0, 3) for z in out):
+        raise PlanningError(f"ZeRO stages must be 0 (none) or 3 (FSDP2), got "
+                            f"{list(zero_stages)}")
+    return out
+
+
 def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
          mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
          time_limit_s: float = 30.0, optimizer: str = "adam",
@@ -171,6 +182,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
          pipeline: bool = True, pp: Sequence[int] | None = None,
          schedules: Sequence[str] | None = None,
          num_microbatches: Sequence[int] | None = None,
+         zero_stages: Sequence[int] | None = None,
          progress: Callable[[str], None] | None = None) -> Plan:
     """Find the fastest way to run one training step of ``model`` on ``cluster``.
 
@@ -197,6 +209,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             the runner builds the same shapes).
         pipeline: also search pipeline plans (ignored when ``mesh_shape`` is given).
         pp, schedules, num_microbatches: restrict the pipeline search.
+        zero_stages: ZeRO stages of pipeline stages to try: 0 (none) and/or 3
+            (FSDP2 over the stage mesh's axis 0); default both.
         progress: called with a short line as the search goes (for a progress bar).
 
     Raises:
@@ -222,7 +236,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, progress=progress,
                         whole_batch_graph=graph)
-    opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches)
+    opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches,
+                         zero_stages=_check_zero_stages(zero_stages))
     first = search(ctx, opts)
     ranked = refine(ctx, first)
     singles = [c for c in ranked if c.schedule == NO_PIPELINE]
@@ -275,8 +290,7 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
                                                              memory_budget)
     stage_mesh = tuple(int(d) for d in stage_mesh)
-    if zero_stage not in (0, 3):
-        raise PlanningError(f"zero_stage must be 0 or 3, got {zero_stage}")
+    _check_zero_stages([zero_stage])
     if pp * math.prod(stage_mesh) != cluster.num_devices:
         raise PlanningError(
             f"pp={pp} x stage mesh {'x'.join(map(str, stage_mesh))} is "
@@ -285,7 +299,7 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     schedule = canonical_schedule(schedule)
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, fixed=fixed,
-                        zero_stage=zero_stage, whole_batch_graph=graph)
+                        whole_batch_graph=graph)
     if ctx.global_batch % num_microbatches:
         raise PlanningError(f"{num_microbatches} micro-batches do not divide the batch of "
                             f"{ctx.global_batch}")
@@ -304,7 +318,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     else:
         bounds = None
     cands = search(ctx, SearchOptions(pp=[pp], schedules=[schedule],
-                                      num_microbatches=[num_microbatches], stage_mesh=stage_mesh))
+                                      num_microbatches=[num_microbatches], stage_mesh=stage_mesh,
+                                      zero_stages=[zero_stage]))
     if not cands:
         raise PlanningError(
             f"no {schedule} pipeline with pp={pp}, {num_microbatches} micro-batches and "

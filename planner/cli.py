@@ -48,7 +48,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def _int_list(text: str | None, what: str) -> list[int] | None:
+def _int_list(text: str | None, what: str, least: int = 1) -> list[int] | None:
     from planner.api import PlanningError
 
     if text is None:
@@ -57,8 +57,8 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
         values = [int(x) for x in text.split(",")]
     except ValueError:
         raise PlanningError(f"{what} '{text}' is not a comma-separated list of integers") from None
-    if any(v < 1 for v in values):
-        raise PlanningError(f"{what} '{text}' must be positive integers")
+    if any(v < least for v in values):
+        raise PlanningError(f"{what} '{text}' must be integers >= {least}")
     return values
 
 
@@ -88,6 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   if v is not None}
     pp = _int_list(args.pp, "--pp")
     microbatches = _int_list(args.microbatches, "--microbatches")
+    zero_stages = _int_list(args.zero, "--zero", least=0)
     schedules = args.schedule.split(",") if args.schedule else None
     if schedules:
         from costmodel.schedules import canonical_schedule
@@ -103,7 +104,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         result = plan(model, args.cluster, example_inputs=inputs, mesh_shape=mesh,
                       model_source=args.model, time_limit_s=args.time_limit,
                       zoo_kwargs=zoo_kwargs, pipeline=not args.no_pipeline, pp=pp,
-                      schedules=schedules, num_microbatches=microbatches, progress=progress)
+                      schedules=schedules, num_microbatches=microbatches,
+                      zero_stages=zero_stages, progress=progress)
     print(format_plan(result))
     existed = os.path.exists(args.output)
     result.save(args.output)
@@ -185,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", help="pipeline schedules to try, e.g. 1f1b,interleaved_1f1b "
                    "(default: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev)")
     p.add_argument("--microbatches", help="micro-batch counts to try, e.g. 4,8 (default: pp, 2pp, 4pp)")
+    p.add_argument("--zero", help="ZeRO stages of pipeline stages to try: 0 (none), 3 (FSDP2 "
+                   "over the stage mesh's first axis); default 0,3")
     p.add_argument("--no-pipeline", action="store_true", help="plan a single stage only")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")

@@ -38,7 +38,7 @@ import numpy as np
 
 from costmodel.cluster import Cluster
 from costmodel.schedules import canonical_schedule, default_stages_per_rank, peak_activations
-from ir.graph import INPUT, OP, Graph
+from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import PipelineLayer
 from ir.subgraph import boundary_values, subgraph
 from planner.intra_op import (IntraOpCost, IntraOpResult, MemoryInfeasibleError, _grad_placements,
@@ -92,22 +92,29 @@ class StageTimes:
 ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
-def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str) -> StageTimes:
+def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str,
+                zero_stage: int = 0) -> StageTimes:
     """Split an intra-op solution's step into the parts a pipeline schedules apart.
 
     Forward compute and forward reshards (including gathering sharded
     parameters) run per micro-batch in the forward; input-gradient compute,
-    activation-gradient collectives, gradient reshards of activations and
+    gradient collectives, gradient reshards of activations and
     recomputation in the backward; weight-gradient compute in the weight
-    backward; the reduction of parameter gradients once per step.
+    backward; the gradient reshards of parameters and, under ZeRO
+    (``zero_stage``, see :class:`IntraOpCost`), the parameters' all-gather and
+    reduce-scatter over mesh axis 0 once per step.
     """
     graph, chosen = result.graph, result.chosen
-    cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer)
+    cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer, zero_stage=zero_stage)
     f = b = w = sync = 0.0
+    zero_priced = zero_bytes = 0.0  # ZeRO's collectives as the ILP priced them; their bytes
     for n in graph.nodes:
         s = chosen[n.name]
         if n.kind == INPUT:
             f += cost.compute(n, s)
+        if n.kind == PARAM:
+            zero_priced += cost.state_collectives(n, s)
+            zero_bytes += cost.zero_bytes(n, s)
         if n.kind != OP:
             continue
         f += cost.forward_time(n, s)
@@ -127,8 +134,9 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
                     sync += g
                 else:
                     b += g
-    recompute = result.solution.objective_s - (f + b + w + sync)
+    recompute = result.solution.objective_s - (f + b + w + sync + zero_priced)
     b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
+    sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
     memory = result.memory
     activations = memory.get("activations", 0.0)
     state = sum(v for k, v in memory.items() if k != "activations")
@@ -179,6 +187,15 @@ class StageMeshOption:
     shape: tuple[int, ...]
     num_nodes: int
     devices_per_node: int
+    # ZeRO over mesh axis 0 (see planner.intra_op.IntraOpCost): 0, 3 (FSDP2,
+    # parameters replicated on axis 0) or 1 (Megatron's distributed optimizer,
+    # priced for its baselines only)
+    zero_stage: int = 0
+
+    @property
+    def key(self) -> tuple:
+        """What the stage's problems depend on besides its layers: shape and ZeRO stage."""
+        return self.shape, self.zero_stage
 
     @property
     def size(self) -> int:
@@ -389,5 +406,7 @@ class PipelineCandidate:
     details: dict[str, Any] = field(default_factory=dict)
 
     def label(self) -> str:
+        zero = f" ZeRO-{self.mesh.zero_stage}" if self.mesh.zero_stage else ""
         return (f"pp={self.pp} v={self.stages_per_rank} stage mesh "
-                f"{'x'.join(map(str, self.mesh.shape))} {self.schedule} m={self.num_microbatches}")
+                f"{'x'.join(map(str, self.mesh.shape))}{zero} {self.schedule} "
+                f"m={self.num_microbatches}")

@@ -56,6 +56,10 @@ def _grad_placements(placements: Placements) -> Placements:
     return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
+# ZeRO stages the cost model prices (IntraOpCost's zero_stage).
+ZERO_STAGES = (0, 1, 3)
+
+
 @dataclass
 class CostBreakdown:
     """Predicted seconds of one training step on one device, by kind."""
@@ -87,14 +91,31 @@ class IntraOpCost:
 
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
                  optimizer: str = "adam", activation_copies: float = 1.0,
-                 pricer: ReshardPricer | None = None, state_shards: int = 1):
+                 pricer: ReshardPricer | None = None, zero_stage: int = 0):
         """``pricer``: a :class:`ReshardPricer` of this mesh and cluster to share
         (its prices are memoised, so graphs priced on the same mesh one after
-        another reuse them); a new one when None. ``state_shards``: ranks that
-        FSDP2 (ZeRO-3, one unit per stage) shards the parameter states over
-        (:meth:`memory_breakdown`); 1 without ZeRO."""
+        another reuse them); a new one when None. ``zero_stage``: how the
+        parameter states and gradient sums use mesh axis 0 (the data-parallel
+        axis; parameters replicated on it):
+
+        * 0: every device holds whole states; the gradients are all-reduced in
+          each micro-batch's backward (DTensor's Partial -> Replicate);
+        * 1: the optimizer states are sharded over axis 0; the gradient sums
+          on it wait for the end of the step, are reduce-scattered once and
+          the updated parameters all-gathered once (Megatron's distributed
+          optimizer);
+        * 3: FSDP2 with the whole stage as one unit: parameters, gradients and
+          optimizer states sharded over axis 0; the parameters are all-gathered
+          at the first forward and kept until the last backward (torch's
+          pipeline stage does not reshard between micro-batches), the
+          gradient sums reduce-scattered once per step.
+        """
+        if zero_stage not in ZERO_STAGES:
+            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
         self.graph = graph
-        self.state_shards = int(state_shards)
+        self.zero_stage = zero_stage
+        # ranks the parameter states are sharded over (mesh axis 0 under ZeRO)
+        self.state_shards = int(mesh_shape[0]) if zero_stage else 1
         # micro-batches whose saved activations are alive at once (pipeline in-flight)
         self.activation_copies = float(activation_copies)
         self.optimizer = optimizer
@@ -192,7 +213,14 @@ class IntraOpCost:
                 + self._dispatch(node))
 
     def backward_collectives(self, node: Node, s: Strategy) -> float:
-        """All-reduce of input gradients that come out partial under ``s``."""
+        """Seconds of the all-reduce of input gradients that come out partial
+        under ``s``, in each micro-batch's backward. Under ZeRO
+        (:attr:`zero_stage` > 0) a parameter's gradient sum on mesh axis 0
+        waits for the end of the step instead, and the parameter node itself
+        carries that step's all-gather and reduce-scatter over axis 0
+        (:meth:`state_collectives`)."""
+        if node.kind == PARAM:
+            return self.state_collectives(node, s)
         if node.kind != OP:
             return 0.0
         total = 0.0
@@ -200,11 +228,42 @@ class IntraOpCost:
             if arg not in self.requires_grad:
                 continue
             for a, size in enumerate(self.mesh_shape):
+                if a == 0 and self.state_shards > 1 and arg in self.param_derived:
+                    continue  # a pending sum, reduced once per step
                 if size > 1 and isinstance(pin[a], Replicate) and any(
                         not isinstance(out[a], Replicate) for out in s.outputs):
                     nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
                     total += collective_time("all_reduce", nbytes, size, self.links[a])
         return total
+
+    def zero_bytes(self, node: Node, s: Strategy) -> float:
+        """Bytes per device of a parameter whose states ZeRO shards over mesh
+        axis 0 (it is replicated there); 0 for anything else or without ZeRO."""
+        if node.kind != PARAM or self.state_shards == 1 or not isinstance(s.outputs[0][0],
+                                                                          Replicate):
+            return 0.0
+        return local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
+
+    def zero_collectives(self, nbytes: float) -> float:
+        """Seconds of ZeRO's once-per-step collectives over mesh axis 0 for
+        ``nbytes`` of parameters: the reduce-scatter of their gradients and the
+        all-gather of the parameters, one collective each (as FSDP2 issues
+        them for a stage; ring: together the bytes of one all-reduce)."""
+        if self.state_shards == 1 or nbytes <= 0:
+            return 0.0
+        n, link = self.state_shards, self.links[0]
+        return (collective_time("reduce_scatter", nbytes, n, link)
+                + collective_time("all_gather", nbytes, n, link))
+
+    def state_collectives(self, node: Node, s: Strategy) -> float:
+        """Seconds one parameter adds to :meth:`zero_collectives` of its stage:
+        those of its bytes less their per-message latency, which the stage's
+        one pair of collectives pays once (:func:`planner.inter_op.stage_times`
+        adds it)."""
+        nbytes = self.zero_bytes(node, s)
+        if nbytes == 0:
+            return 0.0
+        return max(0.0, self.zero_collectives(nbytes) - self.zero_collectives(1.0))
 
     def memory_breakdown(self, node: Node, s: Strategy) -> dict[str, float]:
         """Bytes per device that ``node`` holds under ``s`` during a training step.
@@ -213,21 +272,24 @@ class IntraOpCost:
         parameter); a user input its local batch; an op on the gradient path that
         writes memory (not a view) keeps its outputs for backward.
 
-        Under ZeRO-3 (``state_shards`` n > 1; FSDP2 with the whole stage as one
-        unit) parameters, gradients and optimizer states are kept 1/n each, and
-        on top the stage's parameters are all-gathered whole while it computes
-        and its gradients stay whole until they are reduce-scattered: params
-        and grads count ``1 + 1/n`` times, optimizer states ``1/n``.
+        With n ranks on mesh axis 0: under ZeRO-1 the optimizer states count
+        ``1/n``; under ZeRO-3 (FSDP2 with the whole stage as one unit)
+        parameters, gradients and optimizer states are kept 1/n each, and on
+        top the stage's parameters are all-gathered whole for the step and its
+        gradients stay whole until they are reduce-scattered: params and grads
+        count ``1 + 1/n`` times, optimizer states ``1/n``.
         """
         if node.kind == PARAM:
             numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
             state = training_state_bytes(int(math.ceil(numel)), param_bytes=node.output.itemsize,
                                          optimizer=self.optimizer)
+            kept = {k: float(v) for k, v in state.items() if k != "total"}
             n = self.state_shards
-            kept = {k: float(v) / n for k, v in state.items() if k != "total"}
-            if n > 1:  # the gathered parameters and the whole gradients
-                kept["params"] += state["params"]
-                kept["grads"] += state["grads"]
+            if self.zero_stage == 1:
+                kept["optimizer"] /= n
+            elif self.zero_stage == 3 and n > 1:  # plus the gathered parameters, whole gradients
+                kept = {k: v / n + (v if k in ("params", "grads") else 0.0)
+                        for k, v in kept.items()}
             return kept
         if node.kind == INPUT:
             return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
@@ -602,10 +664,10 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                      activation_copies: float = 1.0,
                      strategies: list[NodeStrategies] | None = None,
                      pricer: ReshardPricer | None = None,
-                     state_shards: int = 1) -> PreparedIntraOp:
+                     zero_stage: int = 0) -> PreparedIntraOp:
     """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
     several budgets can be solved without pricing again. ``pricer``,
-    ``state_shards``: see :class:`IntraOpCost`."""
+    ``zero_stage``: see :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
         with fake_mesh(mesh_shape) as mesh:
@@ -622,7 +684,7 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer,
-                       state_shards)
+                       zero_stage)
     return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
                            float(activation_copies))
 

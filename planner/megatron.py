@@ -441,8 +441,10 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     schedule simulation, exactly as :func:`planner.api.pipeline_plan` with
     ``fixed=megatron_layout(...)`` and a uniform ``layer_split`` (without its
     inter-op DP, whose cut Megatron does not use). The distributed optimizer
-    divides the optimizer states by dp (ZeRO-1); the ILP's memory budget grows
-    by what that saves, so activations may use it.
+    divides the optimizer states by dp (ZeRO-1): a pipeline's stage ILPs
+    count that and reduce the gradients once per step (stage meshes with
+    ``zero_stage=1``); without a pipeline the ILP's memory budget grows by
+    what it saves, so activations may use it.
 
     Args:
         graph: the traced whole-batch program, if already traced.
@@ -513,7 +515,11 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     if not options:
         raise PlanningError(f"{cfg.label()}: pp={cfg.pp} does not cut cluster '{cluster.name}' "
                             f"into sub-meshes inside a node or of whole nodes")
-    mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node)
+    # the distributed optimizer: optimizer states sharded over dp (mesh axis 0),
+    # gradients reduced once per step (ZeRO-1)
+    zero = 1 if cfg.use_distributed_optimizer and cfg.dp > 1 else 0
+    mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node,
+                           zero_stage=zero)
     key = ("ctx", cfg.dp, cfg.tp, cfg.sequence_parallel, budget, time_limit_s, optimizer)
     ctx = cache.get(key)
     if ctx is None:
@@ -535,18 +541,15 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                             f"with {m} micro-batches: {err}") from None
     results, times = [], []
     for s, (a, b) in enumerate(bounds):
-        saving = _zero1_saving(ctx.stage_graph(prog, a, b), cfg, layout, optimizer)
         try:
-            r = ctx.solve_stage(prog, a, b, mesh, budget / v + saving, copies[s])
+            r = ctx.solve_stage(prog, a, b, mesh, budget / v, copies[s])
         except FixedPlacementError as err:
             raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}"
                                 ) from err
         except MemoryInfeasibleError as err:
             raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
-        t = ctx.times_of(r, mesh)
-        if cfg.use_distributed_optimizer and cfg.dp > 1:
-            r.memory["optimizer"] /= cfg.dp  # ZeRO-1 over data parallel
         results.append(r)
+        t = ctx.times_of(r, mesh)
         times.append(t)
     p2p = p2p_seconds(prog, bounds, mesh, cluster)
     step, bubble = simulate_step(cfg.schedule, cfg.pp, m, v, times, p2p)

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from costmodel.cluster import Cluster
-from costmodel.collectives import axis_links, collective_time
+from costmodel.collectives import axis_links
 from costmodel.resharding import ReshardPricer
 from torch.distributed.tensor.placement_types import Replicate
 from costmodel.schedules import (canonical_schedule, default_stages_per_rank, rank_orders,
@@ -98,13 +98,10 @@ class SearchContext:
                  dtype: str, optimizer: str, budget: float, time_limit_s: float,
                  min_layers: int = 2, progress: Callable[[str], None] | None = None,
                  whole_batch_graph: Graph | None = None,
-                 fixed: dict[str, tuple] | None = None, zero_stage: int = 0,
-                 programs: dict | None = None):
+                 fixed: dict[str, tuple] | None = None, programs: dict | None = None):
         self.model = model
         # placements every stage must use (a manual layout), by parameter FQN / input name
         self.fixed = dict(fixed or {})
-        # 3: parameters replicated on stage mesh axis 0 and sharded there by FSDP2
-        self.zero_stage = zero_stage
         self.example_inputs = tuple(example_inputs)
         self.cluster = cluster
         self.dtype = dtype
@@ -216,18 +213,14 @@ class SearchContext:
         sub = self.stage_graph(prog, first, end)
         with fake_mesh(mesh.shape) as fm:
             strategies = build_strategies(sub, fm, self._strategy_cache.setdefault(mesh.shape, {}))
-        if self.zero_stage == 3:  # FSDP2 shards parameters that are replicated on axis 0
+        if mesh.zero_stage == 3:  # FSDP2 shards parameters that are replicated on axis 0
             strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
                 ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],
                 ns.fallback) for ns in strategies]
         return prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
                                 optimizer=self.optimizer, fixed=self.fixed or None,
                                 activation_copies=copies, strategies=strategies,
-                                pricer=self.pricer(mesh), state_shards=self.state_shards(mesh))
-
-    def state_shards(self, mesh: StageMeshOption) -> int:
-        """Ranks a stage's parameter states are sharded over (mesh axis 0 under ZeRO-3)."""
-        return mesh.shape[0] if self.zero_stage == 3 else 1
+                                pricer=self.pricer(mesh), zero_stage=mesh.zero_stage)
 
     def pricer(self, mesh: StageMeshOption) -> ReshardPricer:
         """The resharding pricer every problem on ``mesh`` shares."""
@@ -276,7 +269,7 @@ class SearchContext:
         """What :meth:`exact_stage` files the solutions of layers ``first ..
         end - 1`` under (besides the budget): micro-batch size, stage mesh and
         layer kinds. Stages of different keys share no solution."""
-        return prog.microbatch_size, mesh.shape, tuple(prog.signatures[first:end])
+        return prog.microbatch_size, mesh.key, tuple(prog.signatures[first:end])
 
     def _fastest_may_fit(self, prog: MicrobatchProgram, first: int, end: int,
                          mesh: StageMeshOption, budget: float, copies: float) -> bool:
@@ -285,27 +278,16 @@ class SearchContext:
         where they do not, solving the stage without a budget is not worth it."""
         total = 0.0
         for i in range(first, end):
-            prof = self._profiles.get((prog.signatures[i], mesh.shape, prog.microbatch_size))
+            prof = self._profiles.get((prog.signatures[i], mesh.key, prog.microbatch_size))
             if prof is None or not prof.points:
                 return True
             total += prof.points[0].memory(copies)
         return total <= budget
 
     def times_of(self, result: IntraOpResult, mesh: StageMeshOption) -> StageTimes:
-        """:func:`stage_times` of a stage; under ZeRO-3 FSDP2 all-gathers the
-        parameters (sharded over mesh axis 0) in forward and again in backward.
-        The stage's memory already counts ZeRO-3 (:meth:`state_shards`)."""
-        cluster = mesh.cluster(self.cluster)
-        t = stage_times(result, cluster, self.dtype, self.optimizer)
-        n = self.state_shards(mesh)
-        if n == 1:
-            return t
-        link = axis_links(cluster, mesh.shape)[0]
-        # the whole parameters: the kept 1/n plus the gathered copy
-        param_bytes = result.memory.get("params", 0.0) * n / (n + 1)
-        gather = collective_time("all_gather", param_bytes / n, n, link)
-        return StageTimes(t.forward_s + gather, t.backward_input_s + gather, t.backward_weight_s,
-                          t.grad_sync_s, t.state_bytes, t.activation_bytes)
+        """:func:`stage_times` of a stage on ``mesh`` (with its ZeRO stage)."""
+        return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
+                           mesh.zero_stage)
 
     @staticmethod
     def stage_graph(prog: MicrobatchProgram, first: int, end: int) -> Graph:
@@ -326,12 +308,12 @@ class SearchContext:
         (e.g. a batch split more ways than the micro-batch has rows), the ILP
         runs again and makes another reference. The winner's stages are solved
         exactly anyway."""
-        key = (prog.signatures[layer], mesh.shape, prog.microbatch_size)
+        key = (prog.signatures[layer], mesh.key, prog.microbatch_size)
         prof = self._profiles.get(key)
         if prof is not None and (len(prof.points) >= levels or prof.exhausted):
             return prof
         if prof is None or prof.mesh is None:  # re-price a reference if one carries over
-            for ref in self._reference.setdefault(_reference_key(prog, layer, mesh), []):
+            for ref in self._carried_references(prog, layer, mesh):
                 repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None and len(ref.points) < levels and not ref.exhausted:
                     self._extend(ref, levels)
@@ -342,9 +324,21 @@ class SearchContext:
             # the first of its family here, or no reference's placements divide
             # this program's shapes: ILPs of its own, a new reference
             prof = self._profiles[key] = self._own_profile(prog, layer, mesh)
-            self._reference[_reference_key(prog, layer, mesh)].append(prof)
+            self._reference.setdefault(_reference_key(prog, layer, mesh), []).append(prof)
         self._extend(prof, levels)
         return prof
+
+    def _carried_references(self, prog: MicrobatchProgram, layer: int,
+                            mesh: StageMeshOption) -> list[LayerProfile]:
+        """The references whose placements :meth:`profile` tries to re-price
+        for ``layer`` on ``mesh``: its family's, and under ZeRO-3 first those
+        of the same family without ZeRO (their points whose parameters are all
+        replicated on mesh axis 0 carry over, :meth:`_repriced`)."""
+        own = self._reference.get(_reference_key(prog, layer, mesh), [])
+        if mesh.zero_stage != 3:
+            return list(own)
+        plain = dataclasses.replace(mesh, zero_stage=0)
+        return self._reference.get(_reference_key(prog, layer, plain), []) + own
 
     def own_profiles(self, prog: MicrobatchProgram, mesh: StageMeshOption,
                      levels: int = PROFILE_LEVELS) -> list[tuple[int, LayerProfile]]:
@@ -355,7 +349,7 @@ class SearchContext:
         one, which only :meth:`adopt` files."""
         changed = []
         for layer in dict.fromkeys(prog.signatures.index(s) for s in prog.signatures):
-            prof = self._profiles.get((prog.signatures[layer], mesh.shape, prog.microbatch_size))
+            prof = self._profiles.get((prog.signatures[layer], mesh.key, prog.microbatch_size))
             if prof is None:
                 continue
             before = len(prof.points)
@@ -370,7 +364,7 @@ class SearchContext:
         """Whether a layer kind of ``prog`` on ``mesh`` has a re-priced profile
         (:meth:`own_profiles` enumerates its strategies on a traced program)."""
         return any(p is not None and p.mesh is None for p in (
-            self._profiles.get((sig, mesh.shape, prog.microbatch_size))
+            self._profiles.get((sig, mesh.key, prog.microbatch_size))
             for sig in prog.signatures))
 
     def adopt(self, prog: MicrobatchProgram, layer: int, prof: LayerProfile) -> None:
@@ -378,7 +372,7 @@ class SearchContext:
         :meth:`own_profiles`, here or in a forked process), as the profile of
         ``layer``'s kind: an extended own profile keeps its place among the
         references of its mesh family, a new one is added after them."""
-        key = (prog.signatures[layer], prof.mesh.shape, prog.microbatch_size)
+        key = (prog.signatures[layer], prof.mesh.key, prog.microbatch_size)
         old = self._profiles.get(key)
         self._profiles[key] = prof
         refs = self._reference.setdefault(_reference_key(prog, layer, prof.mesh), [])
@@ -464,14 +458,21 @@ class SearchContext:
                   ref: LayerProfile) -> LayerProfile | None:
         """The points of the reference profile ``ref`` of this layer's kind,
         re-priced with this program's shapes on ``mesh``; None when a placement
-        no longer divides a shape."""
+        no longer divides a shape. Under ZeRO-3 only the points whose
+        parameters are all replicated on mesh axis 0 carry over (None when
+        none does)."""
         sub = self.stage_graph(prog, layer, layer + 1)
+        levels = [k for k, chosen in enumerate(ref.assignments) if mesh.zero_stage != 3 or all(
+            isinstance(chosen[n.name].outputs[0][0], Replicate)
+            for n in sub.nodes if n.kind == PARAM and n.name in chosen)]
+        if not levels:
+            return None
         # one problem holding every level's strategy of each node, priced once
         strategies = []
         for n in sub.nodes:
             picks: list = []
-            for chosen in ref.assignments:
-                s = chosen.get(n.name)
+            for k in levels:
+                s = ref.assignments[k].get(n.name)
                 if s is None or not all(
                         divisible(info.shape, p, mesh.shape)
                         for info, p in zip((*n.inputs, *n.outputs), (*s.inputs, *s.outputs))):
@@ -482,9 +483,10 @@ class SearchContext:
         prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
                                     dtype=self.dtype, optimizer=self.optimizer,
                                     strategies=strategies, pricer=self.pricer(mesh),
-                                    state_shards=self.state_shards(mesh))
+                                    zero_stage=mesh.zero_stage)
         points = []
-        for chosen, weight in zip(ref.assignments, ref.weights):
+        for k in levels:
+            chosen, weight = ref.assignments[k], ref.weights[k]
             level = restrict(prepared, [
                 [prepared.strategies[group[0]].strategies.index(
                     chosen[prepared.strategies[group[0]].node.name])]
@@ -492,15 +494,17 @@ class SearchContext:
             # the same price of memory decides checkpointing
             result = solve_prepared(level, memory_weight=weight, time_limit_s=self.time_limit_s)
             points.append(self.times_of(result, mesh))
-        return LayerProfile(points, exhausted=ref.exhausted, weights=list(ref.weights))
+        return LayerProfile(points, exhausted=ref.exhausted,
+                            weights=[ref.weights[k] for k in levels])
 
 
 def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
     """The layer kind (its first layer's index, the same at every micro-batch
-    size) and the mesh family whose placements carry over: same number of axes
-    and the same inner (in-node, tensor-parallel) axis size."""
+    size) and the mesh family whose placements carry over: same number of axes,
+    the same inner (in-node, tensor-parallel) axis size and the same ZeRO stage."""
     first = prog.signatures.index(prog.signatures[layer])
-    return (first, len(mesh.shape), mesh.shape[-1] if len(mesh.shape) > 1 else 0)
+    return (first, len(mesh.shape), mesh.shape[-1] if len(mesh.shape) > 1 else 0,
+            mesh.zero_stage)
 
 
 def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
@@ -552,6 +556,11 @@ def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
     return out
 
 
+# ZeRO stages the search tries for pipeline stages: none, and FSDP2 (ZeRO-3)
+# over stage mesh axis 0.
+SEARCH_ZERO_STAGES = (0, 3)
+
+
 @dataclass
 class SearchOptions:
     """What the pipeline search may choose from (None = everything valid)."""
@@ -560,6 +569,8 @@ class SearchOptions:
     schedules: Sequence[str] | None = None
     num_microbatches: Sequence[int] | None = None
     stage_mesh: Sequence[int] | None = None
+    # ZeRO stages of pipeline stages (SEARCH_ZERO_STAGES when None)
+    zero_stages: Sequence[int] | None = None
     microbatch_options: int = 3
     finalists: int = 3
 
@@ -567,26 +578,36 @@ class SearchOptions:
 def configurations(ctx: SearchContext, opts: SearchOptions
                    ) -> list[tuple[int, int, StageMeshOption, str, int]]:
     """Every (pp, stages per rank, stage mesh, schedule, micro-batches) the
-    search prices, in a fixed order (pp = 1 is the single-stage plan)."""
+    search prices, in a fixed order (pp = 1 is the single-stage plan): those
+    without ZeRO first, then the pipelines with ZeRO-3 on stage meshes whose
+    axis 0 has more than one rank."""
     n = ctx.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
+    zeros = list(SEARCH_ZERO_STAGES if opts.zero_stages is None else opts.zero_stages)
     out = []
-    for pp in pps:
-        meshes = stage_mesh_options(ctx.cluster, pp)
-        if opts.stage_mesh is not None:  # any logical view of the sub-mesh
-            want = tuple(opts.stage_mesh)
-            meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
-                      for mo in meshes[:1] if mo.size == math.prod(want)]
-        for mesh in meshes:
-            if pp == 1:  # one stage: the whole batch at once, no schedule
-                out.append((1, 1, mesh, NO_PIPELINE, 1))
+    for k, zero in enumerate(zeros):
+        for pp in pps:
+            if pp == 1 and k:  # one stage (ZeRO shards pipeline stages only)
                 continue
-            for schedule in schedules:
-                v = default_stages_per_rank(schedule)
-                ms = list(opts.num_microbatches) if opts.num_microbatches else \
-                    _microbatch_options(ctx.global_batch, pp, v, schedule, opts.microbatch_options)
-                out.extend((pp, v, mesh, schedule, m) for m in ms)
+            meshes = stage_mesh_options(ctx.cluster, pp)
+            if opts.stage_mesh is not None:  # any logical view of the sub-mesh
+                want = tuple(opts.stage_mesh)
+                meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
+                          for mo in meshes[:1] if mo.size == math.prod(want)]
+            for mesh in meshes:
+                if pp == 1:  # one stage: the whole batch at once, no schedule
+                    out.append((1, 1, mesh, NO_PIPELINE, 1))
+                    continue
+                if zero and mesh.shape[0] == 1:
+                    continue
+                mesh = dataclasses.replace(mesh, zero_stage=zero)
+                for schedule in schedules:
+                    v = default_stages_per_rank(schedule)
+                    ms = list(opts.num_microbatches) if opts.num_microbatches else \
+                        _microbatch_options(ctx.global_batch, pp, v, schedule,
+                                            opts.microbatch_options)
+                    out.extend((pp, v, mesh, schedule, m) for m in ms)
     return out
 
 
@@ -595,8 +616,9 @@ def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
     configs = configurations(ctx, opts)
     candidates: list[PipelineCandidate] = []
     for k, (pp, v, mesh, schedule, m) in enumerate(configs):
+        zero = f" ZeRO-{mesh.zero_stage}" if mesh.zero_stage else ""
         ctx.progress(f"[{k + 1}/{len(configs)}] pp={pp} stage mesh "
-                     f"{'x'.join(map(str, mesh.shape))} {schedule} m={m}")
+                     f"{'x'.join(map(str, mesh.shape))}{zero} {schedule} m={m}")
         cand = _price(ctx, pp, v, mesh, schedule, m)
         if cand is not None:
             candidates.append(cand)
@@ -622,14 +644,14 @@ def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[Pipeline
     top = [c for c in ranked[:REFINE_CANDIDATES] if c.schedule != NO_PIPELINE]
     pairs: dict[tuple, StageMeshOption] = {}
     for c in top:
-        pairs.setdefault((c.mesh.shape, c.num_microbatches), c.mesh)
+        pairs.setdefault((c.mesh.key, c.num_microbatches), c.mesh)
     pairs = dict(list(pairs.items())[:REFINE_PAIRS])
     changed = _own_profiles_forked(ctx, pairs)
     if not changed:
         return ranked
     again = []
     for c in ranked:
-        if (c.mesh.shape, c.num_microbatches) in changed:
+        if (c.mesh.key, c.num_microbatches) in changed:
             c = _price(ctx, c.pp, c.stages_per_rank, c.mesh, c.schedule, c.num_microbatches)
         if c is not None:
             again.append(c)
@@ -870,7 +892,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
             index=s, pp_rank=rank, layers=[l.name for l in prog.layers[a:b]],
             nodes=[op for l in prog.layers[a:b] for op in l.ops], ranks=ranks,
             inputs=inputs, outputs=outputs, checkpoint=list(r.checkpointed),
-            zero_stage=ctx.zero_stage, zero_axis=0 if ctx.zero_stage else None,
+            zero_stage=cand.mesh.zero_stage, zero_axis=0 if cand.mesh.zero_stage else None,
             predicted={"forward_s": t.forward_s, "backward_input_s": t.backward_input_s,
                        "backward_weight_s": t.backward_weight_s, "grad_sync_s": t.grad_sync_s,
                        "in_flight_microbatches": exact.copies[s],

@@ -81,9 +81,12 @@ class StagePlan:
         outputs: values the stage sends on (or returns, for the last stage), in
             order, each with the placements it sends them in.
         checkpoint: module paths of the layers recomputed in backward.
-        zero_stage: 0 (parameters as placed) or 3 (parameters, gradients and
+        zero_stage: 0 (parameters as placed), 3 (parameters, gradients and
             optimizer states sharded by FSDP2 ``fully_shard`` over the stage's
-            data-parallel axis ``zero_axis``).
+            data-parallel axis ``zero_axis``, gradients reduce-scattered once
+            per step) or 1 (optimizer states sharded over ``zero_axis``:
+            Megatron's distributed optimizer, in Megatron baselines only; the
+            runtime does not run it).
         predicted: per micro-batch ``forward_s``, ``backward_input_s``,
             ``backward_weight_s``; per step ``grad_sync_s``; and
             ``memory_bytes_per_device`` (bytes, by kind).

@@ -97,7 +97,7 @@ def _pipeline_lines(plan: Plan) -> list[str]:
                      f"{st.ranks[0]}-{st.ranks[-1]}",
                      _seconds(p.get("forward_s", 0.0)),
                      _seconds(p.get("backward_input_s", 0.0) + p.get("backward_weight_s", 0.0)),
-                     format_bytes(mem), "ZeRO-3" if st.zero_stage == 3 else "-",
+                     format_bytes(mem), f"ZeRO-{st.zero_stage}" if st.zero_stage else "-",
                      str(len(st.checkpoint))])
     lines.append(_table(["stage", "pp rank", "layers", "ranks", "fwd/mb", "bwd/mb", "memory",
                          "zero", "ckpt"], rows))

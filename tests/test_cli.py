@@ -22,10 +22,12 @@ def test_plan_writes_json_and_prints_summary(tmp_path, capsys):
 def test_plan_with_pipeline_options_writes_a_pipeline_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--pp", "2",
-                 "--schedule", "1f1b", "--microbatches", "2", "--quiet", "-o", str(out)]) == 0
+                 "--schedule", "1f1b", "--microbatches", "2", "--zero", "3", "--quiet",
+                 "-o", str(out)]) == 0
     assert "pipeline: 1f1b, pp=2" in capsys.readouterr().out
     data = json.loads(out.read_text())
     assert data["pipeline"]["schedule"] == "1f1b" and data["mesh"]["shape"][0] == 2
+    assert {st["zero_stage"] for st in data["pipeline"]["stages"]} == {3}
     assert main(["show", str(out)]) == 0
     assert "transformer.h.1" in capsys.readouterr().out
 
@@ -39,6 +41,8 @@ def test_plan_with_pipeline_options_writes_a_pipeline_plan(tmp_path, capsys):
     (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--schedule", "zigzag"],
      "unknown pipeline schedule"),
     (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--pp", "two"], "--pp"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--zero", "2"],
+     "ZeRO stages must be 0"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

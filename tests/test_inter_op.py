@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from costmodel.cluster import load_cluster
+from costmodel.collectives import axis_links, collective_time
 from ir.layers import cluster_layers, pipeline_layers
 from ir.source import build_model
 from ir.subgraph import boundary_values
@@ -148,18 +150,23 @@ def test_pipeline_plan_json_round_trips_and_is_deterministic(pp_plan, tmp_path):
     assert second.to_json() == pp_plan.to_json()
 
 
-def test_zero3_stages_count_sharded_states_and_the_gathered_parameters():
+def test_zero3_stages_count_sharded_states_and_sync_gradients_once_per_step():
     """Under ZeRO-3 (FSDP2, one unit per stage, sharded over stage mesh axis 0
     of size 2) a stage keeps half its parameters, gradients and optimizer
-    states, and on top holds the whole parameters while it computes and the
-    whole gradients until they are reduce-scattered."""
+    states, and on top holds the whole parameters for the step and the whole
+    gradients until they are reduce-scattered. Its gradients are summed
+    locally over the micro-batches and synchronised once per step: one
+    reduce-scatter and one all-gather of the stage's parameters (on a ring,
+    the time of one all-reduce of them), where the plain stage all-reduces
+    them in every micro-batch's backward."""
     from planner.megatron import MegatronConfig, megatron_layout
 
     model, inputs = build_model("gpt-tiny")
     layout = megatron_layout(trace(model, inputs), MegatronConfig(1, 2))  # params replicated
     plans = [pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
-                           schedule="1f1b", num_microbatches=2, zero_stage=zero, fixed=layout)
+                           schedule="1f1b", num_microbatches=4, zero_stage=zero, fixed=layout)
              for zero in (0, 3)]
+    link = axis_links(load_cluster("local-cpu:2"), (2,))[0]
     for plain, zero3 in zip(plans[0].pipeline.stages, plans[1].pipeline.stages):
         assert zero3.zero_stage == 3 and zero3.zero_axis == 0
         a = plain.predicted["memory_bytes_per_device"]
@@ -167,7 +174,29 @@ def test_zero3_stages_count_sharded_states_and_the_gathered_parameters():
         assert b["params"] == pytest.approx(1.5 * a["params"], rel=1e-6, abs=2)
         assert b["grads"] == pytest.approx(1.5 * a["grads"], rel=1e-6, abs=2)
         assert b["optimizer"] == pytest.approx(0.5 * a["optimizer"], rel=1e-6, abs=2)
-        assert zero3.predicted["forward_s"] > plain.predicted["forward_s"]  # the all-gather
+        assert zero3.predicted["grad_sync_s"] == pytest.approx(
+            collective_time("all_reduce", a["params"], 2, link), rel=1e-9)
+        assert zero3.predicted["backward_input_s"] < plain.predicted["backward_input_s"]
+    assert plans[1].predicted["step_time_s"] < plans[0].predicted["step_time_s"]
+
+
+def test_plan_searches_zero3_stages_and_keeps_them_when_faster():
+    """plan() also tries ZeRO-3 (FSDP2 over stage mesh axis 0) for pipeline
+    stages: on gpt-tiny, pp=2 x 2 with 4 micro-batches, one gradient sync per
+    step beats one per micro-batch, so the plan takes it; restricted to
+    ``zero_stages=[0]`` it cannot. Other stages are refused in one line."""
+    from planner.api import plan
+
+    model, inputs = build_model("gpt-tiny")
+    kwargs = dict(example_inputs=inputs, pp=[2], schedules=["1f1b"], num_microbatches=[4],
+                  time_limit_s=10)
+    auto = plan(model, "local-cpu:4", **kwargs)
+    plain = plan(model, "local-cpu:4", zero_stages=[0], **kwargs)
+    assert {(st.zero_stage, st.zero_axis) for st in auto.pipeline.stages} == {(3, 0)}
+    assert {st.zero_stage for st in plain.pipeline.stages} == {0}
+    assert auto.predicted["step_time_s"] < plain.predicted["step_time_s"]
+    with pytest.raises(PlanningError, match="ZeRO stages must be 0"):
+        plan(model, "local-cpu:4", zero_stages=[2], **kwargs)
 
 
 def test_pipeline_plan_rejects_impossible_requests():
