@@ -231,7 +231,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         return build_plan(best, cluster, info, training)
 
     from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, assemble, refine,
-                                  search, solve_finalists)
+                                  search, solve_finalists, zero_variants)
 
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, progress=progress,
@@ -241,11 +241,14 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     first = search(ctx, opts)
     ranked = refine(ctx, first)
     singles = [c for c in ranked if c.schedule == NO_PIPELINE]
+    variants = zero_variants(ctx, ranked, opts)
     # the fastest few as ranked after refining and as first priced (a refined
-    # profile can move a cut the exact solve liked better), and the best single
-    # stage: pipelines are priced from layer profiles, the exact solve decides
+    # profile can move a cut the exact solve liked better), the best single
+    # stage and the best ZeRO-3 variants: pipelines are priced from layer
+    # profiles, the exact solve decides
     finalists = list({(c.label(), tuple(c.split.bounds)): c for c in
-                      ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]}.values())
+                      ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]
+                      + variants[:opts.zero_finalists]}.values())
     # finalists with a stage that has no plan within limits are dropped
     exact = [e for e in solve_finalists(ctx, finalists) if e is not None]
     if not exact:  # the layer profiles are coarse: try every single stage exactly

@@ -205,6 +205,12 @@ class StageMeshOption:
         return cluster.sub_cluster(self.num_nodes, self.devices_per_node)
 
 
+def config_label(pp: int, v: int, mesh: StageMeshOption, schedule: str, m: int) -> str:
+    """A pipeline configuration in words, e.g. ``pp=4 v=1 stage mesh 8x2 ZeRO-3 1f1b m=32``."""
+    zero = f" ZeRO-{mesh.zero_stage}" if mesh.zero_stage else ""
+    return f"pp={pp} v={v} stage mesh {'x'.join(map(str, mesh.shape))}{zero} {schedule} m={m}"
+
+
 def stage_mesh_options(cluster: Cluster, pp: int) -> list[StageMeshOption]:
     """Logical meshes of a stage when the cluster is cut into ``pp`` equal
     sub-meshes (Alpa's sub-mesh shapes: part of one node, or whole nodes).
@@ -406,7 +412,5 @@ class PipelineCandidate:
     details: dict[str, Any] = field(default_factory=dict)
 
     def label(self) -> str:
-        zero = f" ZeRO-{self.mesh.zero_stage}" if self.mesh.zero_stage else ""
-        return (f"pp={self.pp} v={self.stages_per_rank} stage mesh "
-                f"{'x'.join(map(str, self.mesh.shape))}{zero} {self.schedule} "
-                f"m={self.num_microbatches}")
+        return config_label(self.pp, self.stages_per_rank, self.mesh, self.schedule,
+                            self.num_microbatches)

@@ -28,8 +28,8 @@ from ir.subgraph import boundary_values, subgraph
 from ir.trace import trace
 from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               PipelineInfeasibleError, SplitResult, StageMeshOption, StageTimes,
-                              in_flight, layer_signature, split_layers, stage_mesh_options,
-                              stage_times)
+                              config_label, in_flight, layer_signature, split_layers,
+                              stage_mesh_options, stage_times)
 from planner.forked import run_forked
 from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
                               prepare_intra_op, restrict, solve_prepared)
@@ -313,7 +313,7 @@ class SearchContext:
         if prof is not None and (len(prof.points) >= levels or prof.exhausted):
             return prof
         if prof is None or prof.mesh is None:  # re-price a reference if one carries over
-            for ref in self._carried_references(prog, layer, mesh):
+            for ref in self._reference.setdefault(_reference_key(prog, layer, mesh), []):
                 repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None and len(ref.points) < levels and not ref.exhausted:
                     self._extend(ref, levels)
@@ -324,21 +324,9 @@ class SearchContext:
             # the first of its family here, or no reference's placements divide
             # this program's shapes: ILPs of its own, a new reference
             prof = self._profiles[key] = self._own_profile(prog, layer, mesh)
-            self._reference.setdefault(_reference_key(prog, layer, mesh), []).append(prof)
+            self._reference[_reference_key(prog, layer, mesh)].append(prof)
         self._extend(prof, levels)
         return prof
-
-    def _carried_references(self, prog: MicrobatchProgram, layer: int,
-                            mesh: StageMeshOption) -> list[LayerProfile]:
-        """The references whose placements :meth:`profile` tries to re-price
-        for ``layer`` on ``mesh``: its family's, and under ZeRO-3 first those
-        of the same family without ZeRO (their points whose parameters are all
-        replicated on mesh axis 0 carry over, :meth:`_repriced`)."""
-        own = self._reference.get(_reference_key(prog, layer, mesh), [])
-        if mesh.zero_stage != 3:
-            return list(own)
-        plain = dataclasses.replace(mesh, zero_stage=0)
-        return self._reference.get(_reference_key(prog, layer, plain), []) + own
 
     def own_profiles(self, prog: MicrobatchProgram, mesh: StageMeshOption,
                      levels: int = PROFILE_LEVELS) -> list[tuple[int, LayerProfile]]:
@@ -458,21 +446,14 @@ class SearchContext:
                   ref: LayerProfile) -> LayerProfile | None:
         """The points of the reference profile ``ref`` of this layer's kind,
         re-priced with this program's shapes on ``mesh``; None when a placement
-        no longer divides a shape. Under ZeRO-3 only the points whose
-        parameters are all replicated on mesh axis 0 carry over (None when
-        none does)."""
+        no longer divides a shape."""
         sub = self.stage_graph(prog, layer, layer + 1)
-        levels = [k for k, chosen in enumerate(ref.assignments) if mesh.zero_stage != 3 or all(
-            isinstance(chosen[n.name].outputs[0][0], Replicate)
-            for n in sub.nodes if n.kind == PARAM and n.name in chosen)]
-        if not levels:
-            return None
         # one problem holding every level's strategy of each node, priced once
         strategies = []
         for n in sub.nodes:
             picks: list = []
-            for k in levels:
-                s = ref.assignments[k].get(n.name)
+            for chosen in ref.assignments:
+                s = chosen.get(n.name)
                 if s is None or not all(
                         divisible(info.shape, p, mesh.shape)
                         for info, p in zip((*n.inputs, *n.outputs), (*s.inputs, *s.outputs))):
@@ -485,8 +466,7 @@ class SearchContext:
                                     strategies=strategies, pricer=self.pricer(mesh),
                                     zero_stage=mesh.zero_stage)
         points = []
-        for k in levels:
-            chosen, weight = ref.assignments[k], ref.weights[k]
+        for chosen, weight in zip(ref.assignments, ref.weights):
             level = restrict(prepared, [
                 [prepared.strategies[group[0]].strategies.index(
                     chosen[prepared.strategies[group[0]].node.name])]
@@ -494,8 +474,7 @@ class SearchContext:
             # the same price of memory decides checkpointing
             result = solve_prepared(level, memory_weight=weight, time_limit_s=self.time_limit_s)
             points.append(self.times_of(result, mesh))
-        return LayerProfile(points, exhausted=ref.exhausted,
-                            weights=[ref.weights[k] for k in levels])
+        return LayerProfile(points, exhausted=ref.exhausted, weights=list(ref.weights))
 
 
 def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
@@ -573,41 +552,41 @@ class SearchOptions:
     zero_stages: Sequence[int] | None = None
     microbatch_options: int = 3
     finalists: int = 3
+    # ZeRO-3 variants (zero_variants) solved exactly besides the finalists
+    zero_finalists: int = 2
 
 
 def configurations(ctx: SearchContext, opts: SearchOptions
                    ) -> list[tuple[int, int, StageMeshOption, str, int]]:
     """Every (pp, stages per rank, stage mesh, schedule, micro-batches) the
-    search prices, in a fixed order (pp = 1 is the single-stage plan): those
-    without ZeRO first, then the pipelines with ZeRO-3 on stage meshes whose
-    axis 0 has more than one rank."""
+    search prices, in a fixed order (pp = 1 is the single-stage plan). The
+    stage meshes are without ZeRO where ``opts`` allows it
+    (:func:`zero_variants` adds ZeRO-3 for the leading pipelines), else with
+    the ZeRO stage it names (on meshes whose axis 0 has more than one rank)."""
     n = ctx.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
     zeros = list(SEARCH_ZERO_STAGES if opts.zero_stages is None else opts.zero_stages)
+    zero = 0 if 0 in zeros else zeros[0]
     out = []
-    for k, zero in enumerate(zeros):
-        for pp in pps:
-            if pp == 1 and k:  # one stage (ZeRO shards pipeline stages only)
+    for pp in pps:
+        meshes = stage_mesh_options(ctx.cluster, pp)
+        if opts.stage_mesh is not None:  # any logical view of the sub-mesh
+            want = tuple(opts.stage_mesh)
+            meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
+                      for mo in meshes[:1] if mo.size == math.prod(want)]
+        for mesh in meshes:
+            if pp == 1:  # one stage: the whole batch at once, no schedule (no ZeRO)
+                out.append((1, 1, mesh, NO_PIPELINE, 1))
                 continue
-            meshes = stage_mesh_options(ctx.cluster, pp)
-            if opts.stage_mesh is not None:  # any logical view of the sub-mesh
-                want = tuple(opts.stage_mesh)
-                meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
-                          for mo in meshes[:1] if mo.size == math.prod(want)]
-            for mesh in meshes:
-                if pp == 1:  # one stage: the whole batch at once, no schedule
-                    out.append((1, 1, mesh, NO_PIPELINE, 1))
-                    continue
-                if zero and mesh.shape[0] == 1:
-                    continue
-                mesh = dataclasses.replace(mesh, zero_stage=zero)
-                for schedule in schedules:
-                    v = default_stages_per_rank(schedule)
-                    ms = list(opts.num_microbatches) if opts.num_microbatches else \
-                        _microbatch_options(ctx.global_batch, pp, v, schedule,
-                                            opts.microbatch_options)
-                    out.extend((pp, v, mesh, schedule, m) for m in ms)
+            if zero and mesh.shape[0] == 1:
+                continue
+            mesh = dataclasses.replace(mesh, zero_stage=zero)
+            for schedule in schedules:
+                v = default_stages_per_rank(schedule)
+                ms = list(opts.num_microbatches) if opts.num_microbatches else \
+                    _microbatch_options(ctx.global_batch, pp, v, schedule, opts.microbatch_options)
+                out.extend((pp, v, mesh, schedule, m) for m in ms)
     return out
 
 
@@ -616,14 +595,46 @@ def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
     configs = configurations(ctx, opts)
     candidates: list[PipelineCandidate] = []
     for k, (pp, v, mesh, schedule, m) in enumerate(configs):
-        zero = f" ZeRO-{mesh.zero_stage}" if mesh.zero_stage else ""
-        ctx.progress(f"[{k + 1}/{len(configs)}] pp={pp} stage mesh "
-                     f"{'x'.join(map(str, mesh.shape))}{zero} {schedule} m={m}")
+        ctx.progress(f"[{k + 1}/{len(configs)}] {config_label(pp, v, mesh, schedule, m)}")
         cand = _price(ctx, pp, v, mesh, schedule, m)
         if cand is not None:
             candidates.append(cand)
     candidates.sort(key=lambda c: c.step_time_s)
     return candidates
+
+
+# The leading candidates whose ZeRO-3 variants zero_variants() prices.
+ZERO_CANDIDATES = 6
+
+
+def zero_variants(ctx: SearchContext, ranked: list[PipelineCandidate],
+                  opts: SearchOptions) -> list[PipelineCandidate]:
+    """The ZeRO-3 variants of the leading :data:`ZERO_CANDIDATES` pipelines
+    of ``ranked`` (those without ZeRO whose stage mesh has more than one rank
+    on axis 0), priced, best first; none unless ``opts`` allows both ZeRO
+    stages.
+
+    ZeRO-3 keeps the parameters replicated on axis 0, shards their states
+    there and synchronises gradients once per step instead of in every
+    micro-batch (:class:`planner.intra_op.IntraOpCost`). Its layer
+    profiles are ILPs of their own (a mesh family of its own). Only the
+    leading configurations are tried: the ILP without ZeRO may already shard
+    parameter states on any axis, so ZeRO-3 mostly changes how fast a
+    configuration is, not whether it fits."""
+    zeros = SEARCH_ZERO_STAGES if opts.zero_stages is None else opts.zero_stages
+    if not (0 in zeros and 3 in zeros):
+        return []
+    out = []
+    for c in ranked[:ZERO_CANDIDATES]:
+        if c.schedule == NO_PIPELINE or c.mesh.zero_stage or c.mesh.shape[0] == 1:
+            continue
+        ctx.progress(f"ZeRO-3 variant of {c.label()}")
+        variant = _price(ctx, c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3),
+                         c.schedule, c.num_microbatches)
+        if variant is not None:
+            out.append(variant)
+    out.sort(key=lambda c: c.step_time_s)
+    return out
 
 
 # The leading candidates whose (stage mesh, micro-batches) get ILP profiles of

@@ -132,6 +132,27 @@ def test_megatron_pipeline_plan_has_stages_and_the_layout(megatron_pp2):
     assert q.predicted["step_time_s"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
 
 
+def test_megatron_pipeline_prices_the_distributed_optimizer_over_dp():
+    """Megatron's distributed optimizer in a pipeline (tp=1 pp=2 dp=2, 4
+    micro-batches): its stages record ZeRO-1 over the dp axis, keep half the
+    optimizer states of the same configuration without it, and reduce the
+    gradients once per step instead of in every micro-batch's backward."""
+    model, inputs = build_model("gpt-tiny", device="meta")
+    plans = [megatron_plan(model, "local-cpu:4", MegatronConfig(
+        1, 2, use_distributed_optimizer=dist, pipeline_model_parallel_size=2,
+        micro_batch_size=1), example_inputs=inputs) for dist in (True, False)]
+    assert plans[0].pipeline.num_microbatches == 4
+    for zero1, plain in zip(plans[0].pipeline.stages, plans[1].pipeline.stages):
+        assert (zero1.zero_stage, zero1.zero_axis, plain.zero_stage) == (1, 0, 0)
+        a = zero1.predicted["memory_bytes_per_device"]
+        b = plain.predicted["memory_bytes_per_device"]
+        assert a["optimizer"] == pytest.approx(b["optimizer"] / 2, rel=1e-6, abs=2)
+        assert a["params"] == b["params"] and a["grads"] == b["grads"]
+        assert zero1.predicted["grad_sync_s"] > plain.predicted["grad_sync_s"]
+        assert zero1.predicted["backward_input_s"] < plain.predicted["backward_input_s"]
+    assert plans[0].predicted["step_time_s"] < plans[1].predicted["step_time_s"]
+
+
 @pytest.mark.multiprocess
 def test_megatron_pipeline_plan_runs_and_matches_one_process(megatron_pp2, tmp_path):
     path = tmp_path / "plan.json"
