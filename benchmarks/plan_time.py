@@ -97,7 +97,7 @@ def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
         chosen.update(schedule=p.pipeline.schedule, microbatches=p.pipeline.num_microbatches,
                       layers_per_stage=[len(s.layers) for s in p.pipeline.stages],
                       stage_mesh=p.pipeline.stage_mesh["shape"],
-                      zero_stage=max(s.zero_stage for s in p.pipeline.stages))
+                      zero_stage=p.pipeline.zero_stage)
     # the exact stage solves of the finalists start with this message
     exact_from = next((t for t, msg in steps if msg.startswith("exact stage solves")), total)
     return {"model": name, "cluster": cluster_spec, "global_batch": batch, "seq_len": seq_len,

@@ -184,9 +184,9 @@ def _auto_label(p: Plan) -> str:
     if p.pipeline is None:
         return f"mesh {'x'.join(map(str, p.mesh_shape))}"
     pipe = p.pipeline
-    zero = max(st.zero_stage for st in pipe.stages)
-    return (f"pp={pipe.pp} stage mesh {'x'.join(map(str, pipe.stage_mesh['shape']))}"
-            f"{f' ZeRO-{zero}' if zero else ''} {pipe.schedule} m={pipe.num_microbatches}")
+    zero = f" ZeRO-{pipe.zero_stage}" if pipe.zero_stage else ""
+    return (f"pp={pipe.pp} stage mesh {'x'.join(map(str, pipe.stage_mesh['shape']))}{zero} "
+            f"{pipe.schedule} m={pipe.num_microbatches}")
 
 
 def format_comparison(result: dict[str, Any]) -> str:

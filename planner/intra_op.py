@@ -122,6 +122,8 @@ class IntraOpCost:
         self.cluster = cluster
         self.mesh_shape = tuple(int(d) for d in mesh_shape)
         self.links = axis_links(cluster, self.mesh_shape)
+        # seconds of ZeRO's once-per-step collectives of one byte: their per-message latency
+        self._zero_latency = self.zero_collectives(1.0)
         self.dtype = dtype
         self.requires_grad = self._requires_grad()
         self.param_derived = self._param_derived()
@@ -263,7 +265,7 @@ class IntraOpCost:
         nbytes = self.zero_bytes(node, s)
         if nbytes == 0:
             return 0.0
-        return max(0.0, self.zero_collectives(nbytes) - self.zero_collectives(1.0))
+        return max(0.0, self.zero_collectives(nbytes) - self._zero_latency)
 
     def memory_breakdown(self, node: Node, s: Strategy) -> dict[str, float]:
         """Bytes per device that ``node`` holds under ``s`` during a training step.

@@ -132,6 +132,11 @@ class PipelinePlan:
     def pp(self) -> int:
         return len(self.stages) // self.stages_per_rank
 
+    @property
+    def zero_stage(self) -> int:
+        """The highest ZeRO stage of the stages (the planner gives them all one)."""
+        return max(st.zero_stage for st in self.stages)
+
 
 @dataclass
 class Plan:
