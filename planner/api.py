@@ -165,10 +165,12 @@ def _best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, .
 
 def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
     """``zero_stages`` as a list, or None (the search's default)."""
+    from planner.pipeline import SEARCH_ZERO_STAGES
+
     if zero_stages is None:
         return None
     out = [int(z) for z in zero_stages]
-    if not out or any(z not in (0, 3) for z in out):
+    if not out or any(z not in SEARCH_ZERO_STAGES for z in out):
         raise PlanningError(f"ZeRO stages must be 0 (none) or 3 (FSDP2), got "
                             f"{list(zero_stages)}")
     return out

@@ -278,7 +278,7 @@ class SearchContext:
         where they do not, solving the stage without a budget is not worth it."""
         total = 0.0
         for i in range(first, end):
-            prof = self._profiles.get((prog.signatures[i], mesh.key, prog.microbatch_size))
+            prof = self._profiles.get(_profile_key(prog, i, mesh))
             if prof is None or not prof.points:
                 return True
             total += prof.points[0].memory(copies)
@@ -308,7 +308,7 @@ class SearchContext:
         (e.g. a batch split more ways than the micro-batch has rows), the ILP
         runs again and makes another reference. The winner's stages are solved
         exactly anyway."""
-        key = (prog.signatures[layer], mesh.key, prog.microbatch_size)
+        key = _profile_key(prog, layer, mesh)
         prof = self._profiles.get(key)
         if prof is not None and (len(prof.points) >= levels or prof.exhausted):
             return prof
@@ -337,7 +337,7 @@ class SearchContext:
         one, which only :meth:`adopt` files."""
         changed = []
         for layer in dict.fromkeys(prog.signatures.index(s) for s in prog.signatures):
-            prof = self._profiles.get((prog.signatures[layer], mesh.key, prog.microbatch_size))
+            prof = self._profiles.get(_profile_key(prog, layer, mesh))
             if prof is None:
                 continue
             before = len(prof.points)
@@ -352,15 +352,15 @@ class SearchContext:
         """Whether a layer kind of ``prog`` on ``mesh`` has a re-priced profile
         (:meth:`own_profiles` enumerates its strategies on a traced program)."""
         return any(p is not None and p.mesh is None for p in (
-            self._profiles.get((sig, mesh.key, prog.microbatch_size))
-            for sig in prog.signatures))
+            self._profiles.get(_profile_key(prog, layer, mesh))
+            for layer in range(len(prog.signatures))))
 
     def adopt(self, prog: MicrobatchProgram, layer: int, prof: LayerProfile) -> None:
         """File ``prof``, a profile with ILPs of its own on ``prof.mesh`` (from
         :meth:`own_profiles`, here or in a forked process), as the profile of
         ``layer``'s kind: an extended own profile keeps its place among the
         references of its mesh family, a new one is added after them."""
-        key = (prog.signatures[layer], prof.mesh.key, prog.microbatch_size)
+        key = _profile_key(prog, layer, prof.mesh)
         old = self._profiles.get(key)
         self._profiles[key] = prof
         refs = self._reference.setdefault(_reference_key(prog, layer, prof.mesh), [])
@@ -477,6 +477,12 @@ class SearchContext:
         return LayerProfile(points, exhausted=ref.exhausted, weights=list(ref.weights))
 
 
+def _profile_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
+    """What a layer's profile is filed under: its kind, the stage mesh (shape
+    and ZeRO stage) and the micro-batch size."""
+    return prog.signatures[layer], mesh.key, prog.microbatch_size
+
+
 def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
     """The layer kind (its first layer's index, the same at every micro-batch
     size) and the mesh family whose placements carry over: same number of axes,
@@ -555,6 +561,11 @@ class SearchOptions:
     # ZeRO-3 variants (zero_variants) solved exactly besides the finalists
     zero_finalists: int = 2
 
+    @property
+    def zero_choices(self) -> list[int]:
+        """The ZeRO stages allowed: ``zero_stages``, or all the search knows."""
+        return list(SEARCH_ZERO_STAGES if self.zero_stages is None else self.zero_stages)
+
 
 def configurations(ctx: SearchContext, opts: SearchOptions
                    ) -> list[tuple[int, int, StageMeshOption, str, int]]:
@@ -566,7 +577,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     n = ctx.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
-    zeros = list(SEARCH_ZERO_STAGES if opts.zero_stages is None else opts.zero_stages)
+    zeros = opts.zero_choices
     zero = 0 if 0 in zeros else zeros[0]
     out = []
     for pp in pps:
@@ -621,7 +632,7 @@ def zero_variants(ctx: SearchContext, ranked: list[PipelineCandidate],
     leading configurations are tried: the ILP without ZeRO may already shard
     parameter states on any axis, so ZeRO-3 mostly changes how fast a
     configuration is, not whether it fits."""
-    zeros = SEARCH_ZERO_STAGES if opts.zero_stages is None else opts.zero_stages
+    zeros = opts.zero_choices
     if not (0 in zeros and 3 in zeros):
         return []
     out = []
