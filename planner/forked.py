@@ -1,8 +1,9 @@
 """Run independent pieces of a search on two CPU cores by forking.
 
-The finalists' exact stage solves fall into chains that share no cached
-solution (other layer kinds, stage mesh or micro-batch size), and most of
-their time is CBC, which holds the GIL. :func:`run_forked` runs the tasks in
+The search's configurations fall into mesh families that share no layer
+profile, and the finalists' exact stage solves into chains that share no
+cached solution (other layer kinds, stage mesh or micro-batch size); most of
+their time is the ILP solver, which holds the GIL. :func:`run_forked` runs the tasks in
 this process and a forked child, each taking the next task when it is free.
 The child inherits the whole search state (copy-on-write), so nothing is sent
 to it; its results come back pickled through a file, with the objects both
@@ -21,6 +22,8 @@ import pickle
 import tempfile
 import traceback
 from typing import Any, Callable, Sequence
+
+import torch
 
 
 class ForkedTaskError(RuntimeError):
@@ -115,7 +118,8 @@ def _sendable(outcome: tuple[bool, Any]) -> tuple[bool, Any]:
 
 
 class _SharedPickler(pickle.Pickler):
-    """Writes the objects of ``shared`` as their index in it."""
+    """Writes the objects of ``shared`` as their index in it, and torch ops
+    (which do not pickle) by name."""
 
     def __init__(self, fh, shared: Sequence[object]):
         super().__init__(fh, protocol=pickle.HIGHEST_PROTOCOL)
@@ -123,6 +127,17 @@ class _SharedPickler(pickle.Pickler):
 
     def persistent_id(self, obj: object) -> int | None:
         return self._index.get(id(obj))
+
+    def reducer_override(self, obj: object) -> Any:
+        if isinstance(obj, torch._ops.OpOverload):
+            return _torch_op, (obj._schema.name, obj._overloadname)
+        return NotImplemented
+
+
+def _torch_op(name: str, overload: str) -> Any:
+    """The torch op ``namespace::name.overload`` (what :class:`_SharedPickler` wrote)."""
+    namespace, op = name.split("::")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
 
 
 class _SharedUnpickler(pickle.Unpickler):

@@ -198,6 +198,14 @@ class StageMeshOption:
         return self.shape, self.zero_stage
 
     @property
+    def family(self) -> tuple:
+        """The meshes whose layer placements carry over to each other (a layer
+        profile of one re-prices at another): the same number of axes, the same
+        inner (in-node, tensor-parallel) axis size and the same ZeRO stage.
+        Searches of different families share no profile."""
+        return len(self.shape), self.shape[-1] if len(self.shape) > 1 else 0, self.zero_stage
+
+    @property
     def size(self) -> int:
         return math.prod(self.shape)
 

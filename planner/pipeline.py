@@ -190,6 +190,32 @@ class SearchContext:
         graph = rescaled_trace(self.model, inputs, *bases)
         return graph if graph is not None and self._batch_rule.matches(graph, mb) else None
 
+    def programs(self) -> list[MicrobatchProgram]:
+        """The programs made so far (captured, written out or derived)."""
+        return list(self._programs.values())
+
+    def family_state(self, meshes: Sequence[StageMeshOption]) -> dict[str, dict]:
+        """The layer profiles on ``meshes``, the references of their families
+        (:attr:`StageMeshOption.family`) and their strategy caches, for
+        :meth:`adopt_family_state` in another process. The profiles lose
+        their priced problems (too big to send; remade if they are extended)."""
+        keys = {mesh.key for mesh in meshes}
+        families = {mesh.family for mesh in meshes}
+        shapes = {mesh.shape for mesh in meshes}
+        profiles = {k: p for k, p in self._profiles.items() if k[1] in keys}
+        references = {k: refs for k, refs in self._reference.items() if k[1:] in families}
+        for prof in [*profiles.values(), *(p for refs in references.values() for p in refs)]:
+            prof.prepared = None
+        return {"profiles": profiles, "references": references,
+                "strategies": {s: c for s, c in self._strategy_cache.items() if s in shapes}}
+
+    def adopt_family_state(self, state: dict[str, dict]) -> None:
+        """File what :meth:`family_state` of another process gave."""
+        self._profiles.update(state["profiles"])
+        self._reference.update(state["references"])
+        for shape, cache in state["strategies"].items():
+            self._strategy_cache.setdefault(shape, {}).update(cache)
+
     def _learn_batch_rule(self, mb: int, graph: Graph) -> None:
         """Infer the batch rule from the first two captures, check it on the third."""
         if self._batch_rule is False or self._batch_rule_checked:
@@ -485,11 +511,9 @@ def _profile_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> 
 
 def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
     """The layer kind (its first layer's index, the same at every micro-batch
-    size) and the mesh family whose placements carry over: same number of axes,
-    the same inner (in-node, tensor-parallel) axis size and the same ZeRO stage."""
-    first = prog.signatures.index(prog.signatures[layer])
-    return (first, len(mesh.shape), mesh.shape[-1] if len(mesh.shape) > 1 else 0,
-            mesh.zero_stage)
+    size) and the mesh family (:attr:`StageMeshOption.family`) whose
+    placements carry over."""
+    return prog.signatures.index(prog.signatures[layer]), *mesh.family
 
 
 def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
@@ -604,14 +628,64 @@ def configurations(ctx: SearchContext, opts: SearchOptions
 def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
     """Every priced configuration (from layer profiles and the stage DP), best first."""
     configs = configurations(ctx, opts)
-    candidates: list[PipelineCandidate] = []
-    for k, (pp, v, mesh, schedule, m) in enumerate(configs):
-        ctx.progress(f"[{k + 1}/{len(configs)}] {config_label(pp, v, mesh, schedule, m)}")
-        cand = _price(ctx, pp, v, mesh, schedule, m)
-        if cand is not None:
-            candidates.append(cand)
+    candidates = [c for c in _price_all(ctx, configs, lambda k, config: (
+        f"[{k + 1}/{len(configs)}] {config_label(*config)}")) if c is not None]
     candidates.sort(key=lambda c: c.step_time_s)
     return candidates
+
+
+Config = tuple[int, int, StageMeshOption, str, int]  # (pp, v, stage mesh, schedule, m)
+
+
+def _price_all(ctx: SearchContext, configs: Sequence[Config],
+               label: Callable[[int, Config], str]) -> list[PipelineCandidate | None]:
+    """``[_price(ctx, *config) for config in configs]``, on two CPU cores
+    (:mod:`planner.forked`), one task per mesh family.
+
+    A configuration's price depends on the profiles of its mesh family only
+    (references are made and re-priced within a family), so pricing each
+    family's configurations in their order, in either process, gives the same
+    prices as pricing all in order. The programs are made here first, in that
+    order (which decides what is captured and what derived), so that both
+    processes hold them. A task run by the forked child sends back its
+    family's profiles, without their priced problems (remade if they are
+    extended, :meth:`SearchContext._extend`), and its strategy caches."""
+    for config in configs:
+        if ctx.global_batch % config[4] == 0:
+            ctx.program(config[4])
+    families: dict[tuple, list[int]] = {}
+    for k, config in enumerate(configs):
+        families.setdefault(config[2].family, []).append(k)
+    # the largest families first, so that the last task to start is short
+    tasks_of = sorted(families.values(), key=len, reverse=True)
+    in_child = [False]
+
+    def task(ks: list[int]) -> Callable[[], tuple]:
+        def run() -> tuple:
+            solves = ctx.ilp_solves
+            out = []
+            for k in ks:
+                ctx.progress(label(k, configs[k]))
+                out.append(_price(ctx, *configs[k]))
+            state = ctx.family_state([configs[k][2] for k in ks]) if in_child[0] else None
+            return out, state, ctx.ilp_solves - solves
+        return run
+
+    def quiet() -> None:
+        in_child[0] = True
+        ctx.progress = lambda msg: None
+
+    solves = ctx.ilp_solves
+    shared = _held_by_both(ctx, list(ctx.programs()))
+    done = run_forked([task(ks) for ks in tasks_of], shared, quiet)
+    ctx.ilp_solves = solves + sum(d[2] for d in done)  # a child's never reach ctx by themselves
+    priced: list[PipelineCandidate | None] = [None] * len(configs)
+    for ks, (out, state, _) in zip(tasks_of, done):
+        if state is not None:
+            ctx.adopt_family_state(state)
+        for k, cand in zip(ks, out):
+            priced[k] = cand
+    return priced
 
 
 # The leading candidates whose ZeRO-3 variants zero_variants() prices.
@@ -636,14 +710,11 @@ def zero_variants(ctx: SearchContext, ranked: list[PipelineCandidate],
     if not (0 in zeros and 3 in zeros):
         return []
     out = []
-    for c in ranked[:ZERO_CANDIDATES]:
-        if c.schedule == NO_PIPELINE or c.mesh.zero_stage or c.mesh.shape[0] == 1:
-            continue
-        ctx.progress(f"ZeRO-3 variant of {c.label()}")
-        variant = _price(ctx, c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3),
-                         c.schedule, c.num_microbatches)
-        if variant is not None:
-            out.append(variant)
+    configs = [(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3), c.schedule,
+                c.num_microbatches) for c in ranked[:ZERO_CANDIDATES]
+               if c.schedule != NO_PIPELINE and not c.mesh.zero_stage and c.mesh.shape[0] > 1]
+    out = [c for c in _price_all(ctx, configs, lambda k, config: (
+        f"ZeRO-3 variant {k + 1}/{len(configs)}: {config_label(*config)}")) if c is not None]
     out.sort(key=lambda c: c.step_time_s)
     return out
 

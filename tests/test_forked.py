@@ -116,6 +116,49 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
     assert ctx.ilp_solves == alone.ilp_solves
 
 
+@needs_fork
+def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
+    """search() and zero_variants() price one mesh family per task in this
+    process and a forked one: every candidate, profile and reference equals
+    pricing every configuration here in order, and the profiles the child
+    made are filed here (the exact solves and refine() read them)."""
+    context = _gpt8_contexts()
+
+    def searched(forked: bool):
+        if not forked:
+            monkeypatch.setattr(ps, "run_forked",
+                                lambda tasks, shared=(), in_child=None: [t() for t in tasks])
+        ctx = context()
+        opts = ps.SearchOptions(pp=[1, 2, 4], schedules=["1f1b", "gpipe"],
+                                num_microbatches=[4])
+        ranked = ps.search(ctx, opts)
+        # the best pipeline of each mesh family: ZeRO-3 variants for both processes
+        leaders = list({c.mesh.family: c for c in reversed(ranked) if c.pp > 1}.values())
+        variants = ps.zero_variants(ctx, leaders, opts)
+        monkeypatch.undo()
+        return ctx, ranked, variants
+
+    ctx, ranked, variants = searched(forked=True)
+    alone, want, want_variants = searched(forked=False)
+    assert len({c.mesh.family for c in ranked}) >= 3  # tasks for both processes
+    assert len({c.mesh.family for c in variants}) >= 2
+    key = lambda c: (c.label(), c.step_time_s, c.split.bounds, c.split.levels)  # noqa: E731
+    assert [key(c) for c in ranked] == [key(c) for c in want]
+    assert [key(c) for c in variants] == [key(c) for c in want_variants]
+    profile = lambda p: (p.points, p.weights, p.exhausted, p.mesh, p.origin)  # noqa: E731
+    assert {k: profile(p) for k, p in ctx._profiles.items()} == \
+        {k: profile(p) for k, p in alone._profiles.items()}
+    assert {k: [profile(p) for p in refs] for k, refs in ctx._reference.items()} == \
+        {k: [profile(p) for p in refs] for k, refs in alone._reference.items()}
+    # a reference is the profile filed under its own key, not a copy of it
+    for refs in ctx._reference.values():
+        for ref in refs:
+            mb, layer = ref.origin
+            prog = ctx.program(ctx.global_batch // mb)
+            assert ctx._profiles[ps._profile_key(prog, layer, ref.mesh)] is ref
+    assert ctx.ilp_solves == alone.ilp_solves
+
+
 def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here():
     """A profile from the forked process has no priced problem: extending it
     prices its own layer at its own micro-batch size again, and gives the
