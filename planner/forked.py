@@ -61,6 +61,40 @@ def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = ()
             next_task.value += 1
         return i if i < len(tasks) else None
 
+    def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
+        outcomes = {}
+        while (i := take()) is not None:
+            outcome = _outcome(tasks[i])
+            outcomes[i] = _sendable(outcome) if in_the_child else outcome
+        return outcomes
+
+    return _results(_with_child(work, shared, in_child), len(tasks))
+
+
+def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequence[object] = (),
+               in_child: Callable[[], None] | None = None) -> tuple[Any, Any]:
+    """``(here(), there())``, ``here`` run by this process and ``there`` by a
+    forked child at the same time: what ``here`` changes stays, what
+    ``there`` changes comes back only as its result (which must pickle).
+    ``shared`` and ``in_child`` as in :func:`run_forked`; runs both here, in
+    that order, when there is no fork."""
+    if not can_fork():
+        return here(), there()
+    tasks = {True: (1, there), False: (0, here)}  # by "runs in the child"
+
+    def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
+        i, task = tasks[in_the_child]
+        outcome = _outcome(task)
+        return {i: _sendable(outcome) if in_the_child else outcome}
+
+    here_result, there_result = _results(_with_child(work, shared, in_child), 2)
+    return here_result, there_result
+
+
+def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Sequence[object],
+                in_child: Callable[[], None] | None) -> dict[int, tuple[bool, Any]]:
+    """``work(True)`` in a forked child and ``work(False)`` here at the same
+    time: their outcomes by task index, the child's sent back pickled."""
     with tempfile.TemporaryDirectory(prefix="planner-fork-") as tmp:
         path = os.path.join(tmp, "results.pickle")
         pid = os.fork()
@@ -69,26 +103,27 @@ def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = ()
             try:
                 if in_child is not None:
                     in_child()
-                outcomes = {}
-                while (i := take()) is not None:
-                    outcomes[i] = _sendable(_outcome(tasks[i]))
+                outcomes = work(True)
                 with open(path, "wb") as fh:
                     _SharedPickler(fh, shared).dump(outcomes)
             except BaseException:  # noqa: BLE001 - reported through the exit code
                 traceback.print_exc()
                 code = 1
             os._exit(code)  # no atexit handlers or finalizers of the parent's state
-        outcomes = {}
-        while (i := take()) is not None:
-            outcomes[i] = _outcome(tasks[i])
+        outcomes = work(False)
         _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(path):
             raise ForkedTaskError("the forked search process failed (its traceback is above); "
                                   "run the search again, or report it with that traceback")
         with open(path, "rb") as fh:
             outcomes.update(_SharedUnpickler(fh, shared).load())
+    return outcomes
+
+
+def _results(outcomes: dict[int, tuple[bool, Any]], count: int) -> list[Any]:
+    """The results of tasks ``0 .. count - 1``; the first exception, if any, raised."""
     results = []
-    for i in range(len(tasks)):
+    for i in range(count):
         ok, value = outcomes[i]
         if not ok:
             raise value

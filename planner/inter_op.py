@@ -179,6 +179,16 @@ class LayerProfile:
         return self.points[min(level, len(self.points) - 1)]
 
 
+def mesh_family(mesh_key: tuple) -> tuple:
+    """The family of the stage mesh with :attr:`StageMeshOption.key`
+    ``mesh_key``: the meshes whose layer placements carry over to each other
+    (a layer profile of one re-prices at another) have the same number of
+    axes, the same inner (in-node, tensor-parallel) axis size and the same
+    ZeRO stage. Searches of different families share no profile."""
+    shape, zero_stage = mesh_key
+    return len(shape), shape[-1] if len(shape) > 1 else 0, zero_stage
+
+
 @dataclass
 class StageMeshOption:
     """A stage sub-mesh: ``nodes x devices_per_node`` physical devices viewed as
@@ -199,11 +209,8 @@ class StageMeshOption:
 
     @property
     def family(self) -> tuple:
-        """The meshes whose layer placements carry over to each other (a layer
-        profile of one re-prices at another): the same number of axes, the same
-        inner (in-node, tensor-parallel) axis size and the same ZeRO stage.
-        Searches of different families share no profile."""
-        return len(self.shape), self.shape[-1] if len(self.shape) > 1 else 0, self.zero_stage
+        """:func:`mesh_family` of this mesh."""
+        return mesh_family(self.key)
 
     @property
     def size(self) -> int:

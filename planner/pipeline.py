@@ -28,9 +28,9 @@ from ir.subgraph import boundary_values, subgraph
 from ir.trace import trace
 from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               PipelineInfeasibleError, SplitResult, StageMeshOption, StageTimes,
-                              config_label, in_flight, layer_signature, split_layers,
-                              stage_mesh_options, stage_times)
-from planner.forked import run_forked
+                              config_label, in_flight, layer_signature, mesh_family,
+                              split_layers, stage_mesh_options, stage_times)
+from planner.forked import run_beside, run_forked
 from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
                               prepare_intra_op, restrict, solve_prepared)
 from planner.ilp import InfeasibleError
@@ -190,22 +190,26 @@ class SearchContext:
         graph = rescaled_trace(self.model, inputs, *bases)
         return graph if graph is not None and self._batch_rule.matches(graph, mb) else None
 
+    def will_capture(self, num_microbatches: int) -> bool:
+        """Whether :meth:`program` would capture the program (seconds) rather
+        than find it or derive it from earlier captures."""
+        return (self.global_batch // num_microbatches not in self._programs
+                and not (self._batch_rule_checked and self._batch_rule))
+
     def programs(self) -> list[MicrobatchProgram]:
         """The programs made so far (captured, written out or derived)."""
         return list(self._programs.values())
 
-    def family_state(self, meshes: Sequence[StageMeshOption]) -> dict[str, dict]:
-        """The layer profiles on ``meshes``, the references of their families
-        (:attr:`StageMeshOption.family`) and their strategy caches, for
+    def family_state(self, families: set[tuple]) -> dict[str, dict]:
+        """The layer profiles and references of the mesh ``families``
+        (:func:`mesh_family`) and the strategy caches of their meshes, for
         :meth:`adopt_family_state` in another process. The profiles lose
         their priced problems (too big to send; remade if they are extended)."""
-        keys = {mesh.key for mesh in meshes}
-        families = {mesh.family for mesh in meshes}
-        shapes = {mesh.shape for mesh in meshes}
-        profiles = {k: p for k, p in self._profiles.items() if k[1] in keys}
+        profiles = {k: p for k, p in self._profiles.items() if mesh_family(k[1]) in families}
         references = {k: refs for k, refs in self._reference.items() if k[1:] in families}
         for prof in [*profiles.values(), *(p for refs in references.values() for p in refs)]:
             prof.prepared = None
+        shapes = {mesh_key[0] for _, mesh_key, _ in profiles}
         return {"profiles": profiles, "references": references,
                 "strategies": {s: c for s, c in self._strategy_cache.items() if s in shapes}}
 
@@ -647,17 +651,15 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     family's configurations in their order, in either process, gives the same
     prices as pricing all in order. The programs are made here first, in that
     order (which decides what is captured and what derived), so that both
-    processes hold them. A task run by the forked child sends back its
-    family's profiles, without their priced problems (remade if they are
+    processes hold them; when that captures, the leading configurations whose
+    programs exist are priced by the forked child meanwhile (they come first
+    in every family's order). A task run by the child sends back its
+    families' profiles, without their priced problems (remade if they are
     extended, :meth:`SearchContext._extend`), and its strategy caches."""
-    for config in configs:
-        if ctx.global_batch % config[4] == 0:
-            ctx.program(config[4])
-    families: dict[tuple, list[int]] = {}
-    for k, config in enumerate(configs):
-        families.setdefault(config[2].family, []).append(k)
-    # the largest families first, so that the last task to start is short
-    tasks_of = sorted(families.values(), key=len, reverse=True)
+    ms = [config[4] for config in configs if ctx.global_batch % config[4] == 0]
+    ready = 0  # the leading configurations whose programs exist
+    while ready < len(configs) and not ctx.will_capture(configs[ready][4]):
+        ready += 1
     in_child = [False]
 
     def task(ks: list[int]) -> Callable[[], tuple]:
@@ -667,7 +669,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
             for k in ks:
                 ctx.progress(label(k, configs[k]))
                 out.append(_price(ctx, *configs[k]))
-            state = ctx.family_state([configs[k][2] for k in ks]) if in_child[0] else None
+            state = ctx.family_state({configs[k][2].family for k in ks}) if in_child[0] else None
             return out, state, ctx.ilp_solves - solves
         return run
 
@@ -675,16 +677,41 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         in_child[0] = True
         ctx.progress = lambda msg: None
 
-    solves = ctx.ilp_solves
-    shared = _held_by_both(ctx, list(ctx.programs()))
-    done = run_forked([task(ks) for ks in tasks_of], shared, quiet)
-    ctx.ilp_solves = solves + sum(d[2] for d in done)  # a child's never reach ctx by themselves
+    def make_programs() -> None:
+        for m in ms:
+            ctx.program(m)
+
     priced: list[PipelineCandidate | None] = [None] * len(configs)
-    for ks, (out, state, _) in zip(tasks_of, done):
+
+    def file(ks: list[int], done: tuple) -> None:
+        out, state, solves = done
+        ctx.ilp_solves += solves  # a child's never reach ctx by themselves
         if state is not None:
             ctx.adopt_family_state(state)
         for k, cand in zip(ks, out):
             priced[k] = cand
+
+    first = list(range(ready))
+    if first and any(ctx.will_capture(m) for m in ms):
+        shared = _held_by_both(ctx, ctx.programs())
+        solves = ctx.ilp_solves
+        _, done = run_beside(make_programs, task(first), shared, quiet)
+        ctx.ilp_solves = solves
+        file(first, done)
+    else:
+        make_programs()
+        first = []
+    families: dict[tuple, list[int]] = {}
+    for k in range(len(first), len(configs)):
+        families.setdefault(configs[k][2].family, []).append(k)
+    # the largest families first, so that the last task to start is short
+    tasks_of = sorted(families.values(), key=len, reverse=True)
+    shared = _held_by_both(ctx, ctx.programs())
+    solves = ctx.ilp_solves
+    done = run_forked([task(ks) for ks in tasks_of], shared, quiet)
+    ctx.ilp_solves = solves
+    for ks, d in zip(tasks_of, done):
+        file(ks, d)
     return priced
 
 
@@ -937,12 +964,14 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
         ctx.progress = lambda msg: None
 
     solves, reused = ctx.ilp_solves, ctx.stages_reused
-    done = run_forked([chain_task(items) for items in chains.values()], shared, quiet)
+    # the longest chains first, so that the last chain to start is short
+    order = sorted(chains.values(), key=len, reverse=True)
+    done = run_forked([chain_task(items) for items in order], shared, quiet)
     # the counts of both processes (a child's never reach ctx by themselves)
     ctx.ilp_solves = solves + sum(d[1] for d in done)
     ctx.stages_reused = reused + sum(d[2] for d in done)
     results: list[list[IntraOpResult | None]] = [[None] * len(b) for _, b, _ in staged]
-    for items, (out, _, _) in zip(chains.values(), done):
+    for items, (out, _, _) in zip(order, done):
         for (i, s), result in zip(items, out):
             results[i][s] = result
     return [None if any(r is None for r in rs) else

@@ -13,8 +13,9 @@ import pytest
 
 from costmodel.presets import local_cpu_cluster
 from ir.source import build_model
+from ir.trace import trace
 from planner import pipeline as ps
-from planner.forked import ForkedTaskError, can_fork, run_forked
+from planner.forked import ForkedTaskError, can_fork, run_beside, run_forked
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="needs os.fork and two CPUs")
 
@@ -37,6 +38,26 @@ def test_tasks_run_in_both_processes_and_shared_objects_come_back_as_themselves(
     assert [k for k, _, _ in results] == list(range(6))
     assert all(obj is shared[k % 2] for k, _, obj in results)  # not copies
     assert {pid for _, pid, _ in results} - {os.getpid()}  # the child ran some
+
+
+@needs_fork
+def test_beside_runs_one_task_in_a_child_while_this_process_runs_the_other():
+    shared = [object()]
+    changed = []
+
+    def here():
+        changed.append("here")
+        return os.getpid()
+
+    def there():
+        changed.append("there")  # the child's copy: not seen here
+        return os.getpid(), shared[0]
+
+    here_pid, (there_pid, obj) = run_beside(here, there, shared)
+    assert here_pid == os.getpid() != there_pid and obj is shared[0]
+    assert changed == ["here"]
+    with pytest.raises(ForkedTaskError, match="bad"):  # the child's error reaches the caller
+        run_beside(lambda: None, lambda: (_ for _ in ()).throw(ForkedTaskError("bad")))
 
 
 @needs_fork
@@ -119,16 +140,24 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
 @needs_fork
 def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
     """search() and zero_variants() price one mesh family per task in this
-    process and a forked one: every candidate, profile and reference equals
-    pricing every configuration here in order, and the profiles the child
-    made are filed here (the exact solves and refine() read them)."""
-    context = _gpt8_contexts()
+    process and a forked one (and the single stages in the child while this
+    process captures the micro-batch programs): every candidate, profile and
+    reference equals pricing every configuration here in order, and the
+    profiles the child made are filed here (the exact solves and refine()
+    read them)."""
+    model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
+    whole_batch = trace(model, inputs)
 
     def searched(forked: bool):
         if not forked:
             monkeypatch.setattr(ps, "run_forked",
                                 lambda tasks, shared=(), in_child=None: [t() for t in tasks])
-        ctx = context()
+            monkeypatch.setattr(ps, "run_beside",
+                                lambda here, there, shared=(), in_child=None: (here(), there()))
+        ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+                               whole_batch_graph=whole_batch)
+        beside = ctx.will_capture(4)
         opts = ps.SearchOptions(pp=[1, 2, 4], schedules=["1f1b", "gpipe"],
                                 num_microbatches=[4])
         ranked = ps.search(ctx, opts)
@@ -136,10 +165,11 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
         leaders = list({c.mesh.family: c for c in reversed(ranked) if c.pp > 1}.values())
         variants = ps.zero_variants(ctx, leaders, opts)
         monkeypatch.undo()
-        return ctx, ranked, variants
+        return ctx, ranked, variants, beside
 
-    ctx, ranked, variants = searched(forked=True)
-    alone, want, want_variants = searched(forked=False)
+    ctx, ranked, variants, beside = searched(forked=True)
+    alone, want, want_variants, _ = searched(forked=False)
+    assert beside  # the single stages were priced while capturing
     assert len({c.mesh.family for c in ranked}) >= 3  # tasks for both processes
     assert len({c.mesh.family for c in variants}) >= 2
     key = lambda c: (c.label(), c.step_time_s, c.split.bounds, c.split.levels)  # noqa: E731
