@@ -322,9 +322,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         bounds = list(zip([0] + ends[:-1], ends))
     else:
         bounds = None
-    cands = search(ctx, SearchOptions(pp=[pp], schedules=[schedule],
-                                      num_microbatches=[num_microbatches], stage_mesh=stage_mesh,
-                                      zero_stages=[zero_stage]))
+    cands = [c for c in search(ctx, SearchOptions(
+        pp=[pp], schedules=[schedule], num_microbatches=[num_microbatches],
+        stage_mesh=stage_mesh, zero_stages=[zero_stage])) if c.schedule == schedule]
     if not cands:
         raise PlanningError(
             f"no {schedule} pipeline with pp={pp}, {num_microbatches} micro-batches and "

@@ -617,15 +617,33 @@ def configurations(ctx: SearchContext, opts: SearchOptions
         for mesh in meshes:
             if pp == 1:  # one stage: the whole batch at once, no schedule (no ZeRO)
                 out.append((1, 1, mesh, NO_PIPELINE, 1))
-                continue
             if zero and mesh.shape[0] == 1:
                 continue
             mesh = dataclasses.replace(mesh, zero_stage=zero)
+            if pp == 1:  # or micro-batches with their gradients accumulated (1F1B of one stage)
+                ms = list(opts.num_microbatches) if opts.num_microbatches else \
+                    _accumulation_options(ctx.global_batch, opts.microbatch_options)
+                if "1f1b" in schedules:
+                    out.extend((1, 1, mesh, "1f1b", m) for m in ms if m > 1)
+                continue
             for schedule in schedules:
                 v = default_stages_per_rank(schedule)
                 ms = list(opts.num_microbatches) if opts.num_microbatches else \
                     _microbatch_options(ctx.global_batch, pp, v, schedule, opts.microbatch_options)
                 out.extend((pp, v, mesh, schedule, m) for m in ms)
+    return out
+
+
+def _accumulation_options(global_batch: int, limit: int) -> list[int]:
+    """Micro-batch counts tried for one stage with gradient accumulation: 2,
+    8, 32, ... (a quarter of the micro-batch each time) dividing the batch,
+    at most ``limit`` of them."""
+    out = []
+    m = 2
+    while m <= global_batch and len(out) < limit:
+        if global_batch % m == 0:
+            out.append(m)
+        m *= 4
     return out
 
 

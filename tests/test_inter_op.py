@@ -18,6 +18,7 @@ from ir.trace import trace
 from planner import pipeline as pipeline_search
 from planner.api import PlanningError, pipeline_plan
 from planner.inter_op import StageTimes, exhaustive_split, in_flight, split_layers
+from planner.intra_op import MemoryInfeasibleError, solve_intra_op
 from planner.plan_format import Plan
 
 
@@ -210,6 +211,29 @@ def test_pipeline_plan_rejects_impossible_requests():
     with pytest.raises(PlanningError, match="fits in memory"):
         pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
                       schedule="1f1b", num_microbatches=2, memory_budget=1e5)
+
+
+def test_one_stage_accumulates_microbatches_when_the_whole_batch_does_not_fit():
+    """pp=1 is searched with the batch split into micro-batches whose gradients
+    are accumulated (a one-stage 1F1B): below the least memory of every
+    whole-batch single-stage plan, that is the plan, and it fits."""
+    from planner.api import mesh_candidates, plan
+
+    model, inputs = build_model("gpt-tiny", device="meta")
+    graph, cluster = trace(model, inputs), load_cluster("local-cpu:4")
+    least = []
+    for shape in mesh_candidates(4):
+        with pytest.raises(MemoryInfeasibleError) as err:
+            solve_intra_op(graph, cluster, shape, memory_budget=1.0)
+        least.append(err.value.least_bytes)
+    budget = 0.8 * min(least)
+    with pytest.raises(PlanningError):
+        plan(model, cluster, example_inputs=inputs, pipeline=False, memory_budget=budget)
+    got = plan(model, cluster, example_inputs=inputs, pp=[1], memory_budget=budget,
+               time_limit_s=10)
+    assert got.pipeline is not None and got.pipeline.pp == 1
+    assert got.pipeline.schedule == "1f1b" and got.pipeline.num_microbatches > 1
+    assert got.predicted["memory_bytes_per_device"]["total"] <= budget
 
 
 def test_plan_returns_a_pipeline_when_asked_and_the_same_one_twice():

@@ -88,6 +88,17 @@ def test_pp2_zero3_stages(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_one_stage_accumulating_microbatches_with_zero3_and_tensor_parallel(tmp_path):
+    """pp=1: FSDP2 over mesh axis 0, the ILP's placements on axis 1, and the
+    gradients of 4 micro-batches accumulated by a one-stage 1F1B."""
+    plan = pipeline_test_plan(pp=1, stage_mesh=(2, 2), schedule="1f1b", num_microbatches=4,
+                              zero_stage=3)
+    assert plan.pipeline.pp == 1 and len(plan.pipeline.stages) == 1
+    assert plan.pipeline.stages[0].zero_stage == 3
+    _run(plan, tmp_path)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule,num_microbatches", [
     ("gpipe", 4), ("1f1b", 4), ("interleaved_1f1b", 4), ("interleaved_zero_bubble", 4),
     ("zbv", 4), ("dualpipev", 8),
