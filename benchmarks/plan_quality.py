@@ -6,9 +6,9 @@ Cases:
 * Alpa's GPT-3 weak-scaling set on p3.16xlarge (V100 16 GB; 1 and 4 GPUs are
   part of one node): 350M on 1 GPU, 1.3B on 4, 2.6B on 8, 6.7B on 16, 15B on
   32, 39B on 64 (Alpa's table: sequence 1024, vocabulary 51200, float16).
-  Global batch 16 sequences per GPU (1024 on 64 GPUs, Alpa's batch): a
-  single-stage Plan has no gradient accumulation, so a fixed batch of 1024
-  does not fit one V100 at all.
+  Global batch 16 sequences per GPU (1024 on 64 GPUs, Alpa's batch; a fixed
+  batch of 1024 would leave the small cases hundreds of accumulated
+  micro-batches).
 * GPT-3 on dgx-a100-80g up to 1024 GPUs (sequence 2048, bfloat16), batch as
   in Megatron-LM's scaling table (Narayanan et al. 2021).
 * llama3-8b and llama3-70b on dgx-h100, and the MoE model (``moe-8x``) on

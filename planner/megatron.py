@@ -62,8 +62,8 @@ class MegatronConfig:
     ``micro_batch_size`` is per data-parallel rank, as in Megatron; a pipeline
     runs ``global_batch / (micro_batch_size * data_parallel_size)`` micro-batches
     (in the Plan one micro-batch is split over the stage's data-parallel axis).
-    None means the whole local batch in one micro-batch: the only choice
-    without a pipeline, since a single-stage Plan has no gradient accumulation.
+    None means the whole local batch in one micro-batch. Without a pipeline,
+    more than one micro-batch is gradient accumulation (a one-stage 1F1B).
     ``virtual_pipeline_model_parallel_size`` (None, or v >= 2 model chunks per
     pipeline rank) selects the interleaved 1F1B schedule.
     ``sequence_parallel`` (Megatron's ``--sequence-parallel``, needs tp > 1)
@@ -117,9 +117,8 @@ class MegatronConfig:
 
     @property
     def schedule(self) -> str:
-        """The pipeline schedule Megatron runs (none without a pipeline)."""
-        if self.pp == 1:
-            return "none"
+        """The pipeline schedule Megatron runs (1F1B of one stage without a
+        pipeline: gradient accumulation when there are several micro-batches)."""
         return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size else "1f1b"
 
     @property
@@ -133,8 +132,7 @@ class MegatronConfig:
         """Micro-batches per step: ``global_batch / (micro_batch_size * dp)``.
 
         Raises:
-            PlanningError: the sizes do not divide the batch, or gradient
-                accumulation without a pipeline is asked for.
+            PlanningError: the sizes do not divide the batch.
         """
         mbs = self.micro_batch_size
         if mbs is None:
@@ -146,10 +144,6 @@ class MegatronConfig:
             raise PlanningError(f"{self.label()}: micro_batch_size x dp = {mbs * self.dp} does "
                                 f"not divide the batch of {global_batch}")
         m = global_batch // (mbs * self.dp)
-        if self.pp == 1 and m > 1:
-            raise PlanningError(f"{self.label()}: {m} micro-batches without a pipeline is "
-                                f"gradient accumulation, which a single-stage Plan cannot "
-                                f"express; use micro_batch_size={global_batch // self.dp}")
         if self.virtual_pipeline_model_parallel_size and m % self.pp:
             raise PlanningError(f"{self.label()}: the interleaved schedule needs the "
                                 f"{m} micro-batches to be a multiple of pp={self.pp}")
@@ -323,10 +317,10 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
       divides the layers and the devices left after tp, whose stages are part
       of one node or whole nodes (the sub-meshes the Plan can run);
     * data parallel: the rest;
-    * micro-batch size (only when ``global_batch`` is given): without a
-      pipeline the whole local batch (a single-stage Plan has no gradient
-      accumulation); with one, each of ``micro_batch_sizes`` that divides the
-      batch and leaves at least pp micro-batches (fewer leave ranks idle);
+    * micro-batch size (only when ``global_batch`` is given): each of
+      ``micro_batch_sizes`` that divides the batch and leaves at least pp
+      micro-batches (fewer leave ranks idle), and without a pipeline also the
+      whole local batch (no gradient accumulation);
     * virtual stages: each of ``virtual_stages`` (None = plain 1F1B, v =
       interleaved) where pp >= 2, the layers split into pp x v chunks and the
       micro-batches are a multiple of pp;
@@ -369,15 +363,16 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
             if (n // pp) % tp:
                 continue
             dp = n // (pp * tp)
-            if pp == 1:
-                if global_batch is None:
-                    add(tp, dp)
-                elif global_batch % dp == 0:
-                    add(tp, dp, mbs=global_batch // dp)
-                continue
             mbss = [None] if global_batch is None else [
                 b for b in micro_batch_sizes
                 if global_batch % (b * dp) == 0 and global_batch // (b * dp) >= pp]
+            if pp == 1:  # and the whole local batch at once
+                whole = global_batch // dp if global_batch is not None else None
+                if global_batch is not None and global_batch % dp == 0 and whole not in mbss:
+                    mbss.append(whole)
+                for mbs in mbss:
+                    add(tp, dp, mbs=mbs)
+                continue
             for mbs in mbss:
                 for v in virtual_stages:
                     if v is not None and (num_layers % (pp * v) or (
@@ -433,8 +428,10 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
                   cache: dict | None = None) -> Plan:
     """The Plan of Megatron configuration ``cfg``.
 
-    Without a pipeline: the intra-op ILP on the (dp, tp) mesh with the Megatron
-    layout fixed. With one (pp > 1): the layers split evenly over pp x vpp
+    Without a pipeline and with the whole local batch in one micro-batch: the
+    intra-op ILP on the (dp, tp) mesh with the Megatron layout fixed. With
+    one (pp > 1), or with several micro-batches (gradient accumulation, a
+    one-stage 1F1B): the layers split evenly over pp x vpp
     stages (the embedding with the first, the head and loss with the last, as
     Megatron does), each stage solved by the intra-op ILP on the (dp, tp)
     stage mesh with the layout fixed, priced by the 1F1B (or interleaved 1F1B)
@@ -443,8 +440,8 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     inter-op DP, whose cut Megatron does not use). The distributed optimizer
     divides the optimizer states by dp (ZeRO-1): a pipeline's stage ILPs
     count that and reduce the gradients once per step (stage meshes with
-    ``zero_stage=1``); without a pipeline the ILP's memory budget grows by
-    what it saves, so activations may use it.
+    ``zero_stage=1``); a single stage of the whole batch has the ILP's memory
+    budget grown by what it saves, so activations may use it.
 
     Args:
         graph: the traced whole-batch program, if already traced.
@@ -481,7 +478,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     training = training_record(dtype, optimizer, example_inputs, zoo_kwargs,
                                manual={"kind": "megatron", **asdict(cfg)})
     info = model_record(model, graph, model_source)
-    if cfg.pp > 1:
+    if cfg.pp > 1 or m > 1:  # a pipeline, or gradient accumulation
         return _pipeline_plan(model, cluster, cfg, example_inputs, graph, layout, m, dtype,
                               optimizer, budget, time_limit_s, cache, info, training)
     saving = _zero1_saving(graph, cfg, layout, optimizer)
@@ -506,7 +503,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                    graph: Graph, layout: dict[str, tuple], m: int, dtype: str, optimizer: str,
                    budget: float, time_limit_s: float, cache: dict, info: dict,
                    training: dict) -> Plan:
-    """A Megatron pipeline: uniform layer split, fixed layout, 1F1B / interleaved."""
+    """A Megatron pipeline: uniform layer split, fixed layout, 1F1B / interleaved
+    (with pp = 1: one stage accumulating the gradients of its micro-batches)."""
     from planner.inter_op import PipelineCandidate, StageMeshOption, stage_mesh_options
     from planner.pipeline import (ExactPipeline, SearchContext, assemble, p2p_seconds,
                                   simulate_step, stage_in_flight)

@@ -65,8 +65,7 @@ def test_configs_that_do_not_divide_are_rejected():
     cfg.check_layers(8)
     with pytest.raises(PlanningError, match="does not divide the batch"):
         cfg.num_microbatches(16)
-    with pytest.raises(PlanningError, match="gradient accumulation"):
-        MegatronConfig(2, 2, micro_batch_size=1).num_microbatches(8)
+    assert MegatronConfig(2, 2, micro_batch_size=1).num_microbatches(8) == 4  # accumulation
     with pytest.raises(PlanningError, match="multiple of pp"):
         MegatronConfig(1, 1, pipeline_model_parallel_size=4, micro_batch_size=2,
                        virtual_pipeline_model_parallel_size=2).num_microbatches(12)
@@ -95,10 +94,13 @@ def test_pipeline_grid_is_valid():
         assert c.world_size == 16 and c.tp in (1, 2, 4, 8)
         c.check_layers(24)
         m = c.num_microbatches(64)  # raises if the batch does not split
-        if c.pp == 1:
-            assert m == 1 and c.micro_batch_size * c.dp == 64
-        else:
+        if c.pp == 1 and m == 1:  # the whole local batch at once
+            assert c.micro_batch_size * c.dp == 64
+        else:  # pipelined, or gradient accumulation without a pipeline
             assert m >= c.pp and c.micro_batch_size in (1, 2, 4)
+    # without a pipeline: accumulation over micro-batches of 1, 2, 4, or the whole batch
+    assert [c.micro_batch_size for c in cfgs if (c.pp, c.tp, c.sequence_parallel) ==
+            (1, 2, False)] == [1, 2, 4, 8]
     assert [c.label() for c in megatron_configs(
         cluster, 64, 24, micro_batch_sizes=[1], virtual_stages=[None])[-2:]] == [
         "tp=2 pp=8 dp=1 mbs=1", "tp=2 pp=8 dp=1 mbs=1 sp"]
@@ -127,6 +129,22 @@ def test_megatron_pipeline_plan_has_stages_and_the_layout(megatron_pp2):
     model, inputs = build_model("gpt-tiny", device="meta")
     q = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
                       schedule="1f1b", num_microbatches=4, layer_split=[1, 1],
+                      fixed=megatron_layout(trace(model, inputs), cfg), model_source="gpt-tiny")
+    assert q.parameters == p.parameters and q.nodes == p.nodes
+    assert q.predicted["step_time_s"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
+
+
+def test_megatron_without_a_pipeline_accumulates_microbatches():
+    """tp=4 pp=1 with micro-batches of 2 of the batch of 8: one stage whose
+    1F1B accumulates the gradients of 4 micro-batches, the same plan as
+    pipeline_plan() of that one stage with the layout fixed."""
+    model, inputs = build_model("gpt-tiny", device="meta")
+    cfg = MegatronConfig(4, 1, micro_batch_size=2)
+    p = megatron_plan(model, "local-cpu:4", cfg, example_inputs=inputs, model_source="gpt-tiny")
+    assert p.pipeline is not None and p.pipeline.pp == 1 and p.pipeline.schedule == "1f1b"
+    assert p.pipeline.num_microbatches == 4 and p.mesh["shape"] == [1, 4]
+    q = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=1, stage_mesh=(4,),
+                      schedule="1f1b", num_microbatches=4, layer_split=[2],
                       fixed=megatron_layout(trace(model, inputs), cfg), model_source="gpt-tiny")
     assert q.parameters == p.parameters and q.nodes == p.nodes
     assert q.predicted["step_time_s"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
