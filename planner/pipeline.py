@@ -560,12 +560,25 @@ def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
                         limit: int) -> list[int]:
     """Micro-batch counts tried: multiples of pp (x1, x2, x4, ...) dividing the batch,
     at most ``limit`` of them, as torch's schedules accept."""
+    first = pp * (2 if canonical_schedule(schedule) == "dualpipev" else 1)
+    return _counts_dividing(global_batch, first, 2, limit)
+
+
+def _accumulation_options(global_batch: int, limit: int) -> list[int]:
+    """Micro-batch counts tried for one stage with gradient accumulation: 2,
+    8, 32, ... (a quarter of the micro-batch each time) dividing the batch,
+    at most ``limit`` of them."""
+    return _counts_dividing(global_batch, 2, 4, limit)
+
+
+def _counts_dividing(global_batch: int, first: int, factor: int, limit: int) -> list[int]:
+    """``first``, ``first * factor``, ... that divide ``global_batch``, at most ``limit``."""
     out = []
-    m = pp * (2 if canonical_schedule(schedule) == "dualpipev" else 1)
+    m = first
     while m <= global_batch and len(out) < limit:
         if global_batch % m == 0:
             out.append(m)
-        m *= 2
+        m *= factor
     return out
 
 
@@ -634,19 +647,6 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     return out
 
 
-def _accumulation_options(global_batch: int, limit: int) -> list[int]:
-    """Micro-batch counts tried for one stage with gradient accumulation: 2,
-    8, 32, ... (a quarter of the micro-batch each time) dividing the batch,
-    at most ``limit`` of them."""
-    out = []
-    m = 2
-    while m <= global_batch and len(out) < limit:
-        if global_batch % m == 0:
-            out.append(m)
-        m *= 4
-    return out
-
-
 def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
     """Every priced configuration (from layer profiles and the stage DP), best first."""
     configs = configurations(ctx, opts)
@@ -674,7 +674,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     in every family's order). A task run by the child sends back its
     families' profiles, without their priced problems (remade if they are
     extended, :meth:`SearchContext._extend`), and its strategy caches."""
-    ms = [config[4] for config in configs if ctx.global_batch % config[4] == 0]
+    ms = list(dict.fromkeys(m for *_, m in configs if ctx.global_batch % m == 0))
     ready = 0  # the leading configurations whose programs exist
     while ready < len(configs) and not ctx.will_capture(configs[ready][4]):
         ready += 1
@@ -687,8 +687,10 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
             for k in ks:
                 ctx.progress(label(k, configs[k]))
                 out.append(_price(ctx, *configs[k]))
-            state = ctx.family_state({configs[k][2].family for k in ks}) if in_child[0] else None
-            return out, state, ctx.ilp_solves - solves
+            if not in_child[0]:  # its profiles and ILP count are here already
+                return out, None, 0
+            return (out, ctx.family_state({configs[k][2].family for k in ks}),
+                    ctx.ilp_solves - solves)
         return run
 
     def quiet() -> None:
@@ -703,18 +705,16 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
 
     def file(ks: list[int], done: tuple) -> None:
         out, state, solves = done
-        ctx.ilp_solves += solves  # a child's never reach ctx by themselves
-        if state is not None:
+        if state is not None:  # priced by the child
             ctx.adopt_family_state(state)
+            ctx.ilp_solves += solves
         for k, cand in zip(ks, out):
             priced[k] = cand
 
     first = list(range(ready))
     if first and any(ctx.will_capture(m) for m in ms):
-        shared = _held_by_both(ctx, ctx.programs())
-        solves = ctx.ilp_solves
-        _, done = run_beside(make_programs, task(first), shared, quiet)
-        ctx.ilp_solves = solves
+        _, done = run_beside(make_programs, task(first), _held_by_both(ctx, ctx.programs()),
+                             quiet)
         file(first, done)
     else:
         make_programs()
@@ -724,10 +724,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         families.setdefault(configs[k][2].family, []).append(k)
     # the largest families first, so that the last task to start is short
     tasks_of = sorted(families.values(), key=len, reverse=True)
-    shared = _held_by_both(ctx, ctx.programs())
-    solves = ctx.ilp_solves
-    done = run_forked([task(ks) for ks in tasks_of], shared, quiet)
-    ctx.ilp_solves = solves
+    done = run_forked([task(ks) for ks in tasks_of], _held_by_both(ctx, ctx.programs()), quiet)
     for ks, d in zip(tasks_of, done):
         file(ks, d)
     return priced
@@ -754,7 +751,6 @@ def zero_variants(ctx: SearchContext, ranked: list[PipelineCandidate],
     zeros = opts.zero_choices
     if not (0 in zeros and 3 in zeros):
         return []
-    out = []
     configs = [(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3), c.schedule,
                 c.num_microbatches) for c in ranked[:ZERO_CANDIDATES]
                if c.schedule != NO_PIPELINE and not c.mesh.zero_stage and c.mesh.shape[0] > 1]
