@@ -189,7 +189,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     """Find the fastest way to run one training step of ``model`` on ``cluster``.
 
     The two-level search: every single-stage plan (the intra-op ILP on each 1-D
-    and 2-D mesh), and every pipeline (stages from the inter-op DP on equal
+    and 2-D mesh, on the whole batch or accumulating the gradients of
+    micro-batches), and every pipeline (stages from the inter-op DP on equal
     sub-meshes, each solved by the intra-op ILP, with the number of
     micro-batches and the schedule), keeping the fastest that fits in memory.
 
@@ -223,7 +224,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                                                              memory_budget)
     info = model_record(model, graph, model_source)
     training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
-    if mesh_shape or not pipeline or cluster.num_devices == 1:
+    if mesh_shape or not pipeline:
         shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
             cluster.num_devices)
         best, too_big = _best_single_stage(graph, cluster, shapes, dtype, time_limit_s, budget,
@@ -232,25 +233,31 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
         return build_plan(best, cluster, info, training)
 
-    from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, assemble, refine,
-                                  search, solve_finalists, zero_variants)
+    from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, accumulates,
+                                  assemble, refine, search, solve_finalists, zero_variants)
 
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, progress=progress,
                         whole_batch_graph=graph)
     opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches,
                          zero_stages=_check_zero_stages(zero_stages))
-    first = search(ctx, opts)
+    priced = search(ctx, opts)
+    first = [c for c in priced if not accumulates(c)]
+    accumulating = [c for c in priced if accumulates(c)]
     ranked = refine(ctx, first)
     singles = [c for c in ranked if c.schedule == NO_PIPELINE]
     variants = zero_variants(ctx, ranked, opts)
+    accumulating_variants = zero_variants(ctx, accumulating, opts)
     # the fastest few as ranked after refining and as first priced (a refined
     # profile can move a cut the exact solve liked better), the best single
-    # stage and the best ZeRO-3 variants: pipelines are priced from layer
-    # profiles, the exact solve decides
+    # stage, the best ZeRO-3 variants, and the best single stages accumulating
+    # micro-batches (with and without ZeRO-3; apart, so that they take no
+    # pipeline's place): candidates are priced from layer profiles, the exact
+    # solve decides
     finalists = list({(c.label(), tuple(c.split.bounds)): c for c in
                       ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]
-                      + variants[:opts.zero_finalists]}.values())
+                      + variants[:opts.zero_finalists] + accumulating[:1]
+                      + accumulating_variants[:1]}.values())
     # finalists with a stage that has no plan within limits are dropped
     exact = [e for e in solve_finalists(ctx, finalists) if e is not None]
     if not exact:  # the layer profiles are coarse: try every single stage exactly

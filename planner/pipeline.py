@@ -611,16 +611,19 @@ class SearchOptions:
 def configurations(ctx: SearchContext, opts: SearchOptions
                    ) -> list[tuple[int, int, StageMeshOption, str, int]]:
     """Every (pp, stages per rank, stage mesh, schedule, micro-batches) the
-    search prices, in a fixed order (pp = 1 is the single-stage plan). The
-    stage meshes are without ZeRO where ``opts`` allows it
-    (:func:`zero_variants` adds ZeRO-3 for the leading pipelines), else with
-    the ZeRO stage it names (on meshes whose axis 0 has more than one rank)."""
+    search prices, in a fixed order: pp = 1 is the single stage of the whole
+    batch, then the pipelines, then one stage accumulating the gradients of
+    several micro-batches (:func:`accumulates`; last, so that the profiles
+    they make change no other price). The stage meshes are without ZeRO
+    where ``opts`` allows it (:func:`zero_variants` adds ZeRO-3 for the
+    leading candidates), else with the ZeRO stage it names (on meshes whose
+    axis 0 has more than one rank)."""
     n = ctx.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
     zeros = opts.zero_choices
     zero = 0 if 0 in zeros else zeros[0]
-    out = []
+    out, accumulating = [], []
     for pp in pps:
         meshes = stage_mesh_options(ctx.cluster, pp)
         if opts.stage_mesh is not None:  # any logical view of the sub-mesh
@@ -637,14 +640,19 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                 ms = list(opts.num_microbatches) if opts.num_microbatches else \
                     _accumulation_options(ctx.global_batch, opts.microbatch_options)
                 if "1f1b" in schedules:
-                    out.extend((1, 1, mesh, "1f1b", m) for m in ms if m > 1)
+                    accumulating.extend((1, 1, mesh, "1f1b", m) for m in ms if m > 1)
                 continue
             for schedule in schedules:
                 v = default_stages_per_rank(schedule)
                 ms = list(opts.num_microbatches) if opts.num_microbatches else \
                     _microbatch_options(ctx.global_batch, pp, v, schedule, opts.microbatch_options)
                 out.extend((pp, v, mesh, schedule, m) for m in ms)
-    return out
+    return out + accumulating
+
+
+def accumulates(cand: PipelineCandidate) -> bool:
+    """Whether ``cand`` is one stage accumulating the gradients of its micro-batches."""
+    return cand.pp == 1 and cand.schedule != NO_PIPELINE
 
 
 def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
