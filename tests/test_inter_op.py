@@ -213,16 +213,17 @@ def test_pipeline_plan_rejects_impossible_requests():
                       schedule="1f1b", num_microbatches=2, memory_budget=1e5)
 
 
-def test_one_stage_accumulates_microbatches_when_the_whole_batch_does_not_fit():
+@pytest.mark.parametrize("devices", [4, 1])
+def test_one_stage_accumulates_microbatches_when_the_whole_batch_does_not_fit(devices):
     """pp=1 is searched with the batch split into micro-batches whose gradients
-    are accumulated (a one-stage 1F1B): below the least memory of every
-    whole-batch single-stage plan, that is the plan, and it fits."""
+    are accumulated (a one-stage 1F1B; on one device too): below the least
+    memory of every whole-batch single-stage plan, that is the plan, and it fits."""
     from planner.api import mesh_candidates, plan
 
     model, inputs = build_model("gpt-tiny", device="meta")
-    graph, cluster = trace(model, inputs), load_cluster("local-cpu:4")
+    graph, cluster = trace(model, inputs), load_cluster(f"local-cpu:{devices}")
     least = []
-    for shape in mesh_candidates(4):
+    for shape in mesh_candidates(devices):
         with pytest.raises(MemoryInfeasibleError) as err:
             solve_intra_op(graph, cluster, shape, memory_budget=1.0)
         least.append(err.value.least_bytes)
