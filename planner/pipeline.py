@@ -148,12 +148,16 @@ class SearchContext:
         ways: captured, or (unless ``traced``) derived from earlier captures when
         the program follows the batch size exactly (:mod:`ir.rescale`, checked
         on a third capture first). Derived programs price known placements;
-        anything that enumerates strategies asks for a captured one."""
+        anything that enumerates strategies asks for a captured one. Micro-batch
+        size 1 is always captured: torch specialises size-1 dimensions there
+        (another program than the rule gives; once its capture replaced a
+        derived one mid-search, and the search's two processes then priced with
+        different programs)."""
         mb = self.global_batch // num_microbatches
         prog = self._programs.get(mb)
         if prog is not None and (prog.traced or not traced):
             return prog
-        if not traced and self._batch_rule_checked and self._batch_rule:
+        if not traced and mb > 1 and self._batch_rule_checked and self._batch_rule:
             self._add_program(mb, self._batch_rule.at(mb), traced=False, captured=False)
             return self._programs[mb]
         inputs = microbatch_inputs(self.example_inputs, num_microbatches)
@@ -193,8 +197,9 @@ class SearchContext:
     def will_capture(self, num_microbatches: int) -> bool:
         """Whether :meth:`program` would capture the program (seconds) rather
         than find it or derive it from earlier captures."""
-        return (self.global_batch // num_microbatches not in self._programs
-                and not (self._batch_rule_checked and self._batch_rule))
+        mb = self.global_batch // num_microbatches
+        return mb not in self._programs and (
+            mb == 1 or not (self._batch_rule_checked and self._batch_rule))
 
     def programs(self) -> list[MicrobatchProgram]:
         """The programs made so far (captured, written out or derived)."""
@@ -206,7 +211,7 @@ class SearchContext:
         :meth:`adopt_family_state` in another process. The profiles lose
         their priced problems (too big to send; remade if they are extended)."""
         profiles = {k: p for k, p in self._profiles.items() if mesh_family(k[1]) in families}
-        references = {k: refs for k, refs in self._reference.items() if k[1:] in families}
+        references = {k: refs for k, refs in self._reference.items() if k[1:-1] in families}
         for prof in [*profiles.values(), *(p for refs in references.values() for p in refs)]:
             prof.prepared = None
         shapes = {mesh_key[0] for _, mesh_key, _ in profiles}
@@ -515,9 +520,13 @@ def _profile_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> 
 
 def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
     """The layer kind (its first layer's index, the same at every micro-batch
-    size) and the mesh family (:attr:`StageMeshOption.family`) whose
-    placements carry over."""
-    return prog.signatures.index(prog.signatures[layer]), *mesh.family
+    size), the mesh family (:attr:`StageMeshOption.family`) whose placements
+    carry over, and at micro-batch size 1 the mesh itself: torch specialises
+    size-1 dimensions into another program, where placements chosen at other
+    sizes or on other meshes re-price far from the ILP's own (alpa-gpt3-15b,
+    pp=8 x 4 with 512 micro-batches: 60.0 s re-priced, 30.7 s by its own ILP)."""
+    return (prog.signatures.index(prog.signatures[layer]), *mesh.family,
+            mesh.shape if prog.microbatch_size == 1 else None)
 
 
 def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
