@@ -158,8 +158,9 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
                                whole_batch_graph=whole_batch)
         beside = ctx.will_capture(4)
+        # 8 micro-batches: size 1, which torch captures as another program
         opts = ps.SearchOptions(pp=[1, 2, 4], schedules=["1f1b", "gpipe"],
-                                num_microbatches=[4])
+                                num_microbatches=[4, 8])
         ranked = ps.search(ctx, opts)
         # the best pipeline of each mesh family: ZeRO-3 variants for both processes
         leaders = list({c.mesh.family: c for c in reversed(ranked) if c.pp > 1}.values())
