@@ -157,7 +157,7 @@ class SearchContext:
         prog = self._programs.get(mb)
         if prog is not None and (prog.traced or not traced):
             return prog
-        if not traced and mb > 1 and self._batch_rule_checked and self._batch_rule:
+        if not traced and self._derivable(mb):
             self._add_program(mb, self._batch_rule.at(mb), traced=False, captured=False)
             return self._programs[mb]
         inputs = microbatch_inputs(self.example_inputs, num_microbatches)
@@ -198,8 +198,12 @@ class SearchContext:
         """Whether :meth:`program` would capture the program (seconds) rather
         than find it or derive it from earlier captures."""
         mb = self.global_batch // num_microbatches
-        return mb not in self._programs and (
-            mb == 1 or not (self._batch_rule_checked and self._batch_rule))
+        return mb not in self._programs and not self._derivable(mb)
+
+    def _derivable(self, mb: int) -> bool:
+        """Whether the program at micro-batch size ``mb`` may be derived from
+        the confirmed batch rule (never at size 1, see :meth:`program`)."""
+        return mb > 1 and self._batch_rule_checked and bool(self._batch_rule)
 
     def programs(self) -> list[MicrobatchProgram]:
         """The programs made so far (captured, written out or derived)."""
@@ -211,7 +215,8 @@ class SearchContext:
         :meth:`adopt_family_state` in another process. The profiles lose
         their priced problems (too big to send; remade if they are extended)."""
         profiles = {k: p for k, p in self._profiles.items() if mesh_family(k[1]) in families}
-        references = {k: refs for k, refs in self._reference.items() if k[1:-1] in families}
+        references = {k: refs for k, refs in self._reference.items()  # see _reference_key
+                      if k[1:-1] in families}
         for prof in [*profiles.values(), *(p for refs in references.values() for p in refs)]:
             prof.prepared = None
         shapes = {mesh_key[0] for _, mesh_key, _ in profiles}
