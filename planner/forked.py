@@ -64,8 +64,7 @@ def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = ()
     def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
         outcomes = {}
         while (i := take()) is not None:
-            outcome = _outcome(tasks[i])
-            outcomes[i] = _sendable(outcome) if in_the_child else outcome
+            outcomes[i] = _outcome(tasks[i])
         return outcomes
 
     return _results(_with_child(work, shared, in_child), len(tasks))
@@ -84,8 +83,7 @@ def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequen
 
     def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
         i, task = tasks[in_the_child]
-        outcome = _outcome(task)
-        return {i: _sendable(outcome) if in_the_child else outcome}
+        return {i: _outcome(task)}
 
     here_result, there_result = _results(_with_child(work, shared, in_child), 2)
     return here_result, there_result
@@ -94,7 +92,8 @@ def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequen
 def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Sequence[object],
                 in_child: Callable[[], None] | None) -> dict[int, tuple[bool, Any]]:
     """``work(True)`` in a forked child and ``work(False)`` here at the same
-    time: their outcomes by task index, the child's sent back pickled."""
+    time: their outcomes by task index, the child's sent back pickled (an
+    exception that does not pickle as a :class:`ForkedTaskError`)."""
     with tempfile.TemporaryDirectory(prefix="planner-fork-") as tmp:
         path = os.path.join(tmp, "results.pickle")
         pid = os.fork()
@@ -103,7 +102,7 @@ def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Seq
             try:
                 if in_child is not None:
                     in_child()
-                outcomes = work(True)
+                outcomes = {i: _sendable(o) for i, o in work(True).items()}
                 with open(path, "wb") as fh:
                     _SharedPickler(fh, shared).dump(outcomes)
             except BaseException:  # noqa: BLE001 - reported through the exit code

@@ -367,9 +367,9 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
                 b for b in micro_batch_sizes
                 if global_batch % (b * dp) == 0 and global_batch // (b * dp) >= pp]
             if pp == 1:  # and the whole local batch at once
-                whole = global_batch // dp if global_batch is not None else None
-                if global_batch is not None and global_batch % dp == 0 and whole not in mbss:
-                    mbss.append(whole)
+                if global_batch is not None and global_batch % dp == 0 \
+                        and global_batch // dp not in mbss:
+                    mbss.append(global_batch // dp)
                 for mbs in mbss:
                     add(tp, dp, mbs=mbs)
                 continue
