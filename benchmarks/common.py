@@ -22,7 +22,7 @@ import statistics
 from typing import Any, Sequence
 
 __all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
-           "median", "read_results", "write_results", "wrote_message"]
+           "cpu_speed_probe", "median", "read_results", "write_results", "wrote_message"]
 
 #: The keys of ``machine_info(brief=True)``, in order (the benchmarks' short machine record).
 BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
@@ -55,6 +55,23 @@ def load_average_1min() -> float | None:
     """The 1 minute load average, rounded to 0.01 (None where the platform has none)."""
     loads = load_average()
     return loads[0] if loads else None
+
+
+def cpu_speed_probe(repeats: int = 3) -> float:
+    """Seconds one core takes for a fixed pure-Python workload (the fastest of
+    ``repeats``): the same machine type runs 1.2 to 2 times slower in some
+    hours than in others, so a planning time is read next to this figure
+    (0.14 s on a fast hour of the 2-core development machine)."""
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(3_000_000):
+            total += i * i % 7
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def machine_block(loadavg_before: list[float] | None, *, after: bool = False) -> dict[str, Any]:
