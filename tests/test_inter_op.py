@@ -110,6 +110,23 @@ def test_search_equals_exhaustive_cuts_and_sub_meshes(monkeypatch):
     assert sorted(x[2] for x in dp) == sorted(x[2] for x in brute)
 
 
+def test_pipelines_of_more_stages_than_layers_are_not_searched():
+    """Configurations whose stages outnumber the layers are left out before
+    their micro-batch programs are made: nothing is captured for them."""
+    model, inputs = build_model("mlp-tiny", batch_size=16)
+    ctx = pipeline_search.SearchContext(model, inputs, _cluster(8), dtype="float32",
+                                        optimizer="adam", budget=2e9, time_limit_s=10,
+                                        min_layers=4)
+    num_layers = len(ctx.program(1).layers)
+    assert num_layers == 4
+    configs = pipeline_search.configurations(ctx, pipeline_search.SearchOptions(
+        schedules=["1f1b", "interleaved_1f1b"], microbatch_options=2))
+    assert {(pp, v) for pp, v, *_ in configs if pp > 1} == {(2, 1), (4, 1), (2, 2)}
+    pipeline_search.search(ctx, pipeline_search.SearchOptions(
+        pp=[8], schedules=["1f1b"], num_microbatches=[16]))
+    assert [p.microbatch_size for p in ctx.programs()] == [16]  # nothing captured at size 1
+
+
 def _cluster(n):
     from costmodel.presets import local_cpu_cluster
 
