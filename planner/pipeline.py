@@ -687,6 +687,22 @@ def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
 Config = tuple[int, int, StageMeshOption, str, int]  # (pp, v, stage mesh, schedule, m)
 
 
+class _ChildMark:
+    """The ``in_child`` hook of :mod:`planner.forked` for a search's phases:
+    called first in the forked child, it silences ``ctx``'s progress there
+    (the child's lines would interleave with this process's) and marks
+    :attr:`in_child`, so that a task knows its results travel back pickled."""
+
+    def __init__(self, ctx: SearchContext):
+        self.ctx = ctx
+        self.in_child = False
+
+    def __call__(self) -> None:
+        self.in_child = True
+        self.ctx.progress = lambda msg: None
+
+
+
 def _price_all(ctx: SearchContext, configs: Sequence[Config],
                label: Callable[[int, Config], str]) -> list[PipelineCandidate | None]:
     """``[_price(ctx, *config) for config in configs]``, on two CPU cores
@@ -706,7 +722,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     ready = 0  # the leading configurations whose programs exist
     while ready < len(configs) and not ctx.will_capture(configs[ready][4]):
         ready += 1
-    in_child = [False]
+    child = _ChildMark(ctx)
 
     def task(ks: list[int]) -> Callable[[], tuple]:
         def run() -> tuple:
@@ -715,15 +731,11 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
             for k in ks:
                 ctx.progress(label(k, configs[k]))
                 out.append(_price(ctx, *configs[k]))
-            if not in_child[0]:  # its profiles and ILP count are here already
+            if not child.in_child:  # its profiles and ILP count are here already
                 return out, None, 0
             return (out, ctx.family_state({configs[k][2].family for k in ks}),
                     ctx.ilp_solves - solves)
         return run
-
-    def quiet() -> None:
-        in_child[0] = True
-        ctx.progress = lambda msg: None
 
     def make_programs() -> None:
         for m in ms:
@@ -742,7 +754,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     first = list(range(ready))
     if first and any(ctx.will_capture(m) for m in ms):
         _, done = run_beside(make_programs, task(first), _held_by_both(ctx, ctx.programs()),
-                             quiet)
+                             child)
         file(first, done)
     else:
         make_programs()
@@ -752,7 +764,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         families.setdefault(configs[k][2].family, []).append(k)
     # the largest families first, so that the last task to start is short
     tasks_of = sorted(families.values(), key=len, reverse=True)
-    done = run_forked([task(ks) for ks in tasks_of], _held_by_both(ctx, ctx.programs()), quiet)
+    done = run_forked([task(ks) for ks in tasks_of], _held_by_both(ctx, ctx.programs()), child)
     for ks, d in zip(tasks_of, done):
         file(ks, d)
     return priced
@@ -847,24 +859,20 @@ def _own_profiles_forked(ctx: SearchContext, pairs: dict[tuple, StageMeshOption]
     for (shape, m), mesh in pairs.items():
         prog = ctx.program(m)
         progs[shape, m] = ctx.program(m, traced=True) if ctx.has_repriced(prog, mesh) else prog
-    in_child = [False]
+    child = _ChildMark(ctx)
 
     def task(prog: MicrobatchProgram, mesh: StageMeshOption) -> Callable[[], tuple]:
         def run() -> tuple:
             solves = ctx.ilp_solves
             changed = ctx.own_profiles(prog, mesh)
-            if in_child[0]:  # sent back by pickling: without the priced problems
+            if child.in_child:  # sent back by pickling: without the priced problems
                 changed = [(layer, dataclasses.replace(p, prepared=None)) for layer, p in changed]
             return changed, ctx.ilp_solves - solves
         return run
 
-    def quiet() -> None:
-        in_child[0] = True
-        ctx.progress = lambda msg: None
-
     shared = _held_by_both(ctx, list(progs.values()))
     solves = ctx.ilp_solves
-    done = run_forked([task(progs[key], mesh) for key, mesh in pairs.items()], shared, quiet)
+    done = run_forked([task(progs[key], mesh) for key, mesh in pairs.items()], shared, child)
     ctx.ilp_solves = solves + sum(d[1] for d in done)  # a child's never reach ctx by themselves
     for key, (changed, _) in zip(pairs, done):
         for layer, prof in changed:
@@ -1002,13 +1010,10 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
             return out, ctx.ilp_solves - solves, ctx.stages_reused - reused
         return run
 
-    def quiet() -> None:
-        ctx.progress = lambda msg: None
-
     solves, reused = ctx.ilp_solves, ctx.stages_reused
     # the longest chains first, so that the last chain to start is short
     order = sorted(chains.values(), key=len, reverse=True)
-    done = run_forked([chain_task(items) for items in order], shared, quiet)
+    done = run_forked([chain_task(items) for items in order], shared, _ChildMark(ctx))
     # the counts of both processes (a child's never reach ctx by themselves)
     ctx.ilp_solves = solves + sum(d[1] for d in done)
     ctx.stages_reused = reused + sum(d[2] for d in done)
