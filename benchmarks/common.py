@@ -59,8 +59,8 @@ def load_average_1min() -> float | None:
 
 def cpu_speed_probe(repeats: int = 3) -> float:
     """Seconds one core takes for a fixed pure-Python workload (the fastest of
-    ``repeats``): the same machine type runs 1.2 to 2 times slower in some
-    hours than in others, so a planning time is read next to this figure
+    ``repeats``): the same machine type runs up to 2.3 times slower in
+    some hours than in others, so a planning time is read next to this figure
     (0.14 s on a fast hour of the 2-core development machine)."""
     import time
 

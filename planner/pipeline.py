@@ -702,7 +702,6 @@ class _ChildMark:
         self.ctx.progress = lambda msg: None
 
 
-
 def _price_all(ctx: SearchContext, configs: Sequence[Config],
                label: Callable[[int, Config], str]) -> list[PipelineCandidate | None]:
     """``[_price(ctx, *config) for config in configs]``, on two CPU cores
