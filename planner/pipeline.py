@@ -572,10 +572,14 @@ def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes
 
 def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
                         limit: int) -> list[int]:
-    """Micro-batch counts tried: multiples of pp (x1, x2, x4, ...) dividing the batch,
-    at most ``limit`` of them, as torch's schedules accept."""
+    """Micro-batch counts tried: multiples of pp (x1, x4, x16, ...; DualPipeV
+    from 2pp) dividing the batch, at most ``limit`` of them, as torch's
+    schedules accept. Steps of 4 reach the many small micro-batches that
+    keep the bubble and the in-flight activations small: with steps of 2
+    (pp, 2pp, 4pp) gpt3-175b on 1024 A100s never tried pp=32 with 512
+    micro-batches, 407 s/step against the 516 s/step it chose."""
     first = pp * (2 if canonical_schedule(schedule) == "dualpipev" else 1)
-    return _counts_dividing(global_batch, first, 2, limit)
+    return _counts_dividing(global_batch, first, 4, limit)
 
 
 def _accumulation_options(global_batch: int, limit: int) -> list[int]:
