@@ -234,7 +234,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         return build_plan(best, cluster, info, training)
 
     from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, accumulates,
-                                  assemble, refine, search, solve_finalists, zero_variants)
+                                  assemble, refine, search, solve_finalists,
+                                  split_far_finalists, zero_variants)
 
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, progress=progress,
@@ -258,8 +259,12 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                       ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]
                       + variants[:opts.zero_finalists] + accumulating[:1]
                       + accumulating_variants[:1]}.values())
-    # finalists with a stage that has no plan within limits are dropped
-    exact = [e for e in solve_finalists(ctx, finalists) if e is not None]
+    # finalists with a stage that has no plan within limits are dropped; those
+    # predicted far behind the fastest are solved only if no other has a plan
+    close, far = split_far_finalists(finalists)
+    exact = [e for e in solve_finalists(ctx, close) if e is not None]
+    if not exact and far:
+        exact = [e for e in solve_finalists(ctx, far) if e is not None]
     if not exact:  # the layer profiles are coarse: try every single stage exactly
         best, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
                                            dtype, time_limit_s, budget, optimizer)

@@ -16,8 +16,9 @@ from ir.source import build_model
 from ir.subgraph import boundary_values
 from ir.trace import trace
 from planner import pipeline as pipeline_search
-from planner.api import PlanningError, pipeline_plan
-from planner.inter_op import StageTimes, exhaustive_split, in_flight, split_layers
+from planner.api import PlanningError, pipeline_plan, plan
+from planner.inter_op import (PipelineCandidate, StageTimes, exhaustive_split, in_flight,
+                              split_layers)
 from planner.intra_op import MemoryInfeasibleError, solve_intra_op
 from planner.plan_format import Plan
 
@@ -125,6 +126,39 @@ def test_pipelines_of_more_stages_than_layers_are_not_searched():
     pipeline_search.search(ctx, pipeline_search.SearchOptions(
         pp=[8], schedules=["1f1b"], num_microbatches=[16]))
     assert [p.microbatch_size for p in ctx.programs()] == [16]  # nothing captured at size 1
+
+
+def test_finalists_far_behind_the_fastest_prediction_are_set_aside():
+    def cand(step_s):
+        return PipelineCandidate(2, 1, None, "1f1b", 4, None, step_s, 0.0, 0.0)
+
+    accumulating = PipelineCandidate(1, 1, None, "1f1b", 8, None, 300.0, 0.0, 0.0)
+    finalists = [cand(110.0), cand(100.0), cand(200.0), accumulating, cand(114.0), cand(116.0)]
+    close, far = pipeline_search.split_far_finalists(finalists, margin=1.15)
+    # one stage accumulating micro-batches is always solved (its predictions are coarse)
+    assert [c.step_time_s for c in close] == [110.0, 100.0, 300.0, 114.0]
+    assert [c.step_time_s for c in far] == [200.0, 116.0]
+
+
+def test_far_finalists_are_solved_when_no_close_one_has_a_plan(monkeypatch):
+    """plan() falls back to the finalists it set aside when none of the
+    others has a plan within limits."""
+    model, inputs = build_model("gpt-tiny")
+    real_solve, real_split = pipeline_search.solve_finalists, pipeline_search.split_far_finalists
+    asked: list[list[str]] = []
+
+    def solve(ctx, finalists):
+        asked.append([c.label() for c in finalists])
+        results = real_solve(ctx, finalists)
+        return [None] * len(results) if len(asked) == 1 else results  # the close ones: no plan
+
+    monkeypatch.setattr(pipeline_search, "solve_finalists", solve)
+    # only the fastest prediction is close
+    monkeypatch.setattr(pipeline_search, "split_far_finalists", lambda f: real_split(f, 1.0))
+    p = plan(model, "local-cpu:4", example_inputs=inputs, model_source="gpt-tiny",
+             pp=[2], schedules=["1f1b"], num_microbatches=[2, 4], zero_stages=[0])
+    assert len(asked) == 2 and asked[1] and not set(asked[0]) & set(asked[1])
+    assert p.predicted["step_time_s"] > 0
 
 
 def _cluster(n):
