@@ -186,7 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", help="pipeline degrees to try, e.g. 2,4 (default: every divisor)")
     p.add_argument("--schedule", help="pipeline schedules to try, e.g. 1f1b,interleaved_1f1b "
                    "(default: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev)")
-    p.add_argument("--microbatches", help="micro-batch counts to try, e.g. 4,8 (default: pp, 4pp, 16pp)")
+    p.add_argument("--microbatches", help="micro-batch counts to try, e.g. 4,8 (default: "
+                   "micro-batches of 1, 4 and 16 sequences)")
     p.add_argument("--zero", help="ZeRO stages of pipeline stages to try: 0 (none), 3 (FSDP2 "
                    "over the stage mesh's first axis); default 0,3")
     p.add_argument("--no-pipeline", action="store_true", help="plan a single stage only")
