@@ -645,8 +645,8 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     leading candidates), else with the ZeRO stage it names (on meshes whose
     axis 0 has more than one rank). Pipelines of more stages than the
     program has layers are left out before any program is made for them
-    (llama3-8b's 32 layers: 29 configurations, and the only ones at
-    micro-batch size 1, whose capture took 2.7 s)."""
+    (llama3-8b's 32 layers: 29 configurations, which under earlier
+    micro-batch options alone asked for a capture at size 1, 2.7 s)."""
     n = ctx.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
@@ -1043,7 +1043,8 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
 # far behind won (the nearest ended 14.4 % behind the winner), and the
 # predictions of pipelines and whole-batch single stages were within 3.3 % of
 # their exact solves; gpt3-175b's interleaved finalists, 29 % behind, took a
-# third of its exact solve time. One stage accumulating micro-batches is
+# third of its exact solve time (with pp, 4pp and 16pp micro-batches, before
+# micro-batches of 1, 4 and 16 sequences). One stage accumulating micro-batches is
 # always solved: its predictions were up to 85 % above its exact solve.
 FINALIST_MARGIN = 1.15
 
