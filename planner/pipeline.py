@@ -594,17 +594,12 @@ def _accumulation_options(global_batch: int, limit: int) -> list[int]:
     """Micro-batch counts tried for one stage with gradient accumulation: 2,
     8, 32, ... (a quarter of the micro-batch each time) dividing the batch,
     at most ``limit`` of them."""
-    return _counts_dividing(global_batch, 2, 4, limit)
-
-
-def _counts_dividing(global_batch: int, first: int, factor: int, limit: int) -> list[int]:
-    """``first``, ``first * factor``, ... that divide ``global_batch``, at most ``limit``."""
     out = []
-    m = first
+    m = 2
     while m <= global_batch and len(out) < limit:
         if global_batch % m == 0:
             out.append(m)
-        m *= factor
+        m *= 4
     return out
 
 
