@@ -482,7 +482,7 @@ def simulate(
     orders, s2r, order = _torch_dependency_order(name, pp, m, v)
     return _simulate_order(order, orders, s2r,
                            *_stage_values(pp * v, f, b, w, p2p, activation_bytes),
-                           name, m, timeline)
+                           name, m, timeline, list(_torch_peaks(name, pp, m, v)))
 
 
 @functools.lru_cache(maxsize=512)
@@ -501,8 +501,13 @@ def peak_activations(schedule: str, pp: int, num_microbatches: int,
     no timing is needed; a tenth of a simulation's cost at pp=64, m=256)."""
     name = canonical_schedule(schedule)
     pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
-    orders, s2r = _torch_orders(name, pp, m, v)
-    return _peaks(orders, pp, None)[0], dict(s2r)
+    return list(_torch_peaks(name, pp, m, v)), dict(_torch_orders(name, pp, m, v)[1])
+
+
+@functools.lru_cache(maxsize=512)
+def _torch_peaks(name: str, pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Per-rank peak live activations of torch's orders (cached like them)."""
+    return tuple(_peaks(_torch_orders(name, pp, m, v)[0], pp, None)[0])
 
 
 def _peaks(orders: dict[int, Sequence[ScheduleOp]], pp: int, act_b: list[float] | None
@@ -605,6 +610,8 @@ def simulate_orders(
         for op in order:
             if op.kind not in ("F", "B", "I", "W"):
                 raise ValueError(f"rank {r}: unexpected action kind {op.kind!r} in {op}")
+            if not isinstance(op.microbatch, int) or op.microbatch < 0:
+                raise ValueError(f"rank {r}: micro-batch index of {op} must be an int >= 0")
             if s2r.get(op.stage) != r:
                 raise ValueError(
                     f"rank {r}: action {op} is for stage {op.stage}, "
@@ -624,111 +631,164 @@ def _stage_values(S: int, f: PerStage, b: PerStage, w: PerStage, p2p: PerStage,
             _per_stage(activation_bytes, S, "activation_bytes", allow_none=True))
 
 
-# One action of a dependency-respecting order of all ranks' actions: (rank,
-# action, what it waits for as (position in the order, stage boundary whose
-# p2p latency it adds or -1)).
-_Ordered = tuple[int, ScheduleOp, tuple[tuple[int, int], ...]]
+# One action of a dependency-respecting order of all ranks' actions, stored
+# column-wise (lists indexed by position in the order; timing walks them
+# together): see _DependencyOrder.
+_KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
+
+
+@dataclass(frozen=True)
+class _DependencyOrder:
+    """Every rank's actions in one order in which each comes after its
+    rank's earlier actions and after the actions it waits for, column-wise:
+    at position ``k`` the action ``ops[k]`` of rank ``ranks[k]``; ``codes[k]``
+    = kind code (F 0, B 1, I 2, W 3) * stages + stage, which picks its
+    duration; it waits for the actions at positions ``first[k]`` and
+    ``second[k]`` (-1: none), each plus the p2p latency of stage boundary
+    ``first_boundary[k]`` / ``second_boundary[k]`` (-1: same rank, none)."""
+
+    ranks: list[int]
+    codes: list[int]
+    first: list[int]
+    first_boundary: list[int]
+    second: list[int]
+    second_boundary: list[int]
+    ops: list[ScheduleOp]
 
 
 def _dependency_order(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, int],
-                      name: str) -> tuple[_Ordered, ...]:
+                      name: str) -> _DependencyOrder:
     """Every rank's actions in one order in which each comes after its rank's
     earlier actions and after the actions it waits for: an F after the F of
     the previous stage, a B or I after its F and the gradient of the next
     stage (that stage's B or I), a W after its I. Timing is then one pass over
-    it. Raises ``ValueError`` when the orders deadlock."""
+    it. Raises ``ValueError`` when the orders deadlock or an action repeats.
+
+    Actions are named by ints, ``stage * M + micro-batch`` (M: one more than
+    the largest micro-batch index), and where each was placed is kept in
+    lists per kind (F, gradient = B or I, I, and B and W to catch repeats):
+    a search orders schedules of ~150k actions (gpt3-175b, m = 1536)."""
     S = len(s2r)
-
-    def deps(op: ScheduleOp) -> list[tuple[tuple[str, int, int], int]]:
-        s, j = op.stage, op.microbatch
-        if op.kind == "F":
-            if s == 0:
-                return []
-            return [(("F", s - 1, j), s - 1 if s2r[s - 1] != s2r[s] else -1)]
-        if op.kind in ("B", "I"):
-            d = [(("F", s, j), -1)]
-            if s < S - 1:
-                d.append((("G", s + 1, j), s if s2r[s + 1] != s2r[s] else -1))
-            return d
-        # W: after the input-gradient part of the same stage/micro-batch.
-        return [(("I", s, j), -1)]
-
-    position: dict[tuple[str, int, int], int] = {}
-    waiting: dict[tuple[str, int, int], list[int]] = {}
+    M = 1 + max((op[2] for o in orders.values() for op in o), default=0)
+    size = S * M
+    placed = {kind: [-1] * size for kind in "FGIBW"}
+    pos_f, pos_g, pos_i = placed["F"], placed["G"], placed["I"]
+    # the p2p boundary a dependency on the next (previous) stage crosses, or -1
+    cross_next = [s if s + 1 < S and s2r[s + 1] != s2r[s] else -1 for s in range(S)]
+    waiting: dict[tuple[str, int], list[int]] = {}
+    out = _DependencyOrder([], [], [], [], [], [], [])
+    ranks, codes, first, first_b, second, second_b, ops = (
+        out.ranks, out.codes, out.first, out.first_boundary, out.second,
+        out.second_boundary, out.ops)
     ptr = {r: 0 for r in orders}
-    out: list[_Ordered] = []
     ready = deque(sorted(orders))
     queued = set(orders)
     while ready:
         r = ready.popleft()
         queued.discard(r)
         order = orders[r]
-        while ptr[r] < len(order):
-            op = order[ptr[r]]
-            after: list[tuple[int, int]] = []
-            blocked = None
-            for key, boundary in deps(op):
-                at = position.get(key)
-                if at is None:
-                    blocked = key
+        p = ptr[r]
+        while p < len(order):
+            op = order[p]
+            kind, s, j = op[0], op[1], op[2]
+            at = s * M + j
+            a2 = b2 = -1
+            if kind == "F":
+                if s == 0:
+                    a1 = b1 = -1
+                else:
+                    a1, b1 = pos_f[at - M], cross_next[s - 1]
+                    if a1 < 0:
+                        waiting.setdefault(("F", at - M), []).append(r)
+                        break
+            elif kind == "W":
+                a1, b1 = pos_i[at], -1
+                if a1 < 0:
+                    waiting.setdefault(("I", at), []).append(r)
                     break
-                after.append((at, boundary))
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(r)
-                break
-            ptr[r] += 1
-            out.append((r, op, tuple(after)))
-            keys = [(op.kind, op.stage, op.microbatch)]
-            if op.kind in ("B", "I"):
-                keys.append(("G", op.stage, op.microbatch))
-            for key in keys:
-                if key in position:
+            else:  # B or I: after its F and the gradient from the next stage
+                a1, b1 = pos_f[at], -1
+                if a1 < 0:
+                    waiting.setdefault(("F", at), []).append(r)
+                    break
+                if s < S - 1:
+                    a2, b2 = pos_g[at + M], cross_next[s]
+                    if a2 < 0:
+                        waiting.setdefault(("G", at + M), []).append(r)
+                        break
+            p += 1
+            k = len(ranks)
+            ranks.append(r)
+            codes.append(_KIND_CODE[kind] * S + s)
+            first.append(a1)
+            first_b.append(b1)
+            second.append(a2)
+            second_b.append(b2)
+            ops.append(op)
+            done = (kind, "G") if kind in ("B", "I") else (kind,)
+            for key in done:
+                where = placed[key]
+                if where[at] >= 0:
                     raise ValueError(f"rank {r}: action {op} appears twice in torch's order")
-                position[key] = len(out) - 1
-                for other in waiting.pop(key, ()):
+                where[at] = k
+                for other in waiting.pop((key, at), ()):
                     if other not in queued:
                         queued.add(other)
                         ready.append(other)
+        ptr[r] = p
     stuck = {r: str(orders[r][ptr[r]]) for r in sorted(orders) if ptr[r] < len(orders[r])}
     if stuck:
         raise ValueError(f"{name}: schedule deadlocks; ranks blocked at {stuck}")
-    return tuple(out)
+    return out
 
 
-def _simulate_order(order: tuple[_Ordered, ...], orders: dict[int, Sequence[ScheduleOp]],
+def _simulate_order(order: _DependencyOrder, orders: dict[int, Sequence[ScheduleOp]],
                     s2r: dict[int, int], fs: list[float], bs: list[float], ws: list[float],
                     lat: list[float], act_b: list[float] | None, name: str, m: int,
-                    with_timeline: bool) -> ScheduleResult:
+                    with_timeline: bool, peaks: list[int] | None = None) -> ScheduleResult:
     """Time ``order`` (from :func:`_dependency_order`): each action starts
     when its rank is free and what it waits for has ended (plus the p2p
-    latency across ranks), and lasts its stage's f, b, w or b + w seconds."""
+    latency across ranks), and lasts its stage's f, b, w or b + w seconds.
+    ``peaks``: the orders' peak live activations per rank when known."""
     pp = len(orders)
     v = len(s2r) // pp
-    ends = [0.0] * len(order)
+    # seconds by duration code (kind * stages + stage); p2p seconds by
+    # boundary, the last entry 0.0 for "no boundary" (-1)
+    duration = [*fs, *(b + w for b, w in zip(bs, ws)), *bs, *ws]
+    delay = [*lat, 0.0]
+    ends = [0.0] * len(order.ranks)
+    starts = [0.0] * len(order.ranks)
     free_at = [0.0] * pp
     busy = [0.0] * pp
-    timeline: list[TimedAction] = []
-    for k, (r, op, after) in enumerate(order):
+    for k, (r, code, a1, b1, a2, b2) in enumerate(zip(
+            order.ranks, order.codes, order.first, order.first_boundary, order.second,
+            order.second_boundary)):
         start = free_at[r]
-        for at, boundary in after:
-            t = ends[at] + (lat[boundary] if boundary >= 0 else 0.0)
+        if a1 >= 0:
+            t = ends[a1] + delay[b1]
             if t > start:
                 start = t
-        kind, s = op.kind, op.stage
-        end = start + (fs[s] if kind == "F" else bs[s] if kind == "I" else ws[s] if kind == "W"
-                       else bs[s] + ws[s])
+            if a2 >= 0:
+                t = ends[a2] + delay[b2]
+                if t > start:
+                    start = t
+        end = start + duration[code]
+        starts[k] = start
         ends[k] = free_at[r] = end
         busy[r] += end - start
-        if with_timeline:
-            timeline.append(TimedAction(r, str(op), kind, s, op.microbatch, start, end,
-                                        op.overlap_group))
+    timeline = [TimedAction(r, str(op), op.kind, op.stage, op.microbatch, starts[k], ends[k],
+                            op.overlap_group)
+                for k, (r, op) in enumerate(zip(order.ranks, order.ops))] if with_timeline else []
     step_time = max(ends, default=0.0)
     idle = [step_time - x for x in busy]
     ideal = max(busy) if busy else 0.0
     bubble_ratio = (step_time - ideal) / ideal if ideal > 0 else 0.0
     bubble_fraction = sum(idle) / (pp * step_time) if step_time > 0 else 0.0
 
-    peaks, peak_bytes = _peaks(orders, pp, act_b)
+    if peaks is None or act_b is not None:
+        peaks, peak_bytes = _peaks(orders, pp, act_b)
+    else:
+        peak_bytes = None
     timeline.sort(key=lambda a: a.rank)  # stable: each rank keeps its execution order
     return ScheduleResult(
         schedule=name,

@@ -332,6 +332,16 @@ def test_deadlocking_order_is_reported():
     assert _approx(simulate_orders(good, {0: 0, 1: 1}, 1.0, 1.0).step_time, 4.0)
 
 
+def test_repeated_action_is_reported():
+    # a micro-batch's backward twice, or as both a full backward and an input gradient
+    for second in (ScheduleOp("B", 0, 0), ScheduleOp("I", 0, 0)):
+        orders = {0: [ScheduleOp("F", 0, 0), ScheduleOp("B", 0, 0), second]}
+        with pytest.raises(ValueError, match="appears twice"):
+            simulate_orders(orders, {0: 0}, 1.0, 1.0)
+    with pytest.raises(ValueError, match="micro-batch index"):
+        simulate_orders({0: [ScheduleOp("F", 0, -1), ScheduleOp("B", 0, -1)]}, {0: 0}, 1.0, 1.0)
+
+
 def test_csv_round_trip(tmp_path):
     pp, m = 4, 8
     from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
