@@ -113,7 +113,7 @@ Not modelled (differences from a real run)
 from __future__ import annotations
 
 import functools
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
@@ -209,6 +209,14 @@ class ScheduleOp(NamedTuple):
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
+# One compute action as the orders are kept: ScheduleOp's fields as a plain
+# tuple (kind, stage, micro-batch, overlap group), cheaper to make and to send
+# between processes than the named tuple; rank_orders hands out ScheduleOps.
+_Op = tuple[str, int, int, "int | None"]
+# Per-rank orders and the stage -> rank map of one schedule shape.
+TorchOrders = tuple[dict[int, tuple[_Op, ...]], dict[int, int]]
+
+
 @dataclass(frozen=True)
 class TimedAction:
     """One executed action: seconds from the start of the step."""
@@ -270,7 +278,7 @@ class _RecordingStage:
         self.is_last = stage_index == num_stages - 1
         self.submod = None
         self.output_chunks: list = []
-        self.calls: list[ScheduleOp] = []
+        self.calls: list[_Op] = []
 
     def get_fwd_recv_ops(self, mb):
         return []
@@ -278,15 +286,15 @@ class _RecordingStage:
     get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
 
     def forward_one_chunk(self, mb, *args, **kwargs):
-        self.calls.append(ScheduleOp("F", self.stage_index, int(mb)))
+        self.calls.append(("F", self.stage_index, int(mb), None))
         return None
 
     def backward_one_chunk(self, mb, loss=None, full_backward=True, last_backward=False):
         kind = "B" if full_backward else "I"
-        self.calls.append(ScheduleOp(kind, self.stage_index, int(mb)))
+        self.calls.append((kind, self.stage_index, int(mb), None))
 
     def backward_weight_one_chunk(self, mb, last_backward=False):
-        self.calls.append(ScheduleOp("W", self.stage_index, int(mb)))
+        self.calls.append(("W", self.stage_index, int(mb), None))
 
     def perform_reduce_grad(self, *args, **kwargs):
         pass
@@ -337,13 +345,26 @@ def _compute_only(cls: type) -> type:
     return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": validate_only})
 
 
-@functools.lru_cache(maxsize=512)
-def _rank_orders_cached(name: str, pp: int, m: int, v: int):
+def _compute_ops(actions) -> tuple[_Op, ...]:
+    """A rank's torch actions (``_Action`` or None) as its compute order: the
+    compute actions in turn, OVERLAP_F_B flattened into its sub-actions
+    (carrying the position of the pair as their overlap group)."""
+    ops: list[_Op] = []
+    compute = [a for a in actions if a is not None and a.is_compute_op]
+    for pos, action in enumerate(compute):
+        group = pos if action.sub_actions is not None else None
+        for a in _torch_ops(action):
+            ops.append((a.computation_type.value, int(a.stage_index), int(a.microbatch_index),
+                        group))
+    return tuple(ops)
+
+
+def _orders_from_torch(name: str, pp: int, m: int, v: int) -> TorchOrders:
     import torch.distributed.pipelining.schedules as tsched
 
     cls = getattr(tsched, TORCH_SCHEDULE_CLASSES[name])
     num_stages = pp * v
-    orders: dict[int, tuple[ScheduleOp, ...]] = {}
+    orders: dict[int, tuple[_Op, ...]] = {}
 
     if name in _SINGLE_STAGE:
         # the order is recorded from _step_microbatches; the display order torch
@@ -363,14 +384,35 @@ def _rank_orders_cached(name: str, pp: int, m: int, v: int):
     sched = _compute_only(cls)(_stub_stages(name, pp, num_stages), n_microbatches=m)
     stage_to_rank = {int(s): int(r) for s, r in sched.stage_index_to_group_rank.items()}
     for rank in range(pp):
-        ops: list[ScheduleOp] = []
-        compute = [a for a in sched.pipeline_order[rank] if a is not None]
-        for pos, action in enumerate(compute):
-            group = pos if action.sub_actions is not None else None
-            for a in _torch_ops(action):
-                ops.append(ScheduleOp(a.computation_type.value, int(a.stage_index), int(a.microbatch_index), group))
-        orders[rank] = tuple(ops)
+        orders[rank] = _compute_ops(sched.pipeline_order[rank])
     return orders, stage_to_rank
+
+
+class _OrdersMemo:
+    """Torch's orders by schedule shape ``(name, pp, m, v)``, the most recent
+    :data:`ORDERS_MEMO_SIZE` kept (one per process: a pure function's memo).
+    A shape can be filed from elsewhere (:func:`adopt_orders`)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._known: OrderedDict[tuple, TorchOrders] = OrderedDict()
+
+    def get(self, key: tuple) -> TorchOrders | None:
+        found = self._known.get(key)
+        if found is not None:
+            self._known.move_to_end(key)
+        return found
+
+    def put(self, key: tuple, orders: TorchOrders) -> None:
+        self._known[key] = orders
+        self._known.move_to_end(key)
+        while len(self._known) > self.size:
+            self._known.popitem(last=False)
+
+
+# How many schedule shapes' orders a process keeps (a search asks for ~100).
+ORDERS_MEMO_SIZE = 512
+_ORDERS = _OrdersMemo(ORDERS_MEMO_SIZE)
 
 
 def rank_orders(
@@ -387,21 +429,54 @@ def rank_orders(
     module docstring for how each schedule's order is obtained. Results are
     cached.
     """
+    orders, s2r = torch_orders(schedule, pp, num_microbatches, stages_per_rank)
+    return {r: [ScheduleOp._make(op) for op in o] for r, o in orders.items()}, dict(s2r)
+
+
+def torch_orders(schedule: str, pp: int, num_microbatches: int,
+                 stages_per_rank: int | None = None) -> TorchOrders:
+    """:func:`rank_orders` as this module keeps them: each action a plain
+    ``(kind, stage, micro-batch, overlap group)`` tuple. Cached; the value
+    pickles quickly, for :func:`adopt_orders` in another process. Do not
+    modify it."""
     name = canonical_schedule(schedule)
     pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
-    orders, s2r = _torch_orders(name, pp, m, v)
-    return {r: list(o) for r, o in orders.items()}, dict(s2r)
+    return _torch_orders(name, pp, m, v)
 
 
-def _torch_orders(name: str, pp: int, m: int, v: int):
+def adopt_orders(schedule: str, pp: int, num_microbatches: int, stages_per_rank: int | None,
+                 orders: TorchOrders) -> None:
+    """File ``orders``, what :func:`torch_orders` gave for this shape in
+    another process (a forked worker), so that this process does not ask
+    torch for them again."""
+    name = canonical_schedule(schedule)
+    pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
+    _ORDERS.put((name, pp, m, v), orders)
+
+
+def orders_cached(schedule: str, pp: int, num_microbatches: int,
+                  stages_per_rank: int | None = None) -> bool:
+    """Whether this process holds :func:`torch_orders` of this shape already."""
+    name = canonical_schedule(schedule)
+    pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
+    return _ORDERS.get((name, pp, m, v)) is not None
+
+
+def _torch_orders(name: str, pp: int, m: int, v: int) -> TorchOrders:
     """The cached orders and stage map; torch's rejection as a ``ValueError``."""
+    key = (name, pp, m, v)
+    found = _ORDERS.get(key)
+    if found is not None:
+        return found
     try:
-        return _rank_orders_cached(name, pp, m, v)
+        found = _orders_from_torch(name, pp, m, v)
     except (ValueError, AssertionError) as exc:
         raise ValueError(
             f"torch's {TORCH_SCHEDULE_CLASSES[name]} rejects pp={pp}, num_microbatches={m}, "
             f"stages_per_rank={v}: {exc}"
         ) from exc
+    _ORDERS.put(key, found)
+    return found
 
 
 def _check_shape(name: str, pp, m, v) -> tuple[int, int, int]:
@@ -520,16 +595,17 @@ def _peaks(orders: dict[int, Sequence[ScheduleOp]], pp: int, act_b: list[float] 
         alive = peak = 0
         alive_b = peak_b = 0.0
         for op in orders[r]:
-            if op.kind == "F":
+            kind = op[0]
+            if kind == "F":
                 alive += 1
                 peak = max(peak, alive)
                 if act_b is not None:
-                    alive_b += act_b[op.stage]
+                    alive_b += act_b[op[1]]
                     peak_b = max(peak_b, alive_b)
-            elif op.kind in ("B", "W"):
+            elif kind in ("B", "W"):
                 alive -= 1
                 if act_b is not None:
-                    alive_b -= act_b[op.stage]
+                    alive_b -= act_b[op[1]]
         peaks.append(peak)
         if peak_bytes is not None:
             peak_bytes.append(peak_b)
@@ -560,15 +636,8 @@ def load_csv_orders(
         s2r = _validate_schedule(actions, pp, num_stages, num_microbatches)
     except AssertionError as exc:
         raise ValueError(f"invalid schedule CSV {path}: {exc}") from exc
-    orders: dict[int, list[ScheduleOp]] = {}
-    for rank in range(pp):
-        ops: list[ScheduleOp] = []
-        compute = [a for a in actions[rank] if a is not None and a.is_compute_op]
-        for pos, action in enumerate(compute):
-            group = pos if action.sub_actions is not None else None
-            for a in _torch_ops(action):
-                ops.append(ScheduleOp(a.computation_type.value, int(a.stage_index), int(a.microbatch_index), group))
-        orders[rank] = ops
+    orders = {rank: [ScheduleOp._make(op) for op in _compute_ops(actions[rank])]
+              for rank in range(pp)}
     return orders, {int(s): int(r) for s, r in s2r.items()}
 
 
@@ -653,7 +722,7 @@ class _DependencyOrder:
     first_boundary: list[int]
     second: list[int]
     second_boundary: list[int]
-    ops: list[ScheduleOp]
+    ops: list[_Op]
 
 
 def _dependency_order(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, int],
@@ -729,14 +798,16 @@ def _dependency_order(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, in
             for key in done:
                 where = placed[key]
                 if where[at] >= 0:
-                    raise ValueError(f"rank {r}: action {op} appears twice in torch's order")
+                    raise ValueError(f"rank {r}: action {ScheduleOp._make(op)} appears "
+                                     f"twice in torch's order")
                 where[at] = k
                 for other in waiting.pop((key, at), ()):
                     if other not in queued:
                         queued.add(other)
                         ready.append(other)
         ptr[r] = p
-    stuck = {r: str(orders[r][ptr[r]]) for r in sorted(orders) if ptr[r] < len(orders[r])}
+    stuck = {r: str(ScheduleOp._make(orders[r][ptr[r]])) for r in sorted(orders)
+             if ptr[r] < len(orders[r])}
     if stuck:
         raise ValueError(f"{name}: schedule deadlocks; ranks blocked at {stuck}")
     return out
@@ -778,7 +849,8 @@ def _simulate_order(order: _DependencyOrder, orders: dict[int, Sequence[Schedule
         busy[r] += end - start
     timeline = [TimedAction(r, str(op), op.kind, op.stage, op.microbatch, starts[k], ends[k],
                             op.overlap_group)
-                for k, (r, op) in enumerate(zip(order.ranks, order.ops))] if with_timeline else []
+                for k, (r, op) in enumerate(zip(order.ranks, map(ScheduleOp._make, order.ops)))
+                ] if with_timeline else []
     step_time = max(ends, default=0.0)
     idle = [step_time - x for x in busy]
     ideal = max(busy) if busy else 0.0

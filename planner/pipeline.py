@@ -18,8 +18,8 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links
 from costmodel.resharding import ReshardPricer
 from torch.distributed.tensor.placement_types import Replicate
-from costmodel.schedules import (canonical_schedule, default_stages_per_rank, rank_orders,
-                                 simulate)
+from costmodel.schedules import (adopt_orders, canonical_schedule, default_stages_per_rank,
+                                 orders_cached, simulate, torch_orders)
 from ir.fast_trace import SynthesizedProgram, rescaled_trace
 from ir.graph import INPUT, PARAM, Graph
 from ir.layers import PipelineLayer, pipeline_layers
@@ -765,6 +765,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     else:
         make_programs()
         first = []
+    _schedule_orders_forked(configs[len(first):])
     families: dict[tuple, list[int]] = {}
     for k in range(len(first), len(configs)):
         families.setdefault(configs[k][2].family, []).append(k)
@@ -774,6 +775,31 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     for ks, d in zip(tasks_of, done):
         file(ks, d)
     return priced
+
+
+def _schedule_orders_forked(configs: Sequence[Config]) -> None:
+    """Torch's orders (:func:`costmodel.schedules.torch_orders`) of every
+    schedule shape of ``configs`` that this process lacks, made on two CPU
+    cores (:mod:`planner.forked`) and filed here before the mesh families are
+    priced, so that both processes of that phase inherit them: every family
+    asks for most shapes, and each process made them all for itself
+    (gpt3-175b on 1024 GPUs: 96 shapes, ~16 s in each). Shapes torch rejects
+    are left to the pricing, which reads the rejection as no candidate."""
+    shapes = sorted({(s, pp, m, v) for pp, v, _, s, m in configs
+                     if s != NO_PIPELINE and not orders_cached(s, pp, m, v)},
+                    key=lambda shape: (-shape[1] * shape[2] * shape[3], shape))
+
+    def task(shape: tuple[str, int, int, int]) -> Callable[[], Any]:
+        def run() -> Any:
+            try:
+                return torch_orders(*shape)
+            except ValueError:
+                return None
+        return run
+
+    for shape, orders in zip(shapes, run_forked([task(s) for s in shapes])):
+        if orders is not None:
+            adopt_orders(*shape, orders)
 
 
 # The leading candidates whose ZeRO-3 variants zero_variants() prices.
@@ -1062,7 +1088,7 @@ def stage_to_rank(schedule: str, pp: int, v: int) -> dict[int, int]:
     """Pipeline rank of every stage, as torch's schedule places it (read from
     its order at the fewest micro-batches it accepts; no simulation)."""
     m = 2 * pp if canonical_schedule(schedule) == "dualpipev" else pp
-    return rank_orders(schedule, pp, m, v)[1]
+    return dict(torch_orders(schedule, pp, m, v)[1])
 
 
 def assemble(exact: ExactPipeline, ctx: SearchContext,

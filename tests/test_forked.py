@@ -212,3 +212,22 @@ def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here(
         assert sent.prepared is None and sent.origin == (8, layer)
         ctx._extend(sent, 3)
         assert (sent.points, sent.weights, sent.exhausted) == (w.points, w.weights, w.exhausted)
+
+
+@needs_fork
+def test_schedule_orders_made_on_two_cores_are_filed_here():
+    """Before the mesh families are priced, torch's order of every schedule
+    shape is made once (on both cores) and filed in this process, equal to
+    what torch gives here; a shape torch rejects is left out, not an error."""
+    from costmodel import schedules
+
+    shapes = [("1f1b", 3, 7, 1), ("interleaved_1f1b", 3, 9, 2), ("zbv", 3, 11, 2),
+              ("gpipe", 5, 13, 1), ("interleaved_zero_bubble", 3, 15, 2)]
+    rejected = ("dualpipev", 3, 5, 2)  # torch: DualPipeV needs m >= 2 pp
+    configs = [(pp, v, None, s, m) for s, pp, m, v in [*shapes, rejected]]
+    assert not any(schedules.orders_cached(*shape) for shape in shapes)
+    ps._schedule_orders_forked(configs)
+    for shape in shapes:
+        assert schedules.orders_cached(*shape)
+        assert schedules.torch_orders(*shape) == schedules._orders_from_torch(*shape)
+    assert not schedules.orders_cached(*rejected)

@@ -369,3 +369,25 @@ def test_peak_activations_without_timing_equal_the_simulation(name, pp, m):
     peaks, stage_to_rank = peak_activations(name, pp, m)
     assert peaks == result.peak_activations
     assert stage_to_rank == result.stage_to_rank
+
+
+def test_adopted_orders_stand_in_for_torchs(monkeypatch):
+    # orders made in another process (here: a pickled copy) are used as torch's
+    import pickle
+
+    from costmodel import schedules
+
+    shape = ("interleaved_1f1b", 3, 12, 2)
+    made = pickle.loads(pickle.dumps(schedules._orders_from_torch(*shape)))
+    assert not schedules.orders_cached(*shape)
+    schedules.adopt_orders(*shape, made)
+
+    def torch_asked(*args):
+        raise AssertionError("torch was asked again")
+
+    monkeypatch.setattr(schedules, "_orders_from_torch", torch_asked)
+    assert schedules.orders_cached(*shape)
+    result = simulate("interleaved_1f1b", 3, 12, 1.0, 2.0, stages_per_rank=2)
+    orders, s2r = rank_orders("interleaved_1f1b", 3, 12, 2)
+    assert result == simulate_orders(orders, s2r, 1.0, 2.0, schedule="interleaved_1f1b",
+                                     num_microbatches=12)
