@@ -53,13 +53,7 @@ def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = ()
     """
     if len(tasks) < 2 or not can_fork():
         return [task() for task in tasks]
-    next_task = multiprocessing.Value("i", 0)  # shared memory, inherited by the child
-
-    def take() -> int | None:
-        with next_task.get_lock():
-            i = next_task.value
-            next_task.value += 1
-        return i if i < len(tasks) else None
+    take = _taker(len(tasks))
 
     def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
         outcomes = {}
@@ -71,22 +65,43 @@ def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = ()
 
 
 def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequence[object] = (),
-               in_child: Callable[[], None] | None = None) -> tuple[Any, Any]:
-    """``(here(), there())``, ``here`` run by this process and ``there`` by a
-    forked child at the same time: what ``here`` changes stays, what
-    ``there`` changes comes back only as its result (which must pickle).
-    ``shared`` and ``in_child`` as in :func:`run_forked`; runs both here, in
-    that order, when there is no fork."""
+               in_child: Callable[[], None] | None = None,
+               then: Sequence[Callable[[], Any]] = ()) -> tuple[Any, Any, list[Any]]:
+    """``(here(), there(), [task() for task in then])``: ``here`` run by this
+    process and ``there`` by a forked child at the same time, after which
+    each process takes the next task of ``then`` not yet taken when it is
+    free (as :func:`run_forked` does; so the one that finishes first does
+    not wait idle). What ``here`` changes stays, what ``there`` changes comes
+    back only as its result; results of ``then`` run by the child come back
+    pickled. ``shared`` and ``in_child`` as in :func:`run_forked`; runs
+    everything here, in that order, when there is no fork."""
     if not can_fork():
-        return here(), there()
-    tasks = {True: (1, there), False: (0, here)}  # by "runs in the child"
+        return here(), there(), [task() for task in then]
+    take = _taker(len(then))
 
     def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
-        i, task = tasks[in_the_child]
-        return {i: _outcome(task)}
+        outcomes = {1: _outcome(there)} if in_the_child else {0: _outcome(here)}
+        while (i := take()) is not None:
+            outcomes[2 + i] = _outcome(then[i])
+        return outcomes
 
-    here_result, there_result = _results(_with_child(work, shared, in_child), 2)
-    return here_result, there_result
+    results = _results(_with_child(work, shared, in_child), 2 + len(then))
+    return results[0], results[1], results[2:]
+
+
+def _taker(count: int) -> Callable[[], int | None]:
+    """A function giving the next of ``count`` task indices not yet taken by
+    this process or a child forked after it was made (None when none is
+    left): the counter lives in shared memory, which the child inherits."""
+    next_task = multiprocessing.Value("i", 0)
+
+    def take() -> int | None:
+        with next_task.get_lock():
+            i = next_task.value
+            next_task.value += 1
+        return i if i < count else None
+
+    return take
 
 
 def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Sequence[object],

@@ -757,15 +757,24 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         for k, cand in zip(ks, out):
             priced[k] = cand
 
+    # torch's schedule orders, made once on both cores before the families
+    # are priced (each family asks for most of them; each process made them
+    # all for itself: gpt3-175b on 1024 GPUs, 96 shapes, ~16 s in each); the
+    # child starts on them once its single stages are priced
+    shapes = _missing_schedule_shapes(configs)
+    order_tasks = [_orders_task(shape) for shape in shapes]
     first = list(range(ready))
     if first and any(ctx.will_capture(m) for m in ms):
-        _, done = run_beside(make_programs, task(first), _held_by_both(ctx, ctx.programs()),
-                             child)
+        _, done, made = run_beside(make_programs, task(first),
+                                   _held_by_both(ctx, ctx.programs()), child, then=order_tasks)
         file(first, done)
     else:
         make_programs()
         first = []
-    _schedule_orders_forked(configs[len(first):])
+        made = run_forked(order_tasks)
+    for shape, orders in zip(shapes, made):
+        if orders is not None:
+            adopt_orders(*shape, orders)
     families: dict[tuple, list[int]] = {}
     for k in range(len(first), len(configs)):
         families.setdefault(configs[k][2].family, []).append(k)
@@ -777,29 +786,24 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     return priced
 
 
-def _schedule_orders_forked(configs: Sequence[Config]) -> None:
-    """Torch's orders (:func:`costmodel.schedules.torch_orders`) of every
-    schedule shape of ``configs`` that this process lacks, made on two CPU
-    cores (:mod:`planner.forked`) and filed here before the mesh families are
-    priced, so that both processes of that phase inherit them: every family
-    asks for most shapes, and each process made them all for itself
-    (gpt3-175b on 1024 GPUs: 96 shapes, ~16 s in each). Shapes torch rejects
-    are left to the pricing, which reads the rejection as no candidate."""
-    shapes = sorted({(s, pp, m, v) for pp, v, _, s, m in configs
-                     if s != NO_PIPELINE and not orders_cached(s, pp, m, v)},
-                    key=lambda shape: (-shape[1] * shape[2] * shape[3], shape))
+def _missing_schedule_shapes(configs: Sequence[Config]) -> list[tuple[str, int, int, int]]:
+    """The schedule shapes ``(schedule, pp, m, v)`` of ``configs`` whose
+    torch orders (:func:`costmodel.schedules.torch_orders`) this process
+    lacks, the longest first."""
+    return sorted({(s, pp, m, v) for pp, v, _, s, m in configs
+                   if s != NO_PIPELINE and not orders_cached(s, pp, m, v)},
+                  key=lambda shape: (-shape[1] * shape[2] * shape[3], shape))
 
-    def task(shape: tuple[str, int, int, int]) -> Callable[[], Any]:
-        def run() -> Any:
-            try:
-                return torch_orders(*shape)
-            except ValueError:
-                return None
-        return run
 
-    for shape, orders in zip(shapes, run_forked([task(s) for s in shapes])):
-        if orders is not None:
-            adopt_orders(*shape, orders)
+def _orders_task(shape: tuple[str, int, int, int]) -> Callable[[], Any]:
+    """A task giving torch's orders of ``shape``, or None where torch rejects
+    it (the pricing reads that as no candidate)."""
+    def run() -> Any:
+        try:
+            return torch_orders(*shape)
+        except ValueError:
+            return None
+    return run
 
 
 # The leading candidates whose ZeRO-3 variants zero_variants() prices.

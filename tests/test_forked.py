@@ -53,9 +53,16 @@ def test_beside_runs_one_task_in_a_child_while_this_process_runs_the_other():
         changed.append("there")  # the child's copy: not seen here
         return os.getpid(), shared[0]
 
-    here_pid, (there_pid, obj) = run_beside(here, there, shared)
+    def then(k):
+        time.sleep(0.3 if k == 0 else 0.05)  # the child, free first, takes some
+        return k, os.getpid()
+
+    here_pid, (there_pid, obj), after = run_beside(here, there, shared,
+                                                   then=[lambda k=k: then(k) for k in range(4)])
     assert here_pid == os.getpid() != there_pid and obj is shared[0]
     assert changed == ["here"]
+    assert [k for k, _ in after] == list(range(4))  # in task order, whoever ran them
+    assert {pid for _, pid in after} == {os.getpid(), there_pid}
     with pytest.raises(ForkedTaskError, match="bad"):  # the child's error reaches the caller
         run_beside(lambda: None, lambda: (_ for _ in ()).throw(ForkedTaskError("bad")))
 
@@ -153,7 +160,8 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
             monkeypatch.setattr(ps, "run_forked",
                                 lambda tasks, shared=(), in_child=None: [t() for t in tasks])
             monkeypatch.setattr(ps, "run_beside",
-                                lambda here, there, shared=(), in_child=None: (here(), there()))
+                                lambda here, there, shared=(), in_child=None, then=():
+                                (here(), there(), [t() for t in then]))
         ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
                                whole_batch_graph=whole_batch)
@@ -216,9 +224,10 @@ def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here(
 
 @needs_fork
 def test_schedule_orders_made_on_two_cores_are_filed_here():
-    """Before the mesh families are priced, torch's order of every schedule
-    shape is made once (on both cores) and filed in this process, equal to
-    what torch gives here; a shape torch rejects is left out, not an error."""
+    """The schedule shapes a search lacks, made as tasks on both cores (as
+    _price_all runs them beside the captures), come back equal to what torch
+    gives here and, filed, are held here; a shape torch rejects gives None,
+    not an error."""
     from costmodel import schedules
 
     shapes = [("1f1b", 3, 7, 1), ("interleaved_1f1b", 3, 9, 2), ("zbv", 3, 11, 2),
@@ -226,7 +235,13 @@ def test_schedule_orders_made_on_two_cores_are_filed_here():
     rejected = ("dualpipev", 3, 5, 2)  # torch: DualPipeV needs m >= 2 pp
     configs = [(pp, v, None, s, m) for s, pp, m, v in [*shapes, rejected]]
     assert not any(schedules.orders_cached(*shape) for shape in shapes)
-    ps._schedule_orders_forked(configs)
+    missing = ps._missing_schedule_shapes(configs)
+    assert sorted(missing) == sorted([*shapes, rejected])
+    made = run_forked([ps._orders_task(shape) for shape in missing])
+    assert made[missing.index(rejected)] is None
+    for shape, orders in zip(missing, made):
+        if orders is not None:
+            schedules.adopt_orders(*shape, orders)
     for shape in shapes:
         assert schedules.orders_cached(*shape)
         assert schedules.torch_orders(*shape) == schedules._orders_from_torch(*shape)
