@@ -210,22 +210,23 @@ class SearchContext:
         """The programs made so far (captured, written out or derived)."""
         return list(self._programs.values())
 
-    def family_state(self, families: set[tuple]) -> dict[str, dict]:
-        """The layer profiles and references of the mesh ``families``
-        (:func:`mesh_family`) and the strategy caches of their meshes, for
-        :meth:`adopt_family_state` in another process. The profiles lose
+    def scope_state(self, scopes: set[tuple]) -> dict[str, dict]:
+        """The layer profiles and references of the pricing ``scopes``
+        (:func:`pricing_scope`) and the strategy caches of their meshes, for
+        :meth:`adopt_scope_state` in another process. The profiles lose
         their priced problems (too big to send; remade if they are extended)."""
-        profiles = {k: p for k, p in self._profiles.items() if mesh_family(k[1]) in families}
+        profiles = {k: p for k, p in self._profiles.items()
+                    if pricing_scope(k[1], k[2]) in scopes}
         references = {k: refs for k, refs in self._reference.items()  # see _reference_key
-                      if k[1:-1] in families}
+                      if k[1:] in scopes}
         for prof in [*profiles.values(), *(p for refs in references.values() for p in refs)]:
             prof.prepared = None
         shapes = {mesh_key[0] for _, mesh_key, _ in profiles}
         return {"profiles": profiles, "references": references,
                 "strategies": {s: c for s, c in self._strategy_cache.items() if s in shapes}}
 
-    def adopt_family_state(self, state: dict[str, dict]) -> None:
-        """File what :meth:`family_state` of another process gave."""
+    def adopt_scope_state(self, state: dict[str, dict]) -> None:
+        """File what :meth:`scope_state` of another process gave."""
         self._profiles.update(state["profiles"])
         self._reference.update(state["references"])
         for shape, cache in state["strategies"].items():
@@ -526,13 +527,22 @@ def _profile_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> 
 
 def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
     """The layer kind (its first layer's index, the same at every micro-batch
-    size), the mesh family (:attr:`StageMeshOption.family`) whose placements
-    carry over, and at micro-batch size 1 the mesh itself: torch specialises
+    size) and the :func:`pricing_scope` whose references carry over to it."""
+    return (prog.signatures.index(prog.signatures[layer]),
+            *pricing_scope(mesh.key, prog.microbatch_size))
+
+
+def pricing_scope(mesh_key: tuple, microbatch_size: int) -> tuple:
+    """Where the placements of layer profiles carry over (re-priced) to the
+    stage mesh with :attr:`StageMeshOption.key` ``mesh_key`` at this
+    micro-batch size: its mesh family (:func:`mesh_family`), and at size 1
+    the mesh itself (its shape; None at other sizes): torch specialises
     size-1 dimensions into another program, where placements chosen at other
     sizes or on other meshes re-price far from the ILP's own (alpa-gpt3-15b,
-    pp=8 x 4 with 512 micro-batches: 60.0 s re-priced, 30.7 s by its own ILP)."""
-    return (prog.signatures.index(prog.signatures[layer]), *mesh.family,
-            mesh.shape if prog.microbatch_size == 1 else None)
+    pp=8 x 4 with 512 micro-batches: 60.0 s re-priced, 30.7 s by its own ILP).
+    Configurations of different scopes share no profile, so they may be
+    priced in any order, in either process of a search."""
+    return (*mesh_family(mesh_key), mesh_key[0] if microbatch_size == 1 else None)
 
 
 def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
@@ -713,18 +723,24 @@ class _ChildMark:
 def _price_all(ctx: SearchContext, configs: Sequence[Config],
                label: Callable[[int, Config], str]) -> list[PipelineCandidate | None]:
     """``[_price(ctx, *config) for config in configs]``, on two CPU cores
-    (:mod:`planner.forked`), one task per mesh family.
+    (:mod:`planner.forked`), one task per pricing scope.
 
-    A configuration's price depends on the profiles of its mesh family only
-    (references are made and re-priced within a family), so pricing each
-    family's configurations in their order, in either process, gives the same
-    prices as pricing all in order. The programs are made here first, in that
-    order (which decides what is captured and what derived), so that both
-    processes hold them; when that captures, the leading configurations whose
-    programs exist are priced by the forked child meanwhile (they come first
-    in every family's order). A task run by the child sends back its
-    families' profiles, without their priced problems (remade if they are
+    A configuration's price depends on the profiles of its pricing scope
+    only (:func:`pricing_scope`: references are made and re-priced within a
+    mesh family, and at micro-batch size 1 within a stage mesh), so pricing
+    each scope's configurations in their order, in either process, gives the
+    same prices as pricing all in order. The programs are made here first,
+    in that order (which decides what is captured and what derived), so that
+    both processes hold them; when that captures, the leading configurations
+    whose programs exist are priced by the forked child meanwhile (they come
+    first in every scope's order). A task run by the child sends back its
+    scopes' profiles, without their priced problems (remade if they are
     extended, :meth:`SearchContext._extend`), and its strategy caches."""
+
+    def scope_of(config: Config) -> tuple:
+        mesh, m = config[2], config[4]
+        return pricing_scope(mesh.key, ctx.global_batch // m)
+
     ms = list(dict.fromkeys(m for *_, m in configs if ctx.global_batch % m == 0))
     ready = 0  # the leading configurations whose programs exist
     while ready < len(configs) and not ctx.will_capture(configs[ready][4]):
@@ -740,7 +756,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
                 out.append(_price(ctx, *configs[k]))
             if not child.in_child:  # its profiles and ILP count are here already
                 return out, None, 0
-            return (out, ctx.family_state({configs[k][2].family for k in ks}),
+            return (out, ctx.scope_state({scope_of(configs[k]) for k in ks}),
                     ctx.ilp_solves - solves)
         return run
 
@@ -753,7 +769,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     def file(ks: list[int], done: tuple) -> None:
         out, state, solves = done
         if state is not None:  # priced by the child
-            ctx.adopt_family_state(state)
+            ctx.adopt_scope_state(state)
             ctx.ilp_solves += solves
         for k, cand in zip(ks, out):
             priced[k] = cand
@@ -774,11 +790,11 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         first = []
         made = run_forked(order_tasks)
     _file_orders(shapes, made)
-    families: dict[tuple, list[int]] = {}
+    scopes: dict[tuple, list[int]] = {}
     for k in range(len(first), len(configs)):
-        families.setdefault(configs[k][2].family, []).append(k)
-    # the largest families first, so that the last task to start is short
-    tasks_of = sorted(families.values(), key=len, reverse=True)
+        scopes.setdefault(scope_of(configs[k]), []).append(k)
+    # the largest scopes first, so that the last task to start is short
+    tasks_of = sorted(scopes.values(), key=len, reverse=True)
     done = run_forked([task(ks) for ks in tasks_of], _held_by_both(ctx, ctx.programs()), child)
     for ks, d in zip(tasks_of, done):
         file(ks, d)
