@@ -730,10 +730,12 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     mesh family, and at micro-batch size 1 within a stage mesh), so pricing
     each scope's configurations in their order, in either process, gives the
     same prices as pricing all in order. The programs are made here first,
-    in that order (which decides what is captured and what derived), so that
-    both processes hold them; when that captures, the leading configurations
-    whose programs exist are priced by the forked child meanwhile (they come
-    first in every scope's order). A task run by the child sends back its
+    in that order (which decides what is captured and what derived), size 1
+    last, so that both processes hold them before they price; while this
+    process captures, the forked child prices what needs no program still
+    to come: the leading configurations (they come first in every scope's
+    order) and, beside the capture of size 1, the scopes of other sizes.
+    A task run by the child sends back its
     scopes' profiles, without their priced problems (remade if they are
     extended, :meth:`SearchContext._extend`), and its strategy caches."""
 
@@ -760,10 +762,6 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
                     ctx.ilp_solves - solves)
         return run
 
-    def make_programs() -> None:
-        for m in ms:
-            ctx.program(m)
-
     priced: list[PipelineCandidate | None] = [None] * len(configs)
 
     def file(ks: list[int], done: tuple) -> None:
@@ -774,30 +772,70 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         for k, cand in zip(ks, out):
             priced[k] = cand
 
-    # torch's schedule orders, made once on both cores before the families
-    # are priced (each family asks for most of them; each process made them
-    # all for itself: gpt3-175b on 1024 GPUs, 96 shapes, ~16 s in each); the
-    # child starts on them once its single stages are priced
+    Job = tuple[Callable[[], Any], Callable[[Any], None]]  # a task, and what files its result
+
+    def make(counts: list[int]) -> None:
+        for m in counts:
+            ctx.program(m)
+
+    def beside(counts: list[int], there: list[int], jobs: list[Job]) -> None:
+        """Make the programs of micro-batch ``counts`` here while the
+        forked child prices the configurations ``there``; then both take
+        ``jobs``."""
+        _, done, results = run_beside(lambda: make(counts), task(there),
+                                      _held_by_both(ctx, ctx.programs()), child,
+                                      then=[job for job, _ in jobs])
+        file(there, done)
+        for (_, on_done), result in zip(jobs, results):
+            on_done(result)
+
+    def forked(jobs: list[Job]) -> None:
+        results = run_forked([job for job, _ in jobs], _held_by_both(ctx, ctx.programs()), child)
+        for (_, on_done), result in zip(jobs, results):
+            on_done(result)
+
+    # torch's schedule orders, made once on both cores before the scopes are
+    # priced (each asks for many of them; each process made them all for
+    # itself: gpt3-175b on 1024 GPUs, 96 shapes, ~16 s in each)
     shapes = _missing_schedule_shapes(configs)
-    order_tasks = [_orders_task(shape) for shape in shapes]
-    first = list(range(ready))
-    if first and any(ctx.will_capture(m) for m in ms):
-        _, done, made = run_beside(make_programs, task(first),
-                                   _held_by_both(ctx, ctx.programs()), child, then=order_tasks)
-        file(first, done)
-    else:
-        make_programs()
-        first = []
-        made = run_forked(order_tasks)
-    _file_orders(shapes, made)
+    orders: list[Job] = [(_orders_task(shape), lambda blob, shape=shape: _file_orders(
+        [shape], [blob])) for shape in shapes]
+    # micro-batches of one sequence: another program, captured last (see
+    # SearchContext.program); the scopes that need it, priced last
+    one = [m for m in ms if ctx.global_batch // m == 1]
+    others = [m for m in ms if m not in one]
+    capture_others = any(ctx.will_capture(m) for m in others)
+    capture_one = any(ctx.will_capture(m) for m in one)
+    first = list(range(ready)) if capture_others or capture_one else []
     scopes: dict[tuple, list[int]] = {}
     for k in range(len(first), len(configs)):
         scopes.setdefault(scope_of(configs[k]), []).append(k)
-    # the largest scopes first, so that the last task to start is short
-    tasks_of = sorted(scopes.values(), key=len, reverse=True)
-    done = run_forked([task(ks) for ks in tasks_of], _held_by_both(ctx, ctx.programs()), child)
-    for ks, d in zip(tasks_of, done):
-        file(ks, d)
+    # the largest scopes first, so that the last task to start is short; those
+    # at micro-batch size 1 apart (their program may be captured after the others)
+    ordered = sorted(scopes.values(), key=len, reverse=True)
+    early = [(task(ks), lambda done, ks=ks: file(ks, done)) for ks in ordered
+             if ctx.global_batch // configs[ks[0]][4] != 1]
+    late = [(task(ks), lambda done, ks=ks: file(ks, done)) for ks in ordered
+            if ctx.global_batch // configs[ks[0]][4] == 1]
+    # the child works while this process captures: on the leading
+    # configurations whose programs exist (``first``) and the schedule orders
+    # beside the first captures; on the scopes not at size 1 beside the
+    # capture of size 1 (once ``first`` is filed: a scope's configurations
+    # are priced in their order)
+    if capture_others:
+        beside(others, first, orders)
+        if capture_one:
+            beside(one, [], early)
+            early = []
+        else:
+            make(one)
+    else:
+        make(others)
+        if capture_one:
+            beside(one, first, orders)
+        else:
+            forked(orders)
+    forked(early + late)
     return priced
 
 
