@@ -16,12 +16,14 @@ does not change it: the result list is the same as running the tasks in order.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import multiprocessing
 import os
 import pickle
 import tempfile
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -109,7 +111,7 @@ def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Seq
     """``work(True)`` in a forked child and ``work(False)`` here at the same
     time: their outcomes by task index, the child's sent back pickled (an
     exception that does not pickle as a :class:`ForkedTaskError`)."""
-    with tempfile.TemporaryDirectory(prefix="planner-fork-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="planner-fork-") as tmp, _frozen_heap():
         path = os.path.join(tmp, "results.pickle")
         pid = os.fork()
         if pid == 0:  # the child: run tasks, write their outcomes, leave at once
@@ -132,6 +134,26 @@ def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Seq
         with open(path, "rb") as fh:
             outcomes.update(_SharedUnpickler(fh, shared).load())
     return outcomes
+
+
+@contextlib.contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Every object alive now out of the cyclic garbage collector's sight
+    (``gc.freeze``) while the forked child runs, as Python's documentation
+    advises before a fork: the collector of either process then never walks
+    the search's long-lived programs, profiles and schedule orders (each full
+    collection took ~0.2 s in a llama3-8b search, 16 of them 3.3 s of this
+    process's 20.6 s; unpickling the child's 1 MB of results, 0.43 s against
+    0.02 s) nor, in the child, writes to their pages (copying them). They
+    are handed back afterwards, unless something else had frozen objects
+    before (``gc.unfreeze`` would release those too)."""
+    ours = gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if ours:
+            gc.unfreeze()
 
 
 def _results(outcomes: dict[int, tuple[bool, Any]], count: int) -> list[Any]:

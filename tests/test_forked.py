@@ -244,3 +244,22 @@ def test_schedule_orders_made_on_two_cores_are_filed_here():
         assert schedules.orders_cached(*shape)
         assert schedules.torch_orders(*shape) == schedules._orders_from_torch(*shape)
     assert not schedules.orders_cached(*rejected)
+
+
+@needs_fork
+def test_objects_are_out_of_the_collectors_sight_while_the_child_runs():
+    """Long-lived objects are frozen (gc.freeze) across a forked phase, in
+    both processes, and handed back after it; a freeze made by someone else
+    before is left in place."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    seen = run_forked([gc.get_freeze_count, gc.get_freeze_count])
+    assert all(count > 0 for count in seen)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        run_forked([gc.get_freeze_count, gc.get_freeze_count])
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
