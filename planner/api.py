@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import itertools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -132,6 +134,29 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
         training=training, checkpoint=list(result.checkpointed))
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+def _cycle_collector_paused(fn: _Fn) -> _Fn:
+    """``fn`` with Python's cyclic garbage collector paused while it runs,
+    as it was before afterwards. Reference counting still frees almost all a
+    search makes; the objects it leaves in reference cycles (~50 MB for
+    llama3-8b on 64 GPUs and gpt3-175b on 1024) wait for the next
+    collection after it. Each full collection walks every live object (the
+    programs, profiles and schedule orders: ~1 M), and they were ~1.5 s of
+    a llama3-8b plan's 19.3 s and ~4.8 s of gpt3-175b's 29.6 s here."""
+    @functools.wraps(fn)
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_enabled:
+                gc.enable()
+    return paused  # type: ignore[return-value]
+
+
 def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any,
              memory_budget: float | None) -> tuple[Cluster, tuple, Graph, str, float]:
     if isinstance(cluster, str):
@@ -176,6 +201,7 @@ def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
     return out
 
 
+@_cycle_collector_paused
 def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
          mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
          time_limit_s: float = 30.0, optimizer: str = "adam",
@@ -215,6 +241,9 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         zero_stages: ZeRO stages of pipeline stages to try: 0 (none) and/or 3
             (FSDP2 over the stage mesh's axis 0); default both.
         progress: called with a short line as the search goes (for a progress bar).
+
+    Python's cyclic garbage collector is paused while it runs (reference
+    counting frees almost everything; the rest waits for the next collection).
 
     Raises:
         PlanningError: bad mesh, or no plan fits in memory (the message gives the
@@ -279,6 +308,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     return assemble(winner, ctx, lambda r, c: build_plan(r, c, info, training))
 
 
+@_cycle_collector_paused
 def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                   pp: int, stage_mesh: Sequence[int], schedule: str, num_microbatches: int,
                   zero_stage: int = 0, layer_split: Sequence[int] | None = None,

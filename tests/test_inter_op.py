@@ -299,3 +299,21 @@ def test_plan_returns_a_pipeline_when_asked_and_the_same_one_twice():
     assert first.pipeline.schedule in ("1f1b", "gpipe")
     assert first.mesh["shape"][0] == 2 and first.world_size == 4
     assert plan(model, "local-cpu:4", **kwargs).to_json() == first.to_json()
+
+
+def test_the_cycle_collector_is_paused_while_planning_and_restored_after():
+    import gc
+
+    model, inputs = build_model("gpt-tiny")
+    during = []
+    kwargs = dict(example_inputs=inputs, pp=[2], schedules=["1f1b"], num_microbatches=[2],
+                  zero_stages=[0], progress=lambda msg: during.append(gc.isenabled()))
+    assert gc.isenabled()
+    plan(model, "local-cpu:4", **kwargs)
+    assert during and not any(during) and gc.isenabled()
+    gc.disable()  # a caller's own setting is left as it was
+    try:
+        plan(model, "local-cpu:4", **kwargs)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
