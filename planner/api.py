@@ -276,8 +276,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     accumulating = [c for c in priced if accumulates(c)]
     ranked = refine(ctx, first)
     singles = [c for c in ranked if c.schedule == NO_PIPELINE]
-    variants = zero_variants(ctx, ranked, opts)
-    accumulating_variants = zero_variants(ctx, accumulating, opts)
+    variants, accumulating_variants = zero_variants(ctx, [ranked, accumulating], opts)
     # the fastest few as ranked after refining and as first priced (a refined
     # profile can move a cut the exact solve liked better), the best single
     # stage, the best ZeRO-3 variants, and the best single stages accumulating

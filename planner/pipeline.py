@@ -875,12 +875,14 @@ def _file_orders(shapes: Sequence[tuple[str, int, int, int]], made: Sequence[byt
 ZERO_CANDIDATES = 6
 
 
-def zero_variants(ctx: SearchContext, ranked: list[PipelineCandidate],
-                  opts: SearchOptions) -> list[PipelineCandidate]:
-    """The ZeRO-3 variants of the leading :data:`ZERO_CANDIDATES` pipelines
-    of ``ranked`` (those without ZeRO whose stage mesh has more than one rank
-    on axis 0), priced, best first; none unless ``opts`` allows both ZeRO
-    stages.
+def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
+                  opts: SearchOptions) -> list[list[PipelineCandidate]]:
+    """For each group of ranked candidates, the ZeRO-3 variants of its
+    leading :data:`ZERO_CANDIDATES` pipelines (those without ZeRO whose stage
+    mesh has more than one rank on axis 0), priced, best first; none unless
+    ``opts`` allows both ZeRO stages. The groups are priced together, in
+    one forked phase (in their order within each pricing scope, as if one
+    after the other).
 
     ZeRO-3 keeps the parameters replicated on axis 0, shards their states
     there and synchronises gradients once per step instead of in every
@@ -891,13 +893,20 @@ def zero_variants(ctx: SearchContext, ranked: list[PipelineCandidate],
     configuration is, not whether it fits."""
     zeros = opts.zero_choices
     if not (0 in zeros and 3 in zeros):
-        return []
-    configs = [(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3), c.schedule,
-                c.num_microbatches) for c in ranked[:ZERO_CANDIDATES]
-               if c.schedule != NO_PIPELINE and not c.mesh.zero_stage and c.mesh.shape[0] > 1]
-    out = [c for c in _price_all(ctx, configs, lambda k, config: (
-        f"ZeRO-3 variant {k + 1}/{len(configs)}: {config_label(*config)}")) if c is not None]
-    out.sort(key=lambda c: c.step_time_s)
+        return [[] for _ in groups]
+    per_group = [[(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3),
+                   c.schedule, c.num_microbatches) for c in ranked[:ZERO_CANDIDATES]
+                  if c.schedule != NO_PIPELINE and not c.mesh.zero_stage and c.mesh.shape[0] > 1]
+                 for ranked in groups]
+    configs = [config for group in per_group for config in group]
+    priced = _price_all(ctx, configs, lambda k, config: (
+        f"ZeRO-3 variant {k + 1}/{len(configs)}: {config_label(*config)}"))
+    out, start = [], 0
+    for group in per_group:
+        variants = [c for c in priced[start:start + len(group)] if c is not None]
+        variants.sort(key=lambda c: c.step_time_s)
+        out.append(variants)
+        start += len(group)
     return out
 
 

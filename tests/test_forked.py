@@ -172,7 +172,7 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
         ranked = ps.search(ctx, opts)
         # the best pipeline of each mesh family: ZeRO-3 variants for both processes
         leaders = list({c.mesh.family: c for c in reversed(ranked) if c.pp > 1}.values())
-        variants = ps.zero_variants(ctx, leaders, opts)
+        variants, = ps.zero_variants(ctx, [leaders], opts)
         monkeypatch.undo()
         return ctx, ranked, variants, beside
 
