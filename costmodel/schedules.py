@@ -409,6 +409,9 @@ class _OrdersMemo:
         while len(self._known) > self.size:
             self._known.popitem(last=False)
 
+    def clear(self) -> None:
+        self._known.clear()
+
 
 # How many schedule shapes' orders a process keeps (a search asks for ~100).
 ORDERS_MEMO_SIZE = 512
@@ -452,6 +455,16 @@ def adopt_orders(schedule: str, pp: int, num_microbatches: int, stages_per_rank:
     name = canonical_schedule(schedule)
     pp, m, v = _check_shape(name, pp, num_microbatches, stages_per_rank)
     _ORDERS.put((name, pp, m, v), orders)
+
+
+def release_orders() -> None:
+    """Forget the orders, dependency orders and peaks of every schedule shape
+    this process keeps; they are made again when asked for. A search keeps
+    those of all its shapes (gpt3-175b on 1024 GPUs: ~400 MB), which its
+    caller need not hold on to."""
+    _ORDERS.clear()
+    _torch_dependency_order.cache_clear()
+    _torch_peaks.cache_clear()
 
 
 def orders_cached(schedule: str, pp: int, num_microbatches: int,

@@ -13,6 +13,7 @@ import torch
 from costmodel.cluster import Cluster, load_cluster
 from costmodel.memory import reserve_bytes
 from costmodel.resharding import placement_str
+from costmodel.schedules import release_orders
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.trace import trace
 from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
@@ -137,24 +138,29 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 
-def _cycle_collector_paused(fn: _Fn) -> _Fn:
-    """``fn`` with Python's cyclic garbage collector paused while it runs,
-    as it was before afterwards. Reference counting still frees almost all a
-    search makes; the objects it leaves in reference cycles (~50 MB for
-    llama3-8b on 64 GPUs and gpt3-175b on 1024) wait for the next
-    collection after it. Each full collection walks every live object (the
-    programs, profiles and schedule orders: ~1 M), and they were ~1.5 s of
-    a llama3-8b plan's 19.3 s and ~4.8 s of gpt3-175b's 29.6 s here."""
+def _planning(fn: _Fn) -> _Fn:
+    """``fn``, a search, with Python's cyclic garbage collector paused while
+    it runs (as it was before afterwards), and the schedule orders it made
+    released after it (:func:`costmodel.schedules.release_orders`; ~400 MB
+    for gpt3-175b on 1024 GPUs).
+
+    Reference counting still frees almost all a search makes; the objects it
+    leaves in reference cycles (~50 MB for llama3-8b on 64 GPUs and
+    gpt3-175b on 1024) wait for the next collection after it. Each full
+    collection walks every live object (the programs, profiles and schedule
+    orders: ~1 M), and they were ~1.5 s of a llama3-8b plan's 19.3 s and
+    ~4.8 s of gpt3-175b's 29.6 s here."""
     @functools.wraps(fn)
-    def paused(*args: Any, **kwargs: Any) -> Any:
+    def planning(*args: Any, **kwargs: Any) -> Any:
         was_enabled = gc.isenabled()
         gc.disable()
         try:
             return fn(*args, **kwargs)
         finally:
+            release_orders()
             if was_enabled:
                 gc.enable()
-    return paused  # type: ignore[return-value]
+    return planning  # type: ignore[return-value]
 
 
 def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any,
@@ -201,7 +207,7 @@ def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
     return out
 
 
-@_cycle_collector_paused
+@_planning
 def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
          mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
          time_limit_s: float = 30.0, optimizer: str = "adam",
@@ -243,7 +249,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         progress: called with a short line as the search goes (for a progress bar).
 
     Python's cyclic garbage collector is paused while it runs (reference
-    counting frees almost everything; the rest waits for the next collection).
+    counting frees almost everything; the rest waits for the next collection),
+    and the schedule orders of the search are released when it returns.
 
     Raises:
         PlanningError: bad mesh, or no plan fits in memory (the message gives the
@@ -307,7 +314,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     return assemble(winner, ctx, lambda r, c: build_plan(r, c, info, training))
 
 
-@_cycle_collector_paused
+@_planning
 def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                   pp: int, stage_mesh: Sequence[int], schedule: str, num_microbatches: int,
                   zero_stage: int = 0, layer_split: Sequence[int] | None = None,

@@ -302,15 +302,23 @@ def test_plan_returns_a_pipeline_when_asked_and_the_same_one_twice():
 
 
 def test_the_cycle_collector_is_paused_while_planning_and_restored_after():
+    """...and the search's schedule orders are not held once plan() returns."""
     import gc
+
+    from costmodel.schedules import orders_cached
 
     model, inputs = build_model("gpt-tiny")
     during = []
+
+    def progress(msg):
+        during.append((gc.isenabled(), orders_cached("1f1b", 2, 2)))
+
     kwargs = dict(example_inputs=inputs, pp=[2], schedules=["1f1b"], num_microbatches=[2],
-                  zero_stages=[0], progress=lambda msg: during.append(gc.isenabled()))
+                  zero_stages=[0], progress=progress)
     assert gc.isenabled()
     plan(model, "local-cpu:4", **kwargs)
-    assert during and not any(during) and gc.isenabled()
+    assert during and not any(enabled for enabled, _ in during) and gc.isenabled()
+    assert any(held for _, held in during) and not orders_cached("1f1b", 2, 2)
     gc.disable()  # a caller's own setting is left as it was
     try:
         plan(model, "local-cpu:4", **kwargs)
