@@ -146,7 +146,9 @@ def _frozen_heap() -> Iterator[None]:
     process's 20.6 s; unpickling the child's 1 MB of results, 0.43 s against
     0.02 s) nor, in the child, writes to their pages (copying them). They
     are handed back afterwards, unless something else had frozen objects
-    before (``gc.unfreeze`` would release those too)."""
+    before (``gc.unfreeze`` would release those too). ``planner.plan`` pauses
+    the collector for the whole search besides; this serves the forked phases
+    called on their own."""
     ours = gc.get_freeze_count() == 0
     gc.freeze()
     try:

@@ -778,6 +778,10 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         for m in counts:
             ctx.program(m)
 
+    def settle(jobs: list[Job], results: list[Any]) -> None:
+        for (_, on_done), result in zip(jobs, results):
+            on_done(result)
+
     def beside(counts: list[int], there: list[int], jobs: list[Job]) -> None:
         """Make the programs of micro-batch ``counts`` here while the
         forked child prices the configurations ``there``; then both take
@@ -786,13 +790,11 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
                                       _held_by_both(ctx, ctx.programs()), child,
                                       then=[job for job, _ in jobs])
         file(there, done)
-        for (_, on_done), result in zip(jobs, results):
-            on_done(result)
+        settle(jobs, results)
 
     def forked(jobs: list[Job]) -> None:
-        results = run_forked([job for job, _ in jobs], _held_by_both(ctx, ctx.programs()), child)
-        for (_, on_done), result in zip(jobs, results):
-            on_done(result)
+        settle(jobs, run_forked([job for job, _ in jobs], _held_by_both(ctx, ctx.programs()),
+                                child))
 
     # torch's schedule orders, made once on both cores before the scopes are
     # priced (each asks for many of them; each process made them all for
