@@ -1,7 +1,8 @@
 """Run independent pieces of a search on two CPU cores by forking.
 
-The search's configurations fall into mesh families that share no layer
-profile, and the finalists' exact stage solves into chains that share no
+The search's configurations fall into pricing scopes that share no layer
+profile, its schedule shapes are independent of each other, and the
+finalists' exact stage solves fall into chains that share no
 cached solution (other layer kinds, stage mesh or micro-batch size); most of
 their time is the ILP solver, which holds the GIL. :func:`run_forked` runs the tasks in
 this process and a forked child, each taking the next task when it is free.

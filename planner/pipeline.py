@@ -124,8 +124,8 @@ class SearchContext:
         self._strategy_cache: dict[tuple, dict] = {}
         # memoised resharding prices per stage mesh (shape, nodes, devices per node)
         self._pricers: dict[tuple, ReshardPricer] = {}
-        # (layer kind, mesh family) -> the profiles with ILPs of their own, whose
-        # placements the family re-prices
+        # (layer kind, pricing scope) -> the profiles with ILPs of their own,
+        # whose placements the scope re-prices (see _reference_key)
         self._reference: dict[tuple, list[LayerProfile]] = {}
         # exact stage solutions for exact_stage: by (memory budget, micro-batch
         # size, stage mesh, layer kinds) the (in-flight copies, solution) pairs,
@@ -343,8 +343,8 @@ class SearchContext:
         smaller-memory plan exists), shared by all layers of its kind.
 
         The ILP runs at the first (micro-batch size, stage mesh) of each layer
-        kind and mesh family (:func:`_reference_key`): that profile is a
-        reference of the family, and elsewhere its placements are re-priced with
+        kind and pricing scope (:func:`_reference_key`): that profile is a
+        reference of the scope, and elsewhere its placements are re-priced with
         the program's shapes; a level the reference lacks is added to the
         reference first. Where no reference's placements divide the shapes
         (e.g. a batch split more ways than the micro-batch has rows), the ILP
