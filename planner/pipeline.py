@@ -800,8 +800,8 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     # priced (each asks for many of them; each process made them all for
     # itself: gpt3-175b on 1024 GPUs, 96 shapes, ~16 s in each)
     shapes = _missing_schedule_shapes(configs)
-    orders: list[Job] = [(_orders_task(shape), lambda blob, shape=shape: _file_orders(
-        [shape], [blob])) for shape in shapes]
+    orders: list[Job] = [(_orders_task(shape), lambda blob, shape=shape: _file_order(shape, blob))
+                         for shape in shapes]
     # micro-batches of one sequence: another program, captured last (see
     # SearchContext.program); the scopes that need it, priced last
     one = [m for m in ms if ctx.global_batch // m == 1]
@@ -814,11 +814,12 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         scopes.setdefault(scope_of(configs[k]), []).append(k)
     # the largest scopes first, so that the last task to start is short; those
     # at micro-batch size 1 apart (their program may be captured after the others)
-    ordered = sorted(scopes.values(), key=len, reverse=True)
-    early = [(task(ks), lambda done, ks=ks: file(ks, done)) for ks in ordered
-             if ctx.global_batch // configs[ks[0]][4] != 1]
-    late = [(task(ks), lambda done, ks=ks: file(ks, done)) for ks in ordered
-            if ctx.global_batch // configs[ks[0]][4] == 1]
+    # (a scope names its stage mesh, last, only at size 1: see pricing_scope)
+    ordered = sorted(scopes.items(), key=lambda item: len(item[1]), reverse=True)
+    early = [(task(ks), lambda done, ks=ks: file(ks, done)) for scope, ks in ordered
+             if scope[-1] is None]
+    late = [(task(ks), lambda done, ks=ks: file(ks, done)) for scope, ks in ordered
+            if scope[-1] is not None]
     # the child works while this process captures: on the leading
     # configurations whose programs exist (``first``) and the schedule orders
     # beside the first captures; on the scopes not at size 1 beside the
@@ -851,7 +852,7 @@ def _missing_schedule_shapes(configs: Sequence[Config]) -> list[tuple[str, int, 
 
 
 def _orders_task(shape: tuple[str, int, int, int]) -> Callable[[], bytes | None]:
-    """A task giving torch's orders of ``shape`` pickled (:func:`_file_orders`
+    """A task giving torch's orders of ``shape`` pickled (:func:`_file_order`
     reads them), or None where torch rejects it (the pricing reads that as no
     candidate). Pickled here by the C pickler in one piece: the forked
     child's results go through :mod:`planner.forked`'s pickler, which asks
@@ -865,12 +866,10 @@ def _orders_task(shape: tuple[str, int, int, int]) -> Callable[[], bytes | None]
     return run
 
 
-def _file_orders(shapes: Sequence[tuple[str, int, int, int]], made: Sequence[bytes | None]
-                 ) -> None:
-    """File the orders :func:`_orders_task` made for ``shapes`` in this process."""
-    for shape, blob in zip(shapes, made):
-        if blob is not None:
-            adopt_orders(*shape, pickle.loads(blob))
+def _file_order(shape: tuple[str, int, int, int], blob: bytes | None) -> None:
+    """File in this process the orders :func:`_orders_task` made for ``shape``."""
+    if blob is not None:
+        adopt_orders(*shape, pickle.loads(blob))
 
 
 # The leading candidates whose ZeRO-3 variants zero_variants() prices.

@@ -239,7 +239,8 @@ def test_schedule_orders_made_on_two_cores_are_filed_here():
     assert sorted(missing) == sorted([*shapes, rejected])
     made = run_forked([ps._orders_task(shape) for shape in missing])
     assert made[missing.index(rejected)] is None
-    ps._file_orders(missing, made)
+    for shape, blob in zip(missing, made):
+        ps._file_order(shape, blob)
     for shape in shapes:
         assert schedules.orders_cached(*shape)
         assert schedules.torch_orders(*shape) == schedules._orders_from_torch(*shape)
