@@ -10,7 +10,8 @@ element-wise ops and tuple projections collapse into one edge). Edge matrices
 are then compressed exactly: producer strategies with an identical cost row (and
 consumer strategies with an identical column) share edge variables, and an edge
 whose cost depends on one end only is folded into that node's cost. The MIP is
-written into an ``MPModelProto`` and loaded in one call.
+kept as arrays (a scipy sparse matrix of its rows) and handed to OR-Tools in one
+call: its LP relaxation through the model builder, the MIP as an ``MPModelProto``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import scipy.sparse
 from ortools.linear_solver import linear_solver_pb2, pywraplp
+from ortools.linear_solver.python import model_builder_helper
 
 # Costs enter the solver in microseconds, so solver tolerances (about 1e-6 in
 # objective units) are far below any cost difference that matters.
@@ -312,7 +315,7 @@ def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | No
     for v, xs in enumerate(x):
         if not xs:
             raise InfeasibleError(f"node {v} has no strategy")
-        model.row(1.0, 1.0, [(var, 1.0) for var in xs])
+        model.row(1.0, 1.0, xs, [1.0] * len(xs))
     for u, v, m in problem.edges:
         rows, row_of, cols, col_of = _compress(m)
         if len(rows) == 1:  # cost depends on v only
@@ -323,18 +326,8 @@ def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | No
             for i in range(len(node_costs[u])):
                 node_costs[u][i] += cols[0][row_of[i]]
             continue
-        # e[r][c]: u takes a strategy of row group r and v one of column group c
-        # (None for a forbidden pair: no variable, so it can never be chosen)
-        e = [[model.var(integral_edges, col[r] * _SCALE) if math.isfinite(col[r]) else None
-              for col in cols] for r in range(len(rows))]
-        row_members = _members(row_of, len(rows))
-        col_members = _members(col_of, len(cols))
-        for r, er in enumerate(e):
-            model.row(0.0, 0.0, [(var, 1.0) for var in er if var is not None]
-                      + [(x[u][i], -1.0) for i in row_members[r]])
-        for c in range(len(cols)):
-            model.row(0.0, 0.0, [(er[c], 1.0) for er in e if er[c] is not None]
-                      + [(x[v][j], -1.0) for j in col_members[c]])
+        _edge_rows(model, integral_edges, cols, x[u], _members(row_of, len(rows)),
+                   x[v], _members(col_of, len(cols)))
     for v, c in enumerate(node_costs):
         for i, k in enumerate(c):
             if math.isfinite(k):
@@ -351,10 +344,10 @@ def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | No
                 # z = x AND ckpt (recompute paid), y = x AND NOT ckpt (activations kept)
                 if group.recompute[k][i] > 0:
                     z = model.var(False, group.recompute[k][i] * _SCALE)
-                    model.row(-1.0, math.inf, [(z, 1.0), (x[v][i], -1.0), (ckpt[g], -1.0)])
+                    model.row(-1.0, math.inf, [z, x[v][i], ckpt[g]], [1.0, -1.0, -1.0])
                 if group.saved[k][i] > 0:
                     y = model.var(False)
-                    model.row(0.0, math.inf, [(y, 1.0), (x[v][i], -1.0), (ckpt[g], 1.0)])
+                    model.row(0.0, math.inf, [y, x[v][i], ckpt[g]], [1.0, -1.0, 1.0])
                     freed[v, i] = freed.get((v, i), 0.0) + group.saved[k][i]
                     freed_terms.append((y, group.saved[k][i]))
     if problem.memory_weight > 0 and problem.node_memory is not None:
@@ -372,14 +365,15 @@ def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | No
         fixed = [(x[v][i], (m - freed.get((v, i), 0.0)) / unit)
                  for v, mem in enumerate(problem.node_memory) for i, m in enumerate(mem)
                  if m - freed.get((v, i), 0.0)]
-        model.row(-math.inf, problem.memory_budget / unit,
-                  fixed + [(var, b / unit) for var, b in freed_terms + kept_terms])
+        terms = fixed + [(var, b / unit) for var, b in freed_terms + kept_terms]
+        model.row(-math.inf, problem.memory_budget / unit, [var for var, _ in terms],
+                  [b for _, b in terms])
     started = time.monotonic()
     if name == "CBC":
-        integral = _integral_relaxation(problem, model.proto, x, ckpt, time_limit_s)
+        integral = _integral_relaxation(problem, model, x, ckpt, time_limit_s)
         if integral is not None:
             return integral
-    mip = _load(name, model.proto)
+    mip = _load(name, model.proto())
     x = [[mip.variable(i) for i in xs] for xs in x]
     ckpt = [mip.variable(i) for i in ckpt]
     objective = mip.Objective()
@@ -411,6 +405,39 @@ def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | No
                     num_constraints=mip.NumConstraints(), checkpoint=checkpoint)
 
 
+def _edge_rows(model: "_Model", integral: bool, cols: list[tuple[float, ...]],
+               xu: list[int], row_members: list[list[int]],
+               xv: list[int], col_members: list[list[int]]) -> None:
+    """The variables and transport rows of one compressed edge: ``e[r][c]``
+    (u takes a strategy of row group r and v one of column group c, costing
+    ``cols[c][r]`` seconds) sums to u's strategies of group r over c and to
+    v's of group c over r. A forbidden pair (inf) gets no variable, so it can
+    never be chosen."""
+    num_rows, num_cols = len(row_members), len(cols)
+    costs = [col[r] * _SCALE for r in range(num_rows) for col in cols]
+    if math.isfinite(sum(costs)):  # every pair allowed: e[r][c] = first + r * num_cols + c
+        first = model.vars(integral, costs)
+        for r, members in enumerate(row_members):
+            model.row(0.0, 0.0, [*range(first + r * num_cols, first + (r + 1) * num_cols),
+                                 *(xu[i] for i in members)],
+                      [1.0] * num_cols + [-1.0] * len(members))
+        end = first + num_rows * num_cols
+        for c, members in enumerate(col_members):
+            model.row(0.0, 0.0, [*range(first + c, end, num_cols), *(xv[j] for j in members)],
+                      [1.0] * num_rows + [-1.0] * len(members))
+        return
+    e = [[model.var(integral, cost) if math.isfinite(cost) else None
+          for cost in costs[r * num_cols:(r + 1) * num_cols]] for r in range(num_rows)]
+    for er, members in zip(e, row_members):
+        ends = [var for var in er if var is not None]
+        model.row(0.0, 0.0, ends + [xu[i] for i in members],
+                  [1.0] * len(ends) + [-1.0] * len(members))
+    for c, members in enumerate(col_members):
+        ends = [er[c] for er in e if er[c] is not None]
+        model.row(0.0, 0.0, ends + [xv[j] for j in members],
+                  [1.0] * len(ends) + [-1.0] * len(members))
+
+
 def _load(name: str, proto: linear_solver_pb2.MPModelProto) -> pywraplp.Solver:
     """An OR-Tools solver of backend ``name`` holding the model ``proto``."""
     solver = pywraplp.Solver.CreateSolver(name)
@@ -432,7 +459,7 @@ _GLOP_PARAMETERS = "use_dual_simplex: true use_preprocessing: false"
 _INTEGRAL_TOLERANCE = 1e-6
 
 
-def _integral_relaxation(problem: AssignmentProblem, proto: linear_solver_pb2.MPModelProto,
+def _integral_relaxation(problem: AssignmentProblem, model: _Model,
                          x: list[list[int]], ckpt: list[int],
                          time_limit_s: float) -> Solution | None:
     """The MIP's optimum when its LP relaxation (solved by GLOP, the simplex)
@@ -447,27 +474,29 @@ def _integral_relaxation(problem: AssignmentProblem, proto: linear_solver_pb2.MP
     formulation was integral on all 78 llama3-8b layer problems of a search,
     at 0.07 s each where CBC took 0.48 s; a budget that binds makes it
     fractional, and CBC decides."""
-    lp = _load("GLOP", proto)
-    lp.SetSolverSpecificParametersAsString(_GLOP_PARAMETERS)
-    lp.SetTimeLimit(int(time_limit_s * 1000))
-    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+    lp = model_builder_helper.ModelSolverHelper("glop")
+    lp.set_solver_specific_parameters(_GLOP_PARAMETERS)
+    lp.set_time_limit_in_seconds(time_limit_s)
+    lp.solve(model.solver_helper())
+    if lp.status() != model_builder_helper.SolveStatus.OPTIMAL:
         return None
-    values = [[lp.variable(i).solution_value() for i in xs] for xs in x]
-    decisions = [lp.variable(i).solution_value() for i in ckpt]
+    solution = lp.variable_values().tolist()
+    values = [[solution[i] for i in xs] for xs in x]
+    decisions = [solution[i] for i in ckpt]
     if any(_INTEGRAL_TOLERANCE < v < 1 - _INTEGRAL_TOLERANCE
            for v in itertools.chain(decisions, *values)):
         return None
     choice = [max(range(len(vs)), key=vs.__getitem__) for vs in values]
     checkpoint = [d > 0.5 for d in decisions]
-    bound = lp.Objective().Value() / _SCALE
+    bound = lp.objective_value() / _SCALE
     weighted = problem.weighted(choice, checkpoint)
     if not (problem.fits(choice, checkpoint)
             and weighted <= bound + 1e-9 * max(1.0, abs(bound)) + 1e-12):
         return None
     value = problem.evaluate(choice, checkpoint)
     return Solution(choice=choice, objective_s=value, bound_s=value, status="OPTIMAL",
-                    solver="GLOP", num_variables=lp.NumVariables(),
-                    num_constraints=lp.NumConstraints(), checkpoint=checkpoint)
+                    solver="GLOP", num_variables=len(model.objective),
+                    num_constraints=len(model.row_lower), checkpoint=checkpoint)
 
 
 def warm_start_value(problem: AssignmentProblem, hint: list[int]) -> tuple[float, list[bool]] | None:
@@ -525,35 +554,84 @@ def _members(group_of: list[int], groups: int) -> list[list[int]]:
 
 
 class _Model:
-    """A minimisation MIP written straight into an ``MPModelProto`` and loaded in one
-    call: pywraplp's per-variable and per-coefficient calls cost about 3 us each
-    and were most of the build time. Variables are ints in creation order."""
+    """A minimisation MIP over variables in [0, 1], kept as arrays (bounds,
+    objective, integrality, and the constraint rows in compressed sparse row
+    form) and handed to a solver in one call (:meth:`solver_helper`,
+    :meth:`proto`): building OR-Tools' objects one variable or coefficient at
+    a time cost about half of a layer problem's solve. Variables are ints in
+    creation order."""
 
     def __init__(self):
-        self.proto = linear_solver_pb2.MPModelProto(maximize=False)
-        self._variables = self.proto.variable
-        self._constraints = self.proto.constraint
+        self.upper: list[float] = []
+        self.objective: list[float] = []
+        self.integer: list[bool] = []
+        self.row_lower: list[float] = []
+        self.row_upper: list[float] = []
+        self.row_start = [0]
+        self.row_vars: list[int] = []
+        self.row_coefficients: list[float] = []
 
     def var(self, integer: bool, cost: float = 0.0) -> int:
         """A new variable in [0, 1] with objective coefficient ``cost``."""
-        self._variables.add(lower_bound=0.0, upper_bound=1.0, is_integer=integer,
-                            objective_coefficient=cost)
-        return len(self._variables) - 1
+        self.upper.append(1.0)
+        self.objective.append(cost)
+        self.integer.append(integer)
+        return len(self.objective) - 1
+
+    def vars(self, integer: bool, costs: list[float]) -> int:
+        """``len(costs)`` new variables in [0, 1] with those objective
+        coefficients; the index of the first (the rest follow it)."""
+        first = len(self.objective)
+        self.objective.extend(costs)
+        self.upper.extend([1.0] * len(costs))
+        self.integer.extend([integer] * len(costs))
+        return first
 
     def cost(self, var: int, cost: float) -> None:
-        self._variables[var].objective_coefficient = cost
+        self.objective[var] = cost
 
     def add_cost(self, var: int, cost: float) -> None:
-        self._variables[var].objective_coefficient += cost
+        self.objective[var] += cost
 
     def forbid(self, var: int) -> None:
-        self._variables[var].upper_bound = 0.0
+        self.upper[var] = 0.0
 
-    def row(self, lower: float, upper: float, terms: list[tuple[int, float]]) -> None:
+    def row(self, lower: float, upper: float, variables: list[int],
+            coefficients: list[float]) -> None:
         """``lower <= sum(coefficient * variable) <= upper`` (each variable once)."""
-        row = self._constraints.add(lower_bound=lower, upper_bound=upper)
-        row.var_index.extend([var for var, _ in terms])
-        row.coefficient.extend([coefficient for _, coefficient in terms])
+        self.row_lower.append(lower)
+        self.row_upper.append(upper)
+        self.row_vars.extend(variables)
+        self.row_coefficients.extend(coefficients)
+        self.row_start.append(len(self.row_vars))
+
+    def solver_helper(self) -> "model_builder_helper.ModelBuilderHelper":
+        """The model in OR-Tools' model builder (continuous variables: for the
+        LP relaxation)."""
+        n = len(self.objective)
+        matrix = scipy.sparse.csr_matrix(
+            (np.asarray(self.row_coefficients, dtype=float),
+             np.asarray(self.row_vars, dtype=np.int32), np.asarray(self.row_start, dtype=np.int32)),
+            shape=(len(self.row_lower), n))
+        helper = model_builder_helper.ModelBuilderHelper()
+        helper.fill_model_from_sparse_data(
+            np.zeros(n), np.asarray(self.upper, dtype=float),
+            np.asarray(self.objective, dtype=float), np.asarray(self.row_lower, dtype=float),
+            np.asarray(self.row_upper, dtype=float), matrix)
+        return helper
+
+    def proto(self) -> linear_solver_pb2.MPModelProto:
+        """The model as an ``MPModelProto`` (for the MIP backends)."""
+        proto = linear_solver_pb2.MPModelProto(maximize=False)
+        for ub, cost, integer in zip(self.upper, self.objective, self.integer):
+            proto.variable.add(lower_bound=0.0, upper_bound=ub, is_integer=integer,
+                               objective_coefficient=cost)
+        for r, (lower, upper) in enumerate(zip(self.row_lower, self.row_upper)):
+            row = proto.constraint.add(lower_bound=lower, upper_bound=upper)
+            start, end = self.row_start[r], self.row_start[r + 1]
+            row.var_index.extend(self.row_vars[start:end])
+            row.coefficient.extend(self.row_coefficients[start:end])
+        return proto
 
 
 # A node is eliminated only if the cost tensor it needs has at most this many

@@ -122,8 +122,11 @@ def test_ilp_with_checkpointing_decision_equals_brute_force(problem):
 
 def _fake_backend(monkeypatch, status):
     """CreateSolver returns solvers whose Solve only reports ``status`` (all
-    variables stay 0, so every node reads as taking strategy 0)."""
+    variables stay 0, so every node reads as taking strategy 0), and the LP
+    relaxation never answers, so that the MIP backend decides."""
     import planner.ilp as ilp
+
+    monkeypatch.setattr(ilp, "_integral_relaxation", lambda *args: None)
 
     class Fake:
         def __init__(self, real):
