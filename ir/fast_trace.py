@@ -115,9 +115,15 @@ class SynthesizedProgram:
     batch: int | None = None
 
 
+# Runs two functions at once, the second in another process: ``beside(here,
+# there)`` returns ``(here(), there())``; there's result must pickle.
+Beside = Callable[[Callable[[], Any], Callable[[], Any]], tuple[Any, Any]]
+
+
 def fast_trace(model: nn.Module, example_inputs: Any, *,
                min_blocks: int | None = None,
-               like: SynthesizedProgram | None = None) -> Graph | None:
+               like: SynthesizedProgram | None = None,
+               beside: Beside | None = None) -> Graph | None:
     """The :class:`Graph` of ``model(*example_inputs)`` from two short probe captures.
 
     ``like``: the program of an earlier fast trace of the same model (say, at
@@ -126,6 +132,11 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
     and module paths), the method checked there (names advancing by the same
     steps, the longer probe rebuilt exactly) holds here too, and the program
     is written out from the short probe alone: one probe capture instead of two.
+
+    ``beside``: when given, the longer probe is captured by its other process
+    while this one captures the short probe, and only the facts the checks
+    read of it come back (:class:`_ProbeFacts`); should that fail, it is
+    captured here after the short one.
 
     Returns None when the model has no ``nn.ModuleList`` of at least
     ``min_blocks`` (default :data:`MIN_BLOCKS`, at least 4) identical blocks or
@@ -138,18 +149,20 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
     try:
         path, num_blocks = _find_block_list(model, min_blocks)
         args = _as_tuple(example_inputs)
-        short = _probe(model, path, _PROBES[0], args)
-        if (like is not None and like.probe and like.block_path == path
-                and like.num_blocks == num_blocks and _structure(short) == like.probe):
-            steps = like.suffix_steps
-            program = _synthesize(short, num_blocks, steps)
+        if like is not None and like.probe and (like.block_path, like.num_blocks) == (
+                path, num_blocks):
+            short = _probe(model, path, _PROBES[0], args)
+            long = None if _structure(short) == like.probe else _probe_facts(
+                model, path, _PROBES[1], args)
         else:
-            long = _probe(model, path, _PROBES[1], args)
-            steps = _suffix_steps(short, long)
+            short, long = _probe_pair(model, path, args, beside)
+        if long is None:  # the method was checked on ``like``'s probes
+            steps = like.suffix_steps
+        else:
+            steps = _suffix_steps(_facts(short), long)
             # The method, checked on the probes: the 3-block program from the 2-block one.
-            rebuilt = _synthesize(short, long.k, steps)
-            _require_same(rebuilt, long.ep)
-            program = _synthesize(long, num_blocks, steps)
+            _require_same(_synthesize(short, long.k, steps), long)
+        program = _synthesize(short, num_blocks, steps)
         program = replace(program, suffix_steps=dict(steps), probe=_structure(short),
                           short_probe=short.ep, batch=_batch_of(args))
         _check_state(program, model)
@@ -217,6 +230,28 @@ def _probe(model: nn.Module, path: str, k: int, args: tuple) -> "_Layout":
     except Exception as err:  # noqa: BLE001 - the full capture reports it
         raise _Unsupported(f"capture of the first {k} blocks failed: {err}") from err
     return _Layout(ep, path, k)
+
+
+def _probe_facts(model: nn.Module, path: str, k: int, args: tuple) -> "_ProbeFacts":
+    """The facts of the capture of ``model`` truncated to its first ``k`` blocks."""
+    return _facts(_probe(model, path, k, args))
+
+
+def _probe_pair(model: nn.Module, path: str, args: tuple,
+                beside: Beside | None) -> tuple["_Layout", "_ProbeFacts"]:
+    """The short probe, and the facts of the long one: captured by
+    ``beside``'s other process at the same time when given and it works,
+    else here after the short one."""
+    if beside is not None:
+        try:
+            return beside(lambda: _probe(model, path, _PROBES[0], args),
+                          lambda: _probe_facts(model, path, _PROBES[1], args))
+        except _Unsupported:
+            raise
+        except Exception:  # noqa: BLE001 - the other process failed: capture here
+            log.debug("probe capture beside failed; capturing here", exc_info=True)
+    return (_probe(model, path, _PROBES[0], args),
+            _probe_facts(model, path, _PROBES[1], args))
 
 
 def _structure(lay: "_Layout") -> tuple:
@@ -503,7 +538,7 @@ class _Layout:
         mp = _module_path(n)
         if j is not None:
             mp = mp[len(f"{self.path}.{j}"):]
-        return (n.op, n.target, _split_name(n.name)[0],
+        return (n.op, _target_name(n.target), _split_name(n.name)[0],
                 torch.fx.node.map_arg((n.args, n.kwargs), enc),
                 _val_sig(n.meta.get("val")), mp)
 
@@ -527,26 +562,62 @@ class _Layout:
         return steps
 
 
-def _suffix_steps(short: _Layout, long: _Layout) -> dict[str, int]:
+@dataclass(frozen=True)
+class _ProbeFacts:
+    """What the method's checks read of a probe capture, as plain values
+    that pickle (op targets by qualified name: :func:`_target_name`), so
+    that a probe captured in another process is checked here.
+
+    Attributes:
+        k: blocks kept by the probe.
+        prefix: ``(name, signature)`` of each op before the blocks
+            (:meth:`_Layout._node_sig`); ``suffix`` the same after them.
+        block_steps: per base name, how far node numbers advance per block.
+        records: :func:`_node_record` of every node.
+        inputs: ``(kind, name, target, persistent)`` of every input.
+    """
+
+    k: int
+    prefix: tuple[tuple[str, tuple], ...]
+    suffix: tuple[tuple[str, tuple], ...]
+    block_steps: dict[str, int]
+    records: tuple[tuple, ...]
+    inputs: tuple[tuple, ...]
+
+
+def _facts(lay: _Layout) -> _ProbeFacts:
+    return _ProbeFacts(
+        k=lay.k, prefix=tuple((n.name, lay._node_sig(n, None)) for n in lay.prefix),
+        suffix=tuple((n.name, lay._node_sig(n, None)) for n in lay.suffix),
+        block_steps=dict(lay.block_steps),
+        records=tuple(_node_record(n) for n in lay.ep.graph.nodes),
+        inputs=_input_records(lay.ep.graph_signature))
+
+
+def _input_records(signature: ExportGraphSignature) -> tuple[tuple, ...]:
+    return tuple((s.kind, s.arg.name, s.target, s.persistent) for s in signature.input_specs)
+
+
+def _suffix_steps(short: _ProbeFacts, long: _ProbeFacts) -> dict[str, int]:
     """How far the numbers of the nodes after the blocks move per extra block."""
     if len(short.suffix) != len(long.suffix) or len(short.prefix) != len(long.prefix):
         raise _Unsupported("the code around the blocks depends on the number of blocks")
     for a, b in zip(short.prefix, long.prefix):
-        if short._node_sig(a, None) != long._node_sig(b, None) or a.name != b.name:
-            raise _Unsupported(f"the code before the blocks changes with their number ({b.name})")
+        if a != b:
+            raise _Unsupported(f"the code before the blocks changes with their number ({b[0]})")
     steps: dict[str, int] = {}
     per_block = long.k - short.k
-    for a, b in zip(short.suffix, long.suffix):
-        if short._node_sig(a, None) != long._node_sig(b, None):
-            raise _Unsupported(f"the code after the blocks changes with their number ({b.name})")
-        base, num_a = _split_name(a.name)
-        _, num_b = _split_name(b.name)
+    for (name_a, sig_a), (name_b, sig_b) in zip(short.suffix, long.suffix):
+        if sig_a != sig_b:
+            raise _Unsupported(f"the code after the blocks changes with their number ({name_b})")
+        base, num_a = _split_name(name_a)
+        _, num_b = _split_name(name_b)
         diff = num_b - num_a
         if diff < 0 or diff % per_block or steps.setdefault(base, diff // per_block) != \
                 diff // per_block:
             raise _Unsupported(f"names of {base} nodes after the blocks do not advance uniformly")
-    for layout in (short, long):
-        for base, step in layout.block_steps.items():
+    for facts in (short, long):
+        for base, step in facts.block_steps.items():
             if steps.get(base, step) != step:
                 raise _Unsupported(f"{base} nodes after the blocks move by {steps[base]} per "
                                    f"block, inside them by {step}")
@@ -686,21 +757,31 @@ def _node_record(n: torch.fx.Node, literals: bool = True) -> tuple:
         args = torch.fx.node.map_aggregate((n.args, n.kwargs), lambda a: (
             ("node", a.name) if isinstance(a, torch.fx.Node) else type(a).__name__))
         value = None
-    return (n.op, n.name, n.target, args, value,
+    return (n.op, n.name, _target_name(n.target), args, value,
             _module_path(n) if n.op == "call_function" else "")
 
 
-def _require_same(program: SynthesizedProgram, ep: Any) -> None:
-    """The synthesized program equals the captured ``ep`` node for node."""
-    got, want = list(program.graph.nodes), list(ep.graph.nodes)
-    if len(got) != len(want):
-        raise _Unsupported(f"rebuilt probe has {len(got)} nodes, the capture {len(want)}")
-    for a, b in zip(got, want):
-        if _node_record(a) != _node_record(b):
-            raise _Unsupported(f"rebuilt probe differs from the capture at {b.name}")
-    spec = lambda s: (s.kind, s.arg.name, s.target, s.persistent)  # noqa: E731
-    if [spec(s) for s in program.graph_signature.input_specs] != \
-            [spec(s) for s in ep.graph_signature.input_specs]:
+def _target_name(target: Any) -> str:
+    """A node's target by name: an ATen overload's qualified name
+    (``aten.mm.default``, unique among registered ops), a placeholder's
+    string, or a Python function's module and qualified name."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def _require_same(program: SynthesizedProgram, want: _ProbeFacts) -> None:
+    """The synthesized program equals the captured probe ``want`` node for node."""
+    got = list(program.graph.nodes)
+    if len(got) != len(want.records):
+        raise _Unsupported(f"rebuilt probe has {len(got)} nodes, the capture "
+                           f"{len(want.records)}")
+    for a, b in zip(got, want.records):
+        if _node_record(a) != b:
+            raise _Unsupported(f"rebuilt probe differs from the capture at {b[1]}")
+    if _input_records(program.graph_signature) != want.inputs:
         raise _Unsupported("rebuilt probe has different inputs than the capture")
 
 

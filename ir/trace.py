@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -158,7 +158,7 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "") 
 
 
 def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
-          like: Graph | None = None) -> Graph:
+          like: Graph | None = None, beside: Callable | None = None) -> Graph:
     """Capture ``model`` called on ``example_inputs`` as a planner Graph.
 
     Pass a model built on the meta device (and meta example inputs) to plan
@@ -169,6 +169,8 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
     (:mod:`ir.fast_trace`); the Graph is the same, node for node, as the full
     capture's. ``like``: an earlier trace of the same model (other input
     shapes), whose checked method the fast path may reuse with one probe.
+    ``beside``: runs two functions at once, the second in another process
+    (:data:`ir.fast_trace.Beside`); the fast path captures its two probes so.
     ``PLANNER_FULL_TRACE=1`` in the environment always captures fully.
     """
     import os
@@ -178,7 +180,7 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
     if os.environ.get("PLANNER_FULL_TRACE", "0") in ("", "0"):
         earlier = like.exported if like is not None else None
         graph = fast_trace(model, example_inputs, like=earlier if isinstance(
-            earlier, SynthesizedProgram) else None)
+            earlier, SynthesizedProgram) else None, beside=beside)
         if graph is not None:
             return graph
     ep = capture(model, example_inputs)

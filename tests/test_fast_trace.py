@@ -91,6 +91,40 @@ LLAMA5 = LlamaConfig(n_layers=5, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=176, v
                      max_seq_len=32, rope_theta=10000.0)
 
 
+def _counting_captures(monkeypatch) -> list:
+    """Make this process's probe captures append to the returned list."""
+    real, done = fast_trace_module.capture, []
+
+    def counted(m, a):
+        done.append(m)
+        return real(m, a)
+    monkeypatch.setattr(fast_trace_module, "capture", counted)
+    return done
+
+
+def test_long_probe_captured_in_another_process_gives_the_full_capture(monkeypatch,
+                                                                       full_capture):
+    from planner.api import _two_processes
+    from planner.forked import can_fork
+
+    model, inputs = zoo.build_from_config(LLAMA5, batch_size=2, seq_len=16)
+    ep, full = full_capture(LLAMA5, 2)
+    captured_here = _counting_captures(monkeypatch)
+    _assert_same(fast_trace(model, inputs, min_blocks=4, beside=_two_processes), ep, full)
+    assert len(captured_here) == (1 if can_fork() else 2)
+
+
+def test_a_failing_other_process_leaves_the_long_probe_to_this_one(monkeypatch, full_capture):
+    model, inputs = zoo.build_from_config(LLAMA5, batch_size=2, seq_len=16)
+    ep, full = full_capture(LLAMA5, 2)
+    captured_here = _counting_captures(monkeypatch)
+
+    def broken(here, there):
+        raise RuntimeError("the child died")
+    _assert_same(fast_trace(model, inputs, min_blocks=4, beside=broken), ep, full)
+    assert len(captured_here) == 2
+
+
 @pytest.mark.parametrize("cfg", [GPT(6), LLAMA5], ids=["gpt-L6", "llama-L5"])
 def test_later_trace_at_other_shapes_takes_one_probe(cfg, monkeypatch, full_capture):
     """A trace ``like`` an earlier one at another batch size captures only the
