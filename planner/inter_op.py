@@ -37,11 +37,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from costmodel.cluster import Cluster
+from costmodel.resharding import gradient_placements
 from costmodel.schedules import canonical_schedule, default_stages_per_rank, peak_activations
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import PipelineLayer
 from ir.subgraph import boundary_values, subgraph
-from planner.intra_op import (IntraOpCost, IntraOpResult, MemoryInfeasibleError, _grad_placements,
+from planner.intra_op import (IntraOpCost, IntraOpResult, MemoryInfeasibleError,
                               local_numel, solve_intra_op)
 
 # Schedules the search tries, in this order (ties keep the earlier one).
@@ -129,7 +130,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
             info = n.inputs[k] if n.inputs else graph[arg].outputs[idx]
             f += cost.reshard(src, dst, info)
             if arg in cost.requires_grad and info.is_float:
-                g = cost.reshard(_grad_placements(dst), _grad_placements(src), info)
+                g = cost.reshard(gradient_placements(dst), gradient_placements(src), info)
                 if arg in cost.param_derived:
                     sync += g
                 else:

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import backward_op_times, op_time
@@ -49,11 +49,6 @@ def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: S
         if a != skip_axis and isinstance(p, Shard):
             n /= size
     return n
-
-
-def _grad_placements(placements: Placements) -> Placements:
-    """Placement of the gradient flowing back into a tensor of ``placements``."""
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
 
 
 # ZeRO stages the cost model prices (IntraOpCost's zero_stage).
@@ -133,11 +128,6 @@ class IntraOpCost:
             raise ValueError(f"the shared pricer is for mesh {pricer.mesh_shape} and other "
                              f"links; this cost is for mesh {self.mesh_shape}")
         self._pricer = pricer
-        self._grad_of: dict[int, int] = {}  # spec id -> id of its gradient's placements
-        # (shape, itemsize, requires_grad) -> int, and edge seconds by
-        # (producer spec id, consumer spec id, that int)
-        self._tensor_ids: dict[tuple, int] = {}
-        self._edge_cache: dict[tuple[int, int, int], float] = {}
 
     def _requires_grad(self) -> set[str]:
         out: set[str] = set(self.graph.grad_inputs)
@@ -171,8 +161,8 @@ class IntraOpCost:
     def shard_factor(self, s: Strategy) -> int:
         """Devices one op instance is split over under strategy ``s``."""
         f = 1
-        for a, size in enumerate(self.mesh_shape):
-            if any(not isinstance(pl[a], Replicate) for pl in (*s.inputs, *s.outputs)):
+        for split, size in zip(s.split_axes, self.mesh_shape):
+            if split:
                 f *= size
         return f
 
@@ -226,14 +216,14 @@ class IntraOpCost:
         if node.kind != OP:
             return 0.0
         total = 0.0
+        out_split = s.output_split_axes
         for arg, info, pin in zip(node.args, node.inputs, s.inputs):
             if arg not in self.requires_grad:
                 continue
             for a, size in enumerate(self.mesh_shape):
                 if a == 0 and self.state_shards > 1 and arg in self.param_derived:
                     continue  # a pending sum, reduced once per step
-                if size > 1 and isinstance(pin[a], Replicate) and any(
-                        not isinstance(out[a], Replicate) for out in s.outputs):
+                if size > 1 and out_split[a] and isinstance(pin[a], Replicate):
                     nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
                     total += collective_time("all_reduce", nbytes, size, self.links[a])
         return total
@@ -315,40 +305,22 @@ class IntraOpCost:
         return self.edge_prices([producer_out], [consumer_in], info, requires_grad)[0][0]
 
     def edge_prices(self, producer_outs: Sequence[Placements], consumer_ins: Sequence[Placements],
-                    info: TensorInfo, requires_grad: bool) -> list[list[float]]:
+                    info: TensorInfo, requires_grad: bool) -> tuple[tuple[float, ...], ...]:
         """:meth:`edge` for every (producer output, consumer input) pair: seconds,
-        ``[i][j]`` for ``producer_outs[i]`` and ``consumer_ins[j]`` (memoised)."""
-        pricer, grad_of = self._pricer, self._grad_of
-        shape, itemsize = info.shape, info.itemsize
-        tensor = self._tensor_ids.setdefault((shape, itemsize, requires_grad),
-                                             len(self._tensor_ids))
-        srcs = [pricer.spec_id(p) for p in producer_outs]
-        dsts = [pricer.spec_id(p) for p in consumer_ins]
-        if requires_grad:
-            for i in (*srcs, *dsts):
-                if i not in grad_of:
-                    grad_of[i] = pricer.spec_id(_grad_placements(pricer.specs[i]))
-        cache = self._edge_cache
-        out = []
-        for a in srcs:
-            row = []
-            for b in dsts:
-                key = (a, b, tensor)
-                t = cache.get(key)
-                if t is None:
-                    t = 0.0 if a == b else pricer.time_ids(a, b, shape, itemsize)
-                    if requires_grad:
-                        ga, gb = grad_of[a], grad_of[b]
-                        t += 0.0 if gb == ga else pricer.time_ids(gb, ga, shape, itemsize)
-                    cache[key] = t
-                row.append(t)
-            out.append(row)
-        return out
+        ``[i][j]`` for ``producer_outs[i]`` and ``consumer_ins[j]``."""
+        return self.edge_seconds(tuple(self.spec_id(p) for p in producer_outs),
+                                 tuple(self.spec_id(p) for p in consumer_ins), info, requires_grad)
+
+    def edge_seconds(self, srcs: tuple[int, ...], dsts: tuple[int, ...], info: TensorInfo,
+                     requires_grad: bool) -> tuple[tuple[float, ...], ...]:
+        """:meth:`edge_prices` with placements given by :meth:`spec_id` (memoised
+        by the mesh's :class:`ReshardPricer`, :meth:`ReshardPricer.edge_seconds`)."""
+        return self._pricer.edge_seconds(srcs, dsts, info.shape, info.itemsize, requires_grad)
 
 
-def _distinct(specs: list[Placements]) -> tuple[list[Placements], list[int]]:
-    """Distinct placements (first-seen order) and the index of each input in them."""
-    index: dict[Placements, int] = {}
+def _distinct(specs: list[int]) -> tuple[list[int], list[int]]:
+    """Distinct placement ids (first-seen order) and the index of each input in them."""
+    index: dict[int, int] = {}
     of = [index.setdefault(p, len(index)) for p in specs]
     return list(index), of
 
@@ -502,12 +474,12 @@ def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
     out_idx = node.arg_index if node.target == "getitem" else 0
     info = node.inputs[k] if node.inputs else prod.node.outputs[out_idx]
     rg = node.args[k] in cost.requires_grad and info.is_float
-    src_specs, src_of = _distinct([ps.outputs[out_idx] for ps in prod.strategies])
-    dst_specs, dst_of = _distinct([cs.inputs[k] for cs in cons.strategies])
+    srcs, src_of = _distinct([cost.spec_id(ps.outputs[out_idx]) for ps in prod.strategies])
+    dsts, dst_of = _distinct([cost.spec_id(cs.inputs[k]) for cs in cons.strategies])
     if node.target == "getitem":  # a tuple projection cannot reshard: it follows
-        priced = [[0.0 if a == b else math.inf for b in dst_specs] for a in src_specs]
+        priced = [[0.0 if a == b else math.inf for b in dsts] for a in srcs]
     else:
-        priced = cost.edge_prices(src_specs, dst_specs, info, rg)
+        priced = cost.edge_seconds(tuple(srcs), tuple(dsts), info, rg)
     # producer strategies with the same output placement share one row object
     # (ilp._compress recognises them by identity)
     rows = [[row[j] for j in dst_of] for row in priced]

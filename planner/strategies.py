@@ -13,6 +13,7 @@ with ``d`` divisible by the devices sharding it, and ``Partial("sum")``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import warnings
 from dataclasses import dataclass
@@ -42,6 +43,26 @@ class Strategy:
 
     inputs: tuple[Placements, ...]
     outputs: tuple[Placements, ...]
+
+    @functools.cached_property
+    def split_axes(self) -> tuple[bool, ...]:
+        """Per mesh axis, whether some input or output is not replicated on it
+        (the op's work is split over that axis). Computed once: the cost model
+        asks for every strategy of every priced node."""
+        return _not_replicated(self.inputs + self.outputs, self._mesh_axes)
+
+    @functools.cached_property
+    def output_split_axes(self) -> tuple[bool, ...]:
+        """Per mesh axis, whether some output is not replicated on it."""
+        return _not_replicated(self.outputs, self._mesh_axes)
+
+    @property
+    def _mesh_axes(self) -> int:
+        return max((len(p) for p in self.inputs + self.outputs), default=0)
+
+
+def _not_replicated(placements: Sequence[Placements], axes: int) -> tuple[bool, ...]:
+    return tuple(any(not isinstance(p[a], Replicate) for p in placements) for a in range(axes))
 
 
 @dataclass

@@ -150,6 +150,36 @@ def test_reshard_1d_matches_collectives():
     assert reshard_time(["S(0)"], ["R"], SHAPE, 4, mesh, links) == t(Shard(0), Replicate())
 
 
+def test_edge_prices_are_each_pairs_reshard_and_its_gradients_way_back():
+    """ReshardPricer.edge_seconds, what the intra-op problem's edges cost: per
+    (producer placements, consumer placements) the forward reshard plus, for a
+    tensor that needs a gradient, the gradient's reshard from consumer to
+    producer, where a partial sum's gradient is replicated."""
+    from costmodel.resharding import ReshardPricer, gradient_placements
+
+    cl = load_cluster("dgx-a100-80g:2")
+    mesh = (2, 8)
+    links = axis_links(cl, mesh)
+    pricer = ReshardPricer(mesh, links)
+    outs = [(Partial(), Shard(1)), (Shard(0), Replicate()), (Replicate(), Replicate())]
+    ins = [(Replicate(), Shard(1)), (Shard(0), Shard(1))]
+    srcs = tuple(pricer.spec_id(p) for p in outs)
+    # equal placements get one id, whether the same tuple object or not
+    assert pricer.spec_id(tuple(list(outs[0]))) == srcs[0]
+    assert gradient_placements(outs[0]) == (Replicate(), Shard(1))
+    dsts = tuple(pricer.spec_id(p) for p in ins)
+    for with_gradient in (False, True):
+        got = pricer.edge_seconds(srcs, dsts, SHAPE, 4, with_gradient)
+        for a, row in zip(outs, got):
+            for b, seconds in zip(ins, row):
+                want = reshard_time(a, b, SHAPE, 4, mesh, links)
+                if with_gradient:
+                    want += reshard_time(gradient_placements(b), gradient_placements(a), SHAPE, 4,
+                                         mesh, links)
+                assert seconds == want
+        assert pricer.edge_seconds(srcs, dsts, SHAPE, 4, with_gradient) is got  # memoised
+
+
 def test_reshard_2d_accounts_for_other_axis_sharding():
     cl = load_cluster("dgx-a100-80g:2")
     mesh = (2, 8)
