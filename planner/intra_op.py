@@ -215,8 +215,10 @@ class IntraOpCost:
             return self.state_collectives(node, s)
         if node.kind != OP:
             return 0.0
-        total = 0.0
         out_split = s.output_split_axes
+        if not any(out_split):  # replicated outputs: no input gradient comes out partial
+            return 0.0
+        total = 0.0
         for arg, info, pin in zip(node.args, node.inputs, s.inputs):
             if arg not in self.requires_grad:
                 continue
