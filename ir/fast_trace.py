@@ -116,7 +116,7 @@ class SynthesizedProgram:
 
 
 # Runs two functions at once, the second in another process: ``beside(here,
-# there)`` returns ``(here(), there())``; there's result must pickle.
+# there)`` returns ``(here(), there())`` (the second's result must pickle).
 Beside = Callable[[Callable[[], Any], Callable[[], Any]], tuple[Any, Any]]
 
 
