@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from costmodel.cluster import Cluster
-from costmodel.resharding import gradient_placements
+from costmodel.resharding import ReshardPricer, gradient_placements
 from costmodel.schedules import canonical_schedule, default_stages_per_rank, peak_activations
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import PipelineLayer
@@ -94,7 +94,7 @@ ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str,
-                zero_stage: int = 0) -> StageTimes:
+                zero_stage: int = 0, pricer: ReshardPricer | None = None) -> StageTimes:
     """Split an intra-op solution's step into the parts a pipeline schedules apart.
 
     Forward compute and forward reshards (including gathering sharded
@@ -103,10 +103,12 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     recomputation in the backward; weight-gradient compute in the weight
     backward; the gradient reshards of parameters and, under ZeRO
     (``zero_stage``, see :class:`IntraOpCost`), the parameters' all-gather and
-    reduce-scatter over mesh axis 0 once per step.
+    reduce-scatter over mesh axis 0 once per step. ``pricer``: the
+    :class:`ReshardPricer` of this mesh to share (its prices are memoised).
     """
     graph, chosen = result.graph, result.chosen
-    cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer, zero_stage=zero_stage)
+    cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer, zero_stage=zero_stage,
+                       pricer=pricer)
     f = b = w = sync = 0.0
     zero_priced = zero_bytes = 0.0  # ZeRO's collectives as the ILP priced them; their bytes
     for n in graph.nodes:

@@ -329,7 +329,7 @@ class SearchContext:
     def times_of(self, result: IntraOpResult, mesh: StageMeshOption) -> StageTimes:
         """:func:`stage_times` of a stage on ``mesh`` (with its ZeRO stage)."""
         return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
-                           mesh.zero_stage)
+                           mesh.zero_stage, pricer=self.pricer(mesh))
 
     @staticmethod
     def stage_graph(prog: MicrobatchProgram, first: int, end: int) -> Graph:

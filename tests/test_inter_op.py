@@ -202,6 +202,21 @@ def test_pipeline_plan_json_round_trips_and_is_deterministic(pp_plan, tmp_path):
     assert second.to_json() == pp_plan.to_json()
 
 
+def test_stage_times_with_a_shared_pricer_are_the_same(gpt_graph):
+    """The search splits each solved stage into forward, backward and sync
+    seconds with the mesh's shared ReshardPricer: the same seconds as with
+    a pricer of its own, whatever that pricer priced before."""
+    from costmodel.resharding import ReshardPricer
+    from planner.inter_op import stage_times
+
+    cluster = load_cluster("local-cpu:4")
+    result = solve_intra_op(gpt_graph, cluster, (2, 2), dtype="float32", time_limit_s=30)
+    alone = stage_times(result, cluster, "float32", "adam")
+    shared = ReshardPricer((2, 2), axis_links(cluster, (2, 2)))
+    for _ in range(2):  # the second time from its memo
+        assert stage_times(result, cluster, "float32", "adam", pricer=shared) == alone
+
+
 def test_zero3_stages_count_sharded_states_and_sync_gradients_once_per_step():
     """Under ZeRO-3 (FSDP2, one unit per stage, sharded over stage mesh axis 0
     of size 2) a stage keeps half its parameters, gradients and optimizer
