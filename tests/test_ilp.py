@@ -1,5 +1,6 @@
 """The assignment ILP finds the true optimum (checked against enumeration)."""
 
+import itertools
 import math
 
 import pytest
@@ -118,6 +119,52 @@ def test_ilp_with_checkpointing_decision_equals_brute_force(problem):
     solution, best = solved
     assert problem.fits(solution.choice, solution.checkpoint)
     assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+@st.composite
+def weighted_checkpoint_problems(draw):
+    """Memory priced at a weight (no budget) and up to two checkpoint groups:
+    how the search's layer profiles trade time for memory."""
+    from planner.ilp import CheckpointGroup
+
+    problem = draw(memory_problems())
+    problem.memory_budget = None
+    problem.memory_weight = draw(st.sampled_from([0.01, 0.1, 1.0, 10.0]))
+    n = len(problem.node_costs)
+    nodes = sorted(set(draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=4))))
+    split = draw(st.integers(1, len(nodes)))
+    for members in (nodes[:split], nodes[split:]):
+        if not members:
+            continue
+        saved = [[float(draw(st.integers(0, int(m)))) for m in problem.node_memory[v]]
+                 for v in members]
+        recompute = [[draw(costs) for _ in problem.node_costs[v]] for v in members]
+        problem.checkpoint_groups.append(CheckpointGroup(members, saved, recompute,
+                                                         kept=float(draw(st.integers(0, 2)))))
+    return problem
+
+
+@settings(max_examples=150, deadline=None)
+@given(weighted_checkpoint_problems())
+def test_weighted_checkpointing_skips_only_combinations_that_cannot_win(problem):
+    """Without a budget, checkpoint combinations that cannot beat the
+    all-checkpointed optimum go unsolved: the answer is the weighted optimum
+    (brute force), and the same one as solving every combination."""
+    import planner.ilp as ilp
+
+    best = min(problem.weighted(list(choice), list(ckpt))
+               for choice in itertools.product(*(range(len(c)) for c in problem.node_costs))
+               for ckpt in itertools.product((False, True), repeat=len(problem.checkpoint_groups)))
+    solution = solve(problem)
+    assert problem.weighted(solution.choice, solution.checkpoint) == pytest.approx(
+        best, rel=1e-9, abs=1e-12)
+    every = ilp._least_change
+    try:
+        ilp._least_change = lambda *args: -math.inf  # nothing skipped
+        unskipped = solve(problem)
+    finally:
+        ilp._least_change = every
+    assert (unskipped.choice, unskipped.checkpoint) == (solution.choice, solution.checkpoint)
 
 
 def _fake_backend(monkeypatch, status):
