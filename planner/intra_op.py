@@ -21,6 +21,7 @@ reduces gradients after backward, so the model charges it in full.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -633,6 +634,12 @@ class PreparedIntraOp:
     built: IntraOpProblem
     activation_copies: float
 
+    @functools.cached_property
+    def hints(self) -> dict[str, list[int]]:
+        """:func:`warm_starts` of this problem, made once: every budget and
+        memory weight it is solved under starts from them."""
+        return warm_starts(self)
+
 
 def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
                      dtype: str = "float32", optimizer: str = "adam",
@@ -711,8 +718,7 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     if all(len(c) == 1 for c in problem.node_costs):  # one assignment (e.g. re-pricing)
         hint = [0] * len(problem.node_costs)
     else:
-        hints = warm_starts(prepared)
-        hint = hints[best_warm_start(problem, hints)]
+        hint = prepared.hints[best_warm_start(problem, prepared.hints)]
     solution = solve(problem, time_limit_s=time_limit_s, hint=hint)
     choice = built.expand(solution.choice)
     chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, choice)}
