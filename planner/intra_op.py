@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
@@ -176,6 +176,31 @@ class IntraOpCost:
             return 0.0
         b, w = self.backward_times(node, s)
         return self.forward_time(node, s) + b + w
+
+    def compute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
+        """:meth:`compute` of ``node`` under each of ``strategies``: an op's
+        depends on its strategy only through :meth:`shard_factor`, so each
+        factor is priced once (a layer's ops have tens of strategies and a
+        few factors)."""
+        return self._per_shard_factor(node, strategies, self.compute)
+
+    def forward_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
+        """:meth:`forward_time` of ``node`` under each of ``strategies``
+        (each shard factor priced once, as :meth:`compute_each`)."""
+        return self._per_shard_factor(node, strategies, self.forward_time)
+
+    def _per_shard_factor(self, node: Node, strategies: Sequence[Strategy],
+                          price: Callable[[Node, Strategy], float]) -> list[float]:
+        if node.kind != OP:
+            return [price(node, s) for s in strategies]
+        by_factor: dict[int, float] = {}
+        out = []
+        for s in strategies:
+            f = self.shard_factor(s)
+            if f not in by_factor:
+                by_factor[f] = price(node, s)
+            out.append(by_factor[f])
+        return out
 
     def _dispatch(self, node: Node) -> float:
         """Host seconds the distributed runtime adds to running the op once."""
@@ -390,8 +415,8 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
     node_costs, node_memory = [], []
     for group in members:
         ns, n = strategies[group[0]], len(group)
-        node_costs.append([n * (cost.compute(ns.node, s) + cost.backward_collectives(ns.node, s))
-                           for s in ns.strategies])
+        node_costs.append([n * (c + cost.backward_collectives(ns.node, s)) for c, s in
+                           zip(cost.compute_each(ns.node, ns.strategies), ns.strategies)])
         node_memory.append([n * cost.memory(ns.node, s) for s in ns.strategies])
     loop_costs = [[0.0] * len(c) for c in node_costs]
     edge_count: dict[tuple, int] = {}
@@ -462,7 +487,7 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
         recompute = []
         for c in group_classes:
             ns, count = strategies[members[c][0]], len(members[c])
-            recompute.append([count * cost.forward_time(ns.node, s) for s in ns.strategies])
+            recompute.append([count * t for t in cost.forward_each(ns.node, ns.strategies)])
         groups.append(CheckpointGroup(group_classes, [list(node_memory[c]) for c in group_classes],
                                       recompute, kept))
         names.append([layer.name for layer in sig_layers])
