@@ -269,7 +269,7 @@ def _solve_per_checkpointing(problem: AssignmentProblem, time_limit_s: float,
     deadline = time.monotonic() + time_limit_s  # the caller's limit covers every combination
     for done, combo in enumerate(order):
         first = solved.get(order[0])
-        if not bounded and first is not None and first[1].status == "OPTIMAL" and done:
+        if not bounded and first is not None and first[1].status == "OPTIMAL":
             tolerance = 1e-9 * max(1.0, abs(first[0]))
             if _least_change(problem, order[0], combo) > tolerance:
                 continue  # worse than the first combination's optimum, whatever it chose
@@ -452,22 +452,14 @@ def _edge_rows(model: "_Model", integral: bool, cols: list[tuple[float, ...]],
     (u takes a strategy of row group r and v one of column group c, costing
     ``cols[c][r]`` seconds) sums to u's strategies of group r over c and to
     v's of group c over r. A forbidden pair (inf) gets no variable, so it can
-    never be chosen."""
-    num_rows, num_cols = len(row_members), len(cols)
-    costs = [col[r] * _SCALE for r in range(num_rows) for col in cols]
-    if math.isfinite(sum(costs)):  # every pair allowed: e[r][c] = first + r * num_cols + c
-        first = model.vars(integral, costs)
-        for r, members in enumerate(row_members):
-            model.row(0.0, 0.0, [*range(first + r * num_cols, first + (r + 1) * num_cols),
-                                 *(xu[i] for i in members)],
-                      [1.0] * num_cols + [-1.0] * len(members))
-        end = first + num_rows * num_cols
-        for c, members in enumerate(col_members):
-            model.row(0.0, 0.0, [*range(first + c, end, num_cols), *(xv[j] for j in members)],
-                      [1.0] * num_rows + [-1.0] * len(members))
-        return
-    e = [[model.var(integral, cost) if math.isfinite(cost) else None
-          for cost in costs[r * num_cols:(r + 1) * num_cols]] for r in range(num_rows)]
+    never be chosen. The variables are made in one call, row by row."""
+    num_cols = len(cols)
+    costs = [col[r] * _SCALE for r in range(len(row_members)) for col in cols]
+    allowed = [math.isfinite(c) for c in costs]
+    first = model.vars(integral, [c for c, ok in zip(costs, allowed) if ok])
+    numbers = iter(range(first, len(model.objective)))
+    e = [[next(numbers) if ok else None for ok in allowed[r * num_cols:(r + 1) * num_cols]]
+         for r in range(len(row_members))]
     for er, members in zip(e, row_members):
         ends = [var for var in er if var is not None]
         model.row(0.0, 0.0, ends + [xu[i] for i in members],

@@ -330,19 +330,15 @@ class IntraOpCost:
         """Seconds of an edge: forward reshard of ``info`` from the producer's output
         placements into the consumer's input placements, plus (``requires_grad``)
         the reverse reshard of its gradient."""
-        return self.edge_prices([producer_out], [consumer_in], info, requires_grad)[0][0]
-
-    def edge_prices(self, producer_outs: Sequence[Placements], consumer_ins: Sequence[Placements],
-                    info: TensorInfo, requires_grad: bool) -> tuple[tuple[float, ...], ...]:
-        """:meth:`edge` for every (producer output, consumer input) pair: seconds,
-        ``[i][j]`` for ``producer_outs[i]`` and ``consumer_ins[j]``."""
-        return self.edge_seconds(tuple(self.spec_id(p) for p in producer_outs),
-                                 tuple(self.spec_id(p) for p in consumer_ins), info, requires_grad)
+        return self.edge_seconds((self.spec_id(producer_out),), (self.spec_id(consumer_in),),
+                                 info, requires_grad)[0][0]
 
     def edge_seconds(self, srcs: tuple[int, ...], dsts: tuple[int, ...], info: TensorInfo,
                      requires_grad: bool) -> tuple[tuple[float, ...], ...]:
-        """:meth:`edge_prices` with placements given by :meth:`spec_id` (memoised
-        by the mesh's :class:`ReshardPricer`, :meth:`ReshardPricer.edge_seconds`)."""
+        """:meth:`edge` for every (producer output, consumer input) pair of
+        placements given by :meth:`spec_id`: seconds, ``[i][j]`` for ``srcs[i]``
+        and ``dsts[j]`` (memoised by the mesh's :class:`ReshardPricer`,
+        :meth:`ReshardPricer.edge_seconds`)."""
         return self._pricer.edge_seconds(srcs, dsts, info.shape, info.itemsize, requires_grad)
 
 
