@@ -245,13 +245,14 @@ class IntraOpCost:
         if not any(out_split):  # replicated outputs: no input gradient comes out partial
             return 0.0
         total = 0.0
-        for arg, info, pin in zip(node.args, node.inputs, s.inputs):
+        for arg, info, pin, replicated in zip(node.args, node.inputs, s.inputs,
+                                              s.replicated_inputs):
             if arg not in self.requires_grad:
                 continue
             for a, size in enumerate(self.mesh_shape):
                 if a == 0 and self.state_shards > 1 and arg in self.param_derived:
                     continue  # a pending sum, reduced once per step
-                if size > 1 and out_split[a] and isinstance(pin[a], Replicate):
+                if size > 1 and out_split[a] and replicated[a]:
                     nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
                     total += collective_time("all_reduce", nbytes, size, self.links[a])
         return total

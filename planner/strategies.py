@@ -56,6 +56,11 @@ class Strategy:
         """Per mesh axis, whether some output is not replicated on it."""
         return _not_replicated(self.outputs, self._mesh_axes)
 
+    @functools.cached_property
+    def replicated_inputs(self) -> tuple[tuple[bool, ...], ...]:
+        """Per input, per mesh axis, whether the input is replicated there."""
+        return tuple(tuple(isinstance(p, Replicate) for p in pl) for pl in self.inputs)
+
     @property
     def _mesh_axes(self) -> int:
         return max((len(p) for p in self.inputs + self.outputs), default=0)
