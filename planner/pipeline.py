@@ -122,6 +122,9 @@ class SearchContext:
         self._profiles: dict[tuple, LayerProfile] = {}
         # DTensor's strategies by node signature, per stage mesh shape
         self._strategy_cache: dict[tuple, dict] = {}
+        # DTensor's single-dim strategies expanded, by number of mesh axes and
+        # node signature, for every stage mesh shape (planner.strategies)
+        self._expansions: dict[tuple, list] = {}
         # memoised resharding prices per stage mesh (shape, nodes, devices per node)
         self._pricers: dict[tuple, ReshardPricer] = {}
         # (layer kind, pricing scope) -> the profiles with ILPs of their own,
@@ -223,7 +226,8 @@ class SearchContext:
             prof.prepared = None
         shapes = {mesh_key[0] for _, mesh_key, _ in profiles}
         return {"profiles": profiles, "references": references,
-                "strategies": {s: c for s, c in self._strategy_cache.items() if s in shapes}}
+                "strategies": {s: c for s, c in self._strategy_cache.items() if s in shapes},
+                "expansions": self._expansions}
 
     def adopt_scope_state(self, state: dict[str, dict]) -> None:
         """File what :meth:`scope_state` of another process gave."""
@@ -231,6 +235,8 @@ class SearchContext:
         self._reference.update(state["references"])
         for shape, cache in state["strategies"].items():
             self._strategy_cache.setdefault(shape, {}).update(cache)
+        for key, rows in state["expansions"].items():
+            self._expansions.setdefault(key, rows)
 
     def _learn_batch_rule(self, mb: int, graph: Graph) -> None:
         """Infer the batch rule from the first two captures, check it on the third."""
@@ -254,7 +260,8 @@ class SearchContext:
             prog = self.program(self.global_batch // prog.microbatch_size, traced=True)
         sub = self.stage_graph(prog, first, end)
         with fake_mesh(mesh.shape) as fm:
-            strategies = build_strategies(sub, fm, self._strategy_cache.setdefault(mesh.shape, {}))
+            strategies = build_strategies(sub, fm, self._strategy_cache.setdefault(mesh.shape, {}),
+                                          self._expansions)
         if mesh.zero_stage == 3:  # FSDP2 shards parameters that are replicated on axis 0
             strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
                 ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],

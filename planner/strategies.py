@@ -149,11 +149,27 @@ def _spec_list(output_specs) -> list[DTensorSpec | None]:
     return list(output_specs)
 
 
+# One of DTensor's strategies as placements: per tensor input (None: as the
+# first output), per output (None where the op returns no tensor).
+_Row = tuple[tuple[Placements, ...] | None, tuple[Placements | None, ...]]
+
+
+def _rows(result: OpStrategy) -> list[_Row]:
+    """The placements of DTensor's strategies ``result``, in its order."""
+    rows = []
+    for spec in result.strategies:
+        outs = tuple(None if o is None else o.placements for o in _spec_list(spec.output_specs))
+        ins = None if spec.input_specs is None else tuple(s.placements for s in spec.input_specs)
+        rows.append((ins, outs))
+    return rows
+
+
 class StrategyBuilder:
     """Enumerates strategies for every node of a Graph on one mesh shape."""
 
     def __init__(self, graph: Graph, mesh: DeviceMesh,
-                 cache: dict[tuple, list[Strategy] | Exception] | None = None):
+                 cache: dict[tuple, list[Strategy] | Exception] | None = None,
+                 expansions: dict[tuple, list[_Row] | Exception] | None = None):
         self.graph = graph
         self.mesh = mesh
         self.mesh_shape = tuple(mesh.shape)
@@ -164,6 +180,11 @@ class StrategyBuilder:
         # structural signature of a node -> its strategies (or why it has none);
         # a caller may share one between graphs planned on the same mesh shape
         self._cache: dict[tuple, list[Strategy] | Exception] = {} if cache is None else cache
+        # (mesh axes, signature) -> DTensor's expansion of a single-dim strategy
+        # (see _expanded); a caller may share one between every mesh shape
+        self._expansions: dict[tuple, list[_Row] | Exception] = \
+            {} if expansions is None else expansions
+        self._unit_mesh: DeviceMesh | None = None
 
     # -- candidates flowing along edges -------------------------------------------------
     def _record(self, ns: NodeStrategies) -> None:
@@ -255,9 +276,11 @@ class StrategyBuilder:
         if single is None and func is None:
             raise _NoStrategy("op not registered with DTensor")
 
+        if single is not None:
+            return self._keep(node, self._expanded(fx_node, single))
         tensor_args = [a for a in fx_node.args if isinstance(a, torch.fx.Node)]
         try:
-            return self._keep(node, self._call_strategy(fx_node, single, func, only=None))
+            return self._keep(node, _rows(self._call_strategy(fx_node, single, func, only=None)))
         except _NoStrategy:
             if single is not None or len(tensor_args) != 1:
                 raise
@@ -269,16 +292,48 @@ class StrategyBuilder:
                 result = self._call_strategy(fx_node, single, func, only=cand)
             except _NoStrategy:
                 continue
-            kept.update(dict.fromkeys(self._keep(node, result)))
+            kept.update(dict.fromkeys(self._keep(node, _rows(result))))
         if not kept:
             raise _NoStrategy("DTensor rejects every input placement")
         return list(kept)
 
+    def _expanded(self, fx_node: torch.fx.Node, single) -> list[_Row]:
+        """DTensor's single-dim strategy of ``fx_node`` expanded to every
+        combination over the mesh axes, as placements, made on a mesh of as
+        many axes of size 1 and shared by every mesh shape of that many axes.
+
+        The expansion (``expand_to_full_mesh_op_strategy``) reads the mesh for
+        its number of axes and for one filter only: each sharded input dim at
+        least as long as its number of shards so far. On size-1 axes that
+        filter drops the shards of empty dims, as on any mesh, and keeps the
+        rest; what it would drop besides on this mesh (a non-empty dim shorter
+        than its shards) is not divisible by them, which :meth:`_keep` drops.
+        Kept, the strategies are the same, in the same order, as DTensor's
+        answer on this mesh (``test_shared_expansions_equal_dtensors_answer_on_each_mesh``).
+        """
+        key = (self.mesh.ndim, self._signature(fx_node, True))
+        rows = self._expansions.get(key)
+        if rows is None:
+            if self._unit_mesh is None:
+                self._unit_mesh = DeviceMesh("cpu", torch.zeros((1,) * self.mesh.ndim,
+                                                                dtype=torch.int64))
+            try:
+                rows = _rows(self._call_strategy(fx_node, single, None, only=None,
+                                                 mesh=self._unit_mesh))
+            except _NoStrategy as err:
+                rows = err
+            self._expansions[key] = rows
+        if isinstance(rows, _NoStrategy):
+            raise rows
+        return rows
+
     def _call_strategy(self, fx_node: torch.fx.Node, single, func,
-                       only: Placements | None) -> OpStrategy:
-        """DTensor's OpStrategy for ``fx_node``; ``only`` restricts the (single)
-        tensor input to one candidate placement."""
+                       only: Placements | None, mesh: DeviceMesh | None = None) -> OpStrategy:
+        """DTensor's OpStrategy for ``fx_node`` on ``mesh`` (default: this
+        builder's); ``only`` restricts the (single) tensor input to one
+        candidate placement."""
         op = fx_node.target
+        mesh = self.mesh if mesh is None else mesh
 
         def to_strategy(a):
             if isinstance(a, torch.fx.Node):
@@ -287,10 +342,10 @@ class StrategyBuilder:
                     # Single-dim strategies expand to every combination by themselves;
                     # they only need to see which placement types occur (Shard here).
                     probe = tuple(Shard(0) if (i == 0 and val.dim() > 0) else Replicate()
-                                  for i in range(self.mesh.ndim))
-                    return OpStrategy([OpSpec(_spec(self.mesh, probe, val))])
+                                  for i in range(mesh.ndim))
+                    return OpStrategy([OpSpec(_spec(mesh, probe, val))])
                 cands = [only] if only is not None else self.candidates_of(a.name, 0)
-                return OpStrategy([OpSpec(_spec(self.mesh, p, val)) for p in cands])
+                return OpStrategy([OpSpec(_spec(mesh, p, val)) for p in cands])
             if isinstance(a, (list, tuple)) and a and all(isinstance(x, torch.fx.Node) for x in a):
                 return TupleStrategy(tuple(to_strategy(x) for x in a))
             return a
@@ -304,7 +359,7 @@ class StrategyBuilder:
                     _expand_single_dim_strategy_to_mesh,
                 )
                 expand = _expand_single_dim_strategy_to_mesh(
-                    self.mesh, schema, single, _out_meta(fx_node.meta["val"]))
+                    mesh, schema, single, _out_meta(fx_node.meta["val"]))
                 result = expand(op, schema.args_meta, schema.kwargs_meta)
             else:
                 result = func(schema)
@@ -315,14 +370,11 @@ class StrategyBuilder:
             raise _NoStrategy(f"{type(result).__name__} results are not supported yet")
         return result
 
-    def _keep(self, node: Node, result: OpStrategy) -> list[Strategy]:
+    def _keep(self, node: Node, rows: list[_Row]) -> list[Strategy]:
         seen: dict[Strategy, None] = {}
-        for spec in result.strategies:
-            outs = _spec_list(spec.output_specs)
-            if spec.input_specs is None:
-                ins = [outs[0]] * len(node.args)
-            else:
-                ins = list(spec.input_specs)
+        for ins, outs in rows:
+            if ins is None:
+                ins = (outs[0],) * len(node.args)
             if len(ins) != len(node.args):
                 continue
             tensor_outs = [o for o in outs if o is not None]
@@ -335,17 +387,16 @@ class StrategyBuilder:
             # elsewhere the plan reduces first, which costs the same collective
             # and keeps the search small.
             ok = node.flops > 0 or node.bytes_moved == 0 or not any(
-                isinstance(p, Partial) for spec_ in ins for p in spec_.placements)
-            for s, info in itertools.chain(zip(ins, node.inputs), zip(tensor_outs, node.outputs)):
+                isinstance(p, Partial) for pl in ins for p in pl)
+            for pl, info in itertools.chain(zip(ins, node.inputs), zip(tensor_outs, node.outputs)):
                 if not ok:
                     break
-                if not all(_is_kept(p) for p in s.placements) or not divisible(
-                        info.shape, s.placements, self.mesh_shape):
+                if not all(_is_kept(p) for p in pl) or not divisible(
+                        info.shape, pl, self.mesh_shape):
                     ok = False
                     break
             if ok:
-                st = Strategy(tuple(tuple(s.placements) for s in ins),
-                              tuple(tuple(o.placements) for o in tensor_outs))
+                st = Strategy(tuple(tuple(pl) for pl in ins), tuple(tuple(o) for o in tensor_outs))
                 seen.setdefault(st, None)
         return list(seen)
 
@@ -370,10 +421,13 @@ def _without_dtensor_costs() -> Iterator[None]:
 
 
 def build_strategies(graph: Graph, mesh: DeviceMesh,
-                     cache: dict[tuple, list[Strategy] | Exception] | None = None
+                     cache: dict[tuple, list[Strategy] | Exception] | None = None,
+                     expansions: dict[tuple, list[_Row] | Exception] | None = None
                      ) -> list[NodeStrategies]:
     """Strategies for every node of ``graph`` (topological order) on ``mesh``.
 
     ``cache``: DTensor's answers by structural signature, to share between
-    graphs planned on meshes of one shape (e.g. the stages of a pipeline)."""
-    return StrategyBuilder(graph, mesh, cache).build()
+    graphs planned on meshes of one shape (e.g. the stages of a pipeline).
+    ``expansions``: DTensor's single-dim strategies expanded to a number of
+    mesh axes, to share between graphs planned on meshes of any shape."""
+    return StrategyBuilder(graph, mesh, cache, expansions).build()
