@@ -132,6 +132,14 @@ class Graph:
     def by_name(self) -> dict[str, Node]:
         return {n.name: n for n in self.nodes}
 
+    @cached_property
+    def layers(self) -> list:
+        """:func:`ir.layers.find_layers` of this graph, found once (the
+        planner prices each stage graph on many meshes)."""
+        from ir.layers import find_layers  # ir.layers reads Graph: imported here
+
+        return find_layers(self)
+
     def __getitem__(self, name: str) -> Node:
         return self.by_name[name]
 

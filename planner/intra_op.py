@@ -34,7 +34,7 @@ from costmodel.memory import training_state_bytes
 from costmodel.resharding import ReshardPricer
 from costmodel.cluster import Cluster
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
-from ir.layers import Layer, find_layers
+from ir.layers import Layer
 from planner.report import format_bytes
 from planner.ilp import (AssignmentProblem, CheckpointGroup, Solution, greedy_assignment, solve,
                          warm_start_value)
@@ -359,7 +359,7 @@ def tie_classes(graph: Graph, strategies: list[NodeStrategies],
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     tied_to = list(range(len(strategies)))
     reps: dict[tuple[str, int], list[int]] = {}
-    for layer in find_layers(graph) if layers is None else layers:
+    for layer in graph.layers if layers is None else layers:
         for pos, name in enumerate(layer.nodes):
             v = index[name]
             for r in reps.get((layer.signature, pos), []):
@@ -402,7 +402,7 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
         tie: give repeated blocks one set of variables (see :func:`tie_classes`);
             identical edges and nodes are then priced once and multiplied.
     """
-    layers = find_layers(cost.graph)
+    layers = cost.graph.layers
     classes = (tie_classes(cost.graph, strategies, layers) if tie
                else list(range(len(strategies))))
     members: list[list[int]] = [[] for _ in range(max(classes, default=-1) + 1)]

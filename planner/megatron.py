@@ -38,7 +38,6 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from costmodel.cluster import Cluster, load_cluster
 from ir.graph import INPUT, OP, PARAM, Graph
-from ir.layers import find_layers
 from ir.trace import trace
 from planner.api import (PlanningError, build_plan, default_memory_budget, model_record,
                          training_record)
@@ -198,7 +197,7 @@ def _viewed(graph: Graph, name: str) -> str:
 def _classify_linears(graph: Graph) -> dict[str, str]:
     """Weight FQN -> "column" | "row" for every nn.Linear-like weight in a layer."""
     users = graph.users()
-    in_layer = {n for layer in find_layers(graph) for n in layer.nodes}
+    in_layer = {n for layer in graph.layers for n in layer.nodes}
     kinds: dict[str, str] = {}
     for p in graph.nodes:
         if p.kind != PARAM or len(p.output.shape) != 2:
@@ -228,7 +227,7 @@ def _sequence_parallel_nodes(graph: Graph, linears: dict[str, str]) -> list[str]
     Only [batch, seq, hidden] (3-D) values are returned."""
     users = graph.users()
     out: list[str] = []
-    for layer in find_layers(graph):
+    for layer in graph.layers:
         members = set(layer.nodes)
         stream: set[str] = set()
         for name in layer.nodes:

@@ -127,6 +127,9 @@ class SearchContext:
         self._expansions: dict[tuple, list] = {}
         # memoised resharding prices per stage mesh (shape, nodes, devices per node)
         self._pricers: dict[tuple, ReshardPricer] = {}
+        # stage sub-graphs by (id of the program's graph, first layer, end):
+        # (that graph, kept so that the id stays its own; the sub-graph)
+        self._stage_graphs: dict[tuple, tuple[Graph, Graph]] = {}
         # (layer kind, pricing scope) -> the profiles with ILPs of their own,
         # whose placements the scope re-prices (see _reference_key)
         self._reference: dict[tuple, list[LayerProfile]] = {}
@@ -338,11 +341,15 @@ class SearchContext:
         return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
                            mesh.zero_stage, pricer=self.pricer(mesh))
 
-    @staticmethod
-    def stage_graph(prog: MicrobatchProgram, first: int, end: int) -> Graph:
-        """The sub-graph of layers ``first .. end - 1``."""
-        ops = [op for l in prog.layers[first:end] for op in l.ops]
-        return subgraph(prog.graph, ops, prog.boundaries[first][0], prog.boundaries[end - 1][1])
+    def stage_graph(self, prog: MicrobatchProgram, first: int, end: int) -> Graph:
+        """The sub-graph of layers ``first .. end - 1``, made once per program."""
+        key = (id(prog.graph), first, end)
+        made = self._stage_graphs.get(key)
+        if made is None or made[0] is not prog.graph:
+            ops = [op for l in prog.layers[first:end] for op in l.ops]
+            made = self._stage_graphs[key] = (prog.graph, subgraph(
+                prog.graph, ops, prog.boundaries[first][0], prog.boundaries[end - 1][1]))
+        return made[1]
 
     def profile(self, prog: MicrobatchProgram, layer: int, mesh: StageMeshOption,
                 levels: int = 1) -> LayerProfile:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 
 from ir.graph import OP, Graph
-from ir.layers import find_layers
 from planner.intra_op import IntraOpResult
 from planner.strategies import NodeStrategies
 
@@ -63,8 +62,8 @@ def moved_result(result: IntraOpResult, graph: Graph, copies_ratio: float
         return None
     layers: dict[str, str] = {}
     if result.checkpointed:  # layer names, only when there are some to map
-        layers = dict(zip((l.name for l in find_layers(result.graph)),
-                          (l.name for l in find_layers(graph))))
+        layers = dict(zip((l.name for l in result.graph.layers),
+                          (l.name for l in graph.layers)))
         if any(name not in layers for name in result.checkpointed):
             return None
     by_name = {n.name: n for n in graph.nodes}

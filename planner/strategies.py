@@ -177,6 +177,9 @@ class StrategyBuilder:
         self.fx_nodes = {n.name: n for n in graph.exported.graph.nodes}
         # node name -> candidate placements of each output (distinct, ordered)
         self._out_candidates: dict[str, list[list[Placements]]] = {}
+        # the same, by strategy list (repeated blocks share DTensor's cached
+        # list): id -> (the list, kept so that the id stays its own; candidates)
+        self._candidates_of_list: dict[int, tuple[list[Strategy], list[list[Placements]]]] = {}
         # structural signature of a node -> its strategies (or why it has none);
         # a caller may share one between graphs planned on the same mesh shape
         self._cache: dict[tuple, list[Strategy] | Exception] = {} if cache is None else cache
@@ -188,13 +191,17 @@ class StrategyBuilder:
 
     # -- candidates flowing along edges -------------------------------------------------
     def _record(self, ns: NodeStrategies) -> None:
-        n_out = max((len(s.outputs) for s in ns.strategies), default=0)
-        cands: list[dict[Placements, None]] = [{} for _ in range(n_out)]
-        for s in ns.strategies:
-            for i, o in enumerate(s.outputs):
-                if o is not None:
-                    cands[i].setdefault(o, None)
-        self._out_candidates[ns.node.name] = [list(c) for c in cands]
+        made = self._candidates_of_list.get(id(ns.strategies))
+        if made is None or made[0] is not ns.strategies:
+            n_out = max((len(s.outputs) for s in ns.strategies), default=0)
+            cands: list[dict[Placements, None]] = [{} for _ in range(n_out)]
+            for s in ns.strategies:
+                for i, o in enumerate(s.outputs):
+                    if o is not None:
+                        cands[i].setdefault(o, None)
+            made = self._candidates_of_list[id(ns.strategies)] = (
+                ns.strategies, [list(c) for c in cands])
+        self._out_candidates[ns.node.name] = made[1]
 
     def candidates_of(self, name: str, index: int = 0) -> list[Placements]:
         return self._out_candidates[name][index]
