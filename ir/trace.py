@@ -8,11 +8,13 @@ Works on the meta device, so a 175B-parameter model is captured without memory.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.fx.config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import flop_registry
 
@@ -55,7 +57,7 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
         TraceError: naming the module and the construct that failed in both.
     """
     args = _as_tuple(example_inputs)
-    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH):
+    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH), _without_stack_traces():
         warnings.simplefilter("ignore")
         try:
             ep = torch.export.export(model, args, strict=False)
@@ -71,6 +73,21 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
                     f"from its forward() or wrap that part in a leaf module"
                 ) from fx_err
         return ep.run_decompositions()
+
+
+@contextlib.contextmanager
+def _without_stack_traces() -> Iterator[None]:
+    """torch.fx records the Python stack of every node it traces
+    (``node.meta["stack_trace"]``, for debugging); the planner never reads
+    it, and skipping it (``torch.fx.config.do_not_emit_stack_traces``) makes
+    a capture a fifth faster (llama3-8b's 2-block probe: 0.97 -> 0.77 s).
+    The program is otherwise the same."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
 
 
 def _first_line(err: BaseException) -> str:

@@ -312,3 +312,28 @@ def test_plan_is_the_same_whichever_path(monkeypatch):
     assert fast.to_json() == slow.to_json()
     assert fast.model["fingerprint"] == graph.fingerprint()
 
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_capture_leaves_torch_fx_recording_stack_traces_as_it_was(fails):
+    """A capture skips torch.fx's per-node stack traces (the planner never
+    reads them) and hands the setting back, also when the capture fails."""
+    import torch.fx.config as fx_config
+
+    class Bad(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x  # data-dependent: cannot be captured
+
+    model = Bad() if fails else nn.Linear(4, 4)
+    for before in (False, True):
+        fx_config.do_not_emit_stack_traces = before
+        try:
+            if fails:
+                with pytest.raises(Exception):
+                    capture(model, (torch.randn(2, 4),))
+            else:
+                ep = capture(model, (torch.randn(2, 4),))
+                assert not any(n.meta.get("stack_trace") for n in ep.graph.nodes)
+            assert fx_config.do_not_emit_stack_traces is before
+        finally:
+            fx_config.do_not_emit_stack_traces = False
