@@ -264,3 +264,34 @@ def test_objects_are_out_of_the_collectors_sight_while_the_child_runs():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_a_forked_process_sends_back_the_strategies_its_parent_lacks():
+    """scope_state in a forked process carries the strategies and expansions
+    made since the fork, once each; adopted, the parent holds what the
+    child holds."""
+    context = _gpt8_contexts()
+    parent, child = context(), context()
+    prog = parent.program(4, traced=True)
+    small = ps.stage_mesh_options(parent.cluster, 4)[-1]
+    big = ps.stage_mesh_options(parent.cluster, 1)[-1]
+    parent.profile(prog, 0, small)
+    # the child starts as a copy of the parent (what a fork gives)
+    for name in ("_strategy_cache", "_expansions"):
+        setattr(child, name, {k: dict(v) if isinstance(v, dict) else v
+                              for k, v in getattr(parent, name).items()})
+    child.forked()
+    child.profile(prog, 0, small)  # nothing new: all of it inherited
+    child.profile(prog, 0, big)
+    scopes = {ps.pricing_scope(m.key, prog.microbatch_size) for m in (small, big)}
+    sent = child.scope_state(scopes)
+    assert sent["strategies"].get(small.shape, {}) == {}
+    assert sent["strategies"][big.shape] == child._strategy_cache[big.shape]
+    assert sent["expansions"].keys() == child._expansions.keys() - parent._expansions.keys()
+    assert sent["expansions"]
+    parent.adopt_scope_state(sent)
+    assert parent._strategy_cache.keys() == child._strategy_cache.keys()
+    assert parent._strategy_cache[big.shape] == child._strategy_cache[big.shape]
+    assert parent._expansions.keys() == child._expansions.keys()
+    again = child.scope_state(scopes)
+    assert not again["expansions"] and not any(again["strategies"].values())
