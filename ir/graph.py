@@ -12,10 +12,13 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import networkx as nx
 import torch
+
+if TYPE_CHECKING:
+    from ir.layers import Layer
 
 PARAM = "param"
 BUFFER = "buffer"
@@ -133,7 +136,7 @@ class Graph:
         return {n.name: n for n in self.nodes}
 
     @cached_property
-    def layers(self) -> list:
+    def layers(self) -> list[Layer]:
         """:func:`ir.layers.find_layers` of this graph, found once (the
         planner prices each stage graph on many meshes)."""
         from ir.layers import find_layers  # ir.layers reads Graph: imported here

@@ -269,7 +269,8 @@ class StrategyBuilder:
         cached = self._cache.get(key)
         if cached is None:
             try:
-                cached = self._query_dtensor(node, fx_node, single)
+                cached = (self._keep(node, self._expanded(fx_node, single, key))
+                          if single is not None else self._query_dtensor(node, fx_node))
             except _NoStrategy as err:
                 cached = err
             self._cache[key] = cached
@@ -277,26 +278,24 @@ class StrategyBuilder:
             raise cached
         return cached
 
-    def _query_dtensor(self, node: Node, fx_node: torch.fx.Node, single) -> list[Strategy]:
-        op = fx_node.target
-        func = self.prop.op_strategy_funcs.get(op)
-        if single is None and func is None:
+    def _query_dtensor(self, node: Node, fx_node: torch.fx.Node) -> list[Strategy]:
+        """DTensor's strategies for an op registered without a single-dim
+        strategy, on this mesh, for its inputs' candidate placements."""
+        func = self.prop.op_strategy_funcs.get(fx_node.target)
+        if func is None:
             raise _NoStrategy("op not registered with DTensor")
-
-        if single is not None:
-            return self._keep(node, self._expanded(fx_node, single))
         tensor_args = [a for a in fx_node.args if isinstance(a, torch.fx.Node)]
         try:
-            return self._keep(node, _rows(self._call_strategy(fx_node, single, func, only=None)))
+            return self._keep(node, _rows(self._call_strategy(fx_node, None, func, only=None)))
         except _NoStrategy:
-            if single is not None or len(tensor_args) != 1:
+            if len(tensor_args) != 1:
                 raise
         # One input whose candidates include some DTensor cannot take at all (an
         # unevenly sharded dim a view would unflatten): ask per candidate.
         kept: dict[Strategy, None] = {}
         for cand in self.candidates_of(tensor_args[0].name, 0):
             try:
-                result = self._call_strategy(fx_node, single, func, only=cand)
+                result = self._call_strategy(fx_node, None, func, only=cand)
             except _NoStrategy:
                 continue
             kept.update(dict.fromkeys(self._keep(node, _rows(result))))
@@ -304,7 +303,7 @@ class StrategyBuilder:
             raise _NoStrategy("DTensor rejects every input placement")
         return list(kept)
 
-    def _expanded(self, fx_node: torch.fx.Node, single) -> list[_Row]:
+    def _expanded(self, fx_node: torch.fx.Node, single, signature: tuple) -> list[_Row]:
         """DTensor's single-dim strategy of ``fx_node`` expanded to every
         combination over the mesh axes, as placements, made on a mesh of as
         many axes of size 1 and shared by every mesh shape of that many axes.
@@ -317,8 +316,9 @@ class StrategyBuilder:
         than its shards) is not divisible by them, which :meth:`_keep` drops.
         Kept, the strategies are the same, in the same order, as DTensor's
         answer on this mesh (``test_shared_expansions_equal_dtensors_answer_on_each_mesh``).
+        ``signature``: :meth:`_signature` of ``fx_node`` for a single-dim strategy.
         """
-        key = (self.mesh.ndim, self._signature(fx_node, True))
+        key = (self.mesh.ndim, signature)
         rows = self._expansions.get(key)
         if rows is None:
             if self._unit_mesh is None:
