@@ -7,7 +7,10 @@ re-tracing the same block 96 times. When a model keeps its blocks in an
 
 1. captures two truncated copies of the model, keeping only the first 2 and the
    first 3 blocks (shallow copies: the user's model is not touched and nothing
-   is allocated);
+   is allocated), one by :func:`ir.trace.capture` and the other by
+   :func:`ir.trace.capture_in_one_pass` (so the check of step 3 also vouches
+   that the two agree; a later trace ``like`` this one captures its one probe
+   in one pass);
 2. checks that the captured program is uniform: the blocks issue the same ops
    on the same shapes with the same wiring relative to their own index, the
    code before and after the blocks does not depend on how many there are, and
@@ -59,7 +62,7 @@ from torch.export.graph_signature import (
 
 from ir.graph import Graph
 from ir.probe_rescale import RescaleError, rescale_program
-from ir.trace import _as_tuple, _module_path, capture, graph_from_exported
+from ir.trace import _as_tuple, _module_path, capture, capture_in_one_pass, graph_from_exported
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +154,9 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
         args = _as_tuple(example_inputs)
         if like is not None and like.probe and (like.block_path, like.num_blocks) == (
                 path, num_blocks):
-            short = _probe(model, path, _PROBES[0], args)
+            short = _probe(model, path, _PROBES[0], args, one_pass=True)
             long = None if _structure(short) == like.probe else _probe_facts(
-                model, path, _PROBES[1], args)
+                model, path, _PROBES[1], args, one_pass=False)
         else:
             short, long = _probe_pair(model, path, args, beside)
         if long is None:  # the method was checked on ``like``'s probes
@@ -223,18 +226,23 @@ def _batch_of(args: tuple) -> int | None:
     return sizes.pop() if len(sizes) == 1 else None
 
 
-def _probe(model: nn.Module, path: str, k: int, args: tuple) -> "_Layout":
-    """The capture of ``model`` truncated to its first ``k`` blocks, laid out."""
+def _probe(model: nn.Module, path: str, k: int, args: tuple, one_pass: bool) -> "_Layout":
+    """The capture of ``model`` truncated to its first ``k`` blocks, laid out:
+    by :func:`ir.trace.capture_in_one_pass` with ``one_pass``, else by
+    :func:`ir.trace.capture`. Where the method is checked on two probes, they
+    are captured one each way, so the check also vouches that the two
+    captures agree (the one pass is ~2.5x faster)."""
     try:
-        ep = capture(_truncated(model, path, k), args)
+        ep = (capture_in_one_pass if one_pass else capture)(_truncated(model, path, k), args)
     except Exception as err:  # noqa: BLE001 - the full capture reports it
         raise _Unsupported(f"capture of the first {k} blocks failed: {err}") from err
     return _Layout(ep, path, k)
 
 
-def _probe_facts(model: nn.Module, path: str, k: int, args: tuple) -> "_ProbeFacts":
+def _probe_facts(model: nn.Module, path: str, k: int, args: tuple,
+                 one_pass: bool) -> "_ProbeFacts":
     """The facts of the capture of ``model`` truncated to its first ``k`` blocks."""
-    return _facts(_probe(model, path, k, args))
+    return _facts(_probe(model, path, k, args, one_pass))
 
 
 def _probe_pair(model: nn.Module, path: str, args: tuple,
@@ -244,14 +252,14 @@ def _probe_pair(model: nn.Module, path: str, args: tuple,
     else here after the short one."""
     if beside is not None:
         try:
-            return beside(lambda: _probe(model, path, _PROBES[0], args),
-                          lambda: _probe_facts(model, path, _PROBES[1], args))
+            return beside(lambda: _probe(model, path, _PROBES[0], args, one_pass=False),
+                          lambda: _probe_facts(model, path, _PROBES[1], args, one_pass=True))
         except _Unsupported:
             raise
         except Exception:  # noqa: BLE001 - the other process failed: capture here
             log.debug("probe capture beside failed; capturing here", exc_info=True)
-    return (_probe(model, path, _PROBES[0], args),
-            _probe_facts(model, path, _PROBES[1], args))
+    return (_probe(model, path, _PROBES[0], args, one_pass=False),
+            _probe_facts(model, path, _PROBES[1], args, one_pass=True))
 
 
 def _structure(lay: "_Layout") -> tuple:

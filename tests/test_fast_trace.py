@@ -10,7 +10,8 @@ import ir.fast_trace as fast_trace_module
 from ir import zoo
 from ir.fast_trace import SynthesizedProgram, fast_trace, rescaled_trace
 from ir.probe_rescale import RescaleError, rescale_program
-from ir.trace import capture, graph_from_exported, trace
+from ir.trace import (CapturedProgram, _module_path, capture, capture_in_one_pass,
+                      graph_from_exported, trace)
 from ir.zoo import GPTConfig, LlamaConfig, MoEConfig
 from planner.api import plan
 
@@ -92,13 +93,15 @@ LLAMA5 = LlamaConfig(n_layers=5, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=176, v
 
 
 def _counting_captures(monkeypatch) -> list:
-    """Make this process's probe captures append to the returned list."""
-    real, done = fast_trace_module.capture, []
-
-    def counted(m, a):
-        done.append(m)
-        return real(m, a)
-    monkeypatch.setattr(fast_trace_module, "capture", counted)
+    """Make this process's probe captures append ``(method, blocks kept)`` to
+    the returned list: ``"two passes"`` (ir.trace.capture) or ``"one pass"``
+    (ir.trace.capture_in_one_pass)."""
+    done = []
+    for name, method in (("capture", "two passes"), ("capture_in_one_pass", "one pass")):
+        def counted(m, a, real=getattr(fast_trace_module, name), method=method):
+            done.append((method, len(m.layers if hasattr(m, "layers") else m.transformer.h)))
+            return real(m, a)
+        monkeypatch.setattr(fast_trace_module, name, counted)
     return done
 
 
@@ -111,7 +114,9 @@ def test_long_probe_captured_in_another_process_gives_the_full_capture(monkeypat
     ep, full = full_capture(LLAMA5, 2)
     captured_here = _counting_captures(monkeypatch)
     _assert_same(fast_trace(model, inputs, min_blocks=4, beside=_two_processes), ep, full)
-    assert len(captured_here) == (1 if can_fork() else 2)
+    # the probes are captured one each way, so the method's check also compares the two
+    assert captured_here == ([("two passes", 2)] if can_fork() else
+                             [("two passes", 2), ("one pass", 3)])
 
 
 def test_a_failing_other_process_leaves_the_long_probe_to_this_one(monkeypatch, full_capture):
@@ -122,7 +127,7 @@ def test_a_failing_other_process_leaves_the_long_probe_to_this_one(monkeypatch, 
     def broken(here, there):
         raise RuntimeError("the child died")
     _assert_same(fast_trace(model, inputs, min_blocks=4, beside=broken), ep, full)
-    assert len(captured_here) == 2
+    assert captured_here == [("two passes", 2), ("one pass", 3)]
 
 
 @pytest.mark.parametrize("cfg", [GPT(6), LLAMA5], ids=["gpt-L6", "llama-L5"])
@@ -134,13 +139,10 @@ def test_later_trace_at_other_shapes_takes_one_probe(cfg, monkeypatch, full_capt
     first = fast_trace(model, inputs, min_blocks=4)
     model2, inputs2 = zoo.build_from_config(cfg, batch_size=2, seq_len=16)
     ep, full = full_capture(cfg, 2)
-    probes = []
-    real = fast_trace_module.capture
-    monkeypatch.setattr(fast_trace_module, "capture",
-                        lambda m, a: probes.append(m) or real(m, a))
+    probes = _counting_captures(monkeypatch)
     again = fast_trace(model2, inputs2, min_blocks=4, like=first.exported)
     _assert_same(again, ep, full)
-    assert len(probes) == 1
+    assert probes == [("one pass", 2)]
 
 
 @pytest.mark.parametrize("batch", [2, 4])
@@ -153,12 +155,12 @@ def test_a_trace_like_a_different_program_checks_both_probes(batch, monkeypatch,
                                                 seq_len=16)
     first = fast_trace(other, other_inputs, min_blocks=4)
     ep, full = full_capture(MOE4, batch)
-    probes = []
-    real = fast_trace_module.capture
-    monkeypatch.setattr(fast_trace_module, "capture",
-                        lambda m, a: probes.append(m) or real(m, a))
+    probes = _counting_captures(monkeypatch)
     _assert_same(fast_trace(model, inputs, min_blocks=4, like=first.exported), ep, full)
-    assert len(probes) == 2
+    # checked anew on two probes, one captured each way (the short one in one
+    # pass where it was taken to compare with ``like``'s)
+    assert probes == ([("two passes", 2), ("one pass", 3)] if batch == 2 else
+                      [("one pass", 2), ("two passes", 3)])
 
 
 def test_rescaled_trace_equals_the_capture(monkeypatch, full_capture):
@@ -172,7 +174,8 @@ def test_rescaled_trace_equals_the_capture(monkeypatch, full_capture):
         traces[batch] = fast_trace(model, inputs, min_blocks=4,
                                    like=traces[4].exported if traces else None)
     model, inputs = zoo.build_from_config(cfg, batch_size=6, seq_len=16)
-    monkeypatch.setattr(fast_trace_module, "capture", lambda m, a: pytest.fail("captured"))
+    for name in ("capture", "capture_in_one_pass"):
+        monkeypatch.setattr(fast_trace_module, name, lambda m, a: pytest.fail("captured"))
     written = rescaled_trace(model, inputs, traces[4].exported, traces[2].exported)
     _assert_same(written, *full_capture(cfg, 6))
     assert written.exported.batch == 6
@@ -337,3 +340,39 @@ def test_capture_leaves_torch_fx_recording_stack_traces_as_it_was(fails):
             assert fx_config.do_not_emit_stack_traces is before
         finally:
             fx_config.do_not_emit_stack_traces = False
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "moe-tiny", "mlp-tiny"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_pass_capture_is_the_two_pass_capture(name, batch):
+    """capture_in_one_pass gives capture's program: every node (name, target,
+    wiring, module path, value layout) and the signature codegen reads; at
+    batch 1 too, where torch specialises size-1 dimensions."""
+    model, inputs = zoo.build(name, batch_size=batch)
+    one, two = capture_in_one_pass(model, inputs), capture(model, inputs)
+    assert isinstance(one, CapturedProgram)
+    got, want = list(one.graph.nodes), list(two.graph.nodes)
+    assert [_fx_record(n) for n in got] == [_fx_record(n) for n in want]
+    for a, b in zip(got, want):
+        assert _module_path(a) == _module_path(b), b.name
+        va, vb = a.meta.get("val"), b.meta.get("val")
+        if isinstance(vb, torch.Tensor):
+            assert (va.shape, va.stride(), va.dtype) == (vb.shape, vb.stride(), vb.dtype), b.name
+    assert one.graph_signature.input_specs == two.graph_signature.input_specs
+    assert one.graph_signature.output_specs == two.graph_signature.output_specs
+    assert graph_from_exported(one).fingerprint() == graph_from_exported(two).fingerprint()
+
+
+def test_one_pass_capture_falls_back_to_two_passes_for_other_outputs():
+    """A model whose output the one pass cannot take (a dict) is captured by
+    torch.export and run_decompositions, as capture does."""
+    class DictOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return {"y": self.fc(x).sum()}
+
+    got = capture_in_one_pass(DictOut(), (torch.randn(2, 4),))
+    assert isinstance(got, torch.export.ExportedProgram)
