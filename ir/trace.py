@@ -112,6 +112,7 @@ def capture_in_one_pass(model: torch.nn.Module, example_inputs: Any) -> Any:
 
 
 def _one_pass(model: torch.nn.Module, args: tuple) -> CapturedProgram:
+    """:func:`capture_in_one_pass` without the fallback (raises where it applies)."""
     from torch._functorch.aot_autograd import aot_export_module
     from torch.export import default_decompositions
 
