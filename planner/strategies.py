@@ -17,7 +17,7 @@ import functools
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -266,17 +266,9 @@ class StrategyBuilder:
         op = fx_node.target
         single = self.prop.op_single_dim_strategy_funcs.get(op)
         key = self._signature(fx_node, single is not None)
-        cached = self._cache.get(key)
-        if cached is None:
-            try:
-                cached = (self._keep(node, self._expanded(fx_node, single, key))
-                          if single is not None else self._query_dtensor(node, fx_node))
-            except _NoStrategy as err:
-                cached = err
-            self._cache[key] = cached
-        if isinstance(cached, _NoStrategy):
-            raise cached
-        return cached
+        return _memoised(self._cache, key, lambda: (
+            self._keep(node, self._expanded(fx_node, single, key)) if single is not None
+            else self._query_dtensor(node, fx_node)))
 
     def _query_dtensor(self, node: Node, fx_node: torch.fx.Node) -> list[Strategy]:
         """DTensor's strategies for an op registered without a single-dim
@@ -318,21 +310,13 @@ class StrategyBuilder:
         answer on this mesh (``test_shared_expansions_equal_dtensors_answer_on_each_mesh``).
         ``signature``: :meth:`_signature` of ``fx_node`` for a single-dim strategy.
         """
-        key = (self.mesh.ndim, signature)
-        rows = self._expansions.get(key)
-        if rows is None:
+        def expand() -> list[_Row]:
             if self._unit_mesh is None:
                 self._unit_mesh = DeviceMesh("cpu", torch.zeros((1,) * self.mesh.ndim,
                                                                 dtype=torch.int64))
-            try:
-                rows = _rows(self._call_strategy(fx_node, single, None, only=None,
-                                                 mesh=self._unit_mesh))
-            except _NoStrategy as err:
-                rows = err
-            self._expansions[key] = rows
-        if isinstance(rows, _NoStrategy):
-            raise rows
-        return rows
+            return _rows(self._call_strategy(fx_node, single, None, only=None,
+                                             mesh=self._unit_mesh))
+        return _memoised(self._expansions, (self.mesh.ndim, signature), expand)
 
     def _call_strategy(self, fx_node: torch.fx.Node, single, func,
                        only: Placements | None, mesh: DeviceMesh | None = None) -> OpStrategy:
@@ -410,6 +394,21 @@ class StrategyBuilder:
 
 class _NoStrategy(Exception):
     pass
+
+
+def _memoised(cache: dict, key: tuple, make: Callable[[], list]) -> list:
+    """``make()`` once per ``key`` of ``cache``; the :class:`_NoStrategy` it
+    raises is kept too, and raised again for the same key."""
+    found = cache.get(key)
+    if found is None:
+        try:
+            found = make()
+        except _NoStrategy as err:
+            found = err
+        cache[key] = found
+    if isinstance(found, _NoStrategy):
+        raise found
+    return found
 
 
 @contextlib.contextmanager
