@@ -250,16 +250,20 @@ def _probe_pair(model: nn.Module, path: str, args: tuple,
     """The short probe, and the facts of the long one: captured by
     ``beside``'s other process at the same time when given and it works,
     else here after the short one."""
+    def short() -> _Layout:
+        return _probe(model, path, _PROBES[0], args, one_pass=False)
+
+    def long() -> _ProbeFacts:
+        return _probe_facts(model, path, _PROBES[1], args, one_pass=True)
+
     if beside is not None:
         try:
-            return beside(lambda: _probe(model, path, _PROBES[0], args, one_pass=False),
-                          lambda: _probe_facts(model, path, _PROBES[1], args, one_pass=True))
+            return beside(short, long)
         except _Unsupported:
             raise
         except Exception:  # noqa: BLE001 - the other process failed: capture here
             log.debug("probe capture beside failed; capturing here", exc_info=True)
-    return (_probe(model, path, _PROBES[0], args, one_pass=False),
-            _probe_facts(model, path, _PROBES[1], args, one_pass=True))
+    return short(), long()
 
 
 def _structure(lay: "_Layout") -> tuple:
