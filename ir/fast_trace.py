@@ -9,7 +9,7 @@ re-tracing the same block 96 times. When a model keeps its blocks in an
    first 3 blocks (shallow copies: the user's model is not touched and nothing
    is allocated), one by :func:`ir.trace.capture` and the other by
    :func:`ir.trace.capture_in_one_pass` (so the check of step 3 also vouches
-   that the two agree; a later trace ``like`` this one captures its one probe
+   that the two agree; a later trace ``like`` this one captures its probes
    in one pass);
 2. checks that the captured program is uniform: the blocks issue the same ops
    on the same shapes with the same wiring relative to their own index, the
@@ -155,8 +155,11 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
         if like is not None and like.probe and (like.block_path, like.num_blocks) == (
                 path, num_blocks):
             short = _probe(model, path, _PROBES[0], args, one_pass=True)
+            # where it is not, the method is checked anew on a long probe,
+            # also in one pass: the one pass was checked against torch.export
+            # on the first trace's probes
             long = None if _structure(short) == like.probe else _probe_facts(
-                model, path, _PROBES[1], args, one_pass=False)
+                model, path, _PROBES[1], args, one_pass=True)
         else:
             short, long = _probe_pair(model, path, args, beside)
         if long is None:  # the method was checked on ``like``'s probes
@@ -229,9 +232,9 @@ def _batch_of(args: tuple) -> int | None:
 def _probe(model: nn.Module, path: str, k: int, args: tuple, one_pass: bool) -> "_Layout":
     """The capture of ``model`` truncated to its first ``k`` blocks, laid out:
     by :func:`ir.trace.capture_in_one_pass` with ``one_pass``, else by
-    :func:`ir.trace.capture`. Where the method is checked on two probes, they
-    are captured one each way, so the check also vouches that the two
-    captures agree (the one pass is ~2.5x faster)."""
+    :func:`ir.trace.capture`. Where a model's first trace checks the method
+    on two probes, they are captured one each way, so the check also vouches
+    that the two captures agree (the one pass is ~2.5x faster)."""
     try:
         ep = (capture_in_one_pass if one_pass else capture)(_truncated(model, path, k), args)
     except Exception as err:  # noqa: BLE001 - the full capture reports it
