@@ -168,7 +168,7 @@ def _two_processes(here: Callable[[], Any], there: Callable[[], Any]) -> tuple[A
     """``(here(), there())``, ``there`` run by a forked child meanwhile
     (:func:`planner.forked.run_beside`): the first capture's two probes take
     both cores, while nothing else can run yet (llama3-8b: ~1 s each)."""
-    done_here, done_there, _ = run_beside(here, there)
+    done_here, done_there, _, _ = run_beside(here, there)
     return done_here, done_there
 
 

@@ -54,42 +54,70 @@ def run_forked(tasks: Sequence[Callable[[], Any]], shared: Sequence[object] = ()
     An exception a task raises is raised here, in task order, after every
     task has run. Runs everything here when there is one task or no fork.
     """
+    return _results(_forked_outcomes(tasks, shared, in_child), len(tasks))
+
+
+def _forked_outcomes(tasks: Sequence[Callable[[], Any]], shared: Sequence[object],
+                     in_child: Callable[[], None] | None) -> dict[int, tuple[bool, Any]]:
+    """The outcomes of :func:`run_forked`, by task index (nothing raised)."""
     if len(tasks) < 2 or not can_fork():
-        return [task() for task in tasks]
+        return {i: _outcome(task) for i, task in enumerate(tasks)}
     take = _taker(len(tasks))
 
-    def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
+    def work(in_the_child: bool, child_done: Callable[[], bool]) -> dict[int, tuple[bool, Any]]:
         outcomes = {}
         while (i := take()) is not None:
             outcomes[i] = _outcome(tasks[i])
         return outcomes
 
-    return _results(_with_child(work, shared, in_child), len(tasks))
+    return _with_child(work, shared, in_child)
 
 
 def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequence[object] = (),
                in_child: Callable[[], None] | None = None,
-               then: Sequence[Callable[[], Any]] = ()) -> tuple[Any, Any, list[Any]]:
-    """``(here(), there(), [task() for task in then])``: ``here`` run by this
-    process and ``there`` by a forked child at the same time, after which
-    each process takes the next task of ``then`` not yet taken when it is
-    free (as :func:`run_forked` does; so the one that finishes first does
-    not wait idle). What ``here`` changes stays, what ``there`` changes comes
-    back only as its result; results of ``then`` run by the child come back
-    pickled. ``shared`` and ``in_child`` as in :func:`run_forked`; runs
-    everything here, in that order, when there is no fork."""
-    if not can_fork():
-        return here(), there(), [task() for task in then]
-    take = _taker(len(then))
+               then: Sequence[Callable[[], Any]] = (),
+               after_here: Sequence[Callable[[], Any]] = ()
+               ) -> tuple[Any, Any, list[Any], list[Any]]:
+    """``(here(), there(), [task() for task in then], [task() for task in
+    after_here])``: ``here`` run by this process and ``there`` by a forked
+    child at the same time, after which each process takes the next task of
+    ``then`` not yet taken when it is free (as :func:`run_forked` does; so
+    the one that finishes first does not wait idle).
 
-    def work(in_the_child: bool) -> dict[int, tuple[bool, Any]]:
-        outcomes = {1: _outcome(there)} if in_the_child else {0: _outcome(here)}
+    ``after_here``: tasks that need what ``here`` made, which the child
+    (forked before) lacks. This process runs them first, once ``here`` is
+    done, while the child works on ``then``; once the child is done, the rest
+    are shared with a new child (:func:`run_forked`), which holds it.
+
+    What ``here`` changes stays, what ``there`` changes comes back only as its
+    result; results of tasks run by a child come back pickled. ``shared`` and
+    ``in_child`` as in :func:`run_forked`; an exception a task raises is
+    raised here, in task order, after every task has run. Runs everything
+    here, in that order, when there is no fork."""
+    if not can_fork():
+        return here(), there(), [task() for task in then], [task() for task in after_here]
+    take = _taker(len(then))
+    after = 2 + len(then)  # the index of after_here's first outcome
+    ran_after = 0  # how many of after_here this process ran beside the child
+
+    def work(in_the_child: bool, child_done: Callable[[], bool]) -> dict[int, tuple[bool, Any]]:
+        nonlocal ran_after
+        if in_the_child:
+            outcomes = {1: _outcome(there)}
+        else:
+            outcomes = {0: _outcome(here)}
+            while ran_after < len(after_here) and not child_done():
+                outcomes[after + ran_after] = _outcome(after_here[ran_after])
+                ran_after += 1
         while (i := take()) is not None:
             outcomes[2 + i] = _outcome(then[i])
         return outcomes
 
-    results = _results(_with_child(work, shared, in_child), 2 + len(then))
-    return results[0], results[1], results[2:]
+    outcomes = _with_child(work, shared, in_child)
+    rest = _forked_outcomes(after_here[ran_after:], shared, in_child)
+    outcomes.update((after + ran_after + i, outcome) for i, outcome in rest.items())
+    results = _results(outcomes, after + len(after_here))
+    return results[0], results[1], results[2:after], results[after:]
 
 
 def _taker(count: int) -> Callable[[], int | None]:
@@ -107,11 +135,14 @@ def _taker(count: int) -> Callable[[], int | None]:
     return take
 
 
-def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Sequence[object],
-                in_child: Callable[[], None] | None) -> dict[int, tuple[bool, Any]]:
-    """``work(True)`` in a forked child and ``work(False)`` here at the same
-    time: their outcomes by task index, the child's sent back pickled (an
-    exception that does not pickle as a :class:`ForkedTaskError`)."""
+def _with_child(work: Callable[[bool, Callable[[], bool]], dict[int, tuple[bool, Any]]],
+                shared: Sequence[object], in_child: Callable[[], None] | None
+                ) -> dict[int, tuple[bool, Any]]:
+    """``work(True, ...)`` in a forked child and ``work(False, child_done)``
+    here at the same time: their outcomes by task index, the child's sent
+    back pickled (an exception that does not pickle as a
+    :class:`ForkedTaskError`). ``child_done()`` tells whether the child has
+    finished (its outcomes are written)."""
     with tempfile.TemporaryDirectory(prefix="planner-fork-") as tmp, _frozen_heap():
         path = os.path.join(tmp, "results.pickle")
         pid = os.fork()
@@ -120,15 +151,24 @@ def _with_child(work: Callable[[bool], dict[int, tuple[bool, Any]]], shared: Seq
             try:
                 if in_child is not None:
                     in_child()
-                outcomes = {i: _sendable(o) for i, o in work(True).items()}
+                outcomes = {i: _sendable(o) for i, o in work(True, lambda: False).items()}
                 with open(path, "wb") as fh:
                     _SharedPickler(fh, shared).dump(outcomes)
             except BaseException:  # noqa: BLE001 - reported through the exit code
                 traceback.print_exc()
                 code = 1
             os._exit(code)  # no atexit handlers or finalizers of the parent's state
-        outcomes = work(False)
-        _, status = os.waitpid(pid, 0)
+        statuses: list[int] = []  # the child's wait status, once it has exited
+
+        def child_done() -> bool:
+            if not statuses:
+                reaped, status = os.waitpid(pid, os.WNOHANG)
+                if reaped:
+                    statuses.append(status)
+            return bool(statuses)
+
+        outcomes = work(False, child_done)
+        status = statuses[0] if statuses else os.waitpid(pid, 0)[1]
         if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(path):
             raise ForkedTaskError("the forked search process failed (its traceback is above); "
                                   "run the search again, or report it with that traceback")

@@ -821,15 +821,18 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
         for (_, on_done), result in zip(jobs, results):
             on_done(result)
 
-    def beside(counts: list[int], there: list[int], jobs: list[Job]) -> None:
+    def beside(counts: list[int], there: list[int], jobs: list[Job],
+               after: Sequence[Job] = ()) -> None:
         """Make the programs of micro-batch ``counts`` here while the
         forked child prices the configurations ``there``; then both take
-        ``jobs``."""
-        _, done, results = run_beside(lambda: make(counts), task(there),
-                                      _held_by_both(ctx, ctx.programs()), child,
-                                      then=[job for job, _ in jobs])
+        ``jobs``, and this process (and, once the child is done with those,
+        a new one) the jobs ``after``, which need those programs."""
+        _, done, results, results_after = run_beside(
+            lambda: make(counts), task(there), _held_by_both(ctx, ctx.programs()), child,
+            then=[job for job, _ in jobs], after_here=[job for job, _ in after])
         file(there, done)
         settle(jobs, results)
+        settle(after, results_after)
 
     def forked(jobs: list[Job]) -> None:
         settle(jobs, run_forked([job for job, _ in jobs], _held_by_both(ctx, ctx.programs()),
@@ -863,12 +866,13 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     # configurations whose programs exist (``first``) and the schedule orders
     # beside the first captures; on the scopes not at size 1 beside the
     # capture of size 1 (once ``first`` is filed: a scope's configurations
-    # are priced in their order)
+    # are priced in their order), while this process, done capturing, prices
+    # the scopes at size 1
     if capture_others:
         beside(others, first, orders)
         if capture_one:
-            beside(one, [], early)
-            early = []
+            beside(one, [], early, late)
+            early = late = []
         else:
             make(one)
     else:

@@ -57,14 +57,50 @@ def test_beside_runs_one_task_in_a_child_while_this_process_runs_the_other():
         time.sleep(0.3 if k == 0 else 0.05)  # the child, free first, takes some
         return k, os.getpid()
 
-    here_pid, (there_pid, obj), after = run_beside(here, there, shared,
-                                                   then=[lambda k=k: then(k) for k in range(4)])
+    here_pid, (there_pid, obj), after, _ = run_beside(
+        here, there, shared, then=[lambda k=k: then(k) for k in range(4)])
     assert here_pid == os.getpid() != there_pid and obj is shared[0]
     assert changed == ["here"]
     assert [k for k, _ in after] == list(range(4))  # in task order, whoever ran them
     assert {pid for _, pid in after} == {os.getpid(), there_pid}
     with pytest.raises(ForkedTaskError, match="bad"):  # the child's error reaches the caller
         run_beside(lambda: None, lambda: (_ for _ in ()).throw(ForkedTaskError("bad")))
+
+
+@needs_fork
+def test_tasks_after_here_run_where_what_here_made_exists():
+    """Tasks that need what ``here`` made run in this process while the
+    first child works on ``then``, and the rest, once it is done, in this
+    process and a child forked after ``here``: none in the first child."""
+    made = []
+
+    def here():
+        made.append("program")
+        return os.getpid()
+
+    def there():
+        return os.getpid()
+
+    def then(k):
+        time.sleep(0.2)
+        return os.getpid()
+
+    def after(k):
+        time.sleep(0.1)
+        assert made == ["program"]  # in whichever process runs it
+        return k, os.getpid()
+
+    here_pid, there_pid, then_pids, after_done = run_beside(
+        here, there, then=[lambda k=k: then(k) for k in range(2)],
+        after_here=[lambda k=k: after(k) for k in range(12)])
+    assert [k for k, _ in after_done] == list(range(12))  # in task order
+    after_pids = {pid for _, pid in after_done}
+    assert there_pid not in after_pids
+    assert os.getpid() in after_pids and after_pids - {os.getpid()}  # a second child ran some
+    with pytest.raises(ValueError, match="after 3"):  # an error there reaches the caller
+        run_beside(lambda: None, lambda: None, after_here=[
+            lambda k=k: (_ for _ in ()).throw(ValueError(f"after {k}")) if k == 3 else k
+            for k in range(6)])
 
 
 @needs_fork
@@ -160,8 +196,9 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
             monkeypatch.setattr(ps, "run_forked",
                                 lambda tasks, shared=(), in_child=None: [t() for t in tasks])
             monkeypatch.setattr(ps, "run_beside",
-                                lambda here, there, shared=(), in_child=None, then=():
-                                (here(), there(), [t() for t in then]))
+                                lambda here, there, shared=(), in_child=None, then=(),
+                                after_here=(): (here(), there(), [t() for t in then],
+                                                [t() for t in after_here]))
         ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
                                whole_batch_graph=whole_batch)
