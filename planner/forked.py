@@ -142,33 +142,27 @@ def _with_child(work: Callable[[bool, Callable[[], bool]], dict[int, tuple[bool,
     here at the same time: their outcomes by task index, the child's sent
     back pickled (an exception that does not pickle as a
     :class:`ForkedTaskError`). ``child_done()`` tells whether the child has
-    finished (its outcomes are written)."""
+    run all it will (it may still be sending its outcomes)."""
     with tempfile.TemporaryDirectory(prefix="planner-fork-") as tmp, _frozen_heap():
         path = os.path.join(tmp, "results.pickle")
+        finished = multiprocessing.Value("b", 0, lock=False)  # set by the child
         pid = os.fork()
         if pid == 0:  # the child: run tasks, write their outcomes, leave at once
             code = 0
             try:
                 if in_child is not None:
                     in_child()
-                outcomes = {i: _sendable(o) for i, o in work(True, lambda: False).items()}
+                outcomes = work(True, lambda: False)
+                finished.value = 1
+                outcomes = {i: _sendable(o) for i, o in outcomes.items()}
                 with open(path, "wb") as fh:
                     _SharedPickler(fh, shared).dump(outcomes)
             except BaseException:  # noqa: BLE001 - reported through the exit code
                 traceback.print_exc()
                 code = 1
             os._exit(code)  # no atexit handlers or finalizers of the parent's state
-        statuses: list[int] = []  # the child's wait status, once it has exited
-
-        def child_done() -> bool:
-            if not statuses:
-                reaped, status = os.waitpid(pid, os.WNOHANG)
-                if reaped:
-                    statuses.append(status)
-            return bool(statuses)
-
-        outcomes = work(False, child_done)
-        status = statuses[0] if statuses else os.waitpid(pid, 0)[1]
+        outcomes = work(False, lambda: bool(finished.value))
+        _, status = os.waitpid(pid, 0)
         if os.waitstatus_to_exitcode(status) != 0 or not os.path.exists(path):
             raise ForkedTaskError("the forked search process failed (its traceback is above); "
                                   "run the search again, or report it with that traceback")

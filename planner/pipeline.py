@@ -207,6 +207,12 @@ class SearchContext:
         graph = rescaled_trace(self.model, inputs, *bases)
         return graph if graph is not None and self._batch_rule.matches(graph, mb) else None
 
+    def has_traced(self, num_microbatches: int) -> bool:
+        """Whether the program of ``num_microbatches`` micro-batches was
+        captured or written out (not only derived, nor not yet made)."""
+        prog = self._programs.get(self.global_batch // num_microbatches)
+        return prog is not None and prog.traced
+
     def will_capture(self, num_microbatches: int) -> bool:
         """Whether :meth:`program` would capture the program (seconds) rather
         than find it or derive it from earlier captures."""
@@ -760,7 +766,8 @@ class _ChildMark:
 
 
 def _price_all(ctx: SearchContext, configs: Sequence[Config],
-               label: Callable[[int, Config], str]) -> list[PipelineCandidate | None]:
+               label: Callable[[int, Config], str], traced: bool = False
+               ) -> list[PipelineCandidate | None]:
     """``[_price(ctx, *config) for config in configs]``, on two CPU cores
     (:mod:`planner.forked`), one task per pricing scope.
 
@@ -776,7 +783,13 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     order) and, beside the capture of size 1, the scopes of other sizes.
     A task run by the child sends back its
     scopes' profiles, without their priced problems (remade if they are
-    extended, :meth:`SearchContext._extend`), and its strategy caches."""
+    extended, :meth:`SearchContext._extend`), and its strategy caches.
+
+    ``traced``: the configurations are of mesh families without references
+    (ZeRO-3 variants), so their scopes make them, with ILPs of their own on
+    captured or written-out programs (:meth:`SearchContext.program`). Those
+    only derived so far are written out here while the child prices the
+    scopes that have theirs; then both price the rest."""
 
     def scope_of(config: Config) -> tuple:
         mesh, m = config[2], config[4]
@@ -813,22 +826,23 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
 
     Job = tuple[Callable[[], Any], Callable[[Any], None]]  # a task, and what files its result
 
-    def make(counts: list[int]) -> None:
+    def make(counts: list[int], traced: bool = False) -> None:
         for m in counts:
-            ctx.program(m)
+            ctx.program(m, traced=traced)
 
     def settle(jobs: list[Job], results: list[Any]) -> None:
         for (_, on_done), result in zip(jobs, results):
             on_done(result)
 
     def beside(counts: list[int], there: list[int], jobs: list[Job],
-               after: Sequence[Job] = ()) -> None:
-        """Make the programs of micro-batch ``counts`` here while the
-        forked child prices the configurations ``there``; then both take
-        ``jobs``, and this process (and, once the child is done with those,
-        a new one) the jobs ``after``, which need those programs."""
+               after: Sequence[Job] = (), traced: bool = False) -> None:
+        """Make the programs of micro-batch ``counts`` (``traced``: captured
+        or written out) here while the forked child prices the
+        configurations ``there``; then both take ``jobs``, and this process
+        (and, once the child is done with those, a new one) the jobs
+        ``after``, which need those programs."""
         _, done, results, results_after = run_beside(
-            lambda: make(counts), task(there), _held_by_both(ctx, ctx.programs()), child,
+            lambda: make(counts, traced), task(there), _held_by_both(ctx, ctx.programs()), child,
             then=[job for job, _ in jobs], after_here=[job for job, _ in after])
         file(there, done)
         settle(jobs, results)
@@ -858,10 +872,11 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     # at micro-batch size 1 apart (their program may be captured after the others)
     # (a scope names its stage mesh, last, only at size 1: see pricing_scope)
     ordered = sorted(scopes.items(), key=lambda item: len(item[1]), reverse=True)
-    early = [(task(ks), lambda done, ks=ks: file(ks, done)) for scope, ks in ordered
-             if scope[-1] is None]
-    late = [(task(ks), lambda done, ks=ks: file(ks, done)) for scope, ks in ordered
-            if scope[-1] is not None]
+    def job(ks: list[int]) -> Job:
+        return task(ks), lambda done: file(ks, done)
+
+    early = [ks for scope, ks in ordered if scope[-1] is None]
+    late = [ks for scope, ks in ordered if scope[-1] is not None]
     # the child works while this process captures: on the leading
     # configurations whose programs exist (``first``) and the schedule orders
     # beside the first captures; on the scopes not at size 1 beside the
@@ -871,7 +886,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     if capture_others:
         beside(others, first, orders)
         if capture_one:
-            beside(one, [], early, late)
+            beside(one, [], [job(ks) for ks in early], [job(ks) for ks in late])
             early = late = []
         else:
             make(one)
@@ -881,7 +896,17 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
             beside(one, first, orders)
         else:
             forked(orders)
-    forked(early + late)
+    rest = early + late
+    # (traced) made here first: each program only derived so far that a
+    # scope may price on (where no reference divides its shapes, another
+    # size of its scope makes one too)
+    unwritten = [m for m in ms if traced and not ctx.has_traced(m)]
+    waiting = [ks for ks in rest if any(configs[k][4] in unwritten for k in ks)]
+    if waiting:
+        beside(unwritten, [], [job(ks) for ks in rest if ks not in waiting],
+               [job(ks) for ks in waiting], traced=True)
+    else:
+        forked([job(ks) for ks in rest])
     return priced
 
 
@@ -944,7 +969,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                  for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = _price_all(ctx, configs, lambda k, config: (
-        f"ZeRO-3 variant {k + 1}/{len(configs)}: {config_label(*config)}"))
+        f"ZeRO-3 variant {k + 1}/{len(configs)}: {config_label(*config)}"), traced=True)
     out, start = [], 0
     for group in per_group:
         variants = [c for c in priced[start:start + len(group)] if c is not None]
@@ -1116,9 +1141,12 @@ def _exact_stage(ctx: SearchContext, prog: MicrobatchProgram, cand: PipelineCand
 
 def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: MicrobatchProgram,
                     bounds: list[tuple[int, int]], copies: list[float],
-                    results: list[IntraOpResult]) -> ExactPipeline:
-    """The step time of ``cand`` with its stages' exact solutions ``results``."""
-    times = [ctx.times_of(r, cand.mesh) for r in results]
+                    results: list[IntraOpResult],
+                    times: list[StageTimes] | None = None) -> ExactPipeline:
+    """The step time of ``cand`` with its stages' exact solutions ``results``
+    (whose :meth:`SearchContext.times_of` are ``times`` where given)."""
+    if times is None:
+        times = [ctx.times_of(r, cand.mesh) for r in results]
     p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
                                  cand.stages_per_rank, times, p2p)
@@ -1151,16 +1179,17 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
         def run() -> tuple:
             solves, reused = ctx.ilp_solves, ctx.stages_reused
             failed: set[int] = set()  # finalists with a stage that has no plan
-            out: list[IntraOpResult | None] = []
+            out: list[tuple[IntraOpResult, StageTimes] | None] = []  # solutions, their times
             for i, s in items:
                 prog, bounds, copies = staged[i]
-                result = None
+                solved = None
                 if i not in failed:
                     try:
                         result = _exact_stage(ctx, prog, finalists[i], bounds[s], copies[s], s)
+                        solved = result, ctx.times_of(result, finalists[i].mesh)
                     except (MemoryInfeasibleError, InfeasibleError):  # no plan within limits
                         failed.add(i)
-                out.append(result)
+                out.append(solved)
             return out, ctx.ilp_solves - solves, ctx.stages_reused - reused
         return run
 
@@ -1171,13 +1200,15 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
     # the counts of both processes (a child's never reach ctx by themselves)
     ctx.ilp_solves = solves + sum(d[1] for d in done)
     ctx.stages_reused = reused + sum(d[2] for d in done)
-    results: list[list[IntraOpResult | None]] = [[None] * len(b) for _, b, _ in staged]
+    solved: list[list[tuple[IntraOpResult, StageTimes] | None]] = [
+        [None] * len(b) for _, b, _ in staged]
     for items, (out, _, _) in zip(order, done):
-        for (i, s), result in zip(items, out):
-            results[i][s] = result
+        for (i, s), stage in zip(items, out):
+            solved[i][s] = stage
     return [None if any(r is None for r in rs) else
-            _exact_pipeline(ctx, cand, prog, bounds, copies, rs)
-            for cand, (prog, bounds, copies), rs in zip(finalists, staged, results)]
+            _exact_pipeline(ctx, cand, prog, bounds, copies, [r for r, _ in rs],
+                            [t for _, t in rs])
+            for cand, (prog, bounds, copies), rs in zip(finalists, staged, solved)]
 
 
 # Finalists predicted slower than the fastest prediction by more than this

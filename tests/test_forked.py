@@ -13,6 +13,7 @@ import pytest
 
 from costmodel.presets import local_cpu_cluster
 from ir.source import build_model
+from ir.zoo import GPTConfig, build_from_config
 from ir.trace import trace
 from planner import pipeline as ps
 from planner.forked import ForkedTaskError, can_fork, run_beside, run_forked
@@ -180,6 +181,15 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
     assert ctx.ilp_solves == alone.ilp_solves
 
 
+def _in_order(monkeypatch) -> None:
+    """The search's forked phases run here, in task order."""
+    monkeypatch.setattr(ps, "run_forked",
+                        lambda tasks, shared=(), in_child=None: [t() for t in tasks])
+    monkeypatch.setattr(ps, "run_beside",
+                        lambda here, there, shared=(), in_child=None, then=(), after_here=():
+                        (here(), there(), [t() for t in then], [t() for t in after_here]))
+
+
 @needs_fork
 def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
     """search() and zero_variants() price one mesh family per task in this
@@ -193,12 +203,7 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
 
     def searched(forked: bool):
         if not forked:
-            monkeypatch.setattr(ps, "run_forked",
-                                lambda tasks, shared=(), in_child=None: [t() for t in tasks])
-            monkeypatch.setattr(ps, "run_beside",
-                                lambda here, there, shared=(), in_child=None, then=(),
-                                after_here=(): (here(), there(), [t() for t in then],
-                                                [t() for t in after_here]))
+            _in_order(monkeypatch)
         ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
                                whole_batch_graph=whole_batch)
@@ -233,6 +238,51 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
             prog = ctx.program(ctx.global_batch // mb)
             assert ctx._profiles[ps._profile_key(prog, layer, ref.mesh)] is ref
     assert ctx.ilp_solves == alone.ilp_solves
+
+
+@needs_fork
+def test_zero_variants_write_out_a_missing_program_once_here(monkeypatch, tmp_path):
+    """ZeRO-3 variants at a micro-batch size whose program the search did not
+    make: it is written out once, by this process, before either process
+    prices the variants that need it, and the prices equal pricing in order."""
+    model, inputs = build_from_config(GPTConfig(8, 64, 4, vocab_size=128, block_size=32),
+                                      batch_size=16, seq_len=16)
+    whole_batch = trace(model, inputs)
+    writers = tmp_path / "writers"
+    real_rescaled_trace = ps.rescaled_trace
+
+    def rescaled_trace(*args, **kwargs):
+        with open(writers, "a") as fh:
+            fh.write(f"{os.getpid()}\n")
+        return real_rescaled_trace(*args, **kwargs)
+
+    def variants(forked: bool):
+        monkeypatch.setattr(ps, "rescaled_trace", rescaled_trace)
+        said: list[str] = []
+        ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+                               whole_batch_graph=whole_batch, progress=said.append)
+        opts = ps.SearchOptions(pp=[2], schedules=["1f1b"], num_microbatches=[2, 4])
+        ranked = ps.search(ctx, opts)  # captures 8 and 4 sequences: the rule is confirmed
+        assert not ctx.has_traced(8)
+        best = list({c.mesh.family: c for c in reversed(ranked)
+                     if c.mesh.shape[0] > 1 and c.num_microbatches == 2}.values())
+        # the same pipelines with micro-batches of 2 sequences: no program yet
+        leaders = best + [dataclasses.replace(c, num_microbatches=8) for c in best]
+        writers.write_text("")
+        if not forked:
+            _in_order(monkeypatch)
+        out, = ps.zero_variants(ctx, [leaders], opts)
+        monkeypatch.undo()
+        return out, said, writers.read_text().split()
+
+    got, said, wrote = variants(forked=True)
+    want, _, _ = variants(forked=False)
+    assert wrote == [str(os.getpid())]  # once, here
+    assert said.count("writing out micro-batch 2") == 1
+    assert {c.num_microbatches for c in got} == {2, 8}
+    key = lambda c: (c.label(), c.step_time_s, c.split.bounds, c.split.levels)  # noqa: E731
+    assert [key(c) for c in got] == [key(c) for c in want]
 
 
 def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here():
