@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import backward_op_times, op_time
@@ -38,7 +38,8 @@ from ir.layers import Layer
 from planner.report import format_bytes
 from planner.ilp import (AssignmentProblem, CheckpointGroup, Solution, greedy_assignment, solve,
                          warm_start_value)
-from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, fake_mesh
+from planner.strategies import (NodeStrategies, Placements, Strategy, build_strategies,
+                                fake_mesh, is_shard)
 
 
 
@@ -47,7 +48,7 @@ def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: S
     """Elements of ``info`` held by one device (ignoring mesh axis ``skip_axis``)."""
     n = float(info.numel)
     for a, (p, size) in enumerate(zip(placements, mesh_shape)):
-        if a != skip_axis and isinstance(p, Shard):
+        if a != skip_axis and is_shard(p):
             n /= size
     return n
 
