@@ -59,7 +59,7 @@ class Strategy:
     @functools.cached_property
     def replicated_inputs(self) -> tuple[tuple[bool, ...], ...]:
         """Per input, per mesh axis, whether the input is replicated there."""
-        return tuple(tuple(isinstance(p, Replicate) for p in pl) for pl in self.inputs)
+        return tuple(tuple(is_replicate(p) for p in pl) for pl in self.inputs)
 
     @property
     def _mesh_axes(self) -> int:
@@ -67,7 +67,7 @@ class Strategy:
 
 
 def _not_replicated(placements: Sequence[Placements], axes: int) -> tuple[bool, ...]:
-    return tuple(any(not isinstance(p[a], Replicate) for p in placements) for a in range(axes))
+    return tuple(any(not is_replicate(p[a]) for p in placements) for a in range(axes))
 
 
 @dataclass
@@ -118,6 +118,13 @@ def is_shard(p: Placement) -> bool:
     kind = type(p)
     return kind is Shard or (kind is not Replicate and kind is not Partial
                              and isinstance(p, Shard))
+
+
+def is_replicate(p: Placement) -> bool:
+    """``isinstance(p, Replicate)``, answered by the type as :func:`is_shard` is."""
+    kind = type(p)
+    return kind is Replicate or (kind is not Shard and kind is not Partial
+                                 and isinstance(p, Replicate))
 
 
 def divisible(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
