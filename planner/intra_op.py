@@ -36,8 +36,8 @@ from costmodel.cluster import Cluster
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
 from ir.layers import Layer
 from planner.report import format_bytes
-from planner.ilp import (AssignmentProblem, CheckpointGroup, Solution, greedy_assignment, solve,
-                         warm_start_value)
+from planner.ilp import (AssignmentProblem, CheckpointGroup, EdgeMatrix, Solution,
+                         greedy_assignment, solve, warm_start_value)
 from planner.strategies import (NodeStrategies, Placements, Strategy, build_strategies,
                                 fake_mesh, is_shard)
 
@@ -441,7 +441,7 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
                     if id(row) not in scaled:
                         scaled[id(row)] = [count * x for x in row]
                 matrix = [scaled[id(row)] for row in matrix]
-            edges.append((cu, cv, matrix))
+            edges.append((cu, cv, EdgeMatrix(matrix)))
     groups, group_layers = _checkpoint_groups(cost, strategies, layers, classes, members,
                                               node_memory)
     problem = AssignmentProblem(node_costs, edges, node_memory=node_memory,
