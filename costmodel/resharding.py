@@ -367,6 +367,13 @@ class ReshardPricer:
         self._gradient_ids: dict[int, int] = {}  # spec id -> id of gradient_placements
         # edge_seconds' matrices by (srcs, dsts, shape, itemsize, with_gradient)
         self._edges: dict[tuple, tuple[tuple[float, ...], ...]] = {}
+        self._memos: dict[str, dict] = {}  # see memo
+
+    def memo(self, name: str) -> dict:
+        """A dict named ``name`` that lives as long as this pricer: for callers
+        that derive prices of their own objects on this mesh and keep them
+        beside its prices (e.g. ``planner.intra_op``'s edge matrices)."""
+        return self._memos.setdefault(name, {})
 
     def spec_id(self, placements: Sequence[PlacementLike]) -> int:
         """A small int naming ``placements`` (one per mesh axis); equal placements

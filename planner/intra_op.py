@@ -335,6 +335,12 @@ class IntraOpCost:
         return self.edge_seconds((self.spec_id(producer_out),), (self.spec_id(consumer_in),),
                                  info, requires_grad)[0][0]
 
+    @property
+    def edge_matrices(self) -> dict[tuple, tuple]:
+        """Edge matrices of strategy lists priced on this mesh
+        (:func:`_edge_matrix`), kept by the shared :class:`ReshardPricer`."""
+        return self._pricer.memo("edge_matrices")
+
     def edge_seconds(self, srcs: tuple[int, ...], dsts: tuple[int, ...], info: TensorInfo,
                      requires_grad: bool) -> tuple[tuple[float, ...], ...]:
         """:meth:`edge` for every (producer output, consumer input) pair of
@@ -500,6 +506,23 @@ def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
     out_idx = node.arg_index if node.target == "getitem" else 0
     info = node.inputs[k] if node.inputs else prod.node.outputs[out_idx]
     rg = node.args[k] in cost.requires_grad and info.is_float
+    # the strategy lists come from the search's strategy cache, so other
+    # graphs on this mesh ask for the same matrix (~36k asks, ~4k matrices
+    # in a llama3-8b search); filed with the lists, so that their ids stay theirs
+    key = (id(prod.strategies), id(cons.strategies), out_idx, k, info.shape, info.itemsize, rg,
+           node.target == "getitem")
+    known = cost.edge_matrices.get(key)
+    if known is not None and known[0] is prod.strategies and known[1] is cons.strategies:
+        return known[2]
+    matrix = _priced_matrix(cost, prod, cons, k, out_idx, info, rg)
+    cost.edge_matrices[key] = (prod.strategies, cons.strategies, matrix)
+    return matrix
+
+
+def _priced_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies, k: int,
+                   out_idx: int, info: TensorInfo, rg: bool) -> list[list[float]]:
+    """:func:`_edge_matrix`, priced (``rg``: with the gradient's reshard)."""
+    node = cons.node
     srcs, src_of = _distinct([cost.spec_id(ps.outputs[out_idx]) for ps in prod.strategies])
     dsts, dst_of = _distinct([cost.spec_id(cs.inputs[k]) for cs in cons.strategies])
     if node.target == "getitem":  # a tuple projection cannot reshard: it follows
