@@ -511,11 +511,12 @@ def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
     # in a llama3-8b search); filed with the lists, so that their ids stay theirs
     key = (id(prod.strategies), id(cons.strategies), out_idx, k, info.shape, info.itemsize, rg,
            node.target == "getitem")
-    known = cost.edge_matrices.get(key)
+    memo = cost.edge_matrices
+    known = memo.get(key)
     if known is not None and known[0] is prod.strategies and known[1] is cons.strategies:
         return known[2]
     matrix = _priced_matrix(cost, prod, cons, k, out_idx, info, rg)
-    cost.edge_matrices[key] = (prod.strategies, cons.strategies, matrix)
+    memo[key] = (prod.strategies, cons.strategies, matrix)
     return matrix
 
 

@@ -872,6 +872,7 @@ def _price_all(ctx: SearchContext, configs: Sequence[Config],
     # at micro-batch size 1 apart (their program may be captured after the others)
     # (a scope names its stage mesh, last, only at size 1: see pricing_scope)
     ordered = sorted(scopes.items(), key=lambda item: len(item[1]), reverse=True)
+
     def job(ks: list[int]) -> Job:
         return task(ks), lambda done: file(ks, done)
 

@@ -171,9 +171,11 @@ def test_restricted_problem_prices_a_known_assignment_without_repricing():
                         itertools.product((False, True), repeat=len(full.checkpoint_groups)))
 
 
-def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh():
+def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh(monkeypatch):
     """Problems priced one after another on one mesh may share a ReshardPricer
-    (the search does): the prices are the same as with a pricer of their own."""
+    (the search does): the prices are the same as with a pricer of their own,
+    and an edge between strategy lists priced before is not priced again."""
+    from planner import intra_op
     from costmodel.collectives import axis_links
     from costmodel.resharding import ReshardPricer
 
@@ -186,8 +188,12 @@ def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh()
     alone = build_problem(IntraOpCost(graph, cluster, (2, 2), "float32"), strategies).problem
     shared = ReshardPricer((2, 2), axis_links(cluster, (2, 2)))
     build_problem(IntraOpCost(graph, cluster, (2, 2), "float32", pricer=shared), strategies)
+    priced = []
+    real = intra_op._priced_matrix
+    monkeypatch.setattr(intra_op, "_priced_matrix", lambda *a: priced.append(a) or real(*a))
     again = build_problem(IntraOpCost(graph, cluster, (2, 2), "float32", pricer=shared),
                           strategies).problem
+    assert not priced
     assert again.node_costs == alone.node_costs
     assert [(u, v, m) for u, v, m in again.edges] == [(u, v, m) for u, v, m in alone.edges]
     with pytest.raises(ValueError, match="shared pricer is for mesh"):
