@@ -94,7 +94,8 @@ ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str,
-                zero_stage: int = 0, pricer: ReshardPricer | None = None) -> StageTimes:
+                zero_stage: int = 0, pricer: ReshardPricer | None = None,
+                cost: IntraOpCost | None = None) -> StageTimes:
     """Split an intra-op solution's step into the parts a pipeline schedules apart.
 
     Forward compute and forward reshards (including gathering sharded
@@ -105,24 +106,28 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     (``zero_stage``, see :class:`IntraOpCost`), the parameters' all-gather and
     reduce-scatter over mesh axis 0 once per step. ``pricer``: the
     :class:`ReshardPricer` of this mesh to share (its prices are memoised).
+    ``cost``: the :class:`IntraOpCost` the result was solved with, to share
+    (its node prices are kept; it prices as these arguments would).
     """
     graph, chosen = result.graph, result.chosen
-    cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer, zero_stage=zero_stage,
-                       pricer=pricer)
+    if cost is None:
+        cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer,
+                           zero_stage=zero_stage, pricer=pricer)
     f = b = w = sync = 0.0
     zero_priced = zero_bytes = 0.0  # ZeRO's collectives as the ILP priced them; their bytes
     for n in graph.nodes:
         s = chosen[n.name]
         if n.kind == INPUT:
-            f += cost.compute(n, s)
+            f += cost.prices(n, s).compute_s
         if n.kind == PARAM:
             zero_priced += cost.state_collectives(n, s)
             zero_bytes += cost.zero_bytes(n, s)
         if n.kind != OP:
             continue
-        f += cost.forward_time(n, s)
-        bi, bw = cost.backward_times(n, s)
-        b += bi + cost.backward_collectives(n, s)
+        prices = cost.prices(n, s)
+        f += prices.forward_s
+        bi, bw = prices.backward_s
+        b += bi + prices.collectives_s
         w += bw
         for k, arg in enumerate(n.args):
             idx = n.arg_index if n.target == "getitem" else 0

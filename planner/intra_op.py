@@ -70,6 +70,20 @@ class CostBreakdown:
         return self.compute_s + self.communication_s + self.resharding_s
 
 
+@dataclass(frozen=True)
+class NodePrices:
+    """What one node costs under one strategy (:meth:`IntraOpCost.prices`):
+    seconds of :meth:`IntraOpCost.compute`, of its forward alone, of its
+    backward (input gradient, weight gradient), of its gradient collectives,
+    and bytes per device by kind (:meth:`IntraOpCost.memory_breakdown`)."""
+
+    compute_s: float
+    forward_s: float
+    backward_s: tuple[float, float]
+    collectives_s: float
+    memory: Mapping[str, float]
+
+
 @dataclass
 class IntraOpResult:
     graph: Graph
@@ -130,6 +144,8 @@ class IntraOpCost:
             raise ValueError(f"the shared pricer is for mesh {pricer.mesh_shape} and other "
                              f"links; this cost is for mesh {self.mesh_shape}")
         self._pricer = pricer
+        # NodePrices of the (node, strategy) pairs asked for by prices()
+        self._prices: dict[tuple[str, int], tuple[Strategy, NodePrices]] = {}
 
     def _requires_grad(self) -> set[str]:
         out: set[str] = set(self.graph.grad_inputs)
@@ -177,6 +193,23 @@ class IntraOpCost:
             return 0.0
         b, w = self.backward_times(node, s)
         return self.forward_time(node, s) + b + w
+
+    def prices(self, node: Node, s: Strategy) -> NodePrices:
+        """:class:`NodePrices` of ``node`` under ``s``, made once per pair: the
+        solutions of one problem (its memory levels, and the stage times of
+        each) price mostly the same chosen strategies."""
+        key = (node.name, id(s))
+        known = self._prices.get(key)
+        if known is not None and known[0] is s:
+            return known[1]
+        forward = self.forward_time(node, s)
+        b, w = self.backward_times(node, s)
+        # as compute() adds them
+        compute = forward + b + w if node.kind == OP else self.compute(node, s)
+        prices = NodePrices(compute, forward, (b, w), self.backward_collectives(node, s),
+                            self.memory_breakdown(node, s))
+        self._prices[key] = (s, prices)
+        return prices
 
     def compute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
         """:meth:`compute` of ``node`` under each of ``strategies``: an op's
@@ -772,10 +805,10 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     breakdown = CostBreakdown()
     memory: dict[str, float] = {}
     for ns, i in zip(strategies, choice):
-        s = ns.strategies[i]
-        breakdown.compute_s += cost.compute(ns.node, s)
-        breakdown.communication_s += cost.backward_collectives(ns.node, s)
-        for k, v in cost.memory_breakdown(ns.node, s).items():
+        prices = cost.prices(ns.node, ns.strategies[i])
+        breakdown.compute_s += prices.compute_s
+        breakdown.communication_s += prices.collectives_s
+        for k, v in prices.memory.items():
             memory[k] = memory.get(k, 0.0) + v * (activation_copies if k == "activations" else 1)
     for u, v, m in problem.edges:
         breakdown.resharding_s += m[solution.choice[u]][solution.choice[v]]

@@ -33,8 +33,8 @@ from planner.inter_op import (SEARCH_SCHEDULES, LayerProfile, PipelineCandidate,
                               config_label, in_flight, layer_signature, mesh_family,
                               split_layers, stage_mesh_options, stage_times)
 from planner.forked import run_beside, run_forked
-from planner.intra_op import (IntraOpResult, MemoryInfeasibleError, PreparedIntraOp,
-                              prepare_intra_op, restrict, solve_prepared)
+from planner.intra_op import (IntraOpCost, IntraOpResult, MemoryInfeasibleError,
+                              PreparedIntraOp, prepare_intra_op, restrict, solve_prepared)
 from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
 from planner.stage_reuse import moved_result, total_memory
@@ -365,10 +365,12 @@ class SearchContext:
             total += prof.points[0].memory(copies)
         return total <= budget
 
-    def times_of(self, result: IntraOpResult, mesh: StageMeshOption) -> StageTimes:
-        """:func:`stage_times` of a stage on ``mesh`` (with its ZeRO stage)."""
+    def times_of(self, result: IntraOpResult, mesh: StageMeshOption,
+                 cost: IntraOpCost | None = None) -> StageTimes:
+        """:func:`stage_times` of a stage on ``mesh`` (with its ZeRO stage);
+        ``cost``: the one ``result`` was solved with, to share."""
         return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
-                           mesh.zero_stage, pricer=self.pricer(mesh))
+                           mesh.zero_stage, pricer=self.pricer(mesh), cost=cost)
 
     def stage_graph(self, prog: MicrobatchProgram, first: int, end: int) -> Graph:
         """The sub-graph of layers ``first .. end - 1``, made once per program."""
@@ -518,7 +520,7 @@ class SearchContext:
                                     time_limit_s=min(self.time_limit_s, PROFILE_TIME_LIMIT_S))
         except InfeasibleError:  # nothing found in time
             return None
-        return result, self.times_of(result, mesh)
+        return result, self.times_of(result, mesh, prof.prepared.cost)
 
     @staticmethod
     def _insert(prof: LayerProfile, weight: float, result: IntraOpResult, t: StageTimes) -> None:
@@ -558,7 +560,7 @@ class SearchContext:
                 for group in prepared.built.members])
             # the same price of memory decides checkpointing
             result = solve_prepared(level, memory_weight=weight, time_limit_s=self.time_limit_s)
-            points.append(self.times_of(result, mesh))
+            points.append(self.times_of(result, mesh, level.cost))
         return LayerProfile(points, exhausted=ref.exhausted, weights=list(ref.weights))
 
 

@@ -19,7 +19,8 @@ from planner import pipeline as pipeline_search
 from planner.api import PlanningError, pipeline_plan, plan
 from planner.inter_op import (PipelineCandidate, StageTimes, exhaustive_split, in_flight,
                               split_layers)
-from planner.intra_op import MemoryInfeasibleError, solve_intra_op
+from planner.intra_op import (MemoryInfeasibleError, prepare_intra_op, solve_intra_op,
+                              solve_prepared)
 from planner.plan_format import Plan
 
 
@@ -215,6 +216,12 @@ def test_stage_times_with_a_shared_pricer_are_the_same(gpt_graph):
     shared = ReshardPricer((2, 2), axis_links(cluster, (2, 2)))
     for _ in range(2):  # the second time from its memo
         assert stage_times(result, cluster, "float32", "adam", pricer=shared) == alone
+    # the cost the result was solved with, whose node prices the solve kept
+    prepared = prepare_intra_op(gpt_graph, cluster, (2, 2), dtype="float32", pricer=shared)
+    solved = solve_prepared(prepared, time_limit_s=30)
+    assert solved.chosen == result.chosen
+    for _ in range(2):
+        assert stage_times(solved, cluster, "float32", "adam", cost=prepared.cost) == alone
 
 
 def test_zero3_stages_count_sharded_states_and_sync_gradients_once_per_step():
