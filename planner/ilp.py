@@ -22,6 +22,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
 
 import numpy as np
 import scipy.sparse
@@ -207,9 +208,34 @@ def _compress(matrix: list[list[float]]):
 
 SOLVERS = ("CBC", "HIGHS", "SCIP", "CP_SAT")
 
+# A warm start (one strategy index per node), a function giving it, or none.
+Hint = Union[list[int], Callable[[], Optional[list[int]]], None]
+
+
+def _made_once(hint: Hint) -> Callable[[], list[int] | None]:
+    """``hint`` as a function that makes it at most once."""
+    if not callable(hint):
+        return lambda: hint
+    made: list = []
+
+    def once() -> list[int] | None:
+        if not made:
+            made.append(hint())
+        return made[0]
+    return once
+
+
+def _kept_of(hint_of: Callable[[], list[int] | None],
+             kept: list[int]) -> Callable[[], list[int] | None]:
+    """The hint of a reduced problem: ``hint_of()``'s strategies of the ``kept`` nodes."""
+    def of() -> list[int] | None:
+        hint = hint_of()
+        return None if hint is None else [hint[v] for v in kept]
+    return of
+
 
 def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
-          hint: list[int] | None = None, solver: str = "CBC", reduce: bool = True) -> Solution:
+          hint: Hint = None, solver: str = "CBC", reduce: bool = True) -> Solution:
     """Solve the assignment problem with an OR-Tools backend.
 
     ``solver`` is one of :data:`SOLVERS`. CBC is the default: on a 3-node case SCIP
@@ -219,7 +245,9 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     variables are continuous there because the transport constraints make them
     integral once the node variables are.
 
-    ``hint`` (one strategy index per node) is the warm start and the anytime
+    ``hint`` (one strategy index per node, or a function giving it, called
+    only when a MIP runs: where the LP relaxation is integral no hint is
+    made) is the warm start and the anytime
     answer: passed to the backend with ``SetHint``, and returned (status
     ``TIME_LIMIT_WARM_START``, with no checkpointing or with every group
     checkpointed, whichever fits and is cheaper) when the time limit ends the
@@ -245,12 +273,12 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     if problem.memory_matters and groups <= _CHECKPOINT_COMBINATIONS_GROUPS and (
             problem.memory_weight > 0 if groups == 0
             else not all(len(c) == 1 for c in problem.node_costs)):
-        return _solve_per_checkpointing(problem, time_limit_s, hint, name, reduce)
+        return _solve_per_checkpointing(problem, time_limit_s, _made_once(hint), name, reduce)
     reduced = eliminate(problem) if reduce else None
     if reduced is None:
-        return _solve(problem, time_limit_s, hint, name)
+        return _solve(problem, time_limit_s, _made_once(hint), name)
     sol = _solve(reduced.problem, time_limit_s,
-                 None if hint is None else [hint[v] for v in reduced.kept], name)
+                 _made_once(_kept_of(_made_once(hint), reduced.kept)), name)
     choice = reduced.expand(sol.choice)
     checkpoint = sol.checkpoint if reduced.kept_groups else [False] * len(problem.checkpoint_groups)
     value = problem.evaluate(choice, checkpoint)
@@ -265,7 +293,8 @@ _CHECKPOINT_COMBINATIONS_GROUPS = 4
 
 
 def _solve_per_checkpointing(problem: AssignmentProblem, time_limit_s: float,
-                             hint: list[int] | None, name: str, reduce: bool) -> Solution:
+                             hint: Callable[[], list[int] | None], name: str,
+                             reduce: bool) -> Solution:
     """Solve once per combination of checkpoint decisions and keep the best
     (exact). With the decisions fixed, recomputation and the memory a
     checkpoint frees fold into node costs and node memory, and a memory weight
@@ -360,9 +389,9 @@ def _least_change(problem: AssignmentProblem, base: tuple[bool, ...],
     return total
 
 
-def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | None,
-           name: str) -> Solution:
-    """:func:`solve` without the reduction."""
+def _solve(problem: AssignmentProblem, time_limit_s: float,
+           hint_of: Callable[[], list[int] | None], name: str) -> Solution:
+    """:func:`solve` without the reduction (``hint_of`` gives the hint)."""
     if (all(len(c) == 1 for c in problem.node_costs)
             and len(problem.checkpoint_groups) <= _ENUMERATED_GROUPS):
         return _solve_fixed(problem, name)
@@ -432,6 +461,7 @@ def _solve(problem: AssignmentProblem, time_limit_s: float, hint: list[int] | No
         if integral is not None:
             return integral
     mip = _load(name, model.proto())
+    hint = hint_of()
     x = [[mip.variable(i) for i in xs] for xs in x]
     ckpt = [mip.variable(i) for i in ckpt]
     objective = mip.Objective()

@@ -291,3 +291,26 @@ def test_integral_relaxation_answers_without_the_mip_and_a_binding_budget_uses_i
     assert solution.solver == "CBC"
     assert solution.objective_s == pytest.approx(brute_force(knapsack)[1])  # 4.0
     assert knapsack.fits(solution.choice)
+
+
+def test_a_hint_given_as_a_function_is_made_only_when_a_mip_runs():
+    """A warm start may be a function: the search passes one, since making
+    it costs time and the LP relaxation is integral on almost every layer
+    problem. It is called once where the MIP runs, never where GLOP answers,
+    and the answers are those of the hint given as a list."""
+    made = []
+
+    def hint_of(hint):
+        return lambda: made.append(hint) or hint
+
+    chain = AssignmentProblem(
+        node_costs=[[1.0, 0.0], [0.0, 3.0], [2.0, 0.5]],
+        edges=[(0, 1, [[0.0, 5.0], [4.0, 0.0]]), (1, 2, [[0.0, 1.0], [1.0, 0.0]])])
+    assert solve(chain, hint=hint_of([0, 0, 0])) == solve(chain, hint=[0, 0, 0])
+    assert made == []
+    knapsack = AssignmentProblem(node_costs=[[0.0, 3.0], [0.0, 2.0], [0.0, 2.0]],
+                                 node_memory=[[4.0, 0.0], [3.0, 0.0], [3.0, 0.0]],
+                                 memory_budget=5.0)
+    lazily = solve(knapsack, hint=hint_of([1, 1, 1]), reduce=False)
+    assert made == [[1, 1, 1]]
+    assert lazily.solver == "CBC" and lazily == solve(knapsack, hint=[1, 1, 1], reduce=False)
