@@ -38,7 +38,7 @@ from planner.intra_op import (IntraOpCost, IntraOpResult, MemoryInfeasibleError,
 from planner.ilp import InfeasibleError
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
 from planner.stage_reuse import moved_result, total_memory
-from planner.strategies import NodeStrategies, build_strategies, divisible, fake_mesh
+from planner.strategies import NodeStrategies, build_strategies, divisible
 
 # Memory levels of a layer profile are the supported Pareto points of (seconds,
 # bytes), found as in the non-inferior set estimation (NISE) method: level 0
@@ -291,9 +291,9 @@ class SearchContext:
         if not prog.traced:
             prog = self.program(self.global_batch // prog.microbatch_size, traced=True)
         sub = self.stage_graph(prog, first, end)
-        with fake_mesh(mesh.shape) as fm:
-            strategies = build_strategies(sub, fm, self._strategy_cache.setdefault(mesh.shape, {}),
-                                          self._expansions)
+        strategies = build_strategies(sub, mesh.shape,
+                                      self._strategy_cache.setdefault(mesh.shape, {}),
+                                      self._expansions)
         if mesh.zero_stage == 3:  # FSDP2 shards parameters that are replicated on axis 0
             strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
                 ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],

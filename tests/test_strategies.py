@@ -44,3 +44,28 @@ def test_shared_expansions_equal_dtensors_answer_on_each_mesh(family):
                 compared.add(key)
     assert len(compared) > 100
     assert {k[0] for k in shared} == {1, 2, 3}
+
+
+def test_a_mesh_shape_makes_a_fake_mesh_only_for_what_the_caches_lack(monkeypatch):
+    """Given a mesh shape, strategies are those of its fake mesh; a graph whose
+    strategies are all in the caches makes no mesh, and none is left up."""
+    import torch.distributed as dist
+
+    from planner import strategies
+
+    model, inputs = build_from_config(_MODELS["gpt"], batch_size=2)
+    graph = trace(model, inputs)
+    with fake_mesh((2, 4)) as mesh:
+        want = build_strategies(graph, mesh)
+    made = []
+    real = strategies.fake_mesh
+    monkeypatch.setattr(strategies, "fake_mesh", lambda shape: made.append(shape) or real(shape))
+    cache: dict = {}
+    expansions: dict = {}
+    first = build_strategies(graph, (2, 4), cache, expansions)
+    assert made == [(2, 4)] and not dist.is_initialized()
+    again = build_strategies(graph, (2, 4), cache, expansions)
+    assert made == [(2, 4)] and not dist.is_initialized()
+    for got in (first, again):
+        assert [(ns.node.name, ns.strategies, ns.fallback) for ns in got] == \
+            [(ns.node.name, ns.strategies, ns.fallback) for ns in want]
