@@ -214,15 +214,7 @@ Hint = Union[list[int], Callable[[], Optional[list[int]]], None]
 
 def _made_once(hint: Hint) -> Callable[[], list[int] | None]:
     """``hint`` as a function that makes it at most once."""
-    if not callable(hint):
-        return lambda: hint
-    made: list = []
-
-    def once() -> list[int] | None:
-        if not made:
-            made.append(hint())
-        return made[0]
-    return once
+    return functools.cache(hint) if callable(hint) else lambda: hint
 
 
 def _kept_of(hint_of: Callable[[], list[int] | None],
@@ -270,15 +262,15 @@ def solve(problem: AssignmentProblem, *, time_limit_s: float = 10.0,
     if name not in SOLVERS:
         raise ValueError(f"unknown solver '{solver}'; choose one of {', '.join(SOLVERS)}")
     groups = len(problem.checkpoint_groups)
+    hint_of = _made_once(hint)
     if problem.memory_matters and groups <= _CHECKPOINT_COMBINATIONS_GROUPS and (
             problem.memory_weight > 0 if groups == 0
             else not all(len(c) == 1 for c in problem.node_costs)):
-        return _solve_per_checkpointing(problem, time_limit_s, _made_once(hint), name, reduce)
+        return _solve_per_checkpointing(problem, time_limit_s, hint_of, name, reduce)
     reduced = eliminate(problem) if reduce else None
     if reduced is None:
-        return _solve(problem, time_limit_s, _made_once(hint), name)
-    sol = _solve(reduced.problem, time_limit_s,
-                 _made_once(_kept_of(_made_once(hint), reduced.kept)), name)
+        return _solve(problem, time_limit_s, hint_of, name)
+    sol = _solve(reduced.problem, time_limit_s, _kept_of(hint_of, reduced.kept), name)
     choice = reduced.expand(sol.choice)
     checkpoint = sol.checkpoint if reduced.kept_groups else [False] * len(problem.checkpoint_groups)
     value = problem.evaluate(choice, checkpoint)
