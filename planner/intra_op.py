@@ -38,8 +38,7 @@ from ir.layers import Layer
 from planner.report import format_bytes
 from planner.ilp import (AssignmentProblem, CheckpointGroup, EdgeMatrix, Hint, Solution,
                          greedy_assignment, solve, warm_start_value)
-from planner.strategies import (NodeStrategies, Placements, Strategy, build_strategies,
-                                fake_mesh, is_shard)
+from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, is_shard
 
 
 
@@ -738,8 +737,7 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
     ``zero_stage``: see :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
-        with fake_mesh(mesh_shape) as mesh:
-            strategies = build_strategies(graph, mesh)
+        strategies = build_strategies(graph, mesh_shape)
     strategies = list(strategies)
     for i, ns in enumerate(strategies):
         key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
