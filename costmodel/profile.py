@@ -267,17 +267,21 @@ def fit_gemm(samples: Iterable[tuple[float, float]], overhead: float, loss: str 
         raise ProfileError(f"a GEMM fit needs >= 2 timings, got {len(data)}")
     f = np.array([d[0] for d in data])
     y = np.array([d[1] for d in data])
-    # unknowns x = (1/peak, H/peak); y - overhead = f * x0 + x1
+    # unknowns x = (1/peak, fixed seconds); y = f * x0 + x1 with x1 = H/peak + overhead.
+    # The intercept is fitted free of ``overhead`` (measured separately, and on a
+    # busy machine sometimes above a small GEMM's time: pinning x1 >= overhead then
+    # forces the slope to 0); H is what the intercept leaves above the overhead.
     rows = np.stack([f, np.ones_like(f)], axis=1)
     if loss not in ("l1", "l2"):
         raise ValueError(f"loss must be 'l1' or 'l2', got {loss!r}")
-    inv_peak, h_over_peak = _nnls2(rows, y - overhead, 1.0 / y)
+    inv_peak, fixed = _nnls2(rows, y, 1.0 / y)
     if loss == "l1":
-        inv_peak, h_over_peak = _solve_l1(rows, y - overhead, y, (inv_peak, h_over_peak))
+        inv_peak, fixed = _solve_l1(rows, y, y, (inv_peak, fixed))
     if inv_peak <= 0:
-        raise ProfileError("GEMM timings do not grow with FLOPs; cannot fit a peak FLOP/s")
+        raise ProfileError("GEMM timings do not grow with FLOPs, so no peak FLOP/s can be fitted "
+                           "(the machine was probably busy); re-run `planner profile` on an idle machine")
     peak = 1.0 / inv_peak
-    half = max(h_over_peak * peak, 1.0)  # matmul_efficiency needs H > 0
+    half = max((fixed - overhead) * peak, 1.0)  # matmul_efficiency needs H > 0
     pred = (f + half) / peak + overhead
     ape = np.abs(pred - y) / y * 100.0
     return {"peak_flops": float(peak), "max_efficiency": 1.0, "half_saturation_flops": float(half),
