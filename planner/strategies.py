@@ -418,24 +418,39 @@ class StrategyBuilder:
                 seen.setdefault(st, None)
         return list(seen)
 
-
     def _fits(self, placements: Placements, shape: tuple[int, ...]) -> bool:
         """Whether ``placements`` are all kept ones (:func:`_is_kept`) and divide
         ``shape`` on this mesh; memoised (a llama3-8b search asks ~150k times,
         mostly about a few thousand distinct pairs)."""
+        plain = _plain(placements)  # others (a _MaskPartial) may not hash once unpickled
         key = (placements, shape)
-        known = self._fitting.get(key)
+        known = self._fitting.get(key) if plain else None
         if known is None:
-            known = self._fitting[key] = all(_is_kept(p) for p in placements) and divisible(
+            known = all(_is_kept(p) for p in placements) and divisible(
                 shape, placements, self.mesh_shape)
+            if plain:
+                self._fitting[key] = known
         return known
 
     def _has_partial(self, placements: Placements) -> bool:
-        """Whether some placement is a ``Partial`` (of any reduction); memoised."""
-        known = self._partial.get(placements)
+        """Whether some placement is a ``Partial`` (of any reduction); memoised
+        for the plain placement types."""
+        plain = _plain(placements)
+        known = self._partial.get(placements) if plain else None
         if known is None:
-            known = self._partial[placements] = any(isinstance(p, Partial) for p in placements)
+            known = any(isinstance(p, Partial) for p in placements)
+            if plain:
+                self._partial[placements] = known
         return known
+
+
+#: The placement types memoised by value (a ``_MaskPartial`` hashes its mask
+#: buffer, which one unpickled from a forked search process lacks).
+_PLAIN_TYPES = frozenset((Replicate, Shard, Partial))
+
+
+def _plain(placements: Placements) -> bool:
+    return all(type(p) in _PLAIN_TYPES for p in placements)
 
 
 class _NoStrategy(Exception):

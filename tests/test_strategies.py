@@ -69,3 +69,34 @@ def test_a_mesh_shape_makes_a_fake_mesh_only_for_what_the_caches_lack(monkeypatc
     for got in (first, again):
         assert [(ns.node.name, ns.strategies, ns.fallback) for ns in got] == \
             [(ns.node.name, ns.strategies, ns.fallback) for ns in want]
+
+
+def test_expansions_that_came_back_pickled_from_a_forked_search_give_the_same_strategies():
+    """A forked search process sends its strategy caches back pickled; an
+    unpickled ``_MaskPartial`` (vocab-parallel embedding) cannot be hashed, so
+    the filter must not memoise it, and it keeps what the fresh rows keep."""
+    import io
+
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    from planner import forked
+
+    model, inputs = build_from_config(_MODELS["gpt"], batch_size=2)
+    graph = trace(model, inputs)
+    shared: dict = {}
+    with fake_mesh((2,)) as mesh:
+        fresh = build_strategies(graph, mesh, expansions=shared)
+    masked = [key for key, rows in shared.items() if not isinstance(rows, Exception) and any(
+        type(p) not in (Replicate, Shard) and type(p).__name__ == "_MaskPartial"
+        for ins, outs in rows for pl in (*(ins or ()), *outs) if pl for p in pl)]
+    assert masked, "the embedding's expansion holds a _MaskPartial"
+    buffer = io.BytesIO()
+    forked._SharedPickler(buffer, ()).dump(shared)  # as a forked search sends it back
+    buffer.seek(0)
+    unpickled = forked._SharedUnpickler(buffer, ()).load()
+    with fake_mesh((4,)) as mesh:
+        again = build_strategies(graph, mesh, expansions=unpickled)
+    with fake_mesh((4,)) as mesh:
+        want = build_strategies(graph, mesh)
+    assert [ns.strategies for ns in again] == [ns.strategies for ns in want]
+    assert len(fresh) == len(again)
