@@ -278,9 +278,10 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
         return build_plan(best, cluster, info, training)
 
-    from planner.pipeline import (NO_PIPELINE, SearchContext, SearchOptions, accumulates,
-                                  assemble, refine, search, solve_finalists,
-                                  split_far_finalists, zero_variants)
+    from planner.finalists import assemble, solve_finalists, split_far_finalists
+    from planner.pipeline import (NO_PIPELINE, SearchOptions, accumulates, refine, search,
+                                  zero_variants)
+    from planner.search_context import SearchContext
 
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
                         budget=budget, time_limit_s=time_limit_s, progress=progress,
@@ -347,7 +348,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     """
     from costmodel.schedules import canonical_schedule, default_stages_per_rank
     from planner.inter_op import stage_mesh_options
-    from planner.pipeline import SearchContext, SearchOptions, assemble, search, solve_exact
+    from planner.finalists import assemble, solve_exact
+    from planner.pipeline import SearchOptions, search
+    from planner.search_context import SearchContext
 
     cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
                                                              memory_budget)

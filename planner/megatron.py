@@ -470,7 +470,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
         raise MegatronDoesNotFit(
             f"{cfg.label()} needs at least {floor / 2**30:.1f} GiB per device for parameter "
             f"states alone, more than the {budget / 2**30:.1f} GiB available")
-    from planner.pipeline import global_batch_of
+    from planner.search_context import global_batch_of
 
     m = cfg.num_microbatches(global_batch_of(example_inputs))
     layout = megatron_layout(graph, cfg)
@@ -505,8 +505,9 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     """A Megatron pipeline: uniform layer split, fixed layout, 1F1B / interleaved
     (with pp = 1: one stage accumulating the gradients of its micro-batches)."""
     from planner.inter_op import PipelineCandidate, StageMeshOption, stage_mesh_options
-    from planner.pipeline import (ExactPipeline, SearchContext, assemble, p2p_seconds,
-                                  simulate_step, stage_in_flight)
+    from planner.finalists import ExactPipeline, assemble
+    from planner.pipeline import p2p_seconds, simulate_step, stage_in_flight
+    from planner.search_context import SearchContext
 
     options = stage_mesh_options(cluster, cfg.pp)
     if not options:

@@ -16,6 +16,8 @@ from ir.source import build_model
 from ir.zoo import GPTConfig, build_from_config
 from ir.trace import trace
 from planner import pipeline as ps
+from planner import search_context
+from planner.finalists import solve_exact, solve_finalists
 from planner.forked import ForkedTaskError, can_fork, run_beside, run_forked
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="needs os.fork and two CPUs")
@@ -120,8 +122,8 @@ def _gpt8_contexts():
     model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
     programs: dict = {}
 
-    def context() -> ps.SearchContext:
-        return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+    def context() -> search_context.SearchContext:
+        return search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                 optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
                                 programs=programs)
     return context
@@ -138,10 +140,10 @@ def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
                                              num_microbatches=[4]))
     finalists = [c for c in ranked if c.pp > 1][:3]
     assert len({c.mesh.shape for c in finalists}) >= 2
-    both = ps.solve_finalists(ctx, finalists)
+    both = solve_finalists(ctx, finalists)
     alone = context()
     for cand, got in zip(finalists, both):
-        want = ps.solve_exact(alone, cand)
+        want = solve_exact(alone, cand)
         assert got.step_time_s == want.step_time_s
         assert got.program is ctx.program(cand.num_microbatches)
         for r, w in zip(got.results, want.results):
@@ -204,7 +206,7 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
     def searched(forked: bool):
         if not forked:
             _in_order(monkeypatch)
-        ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+        ctx = search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
                                whole_batch_graph=whole_batch)
         beside = ctx.will_capture(4)
@@ -236,7 +238,7 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
         for ref in refs:
             mb, layer = ref.origin
             prog = ctx.program(ctx.global_batch // mb)
-            assert ctx._profiles[ps._profile_key(prog, layer, ref.mesh)] is ref
+            assert ctx._profiles[search_context._profile_key(prog, layer, ref.mesh)] is ref
     assert ctx.ilp_solves == alone.ilp_solves
 
 
@@ -249,7 +251,7 @@ def test_zero_variants_write_out_a_missing_program_once_here(monkeypatch, tmp_pa
                                       batch_size=16, seq_len=16)
     whole_batch = trace(model, inputs)
     writers = tmp_path / "writers"
-    real_rescaled_trace = ps.rescaled_trace
+    real_rescaled_trace = search_context.rescaled_trace
 
     def rescaled_trace(*args, **kwargs):
         with open(writers, "a") as fh:
@@ -257,9 +259,9 @@ def test_zero_variants_write_out_a_missing_program_once_here(monkeypatch, tmp_pa
         return real_rescaled_trace(*args, **kwargs)
 
     def variants(forked: bool):
-        monkeypatch.setattr(ps, "rescaled_trace", rescaled_trace)
+        monkeypatch.setattr(search_context, "rescaled_trace", rescaled_trace)
         said: list[str] = []
-        ctx = ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+        ctx = search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
                                whole_batch_graph=whole_batch, progress=said.append)
         opts = ps.SearchOptions(pp=[2], schedules=["1f1b"], num_microbatches=[2, 4])
@@ -370,7 +372,7 @@ def test_a_forked_process_sends_back_the_strategies_its_parent_lacks():
     child.forked()
     child.profile(prog, 0, small)  # nothing new: all of it inherited
     child.profile(prog, 0, big)
-    scopes = {ps.pricing_scope(m.key, prog.microbatch_size) for m in (small, big)}
+    scopes = {search_context.pricing_scope(m.key, prog.microbatch_size) for m in (small, big)}
     sent = child.scope_state(scopes)
     assert sent["strategies"].get(small.shape, {}) == {}
     assert sent["strategies"][big.shape] == child._strategy_cache[big.shape]

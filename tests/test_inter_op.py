@@ -15,13 +15,14 @@ from ir.layers import cluster_layers, pipeline_layers
 from ir.source import build_model
 from ir.subgraph import boundary_values
 from ir.trace import trace
+from planner import finalists as finalists_of_search
 from planner import pipeline as pipeline_search
+from planner.search_context import SearchContext
 from planner.api import PlanningError, pipeline_plan, plan
 from planner.inter_op import (PipelineCandidate, StageTimes, exhaustive_split, in_flight,
                               split_layers)
 from planner.intra_op import (MemoryInfeasibleError, prepare_intra_op, solve_intra_op,
                               solve_prepared)
-from planner.plan_format import Plan
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_search_equals_exhaustive_cuts_and_sub_meshes(monkeypatch):
 
     def best(splitter):
         monkeypatch.setattr(pipeline_search, "split_layers", splitter)
-        ctx = pipeline_search.SearchContext(model, inputs, _cluster(8), dtype="float32",
+        ctx = SearchContext(model, inputs, _cluster(8), dtype="float32",
                                             optimizer="adam", budget=2e9, time_limit_s=10,
                                             min_layers=6)
         cands = pipeline_search.search(ctx, pipeline_search.SearchOptions(
@@ -116,7 +117,7 @@ def test_pipelines_of_more_stages_than_layers_are_not_searched():
     """Configurations whose stages outnumber the layers are left out before
     their micro-batch programs are made: nothing is captured for them."""
     model, inputs = build_model("mlp-tiny", batch_size=16)
-    ctx = pipeline_search.SearchContext(model, inputs, _cluster(8), dtype="float32",
+    ctx = SearchContext(model, inputs, _cluster(8), dtype="float32",
                                         optimizer="adam", budget=2e9, time_limit_s=10,
                                         min_layers=4)
     num_layers = len(ctx.program(1).layers)
@@ -135,7 +136,7 @@ def test_finalists_far_behind_the_fastest_prediction_are_set_aside():
 
     accumulating = PipelineCandidate(1, 1, None, "1f1b", 8, None, 300.0, 0.0, 0.0)
     finalists = [cand(110.0), cand(100.0), cand(200.0), accumulating, cand(114.0), cand(116.0)]
-    close, far = pipeline_search.split_far_finalists(finalists, margin=1.15)
+    close, far = finalists_of_search.split_far_finalists(finalists, margin=1.15)
     # one stage accumulating micro-batches is always solved (its predictions are coarse)
     assert [c.step_time_s for c in close] == [110.0, 100.0, 300.0, 114.0]
     assert [c.step_time_s for c in far] == [200.0, 116.0]
@@ -145,7 +146,7 @@ def test_far_finalists_are_solved_when_no_close_one_has_a_plan(monkeypatch):
     """plan() falls back to the finalists it set aside when none of the
     others has a plan within limits."""
     model, inputs = build_model("gpt-tiny")
-    real_solve, real_split = pipeline_search.solve_finalists, pipeline_search.split_far_finalists
+    real_solve, real_split = finalists_of_search.solve_finalists, finalists_of_search.split_far_finalists
     asked: list[list[str]] = []
 
     def solve(ctx, finalists):
@@ -153,9 +154,9 @@ def test_far_finalists_are_solved_when_no_close_one_has_a_plan(monkeypatch):
         results = real_solve(ctx, finalists)
         return [None] * len(results) if len(asked) == 1 else results  # the close ones: no plan
 
-    monkeypatch.setattr(pipeline_search, "solve_finalists", solve)
+    monkeypatch.setattr(finalists_of_search, "solve_finalists", solve)
     # only the fastest prediction is close
-    monkeypatch.setattr(pipeline_search, "split_far_finalists", lambda f: real_split(f, 1.0))
+    monkeypatch.setattr(finalists_of_search, "split_far_finalists", lambda f: real_split(f, 1.0))
     p = plan(model, "local-cpu:4", example_inputs=inputs, model_source="gpt-tiny",
              pp=[2], schedules=["1f1b"], num_microbatches=[2, 4], zero_stages=[0])
     assert len(asked) == 2 and asked[1] and not set(asked[0]) & set(asked[1])

@@ -12,7 +12,7 @@ from ir import trace
 from ir.rescale import batch_rule
 from ir.source import build_model
 from ir.zoo import GPTConfig, build_from_config
-from planner.pipeline import SearchContext, microbatch_inputs
+from planner.search_context import SearchContext, microbatch_inputs
 
 
 @functools.lru_cache(maxsize=None)  # the tests only read the Graphs: capture each once

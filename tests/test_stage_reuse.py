@@ -8,12 +8,13 @@ import pytest
 from costmodel.presets import local_cpu_cluster
 from ir.source import build_model
 from planner import pipeline as ps
+from planner.search_context import SearchContext
 from planner.stage_reuse import node_map, total_memory
 
 
-def _context(budget: float) -> ps.SearchContext:
+def _context(budget: float) -> SearchContext:
     model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
-    return ps.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
+    return SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                             optimizer="adam", budget=budget, time_limit_s=10, min_layers=2)
 
 
