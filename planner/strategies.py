@@ -209,9 +209,6 @@ class StrategyBuilder:
         self._expansions: dict[tuple, list[_Row] | Exception] = \
             {} if expansions is None else expansions
         self._unit_mesh: DeviceMesh | None = None
-        # (placements, shape) -> _fits; placements -> _has_partial
-        self._fitting: dict[tuple, bool] = {}
-        self._partial: dict[Placements, bool] = {}
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -408,49 +405,18 @@ class StrategyBuilder:
             # elsewhere the plan reduces first, which costs the same collective
             # and keeps the search small.
             ok = node.flops > 0 or node.bytes_moved == 0 or not any(
-                self._has_partial(pl) for pl in ins)
+                isinstance(p, Partial) for pl in ins for p in pl)
             for pl, info in itertools.chain(zip(ins, node.inputs), zip(tensor_outs, node.outputs)):
                 if not ok:
                     break
-                ok = self._fits(pl, info.shape)
+                if not all(_is_kept(p) for p in pl) or not divisible(
+                        info.shape, pl, self.mesh_shape):
+                    ok = False
+                    break
             if ok:
                 st = Strategy(tuple(tuple(pl) for pl in ins), tuple(tuple(o) for o in tensor_outs))
                 seen.setdefault(st, None)
         return list(seen)
-
-    def _fits(self, placements: Placements, shape: tuple[int, ...]) -> bool:
-        """Whether ``placements`` are all kept ones (:func:`_is_kept`) and divide
-        ``shape`` on this mesh; memoised (a llama3-8b search asks ~150k times,
-        mostly about a few thousand distinct pairs)."""
-        plain = _plain(placements)  # others (a _MaskPartial) may not hash once unpickled
-        key = (placements, shape)
-        known = self._fitting.get(key) if plain else None
-        if known is None:
-            known = all(_is_kept(p) for p in placements) and divisible(
-                shape, placements, self.mesh_shape)
-            if plain:
-                self._fitting[key] = known
-        return known
-
-    def _has_partial(self, placements: Placements) -> bool:
-        """Whether some placement is a ``Partial`` (of any reduction); memoised
-        for the plain placement types."""
-        plain = _plain(placements)
-        known = self._partial.get(placements) if plain else None
-        if known is None:
-            known = any(isinstance(p, Partial) for p in placements)
-            if plain:
-                self._partial[placements] = known
-        return known
-
-
-#: The placement types memoised by value (a ``_MaskPartial`` hashes its mask
-#: buffer, which one unpickled from a forked search process lacks).
-_PLAIN_TYPES = frozenset((Replicate, Shard, Partial))
-
-
-def _plain(placements: Placements) -> bool:
-    return all(type(p) in _PLAIN_TYPES for p in placements)
 
 
 class _NoStrategy(Exception):
