@@ -44,6 +44,18 @@ def test_gpipe_trace_matches_torch_pipeline_order(pp, m):
     assert s2r == {s: s for s in range(pp)}
 
 
+def test_recording_an_order_leaves_torchs_profiler_ranges_in_place():
+    """The recording runs torch's schedule loop without profiler ranges and
+    puts torch's ``record_function`` back afterwards."""
+    from torch.profiler import record_function
+
+    for name in ("gpipe", "1f1b"):
+        orders, _ = rank_orders(name, 3, 7)
+        assert sorted(str(a) for a in orders[2]) == sorted(
+            [f"2F{j}" for j in range(7)] + [f"2B{j}" for j in range(7)])
+    assert tsched.record_function is record_function
+
+
 @pytest.mark.parametrize("pp,m", [(2, 2), (3, 5), (4, 8), (4, 4)])
 def test_1f1b_trace_is_executed_order(pp, m):
     orders, _ = rank_orders("1f1b", pp, m)
