@@ -364,6 +364,29 @@ def test_one_pass_capture_is_the_two_pass_capture(name, batch):
     assert graph_from_exported(one).fingerprint() == graph_from_exported(two).fingerprint()
 
 
+def test_one_pass_decompositions_are_made_again_when_an_op_is_registered():
+    """The one pass keeps export's materialised decomposition table while no
+    op with a CompositeImplicitAutograd kernel is registered; a new one (a
+    custom op the model may call) makes a table that decomposes it too."""
+    from torch.export import default_decompositions
+
+    from ir.trace import _export_decompositions
+
+    first = _export_decompositions()
+    assert _export_decompositions() is first
+    assert set(first) == set(default_decompositions().materialize())
+    lib = torch.library.Library("plannertest", "FRAGMENT")
+    lib.define("scaled(Tensor x) -> Tensor")
+    lib.impl("scaled", lambda x: x * 2.0, "CompositeImplicitAutograd")
+    try:
+        again = _export_decompositions()
+        assert again is not first
+        assert torch.ops.plannertest.scaled.default in again
+        assert torch.ops.plannertest.scaled.default not in first
+    finally:
+        lib._destroy()
+
+
 def test_one_pass_capture_falls_back_to_two_passes_for_other_outputs():
     """A model whose output the one pass cannot take (a dict) is captured by
     torch.export and run_decompositions, as capture does."""
