@@ -174,10 +174,12 @@ def _export_decompositions() -> dict:
     """``torch.export.default_decompositions()``, materialised: the table
     collects every op with a CompositeImplicitAutograd kernel when first
     read (~60 ms, in every capture). Made once per process while no such op
-    is registered anew (~0.3 ms to count them)."""
-    return _materialised_decompositions(
+    is registered anew (~0.3 ms to count them); each caller gets its own copy."""
+    from torch._decomp import decomposition_table
+
+    return dict(_materialised_decompositions(
         len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
-        len(torch._decomp.decomposition_table))
+        len(decomposition_table)))
 
 
 @functools.lru_cache(maxsize=1)

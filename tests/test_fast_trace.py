@@ -373,14 +373,13 @@ def test_one_pass_decompositions_are_made_again_when_an_op_is_registered():
     from ir.trace import _export_decompositions
 
     first = _export_decompositions()
-    assert _export_decompositions() is first
+    assert _export_decompositions() == first
     assert set(first) == set(default_decompositions().materialize())
     lib = torch.library.Library("plannertest", "FRAGMENT")
     lib.define("scaled(Tensor x) -> Tensor")
     lib.impl("scaled", lambda x: x * 2.0, "CompositeImplicitAutograd")
     try:
         again = _export_decompositions()
-        assert again is not first
         assert torch.ops.plannertest.scaled.default in again
         assert torch.ops.plannertest.scaled.default not in first
     finally:
