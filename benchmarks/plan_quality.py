@@ -158,13 +158,13 @@ def megatron_grid(cluster: Cluster, batch: int, num_layers: int,
 def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
              commit: str | None = None) -> dict[str, Any]:
     """Plan ``case`` both ways; ``commit``: the code's git commit, recorded."""
-    from ir.layers import pipeline_layers
+    from ir.layers import block_count, pipeline_layers
     from ir.trace import trace
 
     cluster = build_cluster(case.cluster)
     model, inputs = build_case_model(case)
     graph = trace(model, inputs)
-    configs = megatron_grid(cluster, case.batch, len(pipeline_layers(graph)), case.megatron)
+    configs = megatron_grid(cluster, case.batch, block_count(pipeline_layers(graph)), case.megatron)
     t0 = time.perf_counter()
     result = compare(case.model, cluster, model=model, inputs=inputs, time_limit_s=time_limit_s,
                      configs=configs, auto_options=case.auto,

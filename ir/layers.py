@@ -10,8 +10,10 @@ position by position as one.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass
+from typing import Sequence
 
 from ir.graph import OP, PARAM, Graph, Node
 
@@ -75,15 +77,20 @@ class PipelineLayer:
     """A unit the inter-op pass never splits: ops in program order.
 
     Attributes:
-        name: module path of its block (``transformer.h.3``), or ``ops[a:b]``
-            for a layer made by :func:`cluster_layers`.
+        name: module path of its block (``transformer.h.3``), ``ops[a:b]``
+            for a layer made by :func:`cluster_layers`, or for an end layer
+            the module paths of its ops (``transformer.wte+transformer.wpe``).
         ops: names of its op nodes, in program order.
         flops: forward FLOPs of its ops.
+        end: the ops before the first repeated block (embeddings) or after the
+            last (head and loss): a manual split puts them with the first or
+            last stage (:func:`manual_bounds`), as Megatron does.
     """
 
     name: str
     ops: tuple[str, ...]
     flops: float
+    end: bool = False
 
 
 def _op_owner(graph: Graph) -> dict[str, str | None]:
@@ -99,27 +106,71 @@ def _op_owner(graph: Graph) -> dict[str, str | None]:
 def pipeline_layers(graph: Graph, min_layers: int = 2) -> list[PipelineLayer]:
     """The graph's ops cut into pipeline layers.
 
-    With repeated blocks (at least ``min_layers``), each block is a layer; ops
-    before the first block (embeddings) join the first layer, ops after a block
-    and before the next (or the head and loss after the last) join the block
-    before them. Without repeated blocks the ops are clustered by
-    :func:`cluster_layers` into ``min_layers`` or more layers.
+    With repeated blocks (at least ``min_layers``), each block is a layer and
+    ops after a block and before the next join the block before them; the ops
+    before the first block (embeddings) and those after the last (the head
+    and loss) are end layers of their own (:attr:`PipelineLayer.end`). So
+    every block is a layer of one kind, whose intra-op problem the search
+    solves once per stage mesh and micro-batch size, where an embedding or a
+    head joined to a block made two more kinds, each a block's problem again
+    (llama3-8b on 64 GPUs: plan() 14.9 -> 12.2 s here, the same plan).
+    Without repeated blocks the ops are clustered by :func:`cluster_layers`
+    into ``min_layers`` or more layers.
     """
     ops = [n for n in graph.nodes if n.kind == OP]
     owner = _op_owner(graph)
     blocks = list(dict.fromkeys(b for b in owner.values() if b is not None))
     if len(blocks) < min_layers:
         return cluster_layers(graph, max(min_layers, 1))
+    owned = [i for i, n in enumerate(ops) if owner[n.name] is not None]
+    start, stop = owned[0], owned[-1] + 1
     groups: list[list[str]] = [[] for _ in blocks]
     index = {b: i for i, b in enumerate(blocks)}
     current = 0
-    for n in ops:
+    for n in ops[start:stop]:
         b = owner[n.name]
         if b is not None:
             current = max(current, index[b])
         groups[current].append(n.name)
-    return [PipelineLayer(b, tuple(g), float(sum(graph[x].flops for x in g)))
-            for b, g in zip(blocks, groups)]
+    layers = [PipelineLayer(b, tuple(g), float(sum(graph[x].flops for x in g)))
+              for b, g in zip(blocks, groups)]
+    if start > 0:
+        layers.insert(0, _end_layer(graph, ops[:start], "before the blocks"))
+    if stop < len(ops):
+        layers.append(_end_layer(graph, ops[stop:], "after the blocks"))
+    return layers
+
+
+def _end_layer(graph: Graph, ops: list[Node], where: str) -> PipelineLayer:
+    """The end layer of ``ops``, named by their outermost module paths in
+    program order (``where`` in parentheses when they have none)."""
+    paths: list[str] = []
+    for n in ops:
+        path = n.module_path
+        if path and not any(path == p or path.startswith(p + ".") for p in paths):
+            paths.append(path)
+    return PipelineLayer("+".join(paths) or f"({where})", tuple(n.name for n in ops),
+                         float(sum(n.flops for n in ops)), end=True)
+
+
+def block_count(layers: Sequence[PipelineLayer]) -> int:
+    """How many of ``layers`` are not end layers (the blocks a manual split counts)."""
+    return sum(not layer.end for layer in layers)
+
+
+def manual_bounds(layers: Sequence[PipelineLayer],
+                  blocks_per_stage: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first, end)`` layer indices of stages holding ``blocks_per_stage[s]``
+    of the non-end layers each, in order, with the end layers joining the
+    first and the last stage (as Megatron places the embedding and the head).
+    ``blocks_per_stage`` must add up to :func:`block_count`."""
+    blocks = [i for i, layer in enumerate(layers) if not layer.end]
+    if sum(blocks_per_stage) != len(blocks) or min(blocks_per_stage, default=0) < 1:
+        raise ValueError(f"blocks per stage {list(blocks_per_stage)} must be at least 1 each "
+                         f"and add up to the {len(blocks)} blocks")
+    ends = list(itertools.accumulate(blocks_per_stage))
+    cuts = [0] + [blocks[e] for e in ends[:-1]] + [len(layers)]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 def cut_bytes(graph: Graph) -> list[float]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import math
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -15,6 +14,7 @@ from costmodel.memory import reserve_bytes
 from costmodel.resharding import placement_str
 from costmodel.schedules import release_orders
 from ir.graph import INPUT, OP, PARAM, Graph
+from ir.layers import block_count, manual_bounds
 from ir.trace import trace
 from planner.forked import run_beside
 from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
@@ -341,7 +341,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         num_microbatches: micro-batches per step (must divide the batch).
         zero_stage: 0, or 3 to shard each stage's parameters, gradients and
             optimizer states with FSDP2 over its first mesh axis.
-        layer_split: layers per stage, in stage order (default: the inter-op DP's cut).
+        layer_split: layers per stage, in stage order (default: the inter-op DP's cut):
+            repeated blocks, the ops before the first (embeddings) joining the first
+            stage and those after the last (head and loss) the last stage.
         fixed: placements (on the stage mesh) some parameters (by FQN) or inputs
             must take, e.g. a Megatron layout; the ILP places everything else.
         Others: as :func:`plan`.
@@ -374,12 +376,12 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     v = default_stages_per_rank(schedule)
     layers = ctx.program(num_microbatches).layers
     if layer_split is not None:
-        if len(layer_split) != pp * v or sum(layer_split) != len(layers) or min(layer_split) < 1:
+        blocks = block_count(layers)
+        if len(layer_split) != pp * v or sum(layer_split) != blocks or min(layer_split) < 1:
             raise PlanningError(
                 f"layer_split {list(layer_split)} must give {pp * v} stages of at least one "
-                f"layer each, {len(layers)} layers in all")
-        ends = list(itertools.accumulate(layer_split))
-        bounds = list(zip([0] + ends[:-1], ends))
+                f"layer each, {blocks} layers in all")
+        bounds = manual_bounds(layers, layer_split)
     else:
         bounds = None
     cands = [c for c in search(ctx, SearchOptions(

@@ -19,7 +19,7 @@ import torch
 
 from costmodel.cluster import Cluster, load_cluster
 from ir.graph import Graph
-from ir.layers import pipeline_layers
+from ir.layers import block_count, pipeline_layers
 from ir.source import build_model
 from ir.trace import trace
 from planner.api import PlanningError, plan
@@ -104,7 +104,7 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
     tokens = int(inputs[0].numel()) if isinstance(inputs[0], torch.Tensor) else 0
     global_batch = int(inputs[0].shape[0]) if isinstance(inputs[0], torch.Tensor) else None
     if configs is None:
-        num_layers = len(pipeline_layers(graph)) if pipeline else None
+        num_layers = block_count(pipeline_layers(graph)) if pipeline else None
         configs = megatron_configs(cluster, global_batch, num_layers,
                                    micro_batch_sizes=micro_batch_sizes,
                                    virtual_stages=virtual_stages,

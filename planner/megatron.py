@@ -38,6 +38,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from costmodel.cluster import Cluster, load_cluster
 from ir.graph import INPUT, OP, PARAM, Graph
+from ir.layers import block_count, manual_bounds
 from ir.trace import trace
 from planner.api import (PlanningError, build_plan, default_memory_budget, model_record,
                          training_record)
@@ -528,10 +529,10 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                                          whole_batch_graph=graph)
     prog = ctx.program(m, traced=True)
     v = cfg.stages_per_rank
-    cfg.check_layers(len(prog.layers))
+    blocks = block_count(prog.layers)
+    cfg.check_layers(blocks)
     chunks = cfg.pp * v
-    per = len(prog.layers) // chunks
-    bounds = [(s * per, (s + 1) * per) for s in range(chunks)]
+    bounds = manual_bounds(prog.layers, [blocks // chunks] * chunks)
     try:
         copies = stage_in_flight(cfg.schedule, cfg.pp, m, v)
     except ValueError as err:

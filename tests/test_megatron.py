@@ -119,7 +119,9 @@ def test_megatron_pipeline_plan_has_stages_and_the_layout(megatron_pp2):
     pipe = p.pipeline
     assert p.mesh["shape"] == [2, 2] and pipe.schedule == "1f1b"
     assert pipe.num_microbatches == 4  # batch 8 / (mbs 2 x dp 1)
-    assert [s.layers for s in pipe.stages] == [["transformer.h.0"], ["transformer.h.1"]]
+    assert [s.layers for s in pipe.stages] == [
+        ["transformer.wte+transformer.wpe", "transformer.h.0"],
+        ["transformer.h.1", "transformer.ln_f+lm_head"]]
     assert [s.ranks for s in pipe.stages] == [[0, 1], [2, 3]]
     assert p.parameters["transformer.h.0.attn.c_attn.weight"] == ["S(0)"]
     assert p.parameters["transformer.h.1.mlp.c_proj.weight"] == ["S(1)"]

@@ -70,7 +70,9 @@ def test_sequence_parallel_pipeline_plan_keeps_its_own_stage_context():
     kw = dict(pipeline_model_parallel_size=2, micro_batch_size=2)
     _plan("local-cpu:4", MegatronConfig(2, 1, **kw), cache)
     p = _plan("local-cpu:4", MegatronConfig(2, 1, sequence_parallel=True, **kw), cache)
-    assert [s.layers for s in p.pipeline.stages] == [["transformer.h.0"], ["transformer.h.1"]]
+    assert [s.layers for s in p.pipeline.stages] == [
+        ["transformer.wte+transformer.wpe", "transformer.h.0"],
+        ["transformer.h.1", "transformer.ln_f+lm_head"]]
     assert p.nodes["add_3"].outputs[0] == ["S(1)"]  # layer 0's output, sent to stage 1
     assert p.nodes["add_6"].outputs[0] == ["S(1)"]
 
