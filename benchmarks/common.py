@@ -22,7 +22,7 @@ import statistics
 from typing import Any, Sequence
 
 __all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
-           "cpu_speed_probe", "median", "read_results", "write_results", "wrote_message"]
+           "cpu_pair_probe", "cpu_speed_probe", "median", "read_results", "write_results", "wrote_message"]
 
 #: The keys of ``machine_info(brief=True)``, in order (the benchmarks' short machine record).
 BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
@@ -72,6 +72,25 @@ def cpu_speed_probe(repeats: int = 3) -> float:
             total += i * i % 7
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def cpu_pair_probe(repeats: int = 3) -> float:
+    """Seconds of :func:`cpu_speed_probe` when two processes run it at the
+    same time (the slower of the two): the planner's search runs on two
+    cores, and on some hosts the second core is shared with other guests
+    (2026-11-25: 0.21 s alone, 0.21 and 0.32 s side by side). Equals the
+    one-core probe where there is one CPU or no fork."""
+    import multiprocessing
+    import os
+
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if (cpus or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return cpu_speed_probe(repeats)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        there = pool.apply_async(cpu_speed_probe, (repeats,))
+        here = cpu_speed_probe(repeats)
+        return max(here, there.get())
 
 
 def machine_block(loadavg_before: list[float] | None, *, after: bool = False) -> dict[str, Any]:

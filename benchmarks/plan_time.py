@@ -17,8 +17,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import (cpu_speed_probe, load_average, machine_info, read_results,
-                               write_results)
+from benchmarks.common import (cpu_pair_probe, cpu_speed_probe, load_average, machine_info,
+                               read_results, write_results)
 from costmodel.cluster import load_cluster
 from ir import trace
 from ir.source import build_model
@@ -85,6 +85,7 @@ def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
     steps: list[tuple[float, str]] = []
     load_before = load_average()
     speed = cpu_speed_probe()
+    pair_speed = cpu_pair_probe()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -109,7 +110,7 @@ def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
             "captures": sum(msg.startswith("tracing") for _, msg in steps),
             "ilp_time_limit_s": time_limit_s, "search_steps": len(steps),
             "loadavg_before": load_before, "loadavg_after": load_average(),
-            "cpu_speed_probe_s": speed, "chosen": chosen}
+            "cpu_speed_probe_s": speed, "cpu_pair_probe_s": pair_speed, "chosen": chosen}
 
 
 def main() -> None:
