@@ -81,10 +81,10 @@ def cpu_pair_probe(repeats: int = 3) -> float:
     (2026-11-25: 0.21 s alone, 0.21 and 0.32 s side by side). Equals the
     one-core probe where there is one CPU or no fork."""
     import multiprocessing
-    import os
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if (cpus or 1) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    from planner.forked import can_fork  # the search's own test for a second core
+
+    if not can_fork():
         return cpu_speed_probe(repeats)
     ctx = multiprocessing.get_context("fork")
     with ctx.Pool(1) as pool:
