@@ -39,13 +39,19 @@ import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, _MaskPartial, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 from torch.export.graph_signature import ExportGraphSignature, InputKind, OutputKind
 
 from ir.layers import find_layers
 from ir.fast_trace import SynthesizedProgram
+from ir.precision import Precision, compute_copy, get_precision
+from ir.torch_compat import (mask_partial_type, redistribute_function,
+                             register_fused_attention_sharding, strided_shard_type)
 from ir.trace import trace
 from planner.plan_format import OpPlacement, Plan, Reshard
+
+_MaskPartial = mask_partial_type()
+_StridedShard = strided_shard_type()
 
 __all__ = [
     "CapturedProgram", "PlanExecutor", "PlanMismatchError", "ReshardEvent", "WrittenOutProgram",
@@ -219,8 +225,7 @@ def _redistribute(value: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
         return value.redistribute(mesh, placements)
     import inspect
 
-    from torch.distributed.tensor._redistribute import Redistribute
-
+    Redistribute = redistribute_function()
     params = inspect.signature(Redistribute.forward).parameters
     placements = tuple(Shard(p.dim + value.ndim) if type(p) is Shard and p.dim < 0 else p
                        for p in placements)
@@ -230,6 +235,13 @@ def _redistribute(value: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
                "backward_options": {"op_dtype": dt, "out_dtype": dt}}
         return Redistribute.apply(value, mesh, placements, False, cfg)
     return Redistribute.apply(value, mesh, placements, False)
+
+
+def _cast_float(t: Any, dtype: torch.dtype) -> Any:
+    """``t`` in ``dtype`` if it is a floating tensor of another dtype."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
 
 
 def same_placements(have: Sequence[str], want: Sequence[str]) -> bool:
@@ -315,19 +327,32 @@ class CapturedProgram:
     graph: Any  # ir.graph.Graph
 
 
-def capture_program(model: torch.nn.Module, example_inputs: Any) -> CapturedProgram:
+def capture_program(model: torch.nn.Module, example_inputs: Any,
+                    precision: Precision | str = "fp32") -> CapturedProgram:
     """Capture ``model(*example_inputs)`` exactly as the planner did
-    (:func:`ir.trace.trace`): a model of many identical blocks from two short
-    probe captures with the rest written out (the same program, node for node,
-    as the full capture; the 96-block gpt3-175b on meta, on the 2-core
-    development machine: 4.3 s against 27.9 s for the full capture), any other
-    with the full ``torch.export`` capture."""
-    graph = trace(model, example_inputs)
+    (:func:`ir.trace.trace` of :func:`ir.precision.compute_copy`: floating
+    tensors in the precision's compute dtype): a model of many identical
+    blocks from two short probe captures with the rest written out (the same
+    program, node for node, as the full capture; the 96-block gpt3-175b on
+    meta, on the 2-core development machine: 4.3 s against 27.9 s for the
+    full capture), any other with the full ``torch.export`` capture. The
+    program's state is ``model``'s own parameters and buffers (the master
+    copies; the executor casts them for each forward)."""
+    captured_model, inputs = compute_copy(model, _as_tuple(example_inputs),
+                                          get_precision(precision))
+    graph = trace(captured_model, inputs)
     program = graph.exported
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     if isinstance(program, SynthesizedProgram):
-        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         program = WrittenOutProgram(program.graph, program.graph_signature, state, {})
+    elif captured_model is not model:  # captured on a meta copy: run on the model's tensors
+        program = WrittenOutProgram(program.graph, program.graph_signature, state,
+                                    dict(program.constants))
     return CapturedProgram(program, graph)
+
+
+def _as_tuple(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 class PlanExecutor:
@@ -365,8 +390,10 @@ class PlanExecutor:
         self.mesh = mesh
         self.record_every_step = record_every_step
         self._check_mesh(mesh)
+        self.precision = plan.precision
+        register_fused_attention_sharding()
         if program is None:
-            program = capture_program(model, example_inputs)
+            program = capture_program(model, example_inputs, self.precision)
         self.ep, self.graph = program.ep, program.graph
         fingerprint = self.graph.fingerprint()
         expected = plan.model.get("fingerprint")
@@ -506,7 +533,7 @@ class PlanExecutor:
             if spec.kind == InputKind.PARAMETER:
                 fqn = spec.target
                 placements = self._planned(fqn, "parameter")
-                value = state[fqn]
+                value = _cast_float(state[fqn], self.precision.master_dtype)
                 dt = distribute_tensor(value.detach(), self.mesh, _parse_all(placements),
                                        src_data_rank=None)
                 param = torch.nn.Parameter(dt, requires_grad=value.requires_grad)
@@ -515,7 +542,8 @@ class PlanExecutor:
                 self._placeholder_placements[name] = placements
             elif spec.kind == InputKind.BUFFER:
                 fqn = spec.target
-                value = state[fqn] if fqn in state else consts[fqn]
+                value = _cast_float(state[fqn] if fqn in state else consts[fqn],
+                                    self.precision.compute_dtype)
                 if fqn in self.plan.parameters:
                     placements = self.plan.parameters[fqn]
                     self._placeholders[name] = distribute_tensor(
@@ -579,8 +607,14 @@ class PlanExecutor:
         self.explicit_reshards = 0
 
     def _placeholder_value(self, name: str) -> Any:
-        """The value of a parameter/buffer/constant placeholder for this forward."""
-        return self._placeholders[name]
+        """The value of a parameter/buffer/constant placeholder for this forward:
+        under a mixed precision a parameter's compute-dtype copy (autograd
+        brings its gradient back to the master parameter in the master dtype,
+        so gradients are reduced in it)."""
+        value = self._placeholders[name]
+        if self.precision.mixed and isinstance(value, torch.nn.Parameter):
+            return _cast_float(value, self.precision.compute_dtype)
+        return value
 
     def _execute(self, env: dict[str, Any]) -> None:
         """Run :meth:`_program_calls` on ``env`` (user inputs or boundary values in it).
@@ -622,6 +656,7 @@ class PlanExecutor:
     def _distribute_input(self, name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
+        value = _cast_float(value, self.precision.compute_dtype)
         placements = self.plan.inputs.get(name)
         if placements is None:
             warnings.warn(f"plan gives no placement for input {name}; replicating it", stacklevel=3)

@@ -37,13 +37,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
-from codegen.executor import (CapturedProgram, PlanExecutor, PlanMismatchError, _parse_all,
+from codegen.executor import (CapturedProgram, PlanExecutor, PlanMismatchError, _cast_float,
+                              _parse_all,
                               capture_program, placement_str, redistribute)
 from costmodel.schedules import TORCH_SCHEDULE_CLASSES, canonical_schedule
 from ir.layers import find_layers
+from ir.torch_compat import strided_shard_type
 from planner.plan_format import Plan, StagePlan
+
+_StridedShard = strided_shard_type()
 
 __all__ = [
     "PipelinePlanError", "PipelineRuntime", "StageExecutor", "StageModule", "local_shape",
@@ -308,7 +312,8 @@ class StageExecutor(PlanExecutor):
     def _placeholder_value(self, name: str) -> Any:
         fqn = self._param_fqn.get(name)
         if fqn is not None and self.param_value is not None:
-            return self.param_value(fqn)
+            # FSDP2's mixed-precision policy gathers it in the compute dtype already
+            return _cast_float(self.param_value(fqn), self.precision.compute_dtype)
         return super()._placeholder_value(name)
 
     def _receive(self, name: str, local: torch.Tensor) -> DTensor:
@@ -362,6 +367,18 @@ class StageExecutor(PlanExecutor):
         self._execute(env)
         outs = tuple(self._send(n, env[n]) for n in self.stage.outputs)
         return outs[0] if len(outs) == 1 else outs
+
+
+def _mixed_precision_policy(plan: Plan) -> Any:
+    """FSDP2's policy for the plan's precision: parameters all-gathered in the
+    compute dtype, gradients reduce-scattered in the reduction dtype (the
+    sharded master parameters stay in theirs)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    p = plan.precision
+    if not p.mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=p.compute_dtype, reduce_dtype=p.reduce_dtype)
 
 
 class StageModule(nn.Module):
@@ -511,7 +528,7 @@ class PipelineRuntime:
             raise PipelinePlanError(f"the plan's micro-batch is {mb_size} but the model's batch "
                                     f"{int(global_inputs[0].shape[0])} / {m} micro-batches gives "
                                     f"{int(microbatch[0].shape[0])}")
-        program = capture_program(model, microbatch)
+        program = capture_program(model, microbatch, plan.precision)
         mine = [st for st in pipe.stages if st.pp_rank == pp_rank]
         modules, stages, zero = [], [], []
         for st in mine:
@@ -519,7 +536,7 @@ class PipelineRuntime:
             module = StageModule(executor, zero_axis=st.zero_axis if st.zero_stage == 3 else None)
             if st.zero_stage == 3:
                 fully_shard(module, mesh=stage_mesh[names[st.zero_axis]] if len(names) > 1
-                            else stage_mesh)
+                            else stage_mesh, mp_policy=_mixed_precision_policy(plan))
                 # The local gradients are partial sums: reduce-scatter their sum.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)

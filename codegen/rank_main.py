@@ -49,7 +49,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1, help="training steps (default 1)")
     p.add_argument("--check", action="store_true",
                    help="compare step 1 with a single-process run and the plan's placements")
-    p.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of --check")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="relative tolerance of --check (default: by the plan's precision, "
+                   "codegen.reference.check_tolerance)")
     p.add_argument("--result-json", default=None, help="where rank 0 writes the result")
     p.add_argument("--record", default=None,
                    help="where rank 0 writes the plan with the observed placements")
@@ -95,6 +97,10 @@ def run(args: argparse.Namespace) -> int:
     if plan.pipeline is not None and args.record:
         _say(rank, "error: --record writes single-stage plans; this plan is pipelined")
         return EXIT_BAD_PLAN
+    if args.rtol is None:
+        from codegen.reference import check_tolerance
+
+        args.rtol = check_tolerance(plan.precision)
 
     if torch.cuda.is_available():
         backend = "nccl"
@@ -259,6 +265,7 @@ def _reference(args: argparse.Namespace, plan: Any, rank: int, device: torch.dev
     if not (args.check and rank == 0):
         return None
     return reference_step(plan.model["source"], seed=0, device=str(device), steps=args.steps,
+                          precision=plan.precision,
                           optimizer=args.optimizer, lr=args.lr, **zoo_kwargs(plan.training))
 
 

@@ -66,6 +66,20 @@ def relative_error(a: torch.Tensor, b: torch.Tensor, tiny: float = 1e-12) -> flo
     return float((a - b).abs().max() / max(float(b.abs().max()), tiny))
 
 
+def check_tolerance(precision: Any) -> float:
+    """Relative tolerance (:func:`relative_error`) of ``planner run --check`` in
+    ``precision``. fp32: 1e-5 (sums in another order differ by a few float32
+    roundings, 6e-8 each). With bf16 compute every product and sum is rounded
+    to 8 significant bits (unit roundoff 2^-9 ~ 2e-3), and a sharded run
+    rounds partial sums and reductions at other points than one process, so
+    the two differ by a few roundings per layer: 5e-2 (of the largest
+    gradient entry) holds them while still failing a wrong placement, which
+    is off by order one."""
+    from ir.precision import get_precision
+
+    return 1e-5 if get_precision(precision).compute_dtype == torch.float32 else 5e-2
+
+
 def make_optimizer(params: Any, name: str = "sgd", lr: float = 1e-3) -> torch.optim.Optimizer:
     """The optimizer both the reference and the distributed run use."""
     if name == "sgd":
@@ -76,7 +90,7 @@ def make_optimizer(params: Any, name: str = "sgd", lr: float = 1e-3) -> torch.op
 
 
 def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: int = 1,
-                   optimizer: str = "sgd", lr: float = 1e-3,
+                   optimizer: str = "sgd", lr: float = 1e-3, precision: Any = "fp32",
                    **model_kwargs: Any) -> ReferenceResult:
     """Train ``source`` (zoo name or ``file.py:factory``) for ``steps`` steps on one device.
 
@@ -86,18 +100,24 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
         device: where to run the reference.
         steps: training steps (forward, backward, optimizer step).
         optimizer, lr: as in the distributed run (see :func:`make_optimizer`).
+        precision: the plan's training precision (:mod:`ir.precision`): the
+            reference trains in it too (:func:`ir.precision.forward_in`).
         model_kwargs: batch_size / seq_len for zoo models (see :func:`zoo_kwargs`).
 
     Returns:
         The step-1 loss and gradients and the loss of every step.
     """
+    from ir.precision import forward_in, get_precision, prepare_model
+
+    precision = get_precision(precision)
     model, inputs = build_model(source, device=device, seed=seed, **model_kwargs)
+    model = prepare_model(model, precision)
     model.train()
     opt = make_optimizer(model.parameters(), optimizer, lr)
     losses: list[float] = []
     grads: dict[str, torch.Tensor | None] = {}
     for step in range(max(1, steps)):
-        loss = loss_of(model(*inputs))
+        loss = loss_of(forward_in(model, inputs, precision))
         loss.backward()
         losses.append(float(loss.detach()))
         if step == 0:

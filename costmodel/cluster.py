@@ -239,6 +239,11 @@ class DeviceSpec:
             forward and once in backward. It decides step times on CPU ranks
             (hundreds of microseconds per op, measured by ``planner profile``);
             the GPU presets leave it 0, as the host runs ahead of a busy GPU.
+        attention_efficiency: fraction of ``peak_flops`` the fused attention
+            kernel (``F.scaled_dot_product_attention``: flash on CUDA and CPU)
+            reaches over its forward and backward, counting the FLOPs it
+            executes (half of the score matrix under a causal mask); measured
+            by ``planner profile``. 0 = priced like a GEMM of the same FLOPs.
     """
 
     name: str
@@ -250,9 +255,12 @@ class DeviceSpec:
     memory_efficiency: float = DEFAULT_MEMORY_EFFICIENCY
     half_saturation_flops: float = 0.0
     dispatch_overhead: float = 0.0
+    attention_efficiency: float = 0.0
 
     def __post_init__(self) -> None:
         _need_name("device.name", self.name)
+        if self.attention_efficiency != 0.0:
+            _need_fraction("device.attention_efficiency", self.attention_efficiency)
         _need_nonnegative("device.dispatch_overhead", self.dispatch_overhead, "seconds")
         _need_nonnegative("device.half_saturation_flops", self.half_saturation_flops, "FLOPs")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
@@ -302,6 +310,7 @@ class DeviceSpec:
             "memory_efficiency": self.memory_efficiency,
             "half_saturation_flops": self.half_saturation_flops,
             "dispatch_overhead": self.dispatch_overhead,
+            "attention_efficiency": self.attention_efficiency,
         }
 
     @classmethod
@@ -312,12 +321,12 @@ class DeviceSpec:
             where, d,
             ("name", "peak_flops", "memory", "memory_bandwidth"),
             ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops",
-             "dispatch_overhead"),
+             "dispatch_overhead", "attention_efficiency"),
         )
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
         kwargs: dict[str, Any] = {}
         for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
-                    "half_saturation_flops", "dispatch_overhead"):
+                    "half_saturation_flops", "dispatch_overhead", "attention_efficiency"):
             if key in d:
                 kwargs[key] = d[key]
         return cls(

@@ -17,7 +17,8 @@ from typing import Any
 
 from .cluster import DEFAULT_FLOP_EFFICIENCY, DeviceSpec
 
-__all__ = ["op_time", "matmul_efficiency", "DEFAULT_HALF_SATURATION_FLOPS"]
+__all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times",
+           "DEFAULT_HALF_SATURATION_FLOPS", "FUSED_ATTENTION", "ATTENTION_BACKWARD_FLOPS"]
 
 #: FLOPs at which a GEMM reaches half its maximum efficiency. ~1e9 FLOPs (a
 #: 800^3 GEMM) matches the usual picture on A100-class GPUs: small GEMMs cannot
@@ -105,3 +106,32 @@ def backward_op_times(flops: float, bytes_moved: float, device: DeviceSpec, dtyp
     b = op_time(flops, bytes_moved, device, dtype) if input_grad else 0.0
     w = op_time(flops, bytes_moved, device, dtype) if weight_grad else 0.0
     return b, w
+
+
+#: The captured node of ``F.scaled_dot_product_attention``, run as one fused kernel.
+FUSED_ATTENTION = "aten.scaled_dot_product_attention.default"
+
+#: Backward FLOPs of the flash-attention kernel over its forward FLOPs: the
+#: backward recomputes the scores (``Q K^T``) and computes dV, dP, dQ and dK,
+#: five products against the forward's two (Dao, FlashAttention-2, 2023, Sec. 3).
+ATTENTION_BACKWARD_FLOPS = 2.5
+
+
+def attention_times(flops: float, bytes_moved: float, device: DeviceSpec,
+                    dtype: Any) -> tuple[float, float]:
+    """Seconds of the fused attention kernel's forward and backward.
+
+    ``flops``: forward FLOPs it executes (``ir.trace.attention_flops``: half
+    the score matrix under a causal mask); ``bytes_moved``: its forward bytes
+    (q, k, v and the output, of order b·h·s·d; the s x s scores stay on chip).
+    The backward does :data:`ATTENTION_BACKWARD_FLOPS` times the forward FLOPs
+    and reads about twice the bytes (the saved output, the log-sum-exp and the
+    output gradient besides q, k, v). Both run at
+    ``device.attention_efficiency`` of peak when profiled, else along the GEMM
+    efficiency curve.
+    """
+    eff = device.attention_efficiency or None
+    forward = op_time(flops, bytes_moved, device, dtype, efficiency=eff)
+    backward = op_time(ATTENTION_BACKWARD_FLOPS * flops, 2 * bytes_moved, device, dtype,
+                       efficiency=eff)
+    return forward, backward

@@ -2,17 +2,27 @@
 
 Units: bytes.
 
-Training state follows the ZeRO paper (Rajbhandari et al., SC'20, Sec. 3.1
-and Fig. 1): with Psi parameters, mixed-precision Adam keeps 2 Psi bytes of
-fp16/bf16 parameters, 2 Psi of gradients and K Psi = 12 Psi of fp32 master
-parameters + momentum + variance. Per device, over a data-parallel group of N:
+Training state is counted as torch allocates it under the step's precision
+(:mod:`ir.precision`). With Psi parameters and Adam (2 states), per device:
 
-    stage 0 (plain DP)             (2 + 2 + K) Psi      e.g. 7.5B params, N=64: 120 GB
-    stage 1 (P_os)                 (2 + 2 + K/N) Psi                           31.4 GB
-    stage 2 (P_os+g)               (2 + (2 + K)/N) Psi                         16.6 GB
-    stage 3 (P_os+g+p)             (2 + 2 + K)/N Psi                            1.9 GB
+=============  ==========================================================  ==========
+precision      kept                                                        bytes/Psi
+=============  ==========================================================  ==========
+fp32           fp32 params, grads, 2 states                                16
+bf16           bf16 params, grads, 2 states                                8
+bf16-mixed     fp32 params, grads, 2 states + bf16 working copy of params  18
+=============  ==========================================================  ==========
 
-Sharded parts use ``ceil(Psi / N)`` parameters per device (FSDP pads).
+bf16-mixed is Megatron-LM's and torchtitan's layout: fp32 master parameters,
+gradients accumulated and reduced in fp32, fp32 optimizer states, and the bf16
+copy of each parameter the forward reads (autograd keeps it for the matmul's
+backward). ZeRO (Rajbhandari et al., SC'20) shards these over a data-parallel
+group of N: stage 1 the optimizer states, stage 2 also the gradients, stage 3
+also the parameters; under stage 3 (FSDP2) each parameter is all-gathered whole
+in the compute dtype for the step and its gradient is whole in the compute
+dtype until it is reduce-scattered. Sharded parts use ``ceil(Psi / N)``
+parameters per device (FSDP pads). (The ZeRO paper's own example keeps fp16
+gradients: 16 bytes/Psi at stage 0.)
 
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in
 Large Transformer Models" (MLSys'23), Sec. 4 and Table 2, for one GPT layer
@@ -22,7 +32,10 @@ with 16-bit activations: ``sbh(34 + 5as/h)`` bytes without recomputation.
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from ir.precision import Precision
 
 __all__ = [
     "OPTIMIZER_STATES",
@@ -38,8 +51,7 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
 def training_state_bytes(
     num_params: int,
     *,
-    param_bytes: int = 4,
-    mixed_precision: bool = False,
+    precision: "str | Precision" = "fp32",
     optimizer: str = "adam",
     zero_stage: int = 0,
     dp_size: int = 1,
@@ -49,41 +61,42 @@ def training_state_bytes(
     Args:
         num_params: parameters of the model (or of the part this device group
             holds), Psi.
-        param_bytes: bytes per element of the full-precision parameter dtype
-            (4 = fp32). Without mixed precision, parameters, gradients and
-            each optimizer state use it (fp32 Adam: 4 + 4 + 8 = 16 B/param).
-            With mixed precision, parameters and gradients are 2-byte
-            (fp16/bf16) and the optimizer keeps a master copy plus its states
-            at ``param_bytes`` each (Adam: 2 + 2 + 12 = 16 B/param).
-        mixed_precision: see ``param_bytes``.
+        precision: a :class:`ir.precision.Precision` or its name
+            (``fp32``, ``bf16``, ``bf16-mixed``): master parameters,
+            gradients and optimizer states in its master dtype, plus the
+            compute-dtype working copy of the parameters when mixed.
         optimizer: a key of :data:`OPTIMIZER_STATES`.
         zero_stage: 0 none; 1 shards optimizer states over ``dp_size``;
-            2 also gradients; 3 also parameters.
+            2 also gradients; 3 also parameters (gathered whole in the compute
+            dtype for the step, gradients whole in the compute dtype until
+            reduce-scattered).
         dp_size: data-parallel (ZeRO) group size N.
 
     Returns:
-        ``{"params", "grads", "optimizer", "total"}`` in bytes per device.
+        ``{"params", "grads", "optimizer", "total"}`` in bytes per device
+        (``params`` includes the working copy or the gathered parameters).
     """
+    from ir.precision import get_precision
+
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be an integer >= 0, got {num_params!r}")
-    if isinstance(param_bytes, bool) or not isinstance(param_bytes, int) or param_bytes < 1:
-        raise ValueError(f"param_bytes must be a positive integer (bytes), got {param_bytes!r}")
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {', '.join(OPTIMIZER_STATES)}")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be an integer >= 1, got {dp_size!r}")
-
-    states = OPTIMIZER_STATES[optimizer]
-    if mixed_precision:
-        p_b, g_b, o_b = 2, 2, param_bytes * (1 + states)  # master copy + states
-    else:
-        p_b, g_b, o_b = param_bytes, param_bytes, param_bytes * states
+    p = get_precision(precision)
+    master, compute = p.master_bytes, p.compute_dtype.itemsize
     shard = math.ceil(num_params / dp_size)  # parameters per device when sharded
-    params = p_b * (shard if zero_stage >= 3 else num_params)
-    grads = g_b * (shard if zero_stage >= 2 else num_params)
-    opt = o_b * (shard if zero_stage >= 1 else num_params)
+    sharded = dp_size > 1
+    params = master * (shard if zero_stage >= 3 else num_params)
+    if p.mixed or (zero_stage >= 3 and sharded):  # the whole compute-dtype copy the step reads
+        params += compute * num_params
+    grads = master * (shard if zero_stage >= 2 else num_params)
+    if zero_stage >= 2 and sharded:  # whole until reduce-scattered
+        grads += compute * num_params
+    opt = master * OPTIMIZER_STATES[optimizer] * (shard if zero_stage >= 1 else num_params)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 

@@ -492,6 +492,8 @@ def _build_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "dispatch": ranks > 1,
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],
         "gemms": gemms,
+        # causal fused attention, forward and backward: [batch, heads, seq, head dim, dtype]
+        "attention": [[8, 16, 2048, 64, dtype] if gpu else [2, 4, 256, 32, dtype]],
         "collectives": list(COLLECTIVE_KINDS) if ranks > 1 else [],
         "sizes": list(QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES),
         "group_sizes": [ranks] if quick else group_sizes(ranks),
@@ -546,6 +548,21 @@ def profile_local(ranks: int = 4, out_path: str | os.PathLike = "local-cpu.json"
     return cluster
 
 
+def attention_efficiency(samples: Any, overhead: float, peak_flops: float) -> float | None:
+    """Fraction of the GEMM peak ``peak_flops`` (FLOP/s) the fused attention
+    kernel reached: executed FLOPs of forward and backward
+    (``costmodel.compute.ATTENTION_BACKWARD_FLOPS``) over the measured seconds
+    less two kernel overheads, the median over ``samples``; None without any."""
+    from costmodel.compute import ATTENTION_BACKWARD_FLOPS
+
+    rates = sorted(a["flops"] * (1 + ATTENTION_BACKWARD_FLOPS)
+                   / max(a["seconds"] - 2 * overhead, 1e-12) / peak_flops
+                   for a in samples if a.get("seconds"))
+    if not rates:
+        return None
+    return min(1.0, rates[len(rates) // 2])
+
+
 def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
     """Seconds DTensor adds per op and pass (forward or backward), from the
     ``dispatch`` measurement; None when it was not measured."""
@@ -575,6 +592,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         if g["dtype"] != main_dtype:  # single extra sizes: achieved rate, overhead removed
             peak[canonical_dtype(g["dtype"])] = g["flops"] / max(g["seconds"] - overhead, 1e-12)
 
+    attention = attention_efficiency(raw.get("attention", ()), overhead, peak[main_dtype])
     coll = raw["collectives"]
     per_kind: dict[str, Any] = {}
     for kind in COLLECTIVE_KINDS:
@@ -590,6 +608,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
             "peak_flops": peak, "memory_bandwidth": mem_bw, "kernel_overhead": overhead,
             "flop_efficiency": 1.0, "memory_efficiency": 1.0,
             "half_saturation_flops": gemm["half_saturation_flops"],
+            "attention_efficiency": attention or 0.0,
         }
         if memory_per_rank:
             values["memory"] = memory_per_rank
@@ -609,7 +628,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         dev = DeviceSpec(name=torch.cuda.get_device_name(0), peak_flops=peak, memory=memory_per_rank or 1,
                          memory_bandwidth=mem_bw, kernel_overhead=overhead, flop_efficiency=1.0,
                          memory_efficiency=1.0,
-                         half_saturation_flops=gemm["half_saturation_flops"])
+                         half_saturation_flops=gemm["half_saturation_flops"],
+                         attention_efficiency=attention or 0.0)
         # With one GPU no collective runs: keep an NVLink-like placeholder (noted below).
         link = Link("nvlink", link_fit["bandwidth"], link_fit["latency"]) if link_fit else Link("nvlink", 150e9, 2e-6)
         cluster = Cluster(f"local-gpu:{ranks}", 1, ranks, dev, link, link, "nccl")

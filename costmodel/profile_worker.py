@@ -58,7 +58,7 @@ def count_steps(spec: dict[str, Any]) -> int:
     """Progress steps :func:`run_worker` reports for ``spec``: one per item and pass."""
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
              + len(spec.get("memory_bytes", ()))
-             + len(spec.get("gemms", ()))
+             + len(spec.get("gemms", ())) + len(spec.get("attention", ()))
              + len(spec.get("collectives", ())) * len(spec.get("sizes", ()))
              * len(spec.get("group_sizes") or [0]))
     return items * (int(spec["reps"]) + 1)
@@ -193,6 +193,21 @@ def _collective_fn(kind: str, numel: int, group_size: int, torch: Any, dist: Any
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def _attention_fn(torch: Any, device: Any, dtype: Any, b: int, h: int, seq: int,
+                  d: int) -> Callable[[], Any]:
+    """Forward and backward of causal ``scaled_dot_product_attention`` (the
+    device's fused kernel) on [b, h, seq, d] queries, keys and values."""
+    q, k, v = (torch.randn(b, h, seq, d, dtype=dtype, device=device, requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn(b, h, seq, d, dtype=dtype, device=device)
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q.grad = k.grad = v.grad = None
+        out.backward(grad)
+    return step
+
+
 def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str], None]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -249,6 +264,14 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
         out["gemms"].append(rec)
         items.append(_Item(f"gemm {m}x{k}x{n}", (lambda x, w, y: lambda: torch.mm(x, w, out=y))(x, w, y),
                            compute_rep, False, rec))
+    out["attention"] = []
+    for b, h, seq, d, dtype_name in spec.get("attention", ()):
+        rec = {"shape": [b, h, seq, d], "dtype": dtype_name,
+               "flops": 2.0 * b * h * seq * seq * 2 * d / 2}  # executed forward FLOPs, causal
+        out["attention"].append(rec)
+        items.append(_Item(f"attention {b}x{h}x{seq}x{d}", _attention_fn(
+            torch, device, getattr(torch, _DTYPES[dtype_name]), b, h, seq, d), compute_rep,
+            False, rec))
     runner.run(items)
 
     dtype = getattr(torch, _DTYPES[spec.get("collective_dtype", "float32")])

@@ -140,8 +140,11 @@ def _propagate(graph: torch.fx.Graph, source: Any, example_inputs: Sequence[Any]
             raise RescaleError(f"input of kind {spec.kind.name}")
     if next(user, None) is not None:
         raise RescaleError("more user inputs than the captured program takes")
+    from ir.torch_compat import kept_fused_ops
+
     try:
-        FakeTensorProp(torch.fx.GraphModule(torch.nn.Module(), graph),
-                       mode).propagate_dont_convert_inputs(*inputs)
+        with kept_fused_ops():  # fused attention stays one op, laid out as the kernels write it
+            FakeTensorProp(torch.fx.GraphModule(torch.nn.Module(), graph),
+                           mode).propagate_dont_convert_inputs(*inputs)
     except Exception as err:  # noqa: BLE001 - the shapes do not fit the program
         raise RescaleError(f"the program does not run at the new batch size: {err}") from err

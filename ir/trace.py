@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.fx.config
 from torch.export.graph_signature import (
     ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument,
 )
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import flop_registry
 
 from ir.graph import BUFFER, INPUT, OP, PARAM, Graph, Node, TensorInfo
+from ir.torch_compat import (SDPA, aot_export_module, capture_decompositions,
+                             fused_attention_layout, fx_without_stack_traces)
 
 
 class TraceError(RuntimeError):
@@ -55,16 +55,16 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
 
     Tries ``torch.export.export(strict=False)`` first, then the ``torch.fx``
     front-end (``symbolic_trace`` followed by export of the traced module).
-    The math attention kernel is selected: which fused kernel
-    ``scaled_dot_product_attention`` picks depends on the device, and it changes
-    the decomposed program, so the meta capture the planner sees and the real
-    capture the executor runs would otherwise differ.
+    ``F.scaled_dot_product_attention`` stays one node
+    (``aten.scaled_dot_product_attention``): it runs as the device's fused
+    kernel, so the meta capture the planner sees and the real capture the
+    executor runs are the same program on any device.
 
     Raises:
         TraceError: naming the module and the construct that failed in both.
     """
     args = _as_tuple(example_inputs)
-    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH), _without_stack_traces():
+    with warnings.catch_warnings(), fx_without_stack_traces(), fused_attention_layout():
         warnings.simplefilter("ignore")
         try:
             ep = torch.export.export(model, args, strict=False)
@@ -79,7 +79,7 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
                     f"'{_first_line(fx_err)}'; remove data-dependent Python control flow "
                     f"from its forward() or wrap that part in a leaf module"
                 ) from fx_err
-        return ep.run_decompositions()
+        return ep.run_decompositions(_export_decompositions())
 
 
 @dataclass
@@ -114,8 +114,6 @@ def capture_in_one_pass(model: torch.nn.Module, example_inputs: Any) -> Any:
 
 def _one_pass(model: torch.nn.Module, args: tuple) -> CapturedProgram:
     """:func:`capture_in_one_pass` without the fallback (raises where it applies)."""
-    from torch._functorch.aot_autograd import aot_export_module
-
     cls = type(model)
     forward = cls.forward
     names = list(inspect.signature(forward).parameters)[1:]
@@ -134,7 +132,7 @@ def _one_pass(model: torch.nn.Module, args: tuple) -> CapturedProgram:
 
     shell = torch.nn.Module.__new__(type(cls.__name__, (cls,), {"forward": as_tuple}))
     shell.__dict__ = dict(model.__dict__)  # the same submodules: module paths unchanged
-    with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH), _without_stack_traces():
+    with warnings.catch_warnings(), fx_without_stack_traces():
         warnings.simplefilter("ignore")
         gm, signature = aot_export_module(shell, args, trace_joint=False,
                                           decompositions=_export_decompositions())
@@ -171,13 +169,14 @@ def _one_pass(model: torch.nn.Module, args: tuple) -> CapturedProgram:
 
 
 def _export_decompositions() -> dict:
-    """``torch.export.default_decompositions()``, materialised: the table
+    """``torch.export.default_decompositions()`` less the fused ops the capture
+    keeps whole (:data:`ir.torch_compat.KEPT_FUSED_OPS`), materialised: the table
     collects every op with a CompositeImplicitAutograd kernel when first
     read (~60 ms, in every capture). Made once per process while no such op
     is registered anew (~0.3 ms to count them); each caller gets its own copy."""
     from torch._decomp import decomposition_table
 
-    return dict(_materialised_decompositions(
+    return capture_decompositions(_materialised_decompositions(
         len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
         len(decomposition_table)))
 
@@ -189,21 +188,6 @@ def _materialised_decompositions(cia_ops: int, python_decompositions: int) -> di
     from torch.export import default_decompositions
 
     return default_decompositions().materialize()
-
-
-@contextlib.contextmanager
-def _without_stack_traces() -> Iterator[None]:
-    """torch.fx records the Python stack of every node it traces
-    (``node.meta["stack_trace"]``, for debugging); the planner never reads
-    it, and skipping it (``torch.fx.config.do_not_emit_stack_traces``) makes
-    a capture a fifth faster (llama3-8b's 2-block probe: 0.97 -> 0.77 s).
-    The program is otherwise the same."""
-    before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
-    try:
-        yield
-    finally:
-        torch.fx.config.do_not_emit_stack_traces = before
 
 
 def _first_line(err: BaseException) -> str:
@@ -232,8 +216,32 @@ def _module_path(fx_node: torch.fx.Node) -> str:
     return path if isinstance(path, str) else ""
 
 
+def attention_flops(query: Sequence[int], key: Sequence[int], value: Sequence[int],
+                    is_causal: bool) -> float:
+    """Forward FLOPs the fused attention kernel executes for ``query`` [..., Sq, D],
+    ``key`` [..., Sk, D] and ``value`` [..., Sk, Dv]: the two products
+    ``Q K^T`` and ``P V`` (2 FLOPs a multiply-add each); with a causal mask the
+    flash kernels skip the blocks above the diagonal, about half of them."""
+    *batch, sq, d = query
+    sk, dv = key[-2], value[-1]
+    heads = 1
+    for n in batch:
+        heads *= int(n)
+    full = 2.0 * heads * sq * sk * (d + dv)
+    return full / 2 if is_causal else full
+
+
+def _sdpa_is_causal(fx_node: torch.fx.Node) -> bool:
+    if "is_causal" in fx_node.kwargs:
+        return bool(fx_node.kwargs["is_causal"])
+    return bool(fx_node.args[5]) if len(fx_node.args) > 5 else False
+
+
 def _flops(fx_node: torch.fx.Node) -> float:
     target = fx_node.target
+    if target is SDPA:
+        q, k, v = (a.meta["val"].shape for a in fx_node.args[:3])
+        return attention_flops(q, k, v, _sdpa_is_causal(fx_node))
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet)
     if formula is None:

@@ -15,6 +15,7 @@ from costmodel.resharding import placement_str
 from costmodel.schedules import release_orders
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import block_count, manual_bounds
+from ir.precision import Precision, compute_copy, get_precision, precision_of_dtype
 from ir.trace import trace
 from planner.forked import run_beside
 from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
@@ -57,9 +58,36 @@ def _check_mesh(mesh_shape: Sequence[int], cluster: Cluster) -> tuple[int, ...]:
     return shape
 
 
-def _param_dtype(graph: Graph) -> torch.dtype:
-    dtypes = [t.dtype for t in graph.parameters.values()]
-    return dtypes[0] if dtypes else torch.float32
+def default_precision(model: torch.nn.Module, cluster: Cluster) -> Precision:
+    """The precision a step trains in when nobody names one: ``bf16-mixed`` on
+    GPU clusters (what Megatron-LM and torchtitan run); on CPU ranks (gloo)
+    the model's own dtype (``fp32``, or ``bf16`` for a model in bf16)."""
+    if cluster.backend != "gloo":
+        return get_precision("bf16-mixed")
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    return precision_of_dtype(dtypes[0] if dtypes else torch.float32)
+
+
+def resolve_precision(model: torch.nn.Module, cluster: Cluster,
+                      precision: str | Precision | None) -> Precision:
+    """``precision`` as a :class:`Precision` (its default when None).
+
+    Raises:
+        PlanningError: an unknown name, or fp32/bf16-mixed master weights asked of a
+            model whose parameters are bf16 (their fp32 values are gone).
+    """
+    if precision is None:
+        return default_precision(model, cluster)
+    try:
+        chosen = get_precision(precision)
+    except ValueError as err:
+        raise PlanningError(str(err)) from None
+    if chosen.master_dtype == torch.float32 and any(
+            p.dtype == torch.bfloat16 for p in model.parameters()):
+        raise PlanningError(f"precision {chosen.name} keeps fp32 master parameters but the "
+                            f"model's parameters are bf16; give the fp32 model, or plan "
+                            f"with precision='bf16'")
+    return chosen
 
 
 def _memory_report(memory: dict[str, float]) -> dict[str, int]:
@@ -80,13 +108,23 @@ def model_record(model: torch.nn.Module, graph: Graph, model_source: str | None)
             "num_parameters": graph.num_parameters}
 
 
-def training_record(dtype: str, optimizer: str, example_inputs: Sequence[Any],
+def training_record(precision: str | Precision, optimizer: str, example_inputs: Sequence[Any],
                     zoo_kwargs: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-    """The plan's ``training`` section: step shapes and settings the prediction assumed."""
-    return {"dtype": dtype, "optimizer": optimizer,
+    """The plan's ``training`` section: step shapes and settings the prediction
+    assumed. ``dtype`` is the compute dtype, ``precision`` the training
+    precision's name and ``reduce_dtype`` the gradient reduction dtype."""
+    p = get_precision(precision)
+    return {"dtype": p.compute_dtype_name, "precision": p.name,
+            "reduce_dtype": str(p.reduce_dtype).replace("torch.", ""), "optimizer": optimizer,
             "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
                              for t in example_inputs],
             "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())), **extra}
+
+
+def training_precision(training: dict[str, Any]) -> str:
+    """The precision a plan's ``training`` section records (plans of format 2
+    name only the dtype, which they trained in throughout)."""
+    return training.get("precision") or training.get("dtype", "float32")
 
 
 def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, Any],
@@ -97,7 +135,7 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
     inputs = {n.name: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == INPUT}
     nodes: dict[str, OpPlacement] = {}
     reshards: list[Reshard] = []
-    cost = IntraOpCost(graph, cluster, result.mesh_shape, training["dtype"])
+    cost = IntraOpCost(graph, cluster, result.mesh_shape, training_precision(training))
     for n in graph.nodes:
         if n.kind != OP:
             continue
@@ -173,28 +211,36 @@ def _two_processes(here: Callable[[], Any], there: Callable[[], Any]) -> tuple[A
 
 
 def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any,
-             memory_budget: float | None) -> tuple[Cluster, tuple, Graph, str, float]:
+             memory_budget: float | None, precision: str | Precision | None = None
+             ) -> tuple[torch.nn.Module, Cluster, tuple, Graph, str, float]:
+    """The model and inputs as the step runs them (floating tensors in the
+    precision's compute dtype: :func:`ir.precision.compute_copy`, the caller's
+    model untouched), the cluster, the captured program, the precision's name
+    and the memory budget (bytes per device)."""
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    chosen = resolve_precision(model, cluster, precision)
+    model, example_inputs = compute_copy(model, tuple(example_inputs), chosen)
     graph = trace(model, tuple(example_inputs), beside=_two_processes)
     if not graph.parameters:
         raise PlanningError(f"{type(model).__name__} has no parameters to shard")
-    dtype = str(_param_dtype(graph)).replace("torch.", "")
     budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
-    return cluster, tuple(example_inputs), graph, dtype, budget
+    return model, cluster, tuple(example_inputs), graph, chosen.name, budget
 
 
 def _best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, ...]], dtype: str,
-                       time_limit_s: float, budget: float, optimizer: str
+                       time_limit_s: float, budget: float, optimizer: str,
+                       recompute: bool | None = None
                        ) -> tuple[IntraOpResult | None, list[MemoryInfeasibleError]]:
     best: IntraOpResult | None = None
     too_big: list[MemoryInfeasibleError] = []
     for shape in shapes:
         try:
             result = solve_intra_op(graph, cluster, shape, dtype=dtype, time_limit_s=time_limit_s,
-                                    memory_budget=budget, optimizer=optimizer)
+                                    memory_budget=budget, optimizer=optimizer,
+                                    recompute=recompute)
         except MemoryInfeasibleError as err:
             too_big.append(err)
             continue
@@ -226,6 +272,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
          schedules: Sequence[str] | None = None,
          num_microbatches: Sequence[int] | None = None,
          zero_stages: Sequence[int] | None = None,
+         precision: str | Precision | None = None,
+         recompute: bool | None = None,
          progress: Callable[[str], None] | None = None) -> Plan:
     """Find the fastest way to run one training step of ``model`` on ``cluster``.
 
@@ -255,6 +303,14 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         pp, schedules, num_microbatches: restrict the pipeline search.
         zero_stages: ZeRO stages of pipeline stages to try: 0 (none) and/or 3
             (FSDP2 over the stage mesh's axis 0); default both.
+        precision: ``bf16-mixed`` (fp32 master parameters, gradients and
+            optimizer states, bf16 compute and activations), ``bf16`` or
+            ``fp32`` (:mod:`ir.precision`); default ``bf16-mixed`` on GPU
+            clusters and the model's own dtype on CPU ranks. Recorded in the
+            plan; ``planner run`` trains in it.
+        recompute: None: the search checkpoints layers only where that is
+            the fastest plan that fits; True: every layer; False: none.
+            Given, it needs ``mesh_shape`` or ``pipeline=False``.
         progress: called with a short line as the search goes (for a progress bar).
 
     Python's cyclic garbage collector is paused while it runs (reference
@@ -265,15 +321,18 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         PlanningError: bad mesh, or no plan fits in memory (the message gives the
             least memory per device that would fit).
     """
-    cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
-                                                             memory_budget)
+    if recompute is not None and not mesh_shape and pipeline:
+        raise PlanningError("recompute= pins checkpointing of single-stage plans: give "
+                            "mesh_shape or pipeline=False with it")
+    model, cluster, example_inputs, graph, dtype, budget = _prepare(
+        model, cluster, example_inputs, memory_budget, precision)
     info = model_record(model, graph, model_source)
     training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
     if mesh_shape or not pipeline:
         shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
             cluster.num_devices)
         best, too_big = _best_single_stage(graph, cluster, shapes, dtype, time_limit_s, budget,
-                                           optimizer)
+                                           optimizer, recompute)
         if best is None:
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
         return build_plan(best, cluster, info, training)
@@ -331,7 +390,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
                   model_source: str | None = None, zoo_kwargs: dict[str, Any] | None = None,
                   time_limit_s: float = 30.0, optimizer: str = "adam",
                   memory_budget: float | None = None,
-                  fixed: dict[str, tuple] | None = None) -> Plan:
+                  fixed: dict[str, tuple] | None = None,
+                  precision: str | Precision | None = None) -> Plan:
     """A pipeline plan of one fixed configuration (what a user would pin by hand).
 
     Args:
@@ -354,8 +414,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     from planner.pipeline import SearchOptions, search
     from planner.search_context import SearchContext
 
-    cluster, example_inputs, graph, dtype, budget = _prepare(model, cluster, example_inputs,
-                                                             memory_budget)
+    model, cluster, example_inputs, graph, dtype, budget = _prepare(
+        model, cluster, example_inputs, memory_budget, precision)
     stage_mesh = tuple(int(d) for d in stage_mesh)
     _check_zero_stages([zero_stage])
     if pp * math.prod(stage_mesh) != cluster.num_devices:

@@ -11,7 +11,7 @@ import contextlib
 import os
 import sys
 import warnings
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 EXIT_USAGE = 2
 
@@ -78,6 +78,34 @@ def _progress(enabled: bool) -> Iterator[Callable[[str], None] | None]:
         yield lambda msg: status.update(f"[{time.perf_counter() - start:5.1f} s] {msg}")
 
 
+def _precision(args: argparse.Namespace) -> Any:
+    """``--precision`` with ``--reduce-dtype`` applied (None: the planner's default)."""
+    if args.precision is None and args.reduce_dtype is None:
+        return None
+    from ir.precision import get_precision
+    from planner.api import PlanningError
+
+    if args.precision is None:
+        raise PlanningError("--reduce-dtype needs --precision bf16-mixed")
+    try:
+        return get_precision(args.precision, args.reduce_dtype)
+    except ValueError as err:
+        raise PlanningError(str(err)) from None
+
+
+def _recompute(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "all": True, "none": False}[getattr(args, "recompute", "auto")]
+
+
+def _add_precision(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=["bf16-mixed", "bf16", "fp32"],
+                   help="training precision: bf16-mixed (fp32 master weights and optimizer "
+                   "states, bf16 compute; default on GPU clusters), bf16, or fp32 (default on "
+                   "local-cpu)")
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"],
+                   help="dtype gradients are reduced in under bf16-mixed (default fp32)")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from ir.source import build_model
     from planner.api import plan
@@ -105,7 +133,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       model_source=args.model, time_limit_s=args.time_limit,
                       zoo_kwargs=zoo_kwargs, pipeline=not args.no_pipeline, pp=pp,
                       schedules=schedules, num_microbatches=microbatches,
-                      zero_stages=zero_stages, progress=progress)
+                      zero_stages=zero_stages, precision=_precision(args),
+                      recompute=_recompute(args), progress=progress)
     print(format_plan(result))
     existed = os.path.exists(args.output)
     result.save(args.output)
@@ -142,7 +171,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                      virtual_stages=[None, 2] if args.interleaved else [None],
                      sequence_parallel=[False, True] if args.sequence_parallel else [False],
                      pipeline=not args.no_pipeline,
-                     megatron_deadline_s=args.megatron_deadline)
+                     megatron_deadline_s=args.megatron_deadline, precision=_precision(args))
     print(format_comparison(result))
     for path in write_outputs(result, args.output):
         print(f"wrote {path}")
@@ -196,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="global batch size of the example step")
     p.add_argument("--seq-len", type=int, help="sequence length of the example step")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit, seconds")
+    _add_precision(p)
+    p.add_argument("--recompute", choices=["auto", "all", "none"], default="auto",
+                   help="activation checkpointing of single-stage plans (--mesh or "
+                   "--no-pipeline): auto (only where it is the fastest plan that fits), all "
+                   "layers, none")
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("show", help="print a plan.json as tables")
@@ -228,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds of Megatron planning; later configurations are skipped")
     c.add_argument("-o", "--output", default="compare",
                    help="output prefix: writes PREFIX.json and PREFIX.png")
+    _add_precision(c)
     c.set_defaults(func=cmd_compare)
 
     pr = sub.add_parser("profile", help="measure this machine (GEMMs, memory, collectives) into a cluster JSON")

@@ -21,8 +21,9 @@ from costmodel.cluster import Cluster, load_cluster
 from ir.graph import Graph
 from ir.layers import block_count, pipeline_layers
 from ir.source import build_model
+from ir.precision import compute_copy
 from ir.trace import trace
-from planner.api import PlanningError, plan
+from planner.api import PlanningError, plan, resolve_precision
 from planner.megatron import MegatronConfig, MegatronDoesNotFit, megatron_configs, megatron_plan
 from planner.plan_format import Plan
 from planner.report import format_bytes
@@ -66,7 +67,7 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             auto_options: dict[str, Any] | None = None,
             megatron_deadline_s: float | None = None,
             progress: Callable[[str], None] | None = None,
-            graph: Graph | None = None) -> dict[str, Any]:
+            graph: Graph | None = None, precision: str | None = None) -> dict[str, Any]:
     """Plan ``model_spec`` automatically and with every Megatron configuration.
 
     Args:
@@ -100,7 +101,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
     if model is None:
         model, inputs = build_model(model_spec, device="meta", **zoo_kwargs)
     inputs = tuple(inputs)
-    graph = graph or trace(model, inputs)
+    chosen = resolve_precision(model, cluster, precision)
+    graph = graph or trace(*compute_copy(model, inputs, chosen))
     tokens = int(inputs[0].numel()) if isinstance(inputs[0], torch.Tensor) else 0
     global_batch = int(inputs[0].shape[0]) if isinstance(inputs[0], torch.Tensor) else None
     if configs is None:
@@ -117,7 +119,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
         try:
             say("auto plan")
             auto = plan(model, cluster, example_inputs=inputs, model_source=model_spec,
-                        time_limit_s=time_limit_s, zoo_kwargs=zoo_kwargs, **(auto_options or {}))
+                        time_limit_s=time_limit_s, zoo_kwargs=zoo_kwargs,
+                        precision=chosen, **(auto_options or {}))
             entries.append(Entry("auto", _auto_label(auto), auto,
                                  seconds=time.perf_counter() - t0))
         except PlanningError as err:
@@ -141,7 +144,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             try:
                 p = megatron_plan(model, cluster, cfg, example_inputs=inputs,
                                   model_source=model_spec, zoo_kwargs=zoo_kwargs,
-                                  time_limit_s=time_limit_s, graph=graph, cache=cache)
+                                  time_limit_s=time_limit_s, graph=graph, cache=cache,
+                                  precision=chosen)
                 entries.append(Entry("megatron", cfg.label(), p, config=cfg,
                                      seconds=time.perf_counter() - t0))
             except PlanningError as err:

@@ -29,12 +29,14 @@ from typing import Callable, Mapping, Sequence
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from costmodel.collectives import axis_links, collective_time
-from costmodel.compute import backward_op_times, op_time
+from costmodel.compute import FUSED_ATTENTION, attention_times, backward_op_times, op_time
 from costmodel.memory import training_state_bytes
+from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
 from costmodel.resharding import ReshardPricer
 from costmodel.cluster import Cluster
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
 from ir.layers import Layer
+from ir.precision import get_precision
 from planner.report import format_bytes
 from planner.ilp import (AssignmentProblem, CheckpointGroup, EdgeMatrix, Hint, Solution,
                          greedy_assignment, solve, warm_start_value)
@@ -134,9 +136,13 @@ class IntraOpCost:
         self.links = axis_links(cluster, self.mesh_shape)
         # seconds of ZeRO's once-per-step collectives of one byte: their per-message latency
         self._zero_latency = self.zero_collectives(1.0)
-        self.dtype = dtype
+        # the training precision (``dtype`` names it; older callers pass a dtype name)
+        self.precision = get_precision(dtype)
+        self.dtype = self.precision.compute_dtype_name
         self.requires_grad = self._requires_grad()
         self.param_derived = self._param_derived()
+        # node -> indices of its outputs autograd keeps for backward
+        self.saved = saved_outputs(graph, self.requires_grad)
         if pricer is None:
             pricer = ReshardPricer(self.mesh_shape, self.links)
         elif pricer.mesh_shape != self.mesh_shape or pricer.links != self.links:
@@ -188,6 +194,8 @@ class IntraOpCost:
         if node.kind == INPUT:  # each device loads its part of the batch into memory
             local = local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
             return local / self.cluster.device.memory_bandwidth
+        if node.kind == PARAM:
+            return self.cast_time(node, s)
         if node.kind != OP:
             return 0.0
         b, w = self.backward_times(node, s)
@@ -235,6 +243,19 @@ class IntraOpCost:
             out.append(by_factor[f])
         return out
 
+    def cast_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of a mixed-precision step's two casts of a parameter: the
+        master copy to the compute dtype before the forward reads it, and its
+        gradient back to the master dtype (each reads one dtype and writes the
+        other); 0 when the parameter is kept in the compute dtype."""
+        if not self.precision.mixed:
+            return 0.0
+        numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
+        one = op_time(0.0, numel * (self.precision.master_bytes
+                                    + self.precision.compute_dtype.itemsize),
+                      self.cluster.device, self.dtype)
+        return 2 * one
+
     def _dispatch(self, node: Node) -> float:
         """Host seconds the distributed runtime adds to running the op once."""
         return 0.0 if node.target == "getitem" else self.cluster.device.dispatch_overhead
@@ -249,6 +270,10 @@ class IntraOpCost:
         input_grad = any(a in self.requires_grad and a not in self.param_derived
                          for a in node.args)
         weight_grad = any(a in self.param_derived for a in node.args)
+        if node.target == FUSED_ATTENTION:
+            b = attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
+                                self.dtype)[1] if input_grad else 0.0
+            return b + self._dispatch(node), 0.0
         b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                  self.dtype, input_grad=input_grad, weight_grad=weight_grad)
         return b + self._dispatch(node), w
@@ -260,6 +285,9 @@ class IntraOpCost:
         if node.is_view:
             return self._dispatch(node)
         f = self.shard_factor(s)
+        if node.target == FUSED_ATTENTION:
+            return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
+                                    self.dtype)[0] + self._dispatch(node))
         return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
                 + self._dispatch(node))
 
@@ -323,8 +351,8 @@ class IntraOpCost:
         """Bytes per device that ``node`` holds under ``s`` during a training step.
 
         Parameters bring their gradient and optimizer states (sharded like the
-        parameter); a user input its local batch; an op on the gradient path that
-        writes memory (not a view) keeps its outputs for backward.
+        parameter); a user input its local batch; an op the outputs that
+        autograd keeps for some op's backward (:mod:`costmodel.saved_tensors`).
 
         With n ranks on mesh axis 0: under ZeRO-1 the optimizer states count
         ``1/n``; under ZeRO-3 (FSDP2 with the whole stage as one unit)
@@ -335,23 +363,37 @@ class IntraOpCost:
         """
         if node.kind == PARAM:
             numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
-            state = training_state_bytes(int(math.ceil(numel)), param_bytes=node.output.itemsize,
-                                         optimizer=self.optimizer)
-            kept = {k: float(v) for k, v in state.items() if k != "total"}
             n = self.state_shards
-            if self.zero_stage == 1:
-                kept["optimizer"] /= n
-            elif self.zero_stage == 3 and n > 1:  # plus the gathered parameters, whole gradients
-                kept = {k: v / n + (v if k in ("params", "grads") else 0.0)
-                        for k, v in kept.items()}
-            return kept
+            # ZeRO shards the states over axis 0, where the parameter is replicated
+            state = training_state_bytes(int(math.ceil(numel)), precision=self.precision,
+                                         optimizer=self.optimizer,
+                                         zero_stage=self.zero_stage if n > 1 else 0, dp_size=n)
+            return {k: float(v) for k, v in state.items() if k != "total"}
         if node.kind == INPUT:
             return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
                     * node.output.itemsize}
-        if node.kind == OP and node.bytes_moved > 0 and node.name in self.requires_grad:
+        kept = self.saved.get(node.name)
+        if node.kind == OP and kept:
+            f = self.shard_factor(s)
             return {"activations": sum(local_numel(o, p, self.mesh_shape) * o.itemsize
-                                       for o, p in zip(node.outputs, s.outputs) if o.is_float)}
+                                       for i, (o, p) in enumerate(zip(node.outputs, s.outputs))
+                                       if i in kept) + extra_saved_bytes(node) / f}
         return {}
+
+    def backward_transient(self, node: Node, s: Strategy) -> float:
+        """Bytes per device the backward of ``node`` holds on top of the saved
+        activations while it runs: the gradient of its outputs and the
+        gradients it writes for its activation inputs (the largest of these, at
+        the loss, is what lifts the step's peak above the states and saved
+        activations). 0 off the gradient path and for views."""
+        if node.kind != OP or node.is_view or node.name not in self.requires_grad:
+            return 0.0
+        out = sum(local_numel(o, p, self.mesh_shape) * o.itemsize
+                  for o, p in zip(node.outputs, s.outputs) if o.is_float)
+        ins = sum(local_numel(t, p, self.mesh_shape) * t.itemsize
+                  for a, t, p in zip(node.args, node.inputs, s.inputs)
+                  if t.is_float and a in self.requires_grad and a not in self.param_derived)
+        return float(out + ins)
 
     def memory(self, node: Node, s: Strategy) -> float:
         """Bytes per device of :meth:`memory_breakdown`, activations counted once per
@@ -681,10 +723,14 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
                    memory_budget: float | None = None, optimizer: str = "adam",
                    fixed: Mapping[str, Placements] | None = None,
                    activation_copies: float = 1.0,
-                   strategies: list[NodeStrategies] | None = None) -> IntraOpResult:
+                   strategies: list[NodeStrategies] | None = None,
+                   recompute: bool | None = None) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     Args:
+        dtype: the training precision (``bf16-mixed``, ``bf16``, ``fp32``;
+            see :mod:`ir.precision`), or the dtype name of older callers.
+        recompute: see :func:`solve_prepared`.
         memory_budget: bytes per device the plan may use (parameters, gradients,
             optimizer states, saved activations); None means unbounded.
         fixed: output placements the plan must use for some parameters (by FQN),
@@ -704,7 +750,8 @@ def solve_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,
     prepared = prepare_intra_op(graph, cluster, mesh_shape, dtype=dtype, optimizer=optimizer,
                                 fixed=fixed, activation_copies=activation_copies,
                                 strategies=strategies)
-    return solve_prepared(prepared, memory_budget=memory_budget, time_limit_s=time_limit_s)
+    return solve_prepared(prepared, memory_budget=memory_budget, time_limit_s=time_limit_s,
+                          recompute=recompute)
 
 
 @dataclass
@@ -717,6 +764,13 @@ class PreparedIntraOp:
     cost: IntraOpCost
     built: IntraOpProblem
     activation_copies: float
+
+    @functools.cached_property
+    def least_transient(self) -> float:
+        """Bytes the largest backward transient (:meth:`IntraOpCost.backward_transient`)
+        takes at least, whatever strategies are chosen."""
+        return max((min(self.cost.backward_transient(ns.node, st) for st in ns.strategies)
+                    for ns in self.strategies if ns.strategies), default=0.0)
 
     @functools.cached_property
     def hints(self) -> dict[str, list[int]]:
@@ -784,20 +838,51 @@ def restrict(prepared: PreparedIntraOp, allowed: Sequence[Sequence[int]]) -> Pre
         built, problem=problem, loop_costs=[pick(x, c) for c, x in enumerate(built.loop_costs)]))
 
 
+def _with_checkpointing(problem: AssignmentProblem) -> AssignmentProblem:
+    """``problem`` with every checkpoint group checkpointed: each group's
+    recompute seconds and memory change folded into its nodes' prices (its
+    kept inputs into its first node's), and no decision left to the solver."""
+    node_costs = [list(c) for c in problem.node_costs]
+    node_memory = [list(m) for m in problem.node_memory] if problem.node_memory else None
+    for g in problem.checkpoint_groups:
+        for k, v in enumerate(g.nodes):
+            node_costs[v] = [c + r for c, r in zip(node_costs[v], g.recompute[k])]
+            if node_memory is not None:
+                node_memory[v] = [m - s for m, s in zip(node_memory[v], g.saved[k])]
+        if node_memory is not None and g.nodes:
+            node_memory[g.nodes[0]] = [m + g.kept for m in node_memory[g.nodes[0]]]
+    return dataclasses.replace(problem, node_costs=node_costs, node_memory=node_memory,
+                               checkpoint_groups=[])
+
+
 def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = None,
-                   time_limit_s: float = 30.0, memory_weight: float = 0.0) -> IntraOpResult:
+                   time_limit_s: float = 30.0, memory_weight: float = 0.0,
+                   recompute: bool | None = None,
+                   transient_budget: float | None = None) -> IntraOpResult:
     """Solve a prepared problem under ``memory_budget`` (bytes per device),
     minimising seconds plus ``memory_weight`` (seconds per byte) x bytes per device.
+    ``recompute``: None lets the solver choose which layers to checkpoint (the
+    fastest choice that fits); True checkpoints every layer, False none.
+    ``transient_budget``: bytes of the budget kept for the backward's transient
+    gradients (default: the least any assignment has).
 
     Raises:
         MemoryInfeasibleError: no assignment fits the budget.
     """
     graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
     cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
-    problem = dataclasses.replace(built.problem, memory_budget=memory_budget,
+    # the ILP's memory is states + saved activations; the backward's transient
+    # gradients come on top, at least ``least_transient`` of them
+    transient = transient_budget if transient_budget is not None else prepared.least_transient
+    ilp_budget = None if memory_budget is None else memory_budget - transient
+    problem = dataclasses.replace(built.problem, memory_budget=ilp_budget,
                                   memory_weight=memory_weight)
-    if memory_budget is not None and least_memory(problem) > memory_budget:
-        raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
+    groups = problem.checkpoint_groups
+    if recompute is not None:
+        problem = (_with_checkpointing(problem) if recompute
+                   else dataclasses.replace(problem, checkpoint_groups=[]))
+    if ilp_budget is not None and least_memory(problem) > ilp_budget:
+        raise MemoryInfeasibleError(least_memory(problem) + transient, memory_budget, mesh_shape)
     hint: Hint = [0] * len(problem.node_costs)  # one assignment (e.g. re-pricing)
     if not all(len(c) == 1 for c in problem.node_costs):
         # made only where a MIP runs: the LP relaxation is integral on almost
@@ -819,8 +904,8 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     for c, loop in enumerate(built.loop_costs):
         breakdown.resharding_s += loop[solution.choice[c]]
     checkpointed: list[str] = []
-    for group, layers_of, on in zip(problem.checkpoint_groups, built.checkpoint_layers,
-                                    solution.checkpoint):
+    decided = solution.checkpoint if recompute is None else [recompute] * len(groups)
+    for group, layers_of, on in zip(groups, built.checkpoint_layers, decided):
         if on:
             checkpointed += layers_of
             chosen_of = [solution.choice[c] for c in group.nodes]
@@ -828,5 +913,12 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
             memory["activations"] += group.kept - sum(
                 m[i] for m, i in zip(group.saved, chosen_of))
     assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (breakdown, solution.objective_s, solution.status, checkpointed)
+    memory["backward_transient"] = max((cost.backward_transient(ns.node, ns.strategies[i])
+                                        for ns, i in zip(strategies, choice)), default=0.0)
+    if (memory_budget is not None and memory["backward_transient"] > transient
+            and sum(memory.values()) > memory_budget):  # the chosen transient is larger
+        return solve_prepared(prepared, memory_budget=memory_budget, time_limit_s=time_limit_s,
+                              memory_weight=memory_weight, recompute=recompute,
+                              transient_budget=memory["backward_transient"])
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
                          memory, checkpointed)

@@ -39,9 +39,10 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from costmodel.cluster import Cluster, load_cluster
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import block_count, manual_bounds
+from ir.precision import compute_copy
 from ir.trace import trace
 from planner.api import (PlanningError, build_plan, default_memory_budget, model_record,
-                         training_record)
+                         resolve_precision, training_record)
 from planner.intra_op import FixedPlacementError, MemoryInfeasibleError, solve_intra_op
 from planner.plan_format import Plan
 
@@ -382,7 +383,7 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
     return out
 
 
-def _state_floor(graph: Graph, cfg: MegatronConfig, optimizer: str) -> float:
+def _state_floor(graph: Graph, cfg: MegatronConfig, optimizer: str, precision: str) -> float:
     """A lower bound on parameter-state bytes of the fullest device: every
     parameter split tp x pp ways (the fullest stage holds at least the average),
     optimizer states also over dp under the distributed optimizer."""
@@ -390,14 +391,14 @@ def _state_floor(graph: Graph, cfg: MegatronConfig, optimizer: str) -> float:
 
     total = 0.0
     for t in graph.parameters.values():
-        s = training_state_bytes(int(t.numel), param_bytes=t.itemsize, optimizer=optimizer)
+        s = training_state_bytes(int(t.numel), precision=precision, optimizer=optimizer)
         opt = s["optimizer"] / (cfg.dp if cfg.use_distributed_optimizer else 1)
         total += s["params"] + s["grads"] + opt
     return total / (cfg.tp * cfg.pp)
 
 
 def _optimizer_bytes(graph: Graph, layout: dict[str, tuple], mesh_shape: tuple[int, ...],
-                     optimizer: str) -> float:
+                     optimizer: str, precision: str) -> float:
     """Optimizer-state bytes per device of ``graph``'s parameters under ``layout``."""
     from costmodel.memory import training_state_bytes
     from planner.intra_op import local_numel
@@ -407,17 +408,17 @@ def _optimizer_bytes(graph: Graph, layout: dict[str, tuple], mesh_shape: tuple[i
         if n.kind == PARAM:
             numel = local_numel(n.output, layout.get(n.fqn, (Replicate(),) * len(mesh_shape)),
                                 mesh_shape)
-            total += training_state_bytes(int(math.ceil(numel)), param_bytes=n.output.itemsize,
+            total += training_state_bytes(int(math.ceil(numel)), precision=precision,
                                           optimizer=optimizer)["optimizer"]
     return total
 
 
 def _zero1_saving(graph: Graph, cfg: MegatronConfig, layout: dict[str, tuple],
-                  optimizer: str) -> float:
+                  optimizer: str, precision: str) -> float:
     """Bytes per device the distributed optimizer saves (ZeRO-1 over dp)."""
     if not cfg.use_distributed_optimizer or cfg.dp == 1:
         return 0.0
-    return _optimizer_bytes(graph, layout, cfg.mesh_shape, optimizer) * (1 - 1 / cfg.dp)
+    return _optimizer_bytes(graph, layout, cfg.mesh_shape, optimizer, precision) * (1 - 1 / cfg.dp)
 
 
 def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronConfig, *,
@@ -425,7 +426,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
                   zoo_kwargs: dict[str, Any] | None = None, time_limit_s: float = 30.0,
                   graph: Graph | None = None, optimizer: str = "adam",
                   memory_budget: float | None = None,
-                  cache: dict | None = None) -> Plan:
+                  cache: dict | None = None, precision: str | None = None) -> Plan:
     """The Plan of Megatron configuration ``cfg``.
 
     Without a pipeline and with the whole local batch in one micro-batch: the
@@ -447,6 +448,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
         graph: the traced whole-batch program, if already traced.
         cache: a dict shared between calls for the same model and cluster
             (``planner compare``): traces and stage sub-programs are reused.
+        precision: as :func:`planner.api.plan` (Megatron runs ``bf16-mixed``).
 
     Raises:
         PlanningError: ``cfg`` does not divide the model or the batch;
@@ -461,12 +463,14 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     cache = {} if cache is None else cache
+    chosen = resolve_precision(model, cluster, precision)
+    model, example_inputs = compute_copy(model, example_inputs, chosen)
     if graph is None:
         graph = cache.get("graph") or trace(model, example_inputs)
     cache["graph"] = graph
-    dtype = str(next(iter(graph.parameters.values())).dtype).replace("torch.", "")
+    dtype = chosen.name
     budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
-    floor = _state_floor(graph, cfg, optimizer)
+    floor = _state_floor(graph, cfg, optimizer, dtype)
     if floor > budget:
         raise MegatronDoesNotFit(
             f"{cfg.label()} needs at least {floor / 2**30:.1f} GiB per device for parameter "
@@ -481,7 +485,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     if cfg.pp > 1 or m > 1:  # a pipeline, or gradient accumulation
         return _pipeline_plan(model, cluster, cfg, example_inputs, graph, layout, m, dtype,
                               optimizer, budget, time_limit_s, cache, info, training)
-    saving = _zero1_saving(graph, cfg, layout, optimizer)
+    saving = _zero1_saving(graph, cfg, layout, optimizer, dtype)
     try:
         result = solve_intra_op(graph, cluster, cfg.mesh_shape, dtype=dtype,
                                 time_limit_s=time_limit_s, fixed=layout, optimizer=optimizer,

@@ -12,11 +12,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-FORMAT_VERSION = 2
-# Versions this planner reads: 1 has no ``pipeline`` section (it means one stage).
-READABLE_VERSIONS = (1, 2)
+if TYPE_CHECKING:
+    from ir.precision import Precision
+
+FORMAT_VERSION = 3
+# Versions this planner reads: 1 has no ``pipeline`` section (it means one stage);
+# 1 and 2 record no training precision (they trained in the dtype they name).
+READABLE_VERSIONS = (1, 2, 3)
 
 
 class PlanError(ValueError):
@@ -183,6 +187,16 @@ class Plan:
         return tuple(int(d) for d in self.mesh["shape"])
 
     @property
+    def precision(self) -> "Precision":
+        """The training precision the plan was made for (``training.precision``;
+        plans of format 1 and 2 trained in their ``training.dtype`` throughout)."""
+        from ir.precision import get_precision
+
+        return get_precision(self.training.get("precision") or
+                             self.training.get("dtype", "float32"),
+                             _short_dtype(self.training.get("reduce_dtype")))
+
+    @property
     def world_size(self) -> int:
         n = 1
         for d in self.mesh_shape:
@@ -238,6 +252,10 @@ class Plan:
                 format_version=FORMAT_VERSION)
         except (TypeError, AttributeError) as err:
             raise PlanError(f"plan.json is malformed ({err}); regenerate it with `planner plan`") from err
+
+
+def _short_dtype(name: str | None) -> str | None:
+    return {"float32": "fp32", "bfloat16": "bf16"}.get(name, name) if name else None
 
 
 def _pipeline_from_dict(d: dict[str, Any] | None) -> PipelinePlan | None:

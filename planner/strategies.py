@@ -28,6 +28,7 @@ from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, Tu
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ir.graph import Graph, Node, OP
+from ir.torch_compat import SDPA
 
 Placements = tuple[Placement, ...]
 
@@ -291,6 +292,9 @@ class StrategyBuilder:
 
     def _from_dtensor(self, node: Node) -> list[Strategy]:
         fx_node = self.fx_nodes[node.name]
+        if fx_node.target is SDPA:
+            return _memoised(self._cache, self._signature(fx_node, False),
+                             lambda: self._fused_attention(node, fx_node))
         op = fx_node.target
         single = self.prop.op_single_dim_strategy_funcs.get(op)
         key = self._signature(fx_node, single is not None)
@@ -322,6 +326,18 @@ class StrategyBuilder:
         if not kept:
             raise _NoStrategy("DTensor rejects every input placement")
         return list(kept)
+
+    def _fused_attention(self, node: Node, fx_node: torch.fx.Node) -> list[Strategy]:
+        """Strategies of ``F.scaled_dot_product_attention``, kept as one node:
+        DTensor's for the fused kernel it runs (flash without a mask, the
+        memory-efficient kernel with one), its attention output alone."""
+        call = _FusedAttentionCall(fx_node)
+        func = self.prop.op_strategy_funcs.get(call.target)
+        if func is None:
+            raise _NoStrategy(f"{call.target} not registered with DTensor")
+        rows = [(ins, outs[:1]) for ins, outs in _rows(self._call_strategy(call, None, func,
+                                                                          only=None))]
+        return self._keep(node, rows)
 
     def _expanded(self, fx_node: torch.fx.Node, single, signature: tuple) -> list[_Row]:
         """DTensor's single-dim strategy of ``fx_node`` expanded to every
@@ -421,6 +437,30 @@ class StrategyBuilder:
 
 class _NoStrategy(Exception):
     pass
+
+
+class _FusedAttentionCall:
+    """An ``aten.scaled_dot_product_attention`` node as a call of the fused
+    kernel DTensor has strategies for (the node's ``target``, ``args`` and
+    ``kwargs`` as :meth:`StrategyBuilder._call_strategy` reads them)."""
+
+    def __init__(self, fx_node: torch.fx.Node):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+        given = dict(zip(names, fx_node.args))
+        given.update(fx_node.kwargs)
+        q, k, v = given["query"], given["key"], given["value"]
+        dropout, causal = given.get("dropout_p", 0.0), given.get("is_causal", False)
+        mask = given.get("attn_mask")
+        aten = torch.ops.aten
+        self.meta = fx_node.meta
+        self.name = fx_node.name
+        if mask is None:
+            self.target = aten._scaled_dot_product_flash_attention.default
+            self.args = (q, k, v, dropout, causal, False)
+        else:
+            self.target = aten._scaled_dot_product_efficient_attention.default
+            self.args = (q, k, v, mask, False, dropout, causal)
+        self.kwargs = {"scale": given["scale"]} if given.get("scale") is not None else {}
 
 
 def _memoised(cache: dict, key: tuple, make: Callable[[], list]) -> list:

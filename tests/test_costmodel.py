@@ -272,17 +272,20 @@ def test_placement_strings():
 
 # --- memory ---------------------------------------------------------------------
 
-def test_zero_memory_matches_paper():
+def test_zero_memory_of_mixed_precision_adam():
+    """bf16-mixed Adam as Megatron and torchtitan keep it: fp32 params, grads and
+    2 states (16 B) plus the bf16 working copy (2 B); ZeRO shards each part."""
     psi, n = 7_500_000_000, 64
-    paper = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.9e9}
-    exact = {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    exact = {0: 18 * psi, 1: 10 * psi + 8 * psi / n, 2: 6 * psi + 2 * psi + 12 * psi / n,
+             3: 2 * psi + 2 * psi + 16 * psi / n}
     for stage in range(4):
-        got = training_state_bytes(psi, mixed_precision=True, zero_stage=stage, dp_size=n)
+        got = training_state_bytes(psi, precision="bf16-mixed", zero_stage=stage, dp_size=n)
         assert got["total"] == pytest.approx(exact[stage], rel=1e-9)
-        assert got["total"] == pytest.approx(paper[stage], abs=0.06e9)
         assert got["total"] == got["params"] + got["grads"] + got["optimizer"]
-    s0 = training_state_bytes(psi, mixed_precision=True)
-    assert (s0["params"], s0["grads"], s0["optimizer"]) == (2 * psi, 2 * psi, 12 * psi)
+    s0 = training_state_bytes(psi, precision="bf16-mixed")
+    assert (s0["params"], s0["grads"], s0["optimizer"]) == (6 * psi, 4 * psi, 8 * psi)
+    bf16 = training_state_bytes(psi, precision="bf16")
+    assert (bf16["params"], bf16["grads"], bf16["optimizer"]) == (2 * psi, 2 * psi, 4 * psi)
 
 
 def test_training_state_fp32_and_options():
@@ -290,9 +293,9 @@ def test_training_state_fp32_and_options():
     fp32 = training_state_bytes(psi)
     assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4 * psi, 4 * psi, 8 * psi)
     assert training_state_bytes(psi, optimizer="sgd")["total"] == 8 * psi
-    # ZeRO on one rank changes nothing; uneven shards round up
+    # ZeRO on one rank changes nothing; uneven shards round up (plus the gathered whole)
     assert training_state_bytes(psi, zero_stage=3, dp_size=1) == fp32
-    assert training_state_bytes(1001, zero_stage=3, dp_size=4)["params"] == 4 * 251
+    assert training_state_bytes(1001, zero_stage=3, dp_size=4)["params"] == 4 * 251 + 4 * 1001
     with pytest.raises(ValueError, match="optimizer"):
         training_state_bytes(psi, optimizer="lion")
     with pytest.raises(ValueError, match="zero_stage"):

@@ -374,7 +374,9 @@ def test_one_pass_decompositions_are_made_again_when_an_op_is_registered():
 
     first = _export_decompositions()
     assert _export_decompositions() == first
-    assert set(first) == set(default_decompositions().materialize())
+    from ir.torch_compat import KEPT_FUSED_OPS
+
+    assert set(first) == set(default_decompositions().materialize()) - set(KEPT_FUSED_OPS)
     lib = torch.library.Library("plannertest", "FRAGMENT")
     lib.define("scaled(Tensor x) -> Tensor")
     lib.impl("scaled", lambda x: x * 2.0, "CompositeImplicitAutograd")

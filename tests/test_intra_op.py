@@ -52,11 +52,10 @@ def test_small_batch_gpt_block_comes_out_megatron():
     assert prm[block + "attn.c_proj.weight"] == ["S(1)"]
     assert prm[block + "mlp.c_fc.weight"] == ["S(0)"]
     assert prm[block + "mlp.c_proj.weight"] == ["S(1)"]
-    # attention by heads: both attention bmms keep their [batch*heads] dim sharded
-    bmms = [n for n in p.nodes.values() if n.op == "aten.bmm.default" and n.module.startswith(
-        "transformer.h.0")]
-    assert len(bmms) == 2
-    assert all(n.outputs == [["S(0)"]] for n in bmms)
+    # attention is one fused node (no s x s products left to shard)
+    attention = [n for n in p.nodes.values() if n.op == "aten.scaled_dot_product_attention.default"
+                 and n.module.startswith("transformer.h.0")]
+    assert len(attention) == 1
     assert p.solver.status == "OPTIMAL"
 
 

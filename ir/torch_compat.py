@@ -1,0 +1,201 @@
+"""The one home of the private torch APIs this project uses, for torch 2.11 to 2.14.
+
+Every import of a private torch module (a name starting with ``_``) and every
+read of a torch setting that not all supported versions have goes through
+here, so that a torch upgrade is checked in one file. The supported range is
+the one pyproject.toml declares.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator
+
+import torch
+import torch.fx.config
+
+__all__ = [
+    "KEPT_FUSED_OPS", "SDPA", "aot_export_module", "capture_decompositions", "kept_fused_ops",
+    "cpu_flash_attention_ops", "fx_without_stack_traces", "mask_partial_type",
+    "redistribute_function", "register_fused_attention_sharding", "sharding_propagator",
+    "single_dim_expansion", "strided_shard_type",
+]
+
+#: ``F.scaled_dot_product_attention``: captured as this one node and run as the
+#: device's fused kernel (flash, memory-efficient or cuDNN on CUDA, flash on CPU).
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+#: Ops the capture keeps whole instead of decomposing them to core ATen: torch
+#: runs them as one fused kernel, which is what the cost model must price.
+KEPT_FUSED_OPS = (SDPA,)
+
+
+@contextlib.contextmanager
+def fx_without_stack_traces() -> Iterator[None]:
+    """torch.fx records the Python stack of every node it traces
+    (``node.meta["stack_trace"]``); the planner never reads it and skipping it
+    makes a capture a fifth faster. ``torch.fx.config.do_not_emit_stack_traces``
+    exists from torch 2.12 on; on older torch this does nothing."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
+
+
+def capture_decompositions(table: dict) -> dict:
+    """``table`` (export's decompositions, materialised) without the
+    :data:`KEPT_FUSED_OPS`, which the capture keeps as one node each."""
+    return {op: fn for op, fn in table.items() if op not in KEPT_FUSED_OPS}
+
+
+def aot_export_module(*args: Any, **kwargs: Any) -> Any:
+    """``torch._functorch.aot_autograd.aot_export_module``, with the
+    :data:`KEPT_FUSED_OPS` kept whole as ``run_decompositions`` keeps them
+    (their CompositeImplicitAutograd kernel swapped for export's "preserve"
+    marker while tracing, and restored after)."""
+    from torch._functorch.aot_autograd import aot_export_module as export
+
+    with kept_fused_ops():
+        return export(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def kept_fused_ops() -> Iterator[None]:
+    """While tracing or propagating fake tensors through a captured program,
+    the :data:`KEPT_FUSED_OPS` stay one op each (their CompositeImplicitAutograd
+    kernel swapped for export's "preserve" marker, restored after) with the
+    fused kernels' output layout (:func:`fused_attention_layout`)."""
+    from torch._export.utils import _special_op_to_preserve_cia
+    from torch.export.exported_program import _override_composite_implicit_decomp
+
+    from torch._dispatch.python import enable_python_dispatcher
+
+    keep = {op: _special_op_to_preserve_cia for op in KEPT_FUSED_OPS}
+    with fused_attention_layout(), _override_composite_implicit_decomp(keep), \
+            enable_python_dispatcher():
+        yield
+
+
+def _fused_attention_fake(fake_mode: Any, func: Any, query: Any, key: Any, value: Any,
+                          *args: Any, **kwargs: Any) -> Any:
+    """The fake (shape-only) result of the kept attention node, laid out as the
+    fused kernels write it: [batch, seq, heads, head dim] in memory, returned
+    transposed to [batch, heads, seq, head dim] (flash and memory-efficient,
+    on CUDA and CPU). The math path's contiguous layout would make the
+    capture differ from the program the device runs (a copy before the
+    heads are merged back)."""
+    with fake_mode:
+        if query.dim() != 4:
+            return torch.empty(*query.shape[:-1], value.shape[-1], dtype=query.dtype,
+                               device=query.device)
+        b, h, s, _ = query.shape
+        return torch.empty(b, s, h, value.shape[-1], dtype=query.dtype,
+                           device=query.device).transpose(1, 2)
+
+
+@contextlib.contextmanager
+def fused_attention_layout() -> Iterator[None]:
+    """While capturing, the kept attention node's fake result has the fused
+    kernels' memory layout (:func:`_fused_attention_fake`); the fake rule torch
+    had before is restored after."""
+    from torch._subclasses import fake_impls
+
+    table = fake_impls.op_implementations_dict
+    before = table.get(SDPA)
+    table[SDPA] = _fused_attention_fake
+    try:
+        yield
+    finally:
+        if before is None:
+            table.pop(SDPA, None)
+        else:
+            table[SDPA] = before
+
+
+def sharding_propagator() -> Any:
+    """DTensor's sharding propagator (its registered op strategies)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def single_dim_expansion() -> Any:
+    """DTensor's ``_expand_single_dim_strategy_to_mesh`` (absent before torch 2.12:
+    then None, and ops registered with single-dim strategies do not exist)."""
+    try:
+        from torch.distributed.tensor._ops.single_dim_strategy import (
+            _expand_single_dim_strategy_to_mesh,
+        )
+    except ImportError:
+        return None
+    return _expand_single_dim_strategy_to_mesh
+
+
+def mask_partial_type() -> type:
+    """DTensor's masked partial placement (made inside embedding lookups)."""
+    try:
+        from torch.distributed.tensor.placement_types import MaskPartial
+    except ImportError:
+        from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
+    return MaskPartial
+
+
+def strided_shard_type() -> type:
+    """DTensor's strided shard placement."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def redistribute_function() -> Any:
+    """DTensor's autograd function for a redistribution (also to Partial)."""
+    from torch.distributed.tensor._redistribute import Redistribute
+
+    return Redistribute
+
+
+def cpu_flash_attention_ops() -> tuple[Any, Any]:
+    """The CPU flash-attention kernel ``F.scaled_dot_product_attention`` runs on
+    CPU tensors, and its backward."""
+    aten = torch.ops.aten
+    return (aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+@functools.lru_cache(maxsize=1)
+def register_fused_attention_sharding() -> None:
+    """Give DTensor the sharding of the CPU flash-attention kernel, which it
+    lacks (it has those of the CUDA kernels): the same as its CUDA flash
+    kernel's, batch (dim 0) or heads (dim 1) sharded, or all replicated.
+    Registered once per process, through DTensor's public ``register_sharding``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    forward, backward = cpu_flash_attention_ops()
+    propagator = sharding_propagator()
+    if forward in propagator.op_strategy_funcs:
+        return
+
+    @register_sharding(forward)
+    def _forward(query, key, value, *args, **kwargs):  # noqa: ARG001 - op signature
+        # outputs: (attention output, log-sum-exp); inputs: q, k, v (+ attn_mask)
+        extra = [None] if kwargs.get("attn_mask") is not None else []
+        mask = lambda p: [p] if extra else []  # noqa: E731
+        return [([Replicate(), Replicate()], [Replicate()] * 3 + mask(Replicate())),
+                ([Shard(0), Shard(0)], [Shard(0)] * 3 + mask(Shard(0))),
+                ([Shard(1), Shard(1)], [Shard(1)] * 3 + mask(Shard(1)))]
+
+    @register_sharding(backward)
+    def _backward(grad_out, query, key, value, out, logsumexp, *args, **kwargs):  # noqa: ARG001
+        extra = kwargs.get("attn_mask") is not None
+        mask = lambda p: [p] if extra else []  # noqa: E731
+        return [([Replicate()] * 3, [Replicate()] * 6 + mask(Replicate())),
+                ([Shard(0)] * 3, [Shard(0)] * 6 + mask(Shard(0))),
+                ([Shard(1)] * 3, [Shard(1)] * 6 + mask(Shard(1)))]
