@@ -244,6 +244,13 @@ class DeviceSpec:
             reaches over its forward and backward, counting the FLOPs it
             executes (half of the score matrix under a causal mask); measured
             by ``planner profile``. 0 = priced like a GEMM of the same FLOPs.
+        host_overhead: host seconds eager PyTorch spends issuing one op in a
+            pass (dispatch, autograd bookkeeping, the launch) on a device the
+            host runs ahead of (a GPU): a kernel takes at least this long, as
+            the device waits for the host when its kernels are shorter
+            (``costmodel.compute.op_time``). Measured by ``planner profile`` on
+            GPUs; 0 = the host is never the bottleneck (CPU ranks, where host
+            and device are one, count ``kernel_overhead`` instead).
     """
 
     name: str
@@ -256,12 +263,14 @@ class DeviceSpec:
     half_saturation_flops: float = 0.0
     dispatch_overhead: float = 0.0
     attention_efficiency: float = 0.0
+    host_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         _need_name("device.name", self.name)
         if self.attention_efficiency != 0.0:
             _need_fraction("device.attention_efficiency", self.attention_efficiency)
         _need_nonnegative("device.dispatch_overhead", self.dispatch_overhead, "seconds")
+        _need_nonnegative("device.host_overhead", self.host_overhead, "seconds")
         _need_nonnegative("device.half_saturation_flops", self.half_saturation_flops, "FLOPs")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise ClusterError(
@@ -311,6 +320,7 @@ class DeviceSpec:
             "half_saturation_flops": self.half_saturation_flops,
             "dispatch_overhead": self.dispatch_overhead,
             "attention_efficiency": self.attention_efficiency,
+            "host_overhead": self.host_overhead,
         }
 
     @classmethod
@@ -321,12 +331,13 @@ class DeviceSpec:
             where, d,
             ("name", "peak_flops", "memory", "memory_bandwidth"),
             ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops",
-             "dispatch_overhead", "attention_efficiency"),
+             "dispatch_overhead", "attention_efficiency", "host_overhead"),
         )
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
         kwargs: dict[str, Any] = {}
         for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
-                    "half_saturation_flops", "dispatch_overhead", "attention_efficiency"):
+                    "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
+                    "host_overhead"):
             if key in d:
                 kwargs[key] = d[key]
         return cls(

@@ -2,9 +2,13 @@
 
 Units: seconds, FLOPs, bytes, FLOP/s, bytes/s.
 
-    time = max(flops / (peak_flops[dtype] * efficiency),
-               bytes_moved / (memory_bandwidth * memory_efficiency))
-           + kernel_overhead
+    time = max(max(flops / (peak_flops[dtype] * efficiency),
+                   bytes_moved / (memory_bandwidth * memory_efficiency))
+               + kernel_overhead,
+               host_overhead)
+
+``host_overhead`` is the host's time to issue one op in eager PyTorch: a GPU
+whose kernels are shorter waits for the host (0 on CPU ranks).
 
 The efficiencies and the overhead default to the :class:`DeviceSpec`'s
 (calibrated by profiling later). For GEMMs, :func:`matmul_efficiency` gives a
@@ -85,7 +89,8 @@ def op_time(
         eff = matmul_efficiency(flops, eff, device.half_saturation_flops)
     compute = flops / (device.flops(dtype) * eff) if flops > 0 else 0.0
     memory = bytes_moved / (device.memory_bandwidth * mem_eff) if bytes_moved > 0 else 0.0
-    return max(compute, memory) + device.kernel_overhead
+    # the device runs ahead of the host only while its kernels outlast their launches
+    return max(max(compute, memory) + device.kernel_overhead, device.host_overhead)
 
 
 def backward_op_times(flops: float, bytes_moved: float, device: DeviceSpec, dtype: Any, *,

@@ -490,6 +490,7 @@ def _build_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "collective_min_rep_s": 0.005 if quick else 0.02,
         "overhead": True,
         "dispatch": ranks > 1,
+        "host": gpu,
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],
         "gemms": gemms,
         # causal fused attention, forward and backward: [batch, heads, seq, head dim, dtype]
@@ -563,6 +564,17 @@ def attention_efficiency(samples: Any, overhead: float, peak_flops: float) -> fl
     return min(1.0, rates[len(rates) // 2])
 
 
+def host_overhead(raw: Mapping[str, Any]) -> float | None:
+    """Host seconds eager PyTorch spends on one op and pass (dispatch, autograd
+    bookkeeping, the launch), from the ``host`` measurement: forward and
+    backward of a chain of tiny ops, too small for the device to matter;
+    None when it was not measured."""
+    h = raw.get("host")
+    if not h or "seconds" not in h:
+        return None
+    return h["seconds"] / (2 * h["ops"])
+
+
 def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
     """Seconds DTensor adds per op and pass (forward or backward), from the
     ``dispatch`` measurement; None when it was not measured."""
@@ -629,7 +641,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
                          memory_bandwidth=mem_bw, kernel_overhead=overhead, flop_efficiency=1.0,
                          memory_efficiency=1.0,
                          half_saturation_flops=gemm["half_saturation_flops"],
-                         attention_efficiency=attention or 0.0)
+                         attention_efficiency=attention or 0.0,
+                         host_overhead=host_overhead(raw) or 0.0)
         # With one GPU no collective runs: keep an NVLink-like placeholder (noted below).
         link = Link("nvlink", link_fit["bandwidth"], link_fit["latency"]) if link_fit else Link("nvlink", 150e9, 2e-6)
         cluster = Cluster(f"local-gpu:{ranks}", 1, ranks, dev, link, link, "nccl")

@@ -57,6 +57,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def count_steps(spec: dict[str, Any]) -> int:
     """Progress steps :func:`run_worker` reports for ``spec``: one per item and pass."""
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
+             + int(bool(spec.get("host")))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ())) + len(spec.get("attention", ()))
              + len(spec.get("collectives", ())) * len(spec.get("sizes", ()))
@@ -231,6 +232,11 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
         b = torch.zeros(1, device=device)
         out["overhead"] = {}
         items.append(_Item("kernel overhead", lambda: torch.add(a, b, out=a), compute_rep, False, out["overhead"]))
+
+    if spec.get("host"):  # eager PyTorch's host time per op and pass, autograd included
+        x = torch.ones(64, device=device, requires_grad=True)
+        out["host"] = {"ops": DISPATCH_CHAIN + 1}
+        items.append(_Item("host per op", lambda: _chain(x), compute_rep, False, out["host"]))
 
     if spec.get("dispatch") and dist.is_initialized():
         from torch.distributed.device_mesh import DeviceMesh

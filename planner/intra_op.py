@@ -143,6 +143,7 @@ class IntraOpCost:
         self.param_derived = self._param_derived()
         # node -> indices of its outputs autograd keeps for backward
         self.saved = saved_outputs(graph, self.requires_grad)
+        self.transient_node = self._largest_transient()
         if pricer is None:
             pricer = ReshardPricer(self.mesh_shape, self.links)
         elif pricer.mesh_shape != self.mesh_shape or pricer.links != self.links:
@@ -372,13 +373,34 @@ class IntraOpCost:
         if node.kind == INPUT:
             return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
                     * node.output.itemsize}
+        out: dict[str, float] = {}
         kept = self.saved.get(node.name)
         if node.kind == OP and kept:
             f = self.shard_factor(s)
-            return {"activations": sum(local_numel(o, p, self.mesh_shape) * o.itemsize
-                                       for i, (o, p) in enumerate(zip(node.outputs, s.outputs))
-                                       if i in kept) + extra_saved_bytes(node) / f}
-        return {}
+            out["activations"] = sum(local_numel(o, p, self.mesh_shape) * o.itemsize
+                                     for i, (o, p) in enumerate(zip(node.outputs, s.outputs))
+                                     if i in kept) + extra_saved_bytes(node) / f
+        if node.name == self.transient_node:
+            out["backward_transient"] = self.backward_transient(node, s)
+        return out
+
+    def _largest_transient(self) -> str | None:
+        """The op whose backward holds the most transient gradient bytes,
+        unsharded (in a language model the vocabulary projection and the
+        loss, at the start of the backward, while every activation is alive).
+        Its :meth:`backward_transient` under its chosen strategy counts
+        toward the step's peak memory; a linear term, so the ILP's memory
+        budget covers it exactly (other ops' transients are assumed smaller)."""
+        best, name = 0.0, None
+        for n in self.graph.nodes:
+            if n.kind != OP or n.is_view or n.name not in self.requires_grad:
+                continue
+            nbytes = sum(o.nbytes for o in n.outputs if o.is_float) + sum(
+                t.nbytes for a, t in zip(n.args, n.inputs)
+                if t.is_float and a in self.requires_grad and a not in self.param_derived)
+            if nbytes > best:
+                best, name = nbytes, n.name
+        return name
 
     def backward_transient(self, node: Node, s: Strategy) -> float:
         """Bytes per device the backward of ``node`` holds on top of the saved
@@ -432,17 +454,21 @@ def _distinct(specs: list[int]) -> tuple[list[int], list[int]]:
 
 
 def tie_classes(graph: Graph, strategies: list[NodeStrategies],
-                layers: list[Layer] | None = None) -> list[int]:
+                layers: list[Layer] | None = None, untied: frozenset[str] = frozenset()
+                ) -> list[int]:
     """Class of each node: nodes at the same position of repeated blocks (same
     :func:`ir.layers.find_layers` signature) with the same strategy list share one
     class, so every copy of a block takes the same strategies (as Megatron does);
-    every other node is a class of its own. Classes are numbered in program order."""
+    every other node, and every node named in ``untied`` (priced unlike its
+    copies), is a class of its own. Classes are numbered in program order."""
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     tied_to = list(range(len(strategies)))
     reps: dict[tuple[str, int], list[int]] = {}
     for layer in graph.layers if layers is None else layers:
         for pos, name in enumerate(layer.nodes):
             v = index[name]
+            if name in untied:
+                continue
             for r in reps.get((layer.signature, pos), []):
                 if strategies[r].strategies == strategies[v].strategies:
                     tied_to[v] = r
@@ -484,7 +510,8 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
             identical edges and nodes are then priced once and multiplied.
     """
     layers = cost.graph.layers
-    classes = (tie_classes(cost.graph, strategies, layers) if tie
+    untied = frozenset([cost.transient_node] if cost.transient_node else [])
+    classes = (tie_classes(cost.graph, strategies, layers, untied) if tie
                else list(range(len(strategies))))
     members: list[list[int]] = [[] for _ in range(max(classes, default=-1) + 1)]
     for v, c in enumerate(classes):
@@ -566,8 +593,11 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
         for c in group_classes:
             ns, count = strategies[members[c][0]], len(members[c])
             recompute.append([count * t for t in cost.forward_each(ns.node, ns.strategies)])
-        groups.append(CheckpointGroup(group_classes, [list(node_memory[c]) for c in group_classes],
-                                      recompute, kept))
+        # what checkpointing frees: the saved activations (not a backward transient)
+        saved = [[len(members[c]) * cost.activation_copies
+                  * cost.memory_breakdown(strategies[members[c][0]].node, st).get("activations", 0.0)
+                  for st in strategies[members[c][0]].strategies] for c in group_classes]
+        groups.append(CheckpointGroup(group_classes, saved, recompute, kept))
         names.append([layer.name for layer in sig_layers])
     return groups, names
 
@@ -766,13 +796,6 @@ class PreparedIntraOp:
     activation_copies: float
 
     @functools.cached_property
-    def least_transient(self) -> float:
-        """Bytes the largest backward transient (:meth:`IntraOpCost.backward_transient`)
-        takes at least, whatever strategies are chosen."""
-        return max((min(self.cost.backward_transient(ns.node, st) for st in ns.strategies)
-                    for ns in self.strategies if ns.strategies), default=0.0)
-
-    @functools.cached_property
     def hints(self) -> dict[str, list[int]]:
         """:func:`warm_starts` of this problem, made once: every budget and
         memory weight it is solved under starts from them."""
@@ -857,32 +880,25 @@ def _with_checkpointing(problem: AssignmentProblem) -> AssignmentProblem:
 
 def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = None,
                    time_limit_s: float = 30.0, memory_weight: float = 0.0,
-                   recompute: bool | None = None,
-                   transient_budget: float | None = None) -> IntraOpResult:
+                   recompute: bool | None = None) -> IntraOpResult:
     """Solve a prepared problem under ``memory_budget`` (bytes per device),
     minimising seconds plus ``memory_weight`` (seconds per byte) x bytes per device.
     ``recompute``: None lets the solver choose which layers to checkpoint (the
     fastest choice that fits); True checkpoints every layer, False none.
-    ``transient_budget``: bytes of the budget kept for the backward's transient
-    gradients (default: the least any assignment has).
 
     Raises:
         MemoryInfeasibleError: no assignment fits the budget.
     """
     graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
     cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
-    # the ILP's memory is states + saved activations; the backward's transient
-    # gradients come on top, at least ``least_transient`` of them
-    transient = transient_budget if transient_budget is not None else prepared.least_transient
-    ilp_budget = None if memory_budget is None else memory_budget - transient
-    problem = dataclasses.replace(built.problem, memory_budget=ilp_budget,
+    problem = dataclasses.replace(built.problem, memory_budget=memory_budget,
                                   memory_weight=memory_weight)
     groups = problem.checkpoint_groups
     if recompute is not None:
         problem = (_with_checkpointing(problem) if recompute
                    else dataclasses.replace(problem, checkpoint_groups=[]))
-    if ilp_budget is not None and least_memory(problem) > ilp_budget:
-        raise MemoryInfeasibleError(least_memory(problem) + transient, memory_budget, mesh_shape)
+    if memory_budget is not None and least_memory(problem) > memory_budget:
+        raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
     hint: Hint = [0] * len(problem.node_costs)  # one assignment (e.g. re-pricing)
     if not all(len(c) == 1 for c in problem.node_costs):
         # made only where a MIP runs: the LP relaxation is integral on almost
@@ -913,12 +929,5 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
             memory["activations"] += group.kept - sum(
                 m[i] for m, i in zip(group.saved, chosen_of))
     assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (breakdown, solution.objective_s, solution.status, checkpointed)
-    memory["backward_transient"] = max((cost.backward_transient(ns.node, ns.strategies[i])
-                                        for ns, i in zip(strategies, choice)), default=0.0)
-    if (memory_budget is not None and memory["backward_transient"] > transient
-            and sum(memory.values()) > memory_budget):  # the chosen transient is larger
-        return solve_prepared(prepared, memory_budget=memory_budget, time_limit_s=time_limit_s,
-                              memory_weight=memory_weight, recompute=recompute,
-                              transient_budget=memory["backward_transient"])
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
                          memory, checkpointed)

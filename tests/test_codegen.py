@@ -220,7 +220,7 @@ def test_data_parallel_record_then_replay(tmp_path):
     first = launch(skeleton, check=True, record=recorded, timeout_s=120)
     assert first["passed"], _summary(first)
     plan = load_plan(recorded)
-    assert len(plan.nodes) == first["nodes_executed"] > 100
+    assert len(plan.nodes) == first["nodes_executed"] > 50  # every op of the program
 
     # 2. Replay the recorded plan: every reshard is now explicit.
     result = launch(recorded, check=True, steps=2, timeout_s=120)
