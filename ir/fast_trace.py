@@ -63,6 +63,7 @@ from torch.export.graph_signature import (
 from ir.graph import Graph
 from ir.probe_rescale import RescaleError, rescale_program
 from ir.trace import _as_tuple, _module_path, capture, capture_in_one_pass, graph_from_exported
+from ir.torch_compat import OpOverload
 
 log = logging.getLogger(__name__)
 
@@ -782,7 +783,7 @@ def _target_name(target: Any) -> str:
     string, or a Python function's module and qualified name."""
     if isinstance(target, str):
         return target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return str(target)
     return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}"
 

@@ -109,13 +109,14 @@ class _LiteralRule:
 def _propagate(graph: torch.fx.Graph, source: Any, example_inputs: Sequence[Any]) -> None:
     """Set every node's ``meta["val"]``: parameters and buffers as in ``source``,
     user inputs from ``example_inputs``, the rest by running on fake tensors."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    from ir.torch_compat import fake_tensor_mode_type, kept_fused_ops
 
     specs = {s.arg.name: s for s in source.graph_signature.input_specs}
     values = {n.name: n.meta.get("val") for n in source.graph.nodes if n.op == "placeholder"}
     user = iter(example_inputs)
-    mode = FakeTensorMode()
+    mode = fake_tensor_mode_type()()
     inputs = []
     for node in graph.nodes:
         if node.op != "placeholder":
@@ -140,8 +141,6 @@ def _propagate(graph: torch.fx.Graph, source: Any, example_inputs: Sequence[Any]
             raise RescaleError(f"input of kind {spec.kind.name}")
     if next(user, None) is not None:
         raise RescaleError("more user inputs than the captured program takes")
-    from ir.torch_compat import kept_fused_ops
-
     try:
         with kept_fused_ops():  # fused attention stays one op, laid out as the kernels write it
             FakeTensorProp(torch.fx.GraphModule(torch.nn.Module(), graph),

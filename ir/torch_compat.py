@@ -16,11 +16,16 @@ import torch
 import torch.fx.config
 
 __all__ = [
-    "KEPT_FUSED_OPS", "SDPA", "aot_export_module", "capture_decompositions", "kept_fused_ops",
-    "cpu_flash_attention_ops", "fx_without_stack_traces", "mask_partial_type",
-    "redistribute_function", "register_fused_attention_sharding", "sharding_propagator",
-    "single_dim_expansion", "strided_shard_type",
+    "KEPT_FUSED_OPS", "OpOverload", "SDPA", "aot_export_module", "capture_decompositions",
+    "kept_fused_ops", "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
+    "fake_tensor_mode_type", "fx_without_stack_traces", "mask_partial_type", "op_schema_info",
+    "op_strategy_functions", "redistribute_function", "register_fused_attention_sharding",
+    "sharding_propagator", "single_dim_expansion", "strided_shard_type",
+    "without_dtensor_redistribute_costs",
 ]
+
+#: The type of an ATen op overload (``torch.ops.aten.mm.default``).
+OpOverload: type = torch._ops.OpOverload
 
 #: ``F.scaled_dot_product_attention``: captured as this one node and run as the
 #: device's fused kernel (flash, memory-efficient or cuDNN on CUDA, flash on CPU).
@@ -124,6 +129,69 @@ def sharding_propagator() -> Any:
     from torch.distributed.tensor import DTensor
 
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def op_strategy_functions(op: Any) -> tuple[Any, Any]:
+    """DTensor's registered strategies of ``op``: ``(single-dim strategy,
+    strategy function)``, each None where it has none. Releases move ops
+    from the second kind to the first (torch 2.14: ``aten.cat`` and the fused
+    attention kernels); before torch 2.12 there is no first kind."""
+    prop = sharding_propagator()
+    single = getattr(prop, "op_single_dim_strategy_funcs", {}).get(op)
+    return single, prop.op_strategy_funcs.get(op)
+
+
+def op_schema_info(op: Any) -> Any:
+    """The ``RuntimeSchemaInfo`` DTensor builds ``op``'s OpSchema with (which
+    arguments are static, whether list arguments are flattened), looked up as
+    DTensor's dispatcher does: ops with a single-dim strategy keep theirs in a
+    table of their own (torch 2.12 on). Without it, a single-dim strategy of
+    an op taking a tensor list (``aten.cat`` from torch 2.14) sees no inputs."""
+    prop = sharding_propagator()
+    info = prop.op_to_schema_info.get(op)
+    if info is None:
+        info = getattr(prop, "op_to_schema_info_for_single_dim_strategy", {}).get(op)
+    return info
+
+
+def dtensor_schema_types() -> tuple[type, type, type, type, type, type]:
+    """DTensor's sharding-propagation records: ``(DTensorSpec, TensorMeta,
+    OpSchema, OpSpec, OpStrategy, TupleStrategy)``."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+
+    return DTensorSpec, TensorMeta, OpSchema, OpSpec, OpStrategy, TupleStrategy
+
+
+@contextlib.contextmanager
+def without_dtensor_redistribute_costs() -> Iterator[None]:
+    """While inside, DTensor's strategy functions price every input
+    redistribution at zero (its ``redistribute_cost``, read by them at each
+    call, is swapped out and restored after)."""
+    from torch.distributed.tensor._ops import utils as op_utils
+
+    original = op_utils.redistribute_cost
+    op_utils.redistribute_cost = lambda *args, **kwargs: 0.0
+    try:
+        yield
+    finally:
+        op_utils.redistribute_cost = original
+
+
+def fake_store_type() -> type:
+    """The no-op key-value store a ``"fake"`` process group is initialised
+    with (a Python class before torch 2.14, a C++ one re-exported from the
+    same module since)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore
+
+
+def fake_tensor_mode_type() -> type:
+    """torch's ``FakeTensorMode`` (tensors with shapes and no storage)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
 
 
 def single_dim_expansion() -> Any:

@@ -1,7 +1,8 @@
 """Per-op sharding strategies, read from DTensor's own registered op strategies.
 
-This is the one module that touches DTensor's private sharding-propagation API
-(``DTensor._op_dispatcher.sharding_propagator``). Strategies are evaluated on a
+This is the one module that uses DTensor's private sharding-propagation API
+(``DTensor._op_dispatcher.sharding_propagator``, reached through
+:mod:`ir.torch_compat`). Strategies are evaluated on a
 fake process group of the mesh's world size, so every strategy the ILP can pick
 is one DTensor executes. A strategy fixes the placement of each tensor input (in
 argument order) and each output of one op.
@@ -22,13 +23,14 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ir.graph import Graph, Node, OP
-from ir.torch_compat import SDPA
+from ir.torch_compat import (SDPA, dtensor_schema_types, fake_store_type, op_schema_info,
+                             op_strategy_functions, sharding_propagator, single_dim_expansion,
+                             without_dtensor_redistribute_costs)
+
+DTensorSpec, TensorMeta, OpSchema, OpSpec, OpStrategy, TupleStrategy = dtensor_schema_types()
 
 Placements = tuple[Placement, ...]
 
@@ -93,7 +95,7 @@ def fake_mesh(mesh_shape: Sequence[int]) -> Iterator[DeviceMesh]:
     if dist.is_initialized():
         raise RuntimeError("planning needs a process without an initialised process group; "
                            "run the planner outside torchrun")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    FakeStore = fake_store_type()
 
     world = 1
     for d in mesh_shape:
@@ -195,7 +197,7 @@ class StrategyBuilder:
         self._mesh = mesh if isinstance(mesh, DeviceMesh) else None
         self._make_mesh = mesh
         self.mesh_shape = tuple(mesh.shape if mesh_shape is None else mesh_shape)
-        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self.prop = sharding_propagator()
         self.fx_nodes = {n.name: n for n in graph.exported.graph.nodes}
         # node name -> candidate placements of each output (distinct, ordered)
         self._out_candidates: dict[str, list[list[Placements]]] = {}
@@ -293,10 +295,9 @@ class StrategyBuilder:
     def _from_dtensor(self, node: Node) -> list[Strategy]:
         fx_node = self.fx_nodes[node.name]
         if fx_node.target is SDPA:
-            return _memoised(self._cache, self._signature(fx_node, False),
-                             lambda: self._fused_attention(node, fx_node))
+            return self._fused_attention(node, fx_node)
         op = fx_node.target
-        single = self.prop.op_single_dim_strategy_funcs.get(op)
+        single, _ = op_strategy_functions(op)
         key = self._signature(fx_node, single is not None)
         return _memoised(self._cache, key, lambda: (
             self._keep(node, self._expanded(fx_node, single, key)) if single is not None
@@ -305,7 +306,7 @@ class StrategyBuilder:
     def _query_dtensor(self, node: Node, fx_node: torch.fx.Node) -> list[Strategy]:
         """DTensor's strategies for an op registered without a single-dim
         strategy, on this mesh, for its inputs' candidate placements."""
-        func = self.prop.op_strategy_funcs.get(fx_node.target)
+        _, func = op_strategy_functions(fx_node.target)
         if func is None:
             raise _NoStrategy("op not registered with DTensor")
         tensor_args = [a for a in fx_node.args if isinstance(a, torch.fx.Node)]
@@ -330,14 +331,22 @@ class StrategyBuilder:
     def _fused_attention(self, node: Node, fx_node: torch.fx.Node) -> list[Strategy]:
         """Strategies of ``F.scaled_dot_product_attention``, kept as one node:
         DTensor's for the fused kernel it runs (flash without a mask, the
-        memory-efficient kernel with one), its attention output alone."""
+        memory-efficient kernel with one), its attention output alone. That
+        kernel has a single-dim strategy from torch 2.14 on, a strategy
+        function before."""
         call = _FusedAttentionCall(fx_node)
-        func = self.prop.op_strategy_funcs.get(call.target)
-        if func is None:
+        single, func = op_strategy_functions(call.target)
+        if single is None and func is None:
             raise _NoStrategy(f"{call.target} not registered with DTensor")
-        rows = [(ins, outs[:1]) for ins, outs in _rows(self._call_strategy(call, None, func,
-                                                                          only=None))]
-        return self._keep(node, rows)
+        key = ("fused attention", self._signature(call, single is not None))
+
+        def make() -> list[Strategy]:
+            if single is not None:
+                rows = self._expanded(call, single, key[1])
+            else:
+                rows = _rows(self._call_strategy(call, None, func, only=None))
+            return self._keep(node, [(ins, outs[:1]) for ins, outs in rows])
+        return _memoised(self._cache, key, make)
 
     def _expanded(self, fx_node: torch.fx.Node, single, signature: tuple) -> list[_Row]:
         """DTensor's single-dim strategy of ``fx_node`` expanded to every
@@ -386,13 +395,10 @@ class StrategyBuilder:
 
         args = tuple(to_strategy(a) for a in fx_node.args)
         kwargs = {k: to_strategy(v) for k, v in fx_node.kwargs.items()}
-        schema = OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
+        schema = OpSchema(op, args, kwargs, schema_info=op_schema_info(op))
         try:
             if single is not None:
-                from torch.distributed.tensor._ops.single_dim_strategy import (
-                    _expand_single_dim_strategy_to_mesh,
-                )
-                expand = _expand_single_dim_strategy_to_mesh(
+                expand = single_dim_expansion()(
                     mesh, schema, single, _out_meta(fx_node.meta["val"]))
                 result = expand(op, schema.args_meta, schema.kwargs_meta)
             else:
@@ -441,8 +447,9 @@ class _NoStrategy(Exception):
 
 class _FusedAttentionCall:
     """An ``aten.scaled_dot_product_attention`` node as a call of the fused
-    kernel DTensor has strategies for (the node's ``target``, ``args`` and
-    ``kwargs`` as :meth:`StrategyBuilder._call_strategy` reads them)."""
+    kernel DTensor has strategies for (the node's ``target``, ``args``,
+    ``kwargs`` and ``meta["val"]``, the kernel's outputs, as
+    :meth:`StrategyBuilder._call_strategy` reads them)."""
 
     def __init__(self, fx_node: torch.fx.Node):
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -452,7 +459,6 @@ class _FusedAttentionCall:
         dropout, causal = given.get("dropout_p", 0.0), given.get("is_causal", False)
         mask = given.get("attn_mask")
         aten = torch.ops.aten
-        self.meta = fx_node.meta
         self.name = fx_node.name
         if mask is None:
             self.target = aten._scaled_dot_product_flash_attention.default
@@ -461,6 +467,20 @@ class _FusedAttentionCall:
             self.target = aten._scaled_dot_product_efficient_attention.default
             self.args = (q, k, v, mask, False, dropout, causal)
         self.kwargs = {"scale": given["scale"]} if given.get("scale") is not None else {}
+
+    @functools.cached_property
+    def meta(self) -> dict:
+        """``{"val": the fused kernel's outputs}``, run on the meta device (a
+        single-dim strategy is expanded with the layout of every output)."""
+        def on_meta(a):
+            if isinstance(a, torch.fx.Node):
+                val = a.meta["val"]
+                return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype,
+                                           device="meta")
+            return a
+
+        return {"val": self.target(*(on_meta(a) for a in self.args),
+                                   **{k: on_meta(v) for k, v in self.kwargs.items()})}
 
 
 def _memoised(cache: dict, key: tuple, make: Callable[[], list]) -> list:
@@ -478,19 +498,11 @@ def _memoised(cache: dict, key: tuple, make: Callable[[], list]) -> list:
     return found
 
 
-@contextlib.contextmanager
-def _without_dtensor_costs() -> Iterator[None]:
+def _without_dtensor_costs() -> contextlib.AbstractContextManager[None]:
     """DTensor's strategy functions price every input redistribution with their own
     cost model while they enumerate; the planner prices with costmodel instead,
     so those costs (two thirds of the enumeration time) are skipped: zero."""
-    from torch.distributed.tensor._ops import utils as op_utils
-
-    original = op_utils.redistribute_cost
-    op_utils.redistribute_cost = lambda *args, **kwargs: 0.0
-    try:
-        yield
-    finally:
-        op_utils.redistribute_cost = original
+    return without_dtensor_redistribute_costs()
 
 
 def _unit_mesh(mesh: DeviceMesh) -> DeviceMesh:

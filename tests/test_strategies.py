@@ -100,3 +100,27 @@ def test_expansions_that_came_back_pickled_from_a_forked_search_give_the_same_st
         want = build_strategies(graph, mesh)
     assert [ns.strategies for ns in again] == [ns.strategies for ns in want]
     assert len(fresh) == len(again)
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_zoo_transformers_have_a_dtensor_strategy_for_every_op(name):
+    """Every op of the small transformers, fused attention and llama's
+    concatenations included, has a usable DTensor strategy in every precision
+    (a torch release that moves an op to another strategy table would
+    otherwise plan it replicated, silently but for a warning)."""
+    import warnings
+
+    from ir import zoo
+    from ir.precision import compute_copy, get_precision
+    from planner.strategies import ReplicateFallbackWarning
+
+    for precision in ("fp32", "bf16-mixed"):
+        model, inputs = compute_copy(*zoo.build(name), get_precision(precision))
+        graph = trace(model, inputs)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            build_strategies(graph, (2, 2))
+        fallbacks = [str(w.message) for w in caught
+                     if issubclass(w.category, ReplicateFallbackWarning)
+                     and "_assert_tensor_metadata" not in str(w.message)]
+        assert fallbacks == [], (precision, fallbacks[:3])
