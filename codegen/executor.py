@@ -28,6 +28,8 @@ strided shard is written ``S(d)[sf=k]``.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import operator
 import re
 import warnings
@@ -220,6 +222,29 @@ def redistribute(value: DTensor, mesh: DeviceMesh, placements: Sequence[Placemen
     return out
 
 
+def _keep_layout(src: DTensor, out: DTensor) -> DTensor:
+    """``out``, a resharding of ``src``, with ``src``'s local memory layout.
+
+    Collectives return contiguous shards, but the program was captured with
+    the producer's layout and may rely on it: the fused attention writes
+    [batch, seq, heads, dim] memory under a [batch, heads, seq, dim] shape, so
+    the capture has no copy between its transpose back and the ``view`` that
+    merges the heads, which fails on a contiguous all-gathered output. A
+    dense permuted layout is restored (one local copy); anything else, and
+    partial sums, are left as they are."""
+    a, b = src._local_tensor, out._local_tensor
+    if a.ndim < 2 or a.ndim != b.ndim or a.is_contiguous() or any(
+            p.is_partial() for p in out.placements):
+        return out
+    order = sorted(range(a.ndim), key=lambda d: -a.stride(d))
+    if not a.permute(order).is_contiguous() or b.permute(order).is_contiguous():
+        return out
+    inverse = sorted(range(a.ndim), key=lambda d: order[d])
+    local = out.to_local().permute(order).contiguous().permute(inverse)
+    return DTensor.from_local(local, out.device_mesh, out.placements, run_check=False,
+                              shape=out.shape, stride=out.stride())
+
+
 def _redistribute(value: DTensor, mesh: DeviceMesh, placements: tuple[Placement, ...]) -> DTensor:
     if not any(p.is_partial() and p != q for p, q in zip(placements, value.placements)):
         return value.redistribute(mesh, placements)
@@ -242,6 +267,37 @@ def _cast_float(t: Any, dtype: torch.dtype) -> Any:
     if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
         return t.to(dtype)
     return t
+
+
+def on_mesh(placements: Sequence[str], mesh_shape: Sequence[int]) -> list[str]:
+    """``placements`` as they act on a mesh of ``mesh_shape``: on an axis of one
+    device a shard or a partial sum is the whole tensor, as a replica is, so
+    they are read as ``R`` (no redistribution is ever needed between them)."""
+    return [("R" if int(size) == 1 else p) for p, size in zip(placements, mesh_shape)]
+
+
+def plan_on_mesh(plan: Plan, mesh_shape: Sequence[int]) -> Plan:
+    """``plan`` with every placement read by :func:`on_mesh` for a (stage) mesh of
+    ``mesh_shape``; ``plan`` itself when no axis has one device."""
+    shape = tuple(int(d) for d in mesh_shape)
+    if all(d > 1 for d in shape):
+        return plan
+
+    def each(lists: Sequence[Sequence[str]]) -> list[list[str]]:
+        return [on_mesh(p, shape) if p else list(p) for p in lists]
+
+    nodes = {k: dataclasses.replace(op, inputs=each(op.inputs), outputs=each(op.outputs))
+             for k, op in plan.nodes.items()}
+    pipeline = plan.pipeline
+    if pipeline is not None:
+        pipeline = dataclasses.replace(pipeline, stages=[dataclasses.replace(
+            st, inputs={k: on_mesh(v, shape) for k, v in st.inputs.items()},
+            outputs={k: on_mesh(v, shape) for k, v in st.outputs.items()})
+            for st in pipeline.stages])
+    placed = {k: on_mesh(v, shape) for k, v in plan.parameters.items()}
+    inputs = {k: on_mesh(v, shape) for k, v in plan.inputs.items()}
+    return dataclasses.replace(plan, parameters=placed, inputs=inputs, nodes=nodes,
+                               pipeline=pipeline)
 
 
 def same_placements(have: Sequence[str], want: Sequence[str]) -> bool:
@@ -390,6 +446,10 @@ class PlanExecutor:
         self.mesh = mesh
         self.record_every_step = record_every_step
         self._check_mesh(mesh)
+        self.plan = plan_on_mesh(plan, tuple(mesh.shape))
+        # one device: every placement is the whole tensor, so the program runs on
+        # plain tensors, without DTensor's per-op sharding propagation
+        self.local = self._runs_locally()
         self.precision = plan.precision
         register_fused_attention_sharding()
         if program is None:
@@ -403,6 +463,7 @@ class PlanExecutor:
                 f"'{plan.model.get('source', type(model).__name__)}' with these inputs captures "
                 f"as {fingerprint}; re-plan this model (same batch size and sequence length)")
         self._replicate = [Replicate()] * mesh.ndim
+        self._parsed_placements: dict[tuple[str, ...], Any] = {}
         self._fallback_nodes: set[str] = set()
         self.fallback_ops: list[str] = []
         self.observed: dict[str, dict[str, list[list[str]]]] = {}
@@ -424,6 +485,10 @@ class PlanExecutor:
             raise PlanMismatchError(
                 f"plan is for a mesh of shape {list(self.plan.mesh_shape)} but the device mesh "
                 f"has shape {list(mesh.shape)}; launch with {self.plan.world_size} ranks")
+
+    def _runs_locally(self) -> bool:
+        """Whether the program runs on plain tensors: a mesh of one device."""
+        return self.mesh.size() == 1
 
     def _program_calls(self) -> list[torch.fx.Node]:
         """The op nodes this executor runs, in program order (here: all of them)."""
@@ -534,8 +599,8 @@ class PlanExecutor:
                 fqn = spec.target
                 placements = self._planned(fqn, "parameter")
                 value = _cast_float(state[fqn], self.precision.master_dtype)
-                dt = distribute_tensor(value.detach(), self.mesh, _parse_all(placements),
-                                       src_data_rank=None)
+                dt = value.detach() if self.local else distribute_tensor(
+                    value.detach(), self.mesh, _parse_all(placements), src_data_rank=None)
                 param = torch.nn.Parameter(dt, requires_grad=value.requires_grad)
                 self._params[fqn] = param
                 self._placeholders[name] = param
@@ -544,7 +609,7 @@ class PlanExecutor:
                 fqn = spec.target
                 value = _cast_float(state[fqn] if fqn in state else consts[fqn],
                                     self.precision.compute_dtype)
-                if fqn in self.plan.parameters:
+                if fqn in self.plan.parameters and not self.local:
                     placements = self.plan.parameters[fqn]
                     self._placeholders[name] = distribute_tensor(
                         value.detach(), self.mesh, _parse_all(placements), src_data_rank=None)
@@ -592,10 +657,28 @@ class PlanExecutor:
         env: dict[str, Any] = {}
         for name, value in zip(self.user_input_names, flat_inputs):
             env[name] = self._distribute_input(name, value)
+        if self.local and not self._segments and not self._recording and self._whole_program:
+            self._forwards += 1
+            return self._user_outputs(self._compiled(*[
+                env[n.name] if n.name in env else self._placeholder_value(n.name)
+                for n in self._compiled.graph.nodes if n.op == "placeholder"]))
         self._execute(env)
         out = next(n for n in self.ep.graph.nodes if n.op == "output")
         outputs = torch.fx.node.map_arg(out.args[0], lambda n: env[n.name])
         return self._user_outputs(outputs)
+
+    @property
+    def _whole_program(self) -> bool:
+        """Whether this executor runs the whole captured program (not a stage of it)."""
+        return type(self)._program_calls is PlanExecutor._program_calls
+
+    @functools.cached_property
+    def _compiled(self) -> torch.fx.GraphModule:
+        """The captured program as Python code (``torch.fx.GraphModule``): on one
+        device, after the recording forward and without checkpointed layers, it
+        runs the same ops in the same order as :meth:`_execute` without
+        interpreting each node."""
+        return torch.fx.GraphModule(torch.nn.Module(), self.ep.graph)
 
     def _begin_forward(self) -> None:
         """Reset the per-forward records (recording only on the first forward)."""
@@ -662,9 +745,24 @@ class PlanExecutor:
             warnings.warn(f"plan gives no placement for input {name}; replicating it", stacklevel=3)
             placements = ["R"] * self.mesh.ndim
         self._placeholder_placements[name] = list(placements)
+        if self.local:
+            return value
         if isinstance(value, DTensor):
             return self._to(value, placements)
         return distribute_tensor(value, self.mesh, _parse_all(placements), src_data_rank=None)
+
+    def _parsed(self, placements: Sequence[str]) -> tuple[Placement, ...] | None:
+        """``placements`` as DTensor placements, parsed once per distinct list
+        (None for one only DTensor makes, ``P(mask)``)."""
+        key = tuple(placements)
+        found = self._parsed_placements.get(key, False)
+        if found is False:
+            try:
+                found = tuple(parse_placement(p) for p in key)
+            except ValueError:
+                found = None
+            self._parsed_placements[key] = found
+        return found
 
     def _to(self, value: DTensor, placements: Sequence[str]) -> DTensor:
         return redistribute(value, self.mesh, _parse_all(placements))
@@ -673,6 +771,8 @@ class PlanExecutor:
         return DTensor.from_local(t, self.mesh, self._replicate, run_check=False)
 
     def _run_node(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        if self.local:
+            return self._run_local(node, env)
         entry = self.plan.nodes.get(node.name)
         if node.target is operator.getitem:
             value = env[node.args[0].name][node.args[1]]
@@ -695,11 +795,11 @@ class PlanExecutor:
             if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
                 v = self._wrap_replicated(v)
             want = entry.inputs[i] if entry is not None and i < len(entry.inputs) else None
-            if isinstance(v, DTensor) and want:
+            if isinstance(v, DTensor) and want and v.placements != self._parsed(want):
                 have = placements_of(v)
                 target = _reachable_target(v, want)
                 if tuple(target) != tuple(v.placements):
-                    v = redistribute(v, self.mesh, target)
+                    v = _keep_layout(v, redistribute(v, self.mesh, target))
                     self.explicit_reshards += 1
                     if self._recording:
                         self.reshards.append(ReshardEvent(node.name, arg.name, "explicit",
@@ -708,7 +808,8 @@ class PlanExecutor:
         it = iter(new_values)
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda _: next(it))
 
-        in_obs = [placements_of(v) for v in new_values]
+        # the placements each input arrived in: recorded on the recording forward only
+        in_obs = [placements_of(v) for v in new_values] if self._recording else []
         if _is_pure_check(node.target):
             return self._run_check(node, entry, args, kwargs, in_obs)
         if node.name in self._fallback_nodes:
@@ -740,6 +841,22 @@ class PlanExecutor:
         except Exception as err:  # noqa: BLE001 - DTensor could not run it: replicate
             return self._fall_back(node, entry, args, kwargs, new_values, err)
         return self._finish(node, entry, out, in_obs, constant=False)
+
+    def _run_local(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        """Run ``node`` on plain tensors (one device: every placement is ``R``)."""
+        if node.target is operator.getitem:
+            out = env[node.args[0].name][node.args[1]]
+        else:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                 lambda n: env[n.name])
+            out = node.target(*args, **kwargs)
+        if self._recording:
+            entry = self.plan.nodes.get(node.name)
+            replicated = ["R"] * self.mesh.ndim
+            self.observed[node.name] = {
+                "inputs": [replicated for _ in (entry.inputs if entry else ())],
+                "outputs": [replicated for _ in _tensor_leaves(out)]}
+        return out
 
     def _run_check(self, node, entry, args, kwargs, in_obs) -> Any:
         """Run an output-less assertion op (``_assert_tensor_metadata``...) without moving data.
@@ -807,10 +924,11 @@ class PlanExecutor:
             for k, t in enumerate(leaves):
                 if isinstance(t, DTensor) and any(isinstance(p, _MaskPartial) for p in t.placements):
                     new[k] = leaves[k] = _unmask(t)
-            out_obs = [placements_of(t) for t in leaves]
+            out_obs = [placements_of(t) for t in leaves] if self._recording else []
             for k, t in enumerate(leaves):
                 want = want_all[k] if k < len(want_all) else None
-                if want and isinstance(t, DTensor) and not same_placements(out_obs[k], want):
+                if (want and isinstance(t, DTensor) and t.placements != self._parsed(want)
+                        and not same_placements(placements_of(t), want)):
                     new[k] = self._to(t, want)
                     if self._recording:
                         self.mismatches.append(

@@ -27,7 +27,19 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class LaunchError(RuntimeError):
-    """The ranks did not produce a result; the message ends with their output's tail."""
+    """The ranks did not produce a result; the message ends with their output's tail.
+
+    Attributes:
+        first_line: the ranks' one-line error, if they printed one.
+        user_error: the ranks refused the plan or the model (a plan of another
+            program, mesh or world size: ``codegen.rank_main`` exit status 2 or 3),
+            which the user fixes, rather than failing while running it.
+    """
+
+    def __init__(self, message: str, first_line: str | None = None, user_error: bool = False):
+        super().__init__(message)
+        self.first_line = first_line
+        self.user_error = user_error
 
 
 def _end_group(proc: subprocess.Popen) -> None:
@@ -131,10 +143,14 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         if os.path.exists(result_path):
             with open(result_path) as f:
                 result = json.load(f)
+            if "refused" in result:  # the ranks refused the plan (codegen.rank_main._refuse)
+                raise LaunchError(f"{result['refused']}\n--- output tail ({plan_path}, "
+                                  f"{world} ranks) ---\n{_tail(output)}",
+                                  first_line=result["refused"], user_error=True)
             result["returncode"] = proc.returncode
             result["output"] = _tail(stdout, 20)
             return result
         first = _first_error_line(output)
         head = first or f"ranks exited with status {proc.returncode} and no result"
         raise LaunchError(f"{head}\n--- output tail ({plan_path}, {world} ranks) ---\n"
-                          f"{_tail(output)}")
+                          f"{_tail(output)}", first_line=first)

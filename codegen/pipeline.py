@@ -213,6 +213,7 @@ class StageExecutor(PlanExecutor):
         self.param_value: Callable[[str], Any] | None = None
         super().__init__(plan, model, example_inputs, mesh, program=program,
                          record_every_step=record_every_step)
+        self.stage = self.plan.pipeline.stages[stage.index]  # as the stage mesh reads it
         sig = self.ep.graph_signature
         self._param_fqn = {n: f for n, f in sig.inputs_to_parameters.items() if n in self._placeholders}
         self._vals = {n.name: n.meta.get("val") for n in self.ep.graph.nodes}
@@ -224,6 +225,12 @@ class StageExecutor(PlanExecutor):
                                     "statistics); pipeline stages do not support that yet")
 
     # ---- which part of the program
+    def _runs_locally(self) -> bool:
+        """Never: a stage's parameters are DTensors on its sub-mesh even when it
+        has one device (:class:`StageModule` reads their placements, FSDP2
+        shards them, the boundary values arrive as DTensors)."""
+        return False
+
     def _check_mesh(self, mesh: DeviceMesh) -> None:
         want = [int(d) for d in self.plan.pipeline.stage_mesh["shape"]]
         if list(mesh.shape) != want:

@@ -88,15 +88,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = load_plan(args.plan)
     except PlanError as err:
-        _say(rank, f"error: {err}")
-        return EXIT_BAD_PLAN
+        return _refuse(args, rank, EXIT_BAD_PLAN, str(err))
     if plan.world_size != world:
-        _say(rank, f"error: plan {args.plan} is for {plan.world_size} devices (mesh "
-                   f"{list(plan.mesh_shape)}) but {world} ranks were started")
-        return EXIT_BAD_PLAN
+        return _refuse(args, rank, EXIT_BAD_PLAN,
+                       f"plan {args.plan} is for {plan.world_size} devices (mesh "
+                       f"{list(plan.mesh_shape)}) but {world} ranks were started")
     if plan.pipeline is not None and args.record:
-        _say(rank, "error: --record writes single-stage plans; this plan is pipelined")
-        return EXIT_BAD_PLAN
+        return _refuse(args, rank, EXIT_BAD_PLAN,
+                       "--record writes single-stage plans; this plan is pipelined")
     if args.rtol is None:
         from codegen.reference import check_tolerance
 
@@ -117,8 +116,7 @@ def run(args: argparse.Namespace) -> int:
             else:
                 result, passed = _run_single_stage(args, plan, rank, world, device)
         except _Exit as err:
-            _say(rank, f"error: {err}")
-            return err.code
+            return _refuse(args, rank, err.code, str(err))
         if rank == 0:
             if args.result_json:
                 tmp = args.result_json + ".tmp"
@@ -132,6 +130,18 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK if int(verdict.item()) == 0 else EXIT_CHECK_FAILED
     finally:
         dist.destroy_process_group()
+
+
+def _refuse(args: argparse.Namespace, rank: int, code: int, message: str) -> int:
+    """Say why the plan cannot run here (one line), and on rank 0 write it as the
+    result (``{"refused": message, "exit_status": code}``) for the launcher."""
+    _say(rank, f"error: {message}")
+    if rank == 0 and args.result_json:
+        tmp = args.result_json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"refused": message, "exit_status": code, "passed": False}, f)
+        os.replace(tmp, args.result_json)
+    return code
 
 
 def _synchronize(device: torch.device) -> None:
@@ -259,13 +269,16 @@ def _compare_grads(grads: dict[str, Any], ref: Any, grad_errors: dict[str, float
 
 
 def _reference(args: argparse.Namespace, plan: Any, rank: int, device: torch.device) -> Any:
-    """The one-process reference run (rank 0, with --check), else None."""
+    """The one-process reference run (rank 0, with --check), else None: the
+    plan's precision and, for a pipeline plan, its micro-batches accumulated."""
     from codegen.reference import reference_step, zoo_kwargs
 
     if not (args.check and rank == 0):
         return None
+    # a pipeline plan's step accumulates its micro-batches: the reference does too
+    m = plan.pipeline.num_microbatches if plan.pipeline is not None else 1
     return reference_step(plan.model["source"], seed=0, device=str(device), steps=args.steps,
-                          precision=plan.precision,
+                          precision=plan.precision, num_microbatches=m,
                           optimizer=args.optimizer, lr=args.lr, **zoo_kwargs(plan.training))
 
 

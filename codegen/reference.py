@@ -1,8 +1,9 @@
 """The single-process reference a distributed run is checked against.
 
 Builds the same model spec with the same seed (hence the same weights and example
-inputs), runs one plain forward and backward on one device and returns the loss and
-every parameter gradient by FQN.
+inputs), runs one plain forward and backward on one device (one per micro-batch,
+gradients averaged, when the plan accumulates micro-batches) in the plan's
+precision and returns the loss and every parameter gradient by FQN.
 """
 
 from __future__ import annotations
@@ -80,6 +81,17 @@ def check_tolerance(precision: Any) -> float:
     return 1e-5 if get_precision(precision).compute_dtype == torch.float32 else 5e-2
 
 
+def _split(inputs: Any, m: int) -> list[tuple]:
+    """``m`` micro-batches of ``inputs``: dim 0 of every tensor split as torch's
+    pipeline schedules split it (``tensor_split``), other values repeated."""
+    inputs = tuple(inputs)
+    if m == 1:
+        return [inputs]
+    parts = [torch.tensor_split(t, m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0
+             else [t] * m for t in inputs]
+    return [tuple(p[i] for p in parts) for i in range(m)]
+
+
 def make_optimizer(params: Any, name: str = "sgd", lr: float = 1e-3) -> torch.optim.Optimizer:
     """The optimizer both the reference and the distributed run use."""
     if name == "sgd":
@@ -91,7 +103,7 @@ def make_optimizer(params: Any, name: str = "sgd", lr: float = 1e-3) -> torch.op
 
 def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: int = 1,
                    optimizer: str = "sgd", lr: float = 1e-3, precision: Any = "fp32",
-                   **model_kwargs: Any) -> ReferenceResult:
+                   num_microbatches: int = 1, **model_kwargs: Any) -> ReferenceResult:
     """Train ``source`` (zoo name or ``file.py:factory``) for ``steps`` steps on one device.
 
     Args:
@@ -102,6 +114,15 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
         optimizer, lr: as in the distributed run (see :func:`make_optimizer`).
         precision: the plan's training precision (:mod:`ir.precision`): the
             reference trains in it too (:func:`ir.precision.forward_in`).
+        num_microbatches: split the batch (dim 0 of every tensor input) into
+            this many micro-batches, run forward and backward on each and
+            average their gradients, as a pipeline plan's schedule does
+            (``scale_grads``); the step loss is the mean of the micro-batch
+            losses. In fp32 this is the whole-batch step up to float32
+            roundings; in bf16 each micro-batch's gradients are rounded to
+            bf16 apart, as the plan rounds them, so the check then compares
+            the same sums (a whole-batch bf16 reference differs from them by
+            up to ~6e-2 of a layer-norm bias gradient on gpt-tiny).
         model_kwargs: batch_size / seq_len for zoo models (see :func:`zoo_kwargs`).
 
     Returns:
@@ -116,10 +137,23 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
     opt = make_optimizer(model.parameters(), optimizer, lr)
     losses: list[float] = []
     grads: dict[str, torch.Tensor | None] = {}
+    m = max(1, int(num_microbatches))
+    microbatches = _split(inputs, m)
     for step in range(max(1, steps)):
-        loss = loss_of(forward_in(model, inputs, precision))
-        loss.backward()
-        losses.append(float(loss.detach()))
+        if m == 1:
+            loss = loss_of(forward_in(model, inputs, precision))
+            loss.backward()
+            losses.append(float(loss.detach()))
+        else:
+            mb_losses = []
+            for mb in microbatches:
+                loss = loss_of(forward_in(model, mb, precision))
+                loss.backward()
+                mb_losses.append(float(loss.detach()))
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(m)
+            losses.append(sum(mb_losses) / m)
         if step == 0:
             grads = {fqn: (p.grad.detach().clone() if p.grad is not None else None)
                      for fqn, p in model.named_parameters()}
