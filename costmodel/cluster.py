@@ -244,6 +244,9 @@ class DeviceSpec:
             reaches over its forward and backward, counting the FLOPs it
             executes (half of the score matrix under a causal mask); measured
             by ``planner profile``. 0 = priced like a GEMM of the same FLOPs.
+        attention_half_saturation_flops: forward-and-backward FLOPs at which
+            the attention kernel reaches half of ``attention_efficiency``
+            (shorter sequences fill the device less); 0 = constant.
         host_overhead: host seconds eager PyTorch spends issuing one op in a
             pass (dispatch, autograd bookkeeping, the launch) on a device the
             host runs ahead of (a GPU): a kernel takes at least this long, as
@@ -263,6 +266,7 @@ class DeviceSpec:
     half_saturation_flops: float = 0.0
     dispatch_overhead: float = 0.0
     attention_efficiency: float = 0.0
+    attention_half_saturation_flops: float = 0.0
     host_overhead: float = 0.0
 
     def __post_init__(self) -> None:
@@ -271,6 +275,8 @@ class DeviceSpec:
             _need_fraction("device.attention_efficiency", self.attention_efficiency)
         _need_nonnegative("device.dispatch_overhead", self.dispatch_overhead, "seconds")
         _need_nonnegative("device.host_overhead", self.host_overhead, "seconds")
+        _need_nonnegative("device.attention_half_saturation_flops",
+                          self.attention_half_saturation_flops, "FLOPs")
         _need_nonnegative("device.half_saturation_flops", self.half_saturation_flops, "FLOPs")
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise ClusterError(
@@ -320,6 +326,7 @@ class DeviceSpec:
             "half_saturation_flops": self.half_saturation_flops,
             "dispatch_overhead": self.dispatch_overhead,
             "attention_efficiency": self.attention_efficiency,
+            "attention_half_saturation_flops": self.attention_half_saturation_flops,
             "host_overhead": self.host_overhead,
         }
 
@@ -331,13 +338,14 @@ class DeviceSpec:
             where, d,
             ("name", "peak_flops", "memory", "memory_bandwidth"),
             ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops",
-             "dispatch_overhead", "attention_efficiency", "host_overhead"),
+             "dispatch_overhead", "attention_efficiency", "attention_half_saturation_flops",
+             "host_overhead"),
         )
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
         kwargs: dict[str, Any] = {}
         for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                     "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
-                    "host_overhead"):
+                    "attention_half_saturation_flops", "host_overhead"):
             if key in d:
                 kwargs[key] = d[key]
         return cls(

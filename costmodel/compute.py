@@ -19,9 +19,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from typing import TYPE_CHECKING
+
 from .cluster import DEFAULT_FLOP_EFFICIENCY, DeviceSpec
 
-__all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times",
+if TYPE_CHECKING:
+    from ir.graph import Graph
+
+__all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times", "host_passes",
            "DEFAULT_HALF_SATURATION_FLOPS", "FUSED_ATTENTION", "ATTENTION_BACKWARD_FLOPS"]
 
 #: FLOPs at which a GEMM reaches half its maximum efficiency. ~1e9 FLOPs (a
@@ -131,12 +136,40 @@ def attention_times(flops: float, bytes_moved: float, device: DeviceSpec,
     (q, k, v and the output, of order b·h·s·d; the s x s scores stay on chip).
     The backward does :data:`ATTENTION_BACKWARD_FLOPS` times the forward FLOPs
     and reads about twice the bytes (the saved output, the log-sum-exp and the
-    output gradient besides q, k, v). Both run at
-    ``device.attention_efficiency`` of peak when profiled, else along the GEMM
-    efficiency curve.
+    output gradient besides q, k, v). Both run at the efficiency the profile
+    fitted for the kernel's forward-and-backward FLOPs
+    (``device.attention_efficiency`` and ``attention_half_saturation_flops``),
+    else along the GEMM efficiency curve.
     """
-    eff = device.attention_efficiency or None
+    eff = None
+    if device.attention_efficiency > 0:
+        work = (1 + ATTENTION_BACKWARD_FLOPS) * flops  # along the curve the profile fitted
+        eff = device.attention_efficiency * work / (work + device.attention_half_saturation_flops)
+        if not eff > 0:
+            eff = device.attention_efficiency
     forward = op_time(flops, bytes_moved, device, dtype, efficiency=eff)
     backward = op_time(ATTENTION_BACKWARD_FLOPS * flops, 2 * bytes_moved, device, dtype,
                        efficiency=eff)
     return forward, backward
+
+
+def host_passes(graph: "Graph") -> int:
+    """Ops the host issues in one training step of ``graph`` as the cost model
+    counts them (each charged ``DeviceSpec.host_overhead`` at least): every op
+    but tuple projections once in the forward, and in the backward a view once,
+    another op once for its activation inputs' gradients and once for its
+    weights' (:func:`backward_op_times`; fused attention has one backward kernel)."""
+    grad, weights = graph.gradient_path, graph.parameter_views
+    total = 0
+    for n in graph.nodes:
+        if n.kind != "op" or n.target == "getitem":
+            continue
+        total += 1
+        if n.name not in grad:
+            continue
+        if n.is_view:
+            total += 1
+            continue
+        total += int(any(a in grad and a not in weights for a in n.args))
+        total += int(n.target != FUSED_ATTENTION and any(a in weights for a in n.args))
+    return total

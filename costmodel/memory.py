@@ -32,13 +32,15 @@ with 16-bit activations: ``sbh(34 + 5as/h)`` bytes without recomputation.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Mapping, Union
 
 if TYPE_CHECKING:
     from ir.precision import Precision
 
 __all__ = [
+    "OPTIMIZER_ACCESSES",
     "OPTIMIZER_STATES",
+    "step_peak_bytes",
     "training_state_bytes",
     "gpt_activation_bytes_per_layer",
     "reserve_bytes",
@@ -46,6 +48,13 @@ __all__ = [
 
 #: Optimizer -> number of per-parameter state tensors it keeps.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+
+#: Optimizer -> tensors of a parameter's size its update reads and writes (torch's
+#: multi-tensor implementation): Adam reads the parameter, its gradient and both
+#: states, writes the parameter and both states, and writes and reads ``sqrt(v)``;
+#: SGD reads the parameter and gradient and writes the parameter (momentum adds
+#: reading and writing its buffer).
+OPTIMIZER_ACCESSES = {"adam": 9, "adamw": 9, "sgd_momentum": 5, "sgd": 3}
 
 
 def training_state_bytes(
@@ -98,6 +107,29 @@ def training_state_bytes(
         grads += compute * num_params
     opt = master * OPTIMIZER_STATES[optimizer] * (shard if zero_stage >= 1 else num_params)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam") -> float:
+    """Peak bytes per device of a step that runs the whole batch at once (no
+    gradient accumulation), from its parts by kind (bytes: ``params``,
+    ``optimizer``, ``grads``, ``activations``, ``backward_transient``).
+
+    Parameters and optimizer states live throughout. At the start of the
+    backward every saved activation and the largest backward transient are
+    alive and no gradient yet (they were set to None after the last step); the
+    backward makes gradients as it frees activations, so their sum peaks at
+    one end or the other; at the optimizer step every gradient is alive, with
+    the foreach optimizer's temporaries (torch's multi-tensor Adam makes one
+    list of the states' size, ``sqrt(v)``). With gradient accumulation or a
+    pipeline the gradients of earlier micro-batches live beside later
+    activations: use the sum of the parts instead.
+    """
+    states = OPTIMIZER_STATES.get(optimizer, 0)
+    step_temporaries = parts.get("optimizer", 0.0) / states if states else 0.0
+    backward_start = parts.get("activations", 0.0) + parts.get("backward_transient", 0.0)
+    optimizer_step = parts.get("grads", 0.0) + step_temporaries
+    return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + max(backward_start,
+                                                                        optimizer_step)
 
 
 Recompute = Union[bool, str]

@@ -143,6 +143,7 @@ LOCAL_CPU_PROFILE_KEYS = (
     "peak_flops", "memory", "memory_bandwidth", "kernel_overhead",
     "flop_efficiency", "memory_efficiency", "link_bandwidth", "link_latency",
     "collective_links", "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
+    "attention_half_saturation_flops",
 )
 
 
@@ -186,6 +187,7 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
         half_saturation_flops=values.get("half_saturation_flops", 0.0),
         dispatch_overhead=values["dispatch_overhead"],
         attention_efficiency=values.get("attention_efficiency", 0.0),
+        attention_half_saturation_flops=values.get("attention_half_saturation_flops", 0.0),
     )
     per_collective = tuple((k, float(v["latency"]), float(v["bandwidth"]))
                            for k, v in dict(values.get("collective_links", {})).items())

@@ -490,11 +490,13 @@ def _build_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "collective_min_rep_s": 0.005 if quick else 0.02,
         "overhead": True,
         "dispatch": ranks > 1,
-        "host": gpu,
+        # host time per op: a training step of this zoo model, too small for the GPU to matter
+        **({"host": "gpt-tiny"} if gpu else {}),
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],
         "gemms": gemms,
         # causal fused attention, forward and backward: [batch, heads, seq, head dim, dtype]
-        "attention": [[8, 16, 2048, 64, dtype] if gpu else [2, 4, 256, 32, dtype]],
+        "attention": ([[4, 16, s, 64, dtype] for s in (1024, 2048, 4096)] if gpu
+                      else [[2, 4, s, 32, dtype] for s in (128, 256)]),
         "collectives": list(COLLECTIVE_KINDS) if ranks > 1 else [],
         "sizes": list(QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES),
         "group_sizes": [ranks] if quick else group_sizes(ranks),
@@ -549,30 +551,44 @@ def profile_local(ranks: int = 4, out_path: str | os.PathLike = "local-cpu.json"
     return cluster
 
 
-def attention_efficiency(samples: Any, overhead: float, peak_flops: float) -> float | None:
-    """Fraction of the GEMM peak ``peak_flops`` (FLOP/s) the fused attention
-    kernel reached: executed FLOPs of forward and backward
-    (``costmodel.compute.ATTENTION_BACKWARD_FLOPS``) over the measured seconds
-    less two kernel overheads, the median over ``samples``; None without any."""
+def attention_fit(samples: Any, overhead: float, peak_flops: float) -> dict[str, float] | None:
+    """The fused attention kernel's efficiency curve, as the GEMM's: executed
+    forward and backward FLOPs ``F`` (``costmodel.compute.ATTENTION_BACKWARD_FLOPS``)
+    of each timed shape against its seconds less two kernel overheads, fitted to
+    ``t = (F + H) / (E * peak_flops)``: ``{"attention_efficiency": E,
+    "attention_half_saturation_flops": H}`` (``E <= 1``, ``H >= 0``; with one
+    shape ``H = 0``). None without samples."""
+    import numpy as np
+
     from costmodel.compute import ATTENTION_BACKWARD_FLOPS
 
-    rates = sorted(a["flops"] * (1 + ATTENTION_BACKWARD_FLOPS)
-                   / max(a["seconds"] - 2 * overhead, 1e-12) / peak_flops
-                   for a in samples if a.get("seconds"))
-    if not rates:
+    data = [(a["flops"] * (1 + ATTENTION_BACKWARD_FLOPS), max(a["seconds"] - 2 * overhead, 1e-12))
+            for a in samples if a.get("seconds")]
+    if not data:
         return None
-    return min(1.0, rates[len(rates) // 2])
+    f = np.array([d[0] for d in data])
+    t = np.array([d[1] for d in data])
+    if len(data) >= 2:
+        slope, fixed = _nnls2(np.stack([f, np.ones_like(f)], axis=1), t, 1.0 / t)
+    else:
+        slope, fixed = float(t[0] / f[0]), 0.0
+    if slope <= 0:  # the kernel's time does not grow with its work: a rate of the largest
+        slope, fixed = float(t[-1] / f[-1]), 0.0
+    efficiency = min(1.0, 1.0 / (slope * peak_flops))
+    return {"attention_efficiency": efficiency,
+            "attention_half_saturation_flops": max(0.0, fixed / slope)}
 
 
 def host_overhead(raw: Mapping[str, Any]) -> float | None:
-    """Host seconds eager PyTorch spends on one op and pass (dispatch, autograd
-    bookkeeping, the launch), from the ``host`` measurement: forward and
-    backward of a chain of tiny ops, too small for the device to matter;
-    None when it was not measured."""
+    """Host seconds eager PyTorch spends on one op and pass (module calls,
+    dispatch, autograd bookkeeping, the launch), from the ``host``
+    measurement: a training step of a zoo model too small for the device to
+    matter, over the op passes the cost model charges in it
+    (``costmodel.compute.host_passes``); None when it was not measured."""
     h = raw.get("host")
-    if not h or "seconds" not in h:
+    if not h or "seconds" not in h or not h.get("passes"):
         return None
-    return h["seconds"] / (2 * h["ops"])
+    return h["seconds"] / h["passes"]
 
 
 def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
@@ -604,7 +620,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         if g["dtype"] != main_dtype:  # single extra sizes: achieved rate, overhead removed
             peak[canonical_dtype(g["dtype"])] = g["flops"] / max(g["seconds"] - overhead, 1e-12)
 
-    attention = attention_efficiency(raw.get("attention", ()), overhead, peak[main_dtype])
+    attention = attention_fit(raw.get("attention", ()), overhead, peak[main_dtype]) or {}
     coll = raw["collectives"]
     per_kind: dict[str, Any] = {}
     for kind in COLLECTIVE_KINDS:
@@ -620,7 +636,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
             "peak_flops": peak, "memory_bandwidth": mem_bw, "kernel_overhead": overhead,
             "flop_efficiency": 1.0, "memory_efficiency": 1.0,
             "half_saturation_flops": gemm["half_saturation_flops"],
-            "attention_efficiency": attention or 0.0,
+            **attention,
         }
         if memory_per_rank:
             values["memory"] = memory_per_rank
@@ -641,7 +657,9 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
                          memory_bandwidth=mem_bw, kernel_overhead=overhead, flop_efficiency=1.0,
                          memory_efficiency=1.0,
                          half_saturation_flops=gemm["half_saturation_flops"],
-                         attention_efficiency=attention or 0.0,
+                         attention_efficiency=attention.get("attention_efficiency", 0.0),
+                         attention_half_saturation_flops=attention.get(
+                             "attention_half_saturation_flops", 0.0),
                          host_overhead=host_overhead(raw) or 0.0)
         # With one GPU no collective runs: keep an NVLink-like placeholder (noted below).
         link = Link("nvlink", link_fit["bandwidth"], link_fit["latency"]) if link_fit else Link("nvlink", 150e9, 2e-6)

@@ -194,6 +194,27 @@ def _collective_fn(kind: str, numel: int, group_size: int, torch: Any, dist: Any
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def _tiny_training_step(torch: Any, device: Any, model_name: str) -> tuple[Callable[[], Any], int]:
+    """One training step (forward, backward, foreach AdamW, gradients set to
+    None) of the zoo model ``model_name``, small enough that the host, not the
+    device, bounds it; and the ops the cost model charges the host for in it
+    (``costmodel.compute.host_passes`` of its captured program)."""
+    from costmodel.compute import host_passes
+    from ir import zoo
+    from ir.trace import trace
+
+    meta_model, meta_inputs = zoo.build(model_name, device="meta")
+    passes = host_passes(trace(meta_model, meta_inputs))
+    model, inputs = zoo.build(model_name, device=str(device))
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+
+    def step() -> None:
+        model(*inputs).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step, passes
+
+
 def _attention_fn(torch: Any, device: Any, dtype: Any, b: int, h: int, seq: int,
                   d: int) -> Callable[[], Any]:
     """Forward and backward of causal ``scaled_dot_product_attention`` (the
@@ -233,10 +254,10 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
         out["overhead"] = {}
         items.append(_Item("kernel overhead", lambda: torch.add(a, b, out=a), compute_rep, False, out["overhead"]))
 
-    if spec.get("host"):  # eager PyTorch's host time per op and pass, autograd included
-        x = torch.ones(64, device=device, requires_grad=True)
-        out["host"] = {"ops": DISPATCH_CHAIN + 1}
-        items.append(_Item("host per op", lambda: _chain(x), compute_rep, False, out["host"]))
+    if spec.get("host"):  # eager PyTorch's host time per op: a host-bound training step
+        step, passes = _tiny_training_step(torch, device, spec["host"])
+        out["host"] = {"model": spec["host"], "passes": passes}
+        items.append(_Item("host per op", step, compute_rep, False, out["host"]))
 
     if spec.get("dispatch") and dist.is_initialized():
         from torch.distributed.device_mesh import DeviceMesh

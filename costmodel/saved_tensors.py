@@ -10,7 +10,8 @@ transformers capture to, which tensor arguments (by position) and which of its
 own outputs each op saves; ``tests/test_saved_tensors.py`` checks every rule
 against what autograd really packs (``torch.autograd.graph.saved_tensors_hooks``).
 A saved view keeps its base, so a saved value is charged to the op that wrote
-its memory. An op with no rule is assumed to save its floating inputs.
+its memory (parameters and user inputs are counted with the training state and
+the batch). An op with no rule is assumed to save its floating inputs.
 
 The fused attention kernel saves q, k, v, its output and a float32 log-sum-exp
 of ``b·h·s`` elements (:func:`extra_saved_bytes`), never an s x s tensor.
@@ -73,14 +74,14 @@ SAVED: Mapping[str, SavedRule] = {
     "aten.sqrt.default": _RESULT,
     "aten._softmax.default": _RESULT,
     "aten._log_softmax.default": _RESULT,
-    # normalisation: the input and the per-row statistics
-    "aten.native_layer_norm.default": SavedRule(inputs=(0,), outputs=(1, 2)),
+    # normalisation: the input, its scale and shift, and the per-row statistics
+    "aten.native_layer_norm.default": SavedRule(inputs=(0, 1, 2), outputs=(1, 2)),
     # dropout keeps its mask
     "aten.native_dropout.default": SavedRule(outputs=(1,)),
-    # losses and lookups keep what indexes them (integer tensors: not activations)
-    "aten.nll_loss_forward.default": SavedRule(inputs=(0,), outputs=(1,)),
-    "aten.embedding.default": _NOTHING,
-    "aten.where.self": _NOTHING,
+    # losses, lookups and selections keep what indexes them
+    "aten.nll_loss_forward.default": SavedRule(inputs=(0, 1), outputs=(1,)),
+    "aten.embedding.default": SavedRule(inputs=(1,)),
+    "aten.where.self": _INPUT0,
     # the fused attention kernel: q, k, v and its output (+ log-sum-exp, below)
     FUSED_ATTENTION: SavedRule(inputs=(0, 1, 2), outputs=(0,)),
     # ops whose gradient needs no tensor of the forward
@@ -149,11 +150,11 @@ def saved_outputs(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
                 positions.add(a)
             if a < len(node.args) and needs(node.args[a]):
                 positions.add(b)
-        for i in sorted(positions):
-            if i < len(node.args) and node.inputs[i].is_float:
+        for i in sorted(positions):  # masks and indices count as much as floats
+            if i < len(node.args):
                 keep(node.args[i], 0)
         for i in rule.outputs:
-            if i < len(node.outputs) and node.outputs[i].is_float:
+            if i < len(node.outputs):
                 saved.setdefault(node.name, set()).add(i)
     return {k: frozenset(v) for k, v in saved.items()}
 

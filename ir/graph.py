@@ -170,6 +170,28 @@ class Graph:
         """Total forward FLOPs of one step."""
         return float(sum(n.flops for n in self.nodes))
 
+    @cached_property
+    def gradient_path(self) -> frozenset[str]:
+        """Names of the values a gradient flows back to: parameters, the inputs
+        in ``grad_inputs``, and every floating op output computed from them."""
+        out: set[str] = set(self.grad_inputs)
+        for n in self.nodes:
+            if n.kind == PARAM:
+                out.add(n.name)
+            elif n.kind == OP and n.outputs and any(o.is_float for o in n.outputs) and any(
+                    a in out for a in n.args):
+                out.add(n.name)
+        return frozenset(out)
+
+    @cached_property
+    def parameter_views(self) -> frozenset[str]:
+        """Parameters and the views of them (a transposed weight is still the weight)."""
+        out: set[str] = set()
+        for n in self.nodes:
+            if n.kind == PARAM or (n.is_view and n.args and all(a in out for a in n.args)):
+                out.add(n.name)
+        return frozenset(out)
+
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that read it (in order, repeats removed)."""
         out: dict[str, list[str]] = {n.name: [] for n in self.nodes}

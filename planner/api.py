@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from costmodel.cluster import Cluster, load_cluster
-from costmodel.memory import reserve_bytes
+from costmodel.memory import reserve_bytes, step_peak_bytes
 from costmodel.resharding import placement_str
 from costmodel.schedules import release_orders
 from ir.graph import INPUT, OP, PARAM, Graph
@@ -90,9 +90,13 @@ def resolve_precision(model: torch.nn.Module, cluster: Cluster,
     return chosen
 
 
-def _memory_report(memory: dict[str, float]) -> dict[str, int]:
+def _memory_report(memory: dict[str, float], peak: float | None = None) -> dict[str, int]:
+    """Bytes per device by kind; ``total`` their sum (what the plan's memory
+    budget bounds), ``peak`` the predicted peak of the step (``total`` unless
+    given: see :func:`costmodel.memory.step_peak_bytes`)."""
     out = {k: int(round(v)) for k, v in sorted(memory.items())}
     out["total"] = sum(out.values())
+    out["peak"] = out["total"] if peak is None else int(round(peak))
     return out
 
 
@@ -128,8 +132,10 @@ def training_precision(training: dict[str, Any]) -> str:
 
 
 def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, Any],
-               training: dict[str, Any]) -> Plan:
-    """Turn an intra-op solution into a Plan."""
+               training: dict[str, Any], whole_batch: bool = False) -> Plan:
+    """Turn an intra-op solution into a Plan. ``whole_batch``: the step runs
+    the whole batch at once (no micro-batches), which lets gradients and
+    activations peak apart (:func:`costmodel.memory.step_peak_bytes`)."""
     graph, chosen = result.graph, result.chosen
     parameters = {n.fqn: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == PARAM}
     inputs = {n.name: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == INPUT}
@@ -159,7 +165,9 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, An
         "compute_s": b.compute_s,
         "communication_s": b.communication_s,
         "resharding_s": b.resharding_s,
-        "memory_bytes_per_device": _memory_report(result.memory),
+        "memory_bytes_per_device": _memory_report(
+            result.memory, step_peak_bytes(result.memory, training.get("optimizer", "adam"))
+            if whole_batch else None),
     }
     return Plan(
         model=model_info, cluster=cluster.to_dict(),
@@ -335,7 +343,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                                            optimizer, recompute)
         if best is None:
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
-        return build_plan(best, cluster, info, training)
+        return build_plan(best, cluster, info, training, whole_batch=True)
 
     from planner.finalists import assemble, solve_finalists, split_far_finalists
     from planner.pipeline import (NO_PIPELINE, SearchOptions, accumulates, refine, search,

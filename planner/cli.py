@@ -156,7 +156,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # validates before any process starts
     from codegen.launch import launch
 
-    result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check)
+    from codegen.launch import LaunchError
+
+    try:
+        result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check)
+    except LaunchError as err:
+        if err.user_error:  # the ranks refused the plan: one line, as for any bad input
+            print(f"planner: error: {err.first_line}", file=sys.stderr)
+            return EXIT_USAGE
+        raise
     print(result.get("output", "").rstrip())  # rank 0's summary
     return 0 if result.get("passed", True) else 1
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import FUSED_ATTENTION, attention_times, backward_op_times, op_time
-from costmodel.memory import training_state_bytes
+from costmodel.memory import OPTIMIZER_ACCESSES, training_state_bytes
 from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
 from costmodel.resharding import ReshardPricer
 from costmodel.cluster import Cluster
@@ -139,8 +139,8 @@ class IntraOpCost:
         # the training precision (``dtype`` names it; older callers pass a dtype name)
         self.precision = get_precision(dtype)
         self.dtype = self.precision.compute_dtype_name
-        self.requires_grad = self._requires_grad()
-        self.param_derived = self._param_derived()
+        self.requires_grad = graph.gradient_path
+        self.param_derived = graph.parameter_views
         # node -> indices of its outputs autograd keeps for backward
         self.saved = saved_outputs(graph, self.requires_grad)
         self.transient_node = self._largest_transient()
@@ -152,24 +152,6 @@ class IntraOpCost:
         self._pricer = pricer
         # NodePrices of the (node, strategy) pairs asked for by prices()
         self._prices: dict[tuple[str, int], tuple[Strategy, NodePrices]] = {}
-
-    def _requires_grad(self) -> set[str]:
-        out: set[str] = set(self.graph.grad_inputs)
-        for n in self.graph.nodes:
-            if n.kind == PARAM:
-                out.add(n.name)
-            elif n.kind == OP and n.outputs and any(o.is_float for o in n.outputs) and any(
-                    a in out for a in n.args):
-                out.add(n.name)
-        return out
-
-    def _param_derived(self) -> set[str]:
-        """Parameters and the views of them (a transposed weight is still the weight)."""
-        out: set[str] = set()
-        for n in self.graph.nodes:
-            if n.kind == PARAM or (n.is_view and n.args and all(a in out for a in n.args)):
-                out.add(n.name)
-        return out
 
     def spec_id(self, placements: Placements) -> int:
         """A small int naming ``placements`` (equal placements, equal ids), so that
@@ -196,7 +178,7 @@ class IntraOpCost:
             local = local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
             return local / self.cluster.device.memory_bandwidth
         if node.kind == PARAM:
-            return self.cast_time(node, s)
+            return self.cast_time(node, s) + self.optimizer_time(node, s)
         if node.kind != OP:
             return 0.0
         b, w = self.backward_times(node, s)
@@ -244,6 +226,18 @@ class IntraOpCost:
             out.append(by_factor[f])
         return out
 
+    def optimizer_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of the optimizer's update of this device's part of a
+        parameter: a memory-bound pass over the tensors of its size the update
+        reads and writes (:data:`costmodel.memory.OPTIMIZER_ACCESSES`), in the
+        master dtype, over the shard ZeRO leaves this device."""
+        numel = local_numel(node.output, s.outputs[0], self.mesh_shape) / self.state_shards
+        nbytes = numel * OPTIMIZER_ACCESSES.get(self.optimizer, 0) * self.precision.master_bytes
+        if nbytes <= 0:
+            return 0.0
+        memory = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
+        return nbytes / memory
+
     def cast_time(self, node: Node, s: Strategy) -> float:
         """Seconds of a mixed-precision step's two casts of a parameter: the
         master copy to the compute dtype before the forward reads it, and its
@@ -261,12 +255,20 @@ class IntraOpCost:
         """Host seconds the distributed runtime adds to running the op once."""
         return 0.0 if node.target == "getitem" else self.cluster.device.dispatch_overhead
 
+    def _view_time(self, node: Node) -> float:
+        """Seconds of a view op in one pass: no kernel, but the host issues it
+        (``host_overhead``, on a device the host runs ahead of) and the
+        distributed runtime dispatches it."""
+        if node.target == "getitem":
+            return 0.0
+        return self._dispatch(node) + self.cluster.device.host_overhead
+
     def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
         """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
         if node.kind != OP or node.name not in self.requires_grad:
             return 0.0, 0.0
         if node.is_view:
-            return self._dispatch(node), 0.0
+            return self._view_time(node), 0.0
         f = self.shard_factor(s)
         input_grad = any(a in self.requires_grad and a not in self.param_derived
                          for a in node.args)
@@ -284,7 +286,7 @@ class IntraOpCost:
         if node.kind != OP:
             return 0.0
         if node.is_view:
-            return self._dispatch(node)
+            return self._view_time(node)
         f = self.shard_factor(s)
         if node.target == FUSED_ATTENTION:
             return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
@@ -561,7 +563,9 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
                        node_memory: list[list[float]]):
     """One checkpointing decision per layer signature: all layers with it are
     checkpointed or none. A checkpointed layer drops the activations its ops
-    save, keeps its inputs, and re-runs its forward in backward. Layers whose ops
+    save, keeps its inputs, and re-runs its forward in backward, when its
+    activations are alive again: the group's memory keeps one layer's (one
+    micro-batch's) worth. Layers whose ops
     are not contiguous in program order are not offered (they cannot be wrapped)."""
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     op_order = [ns.node.name for ns in strategies if ns.node.kind == OP]
@@ -593,8 +597,10 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
         for c in group_classes:
             ns, count = strategies[members[c][0]], len(members[c])
             recompute.append([count * t for t in cost.forward_each(ns.node, ns.strategies)])
-        # what checkpointing frees: the saved activations (not a backward transient)
-        saved = [[len(members[c]) * cost.activation_copies
+        # what checkpointing frees: the saved activations (not a backward transient) of
+        # all but one layer and micro-batch, which the backward recomputes at a time
+        freed = 1.0 - 1.0 / (len(sig_layers) * cost.activation_copies)
+        saved = [[freed * len(members[c]) * cost.activation_copies
                   * cost.memory_breakdown(strategies[members[c][0]].node, st).get("activations", 0.0)
                   for st in strategies[members[c][0]].strategies] for c in group_classes]
         groups.append(CheckpointGroup(group_classes, saved, recompute, kept))

@@ -500,7 +500,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     if total > budget * (1 + 1e-9):
         raise MegatronDoesNotFit(f"{cfg.label()} needs {total / 2**30:.1f} GiB per device, more "
                                  f"than the {budget / 2**30:.1f} GiB available")
-    return build_plan(result, cluster, info, training)
+    return build_plan(result, cluster, info, training, whole_batch=True)
 
 
 def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs: tuple,

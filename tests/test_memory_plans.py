@@ -54,7 +54,9 @@ def test_nothing_fits_names_the_least_memory_that_would():
 
 @pytest.fixture(scope="module")
 def checkpointed(unconstrained):
-    return _budgeted(unconstrained, 0.5)
+    # 70 %: below what sharding alone reaches; checkpointing keeps one recomputed
+    # layer's activations and the backward transient stays, so half no longer fits
+    return _budgeted(unconstrained, 0.7)
 
 
 def test_too_little_memory_turns_on_activation_checkpointing(unconstrained, checkpointed):
