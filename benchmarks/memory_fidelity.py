@@ -8,7 +8,7 @@ For every precision (``fp32``, ``bf16``, ``bf16-mixed``) and with and without
 activation checkpointing (``recompute=False`` / ``True``: no layer / every layer):
 
 * predicted: ``planner.plan(..., mesh_shape=(1,), precision=p, recompute=r)`` on one
-  device, ``plan.predicted["memory_bytes_per_device"]["total"]`` (bytes). The plan
+  device, ``plan.predicted["memory_bytes_per_device"]["peak"]`` (bytes). The plan
   gets an unbounded memory budget (1e15 bytes), so that a forced ``recompute``
   always has a plan: only its prediction is read.
 * measured: one steady-state step of :class:`benchmarks.plain_loop.PlainLoop` (the

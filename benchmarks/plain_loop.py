@@ -363,5 +363,5 @@ def predicted_of(plan: Any) -> dict[str, Any]:
     if isinstance(precision, dict):
         precision = precision.get("name")
     return {"step_time_s": plan.predicted.get("step_time_s"),
-            "peak_bytes": memory.get("total"), "memory": memory,
+            "peak_bytes": memory.get("peak", memory.get("total")), "memory": memory,
             "checkpoint": list(plan.checkpoint), "precision": precision}
