@@ -112,11 +112,12 @@ def training_state_bytes(
 def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam") -> float:
     """Peak bytes per device of a step that runs the whole batch at once (no
     gradient accumulation), from its parts by kind (bytes: ``params``,
-    ``optimizer``, ``grads``, ``activations``, ``backward_transient``).
+    ``optimizer``, ``grads``, ``activations``, ``backward_transient``,
+    ``recomputed_layer``).
 
     Parameters and optimizer states live throughout. At the start of the
-    backward every saved activation and the largest backward transient are
-    alive and no gradient yet (they were set to None after the last step); the
+    backward every saved activation and the largest backward transient (or,
+    later, a checkpointed layer recomputed) are alive and no gradient yet (they were set to None after the last step); the
     backward makes gradients as it frees activations, so their sum peaks at
     one end or the other; at the optimizer step every gradient is alive, with
     the foreach optimizer's temporaries (torch's multi-tensor Adam makes one
@@ -126,7 +127,9 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam") -> floa
     """
     states = OPTIMIZER_STATES.get(optimizer, 0)
     step_temporaries = parts.get("optimizer", 0.0) / states if states else 0.0
-    backward_start = parts.get("activations", 0.0) + parts.get("backward_transient", 0.0)
+    # the loss's transient comes first; a checkpointed layer is recomputed after it
+    backward_start = parts.get("activations", 0.0) + max(parts.get("backward_transient", 0.0),
+                                                         parts.get("recomputed_layer", 0.0))
     optimizer_step = parts.get("grads", 0.0) + step_temporaries
     return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + max(backward_start,
                                                                         optimizer_step)

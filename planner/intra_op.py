@@ -488,7 +488,9 @@ class IntraOpProblem:
     ``classes[v]`` is the problem variable of node v; ``members[c]`` the nodes of
     class c; ``loop_costs[c][i]`` the part of class c's node cost that is
     resharding on edges inside the class (block-to-block edges of tied nodes);
-    ``checkpoint_layers[g]`` the layers that checkpoint group g checkpoints.
+    ``checkpoint_layers[g]`` the layers that checkpoint group g checkpoints;
+    ``recomputed_fraction[g]`` the fraction of group g's activations alive again
+    while the backward recomputes one of its layers (one micro-batch's).
     """
 
     problem: AssignmentProblem
@@ -496,6 +498,7 @@ class IntraOpProblem:
     members: list[list[int]]
     loop_costs: list[list[float]]
     checkpoint_layers: list[list[str]] = field(default_factory=list)
+    recomputed_fraction: list[float] = field(default_factory=list)
 
     def expand(self, choice: list[int]) -> list[int]:
         """Strategy index of every node from a choice per class."""
@@ -551,11 +554,11 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
                         scaled[id(row)] = [count * x for x in row]
                 matrix = [scaled[id(row)] for row in matrix]
             edges.append((cu, cv, EdgeMatrix(matrix)))
-    groups, group_layers = _checkpoint_groups(cost, strategies, layers, classes, members,
-                                              node_memory)
+    groups, group_layers, recomputed = _checkpoint_groups(cost, strategies, layers, classes,
+                                                          members, node_memory)
     problem = AssignmentProblem(node_costs, edges, node_memory=node_memory,
                                 memory_budget=memory_budget, checkpoint_groups=groups)
-    return IntraOpProblem(problem, classes, members, loop_costs, group_layers)
+    return IntraOpProblem(problem, classes, members, loop_costs, group_layers, recomputed)
 
 
 def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], layers: list[Layer],
@@ -573,7 +576,7 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
     by_sig: dict[str, list[Layer]] = {}
     for layer in layers:
         by_sig.setdefault(layer.signature, []).append(layer)
-    groups, names = [], []
+    groups, names, recomputed = [], [], []
     for sig_layers in by_sig.values():
         kept, group_classes, contiguous = 0.0, [], True
         for layer in sig_layers:
@@ -605,7 +608,8 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
                   for st in strategies[members[c][0]].strategies] for c in group_classes]
         groups.append(CheckpointGroup(group_classes, saved, recompute, kept))
         names.append([layer.name for layer in sig_layers])
-    return groups, names
+        recomputed.append(1.0 - freed)
+    return groups, names, recomputed
 
 
 def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
@@ -927,13 +931,18 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
         breakdown.resharding_s += loop[solution.choice[c]]
     checkpointed: list[str] = []
     decided = solution.checkpoint if recompute is None else [recompute] * len(groups)
-    for group, layers_of, on in zip(groups, built.checkpoint_layers, decided):
+    for group, layers_of, again, on in zip(groups, built.checkpoint_layers,
+                                           built.recomputed_fraction, decided):
         if on:
             checkpointed += layers_of
             chosen_of = [solution.choice[c] for c in group.nodes]
             breakdown.compute_s += sum(r[i] for r, i in zip(group.recompute, chosen_of))
-            memory["activations"] += group.kept - sum(
-                m[i] for m, i in zip(group.saved, chosen_of))
+            freed = sum(m[i] for m, i in zip(group.saved, chosen_of))
+            # the layer being recomputed, alive again: reported apart (it peaks
+            # after the backward transient of the loss, not with it)
+            layer = freed * again / (1.0 - again) if again < 1.0 else 0.0
+            memory["activations"] += group.kept - freed - layer
+            memory["recomputed_layer"] = memory.get("recomputed_layer", 0.0) + layer
     assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (breakdown, solution.objective_s, solution.status, checkpointed)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
                          memory, checkpointed)
