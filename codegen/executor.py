@@ -47,7 +47,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, Output
 from ir.layers import find_layers
 from ir.fast_trace import SynthesizedProgram
 from ir.precision import Precision, compute_copy, get_precision
-from ir.torch_compat import (mask_partial_type, redistribute_function,
+from ir.torch_compat import (is_assertion_op, mask_partial_type, redistribute_function,
                              register_fused_attention_sharding, strided_shard_type)
 from ir.trace import trace
 from planner.plan_format import OpPlacement, Plan, Reshard
@@ -345,14 +345,6 @@ def _unmask(value: DTensor) -> DTensor:
     local = local + (masked - local).detach()
     return DTensor.from_local(local, value.device_mesh, placements, run_check=False,
                               shape=value.shape, stride=value.stride())
-
-
-def _is_pure_check(op: Any) -> bool:
-    """An aten op that returns nothing and writes nothing: an assertion on its inputs."""
-    schema = getattr(op, "_schema", None)
-    if schema is None or len(schema.returns) != 0:
-        return False
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def _tensor_leaves(value: Any) -> list[Any]:
@@ -810,7 +802,7 @@ class PlanExecutor:
 
         # the placements each input arrived in: recorded on the recording forward only
         in_obs = [placements_of(v) for v in new_values] if self._recording else []
-        if _is_pure_check(node.target):
+        if is_assertion_op(node.target):
             return self._run_check(node, entry, args, kwargs, in_obs)
         if node.name in self._fallback_nodes:
             out = self._run_replicated(node, args, kwargs)

@@ -18,7 +18,7 @@ import torch.fx.config
 __all__ = [
     "KEPT_FUSED_OPS", "OpOverload", "SDPA", "aot_export_module", "capture_decompositions",
     "kept_fused_ops", "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
-    "fake_tensor_mode_type", "fx_without_stack_traces", "mask_partial_type", "op_schema_info",
+    "fake_tensor_mode_type", "fx_without_stack_traces", "is_assertion_op", "mask_partial_type", "op_schema_info",
     "op_strategy_functions", "redistribute_function", "register_fused_attention_sharding",
     "sharding_propagator", "single_dim_expansion", "strided_shard_type",
     "without_dtensor_redistribute_costs",
@@ -52,6 +52,16 @@ def fx_without_stack_traces() -> Iterator[None]:
         yield
     finally:
         config.do_not_emit_stack_traces = before
+
+
+def is_assertion_op(op: Any) -> bool:
+    """An ATen op that returns nothing and writes nothing: an assertion on its
+    inputs (``_assert_tensor_metadata``, ``_assert_scalar``...), read from its
+    schema (``op._schema``)."""
+    schema = getattr(op, "_schema", None)
+    if schema is None or len(schema.returns) != 0:
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
 
 
 def capture_decompositions(table: dict) -> dict:

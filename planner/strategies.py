@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ir.graph import Graph, Node, OP
-from ir.torch_compat import (SDPA, dtensor_schema_types, fake_store_type, op_schema_info,
-                             op_strategy_functions, sharding_propagator, single_dim_expansion,
-                             without_dtensor_redistribute_costs)
+from ir.torch_compat import (SDPA, dtensor_schema_types, fake_store_type, is_assertion_op,
+                             op_schema_info, op_strategy_functions, sharding_propagator,
+                             single_dim_expansion, without_dtensor_redistribute_costs)
 
 DTensorSpec, TensorMeta, OpSchema, OpSpec, OpStrategy, TupleStrategy = dtensor_schema_types()
 
@@ -257,6 +257,13 @@ class StrategyBuilder:
             return NodeStrategies(node, [Strategy((p,), (p,)) for p in
                                          self.candidates_of(src, node.arg_index)])
         if not node.args:  # factory op (arange, full, ...): computed locally everywhere
+            return NodeStrategies(node, [self._replicated(node)])
+        if not node.outputs and is_assertion_op(self.fx_nodes[node.name].target):
+            # an assertion on its input's metadata: no data moves, so it takes its
+            # input as it comes (the executor checks it on any placement)
+            if len(node.args) == 1:
+                return NodeStrategies(node, [Strategy((p,), ()) for p in
+                                             self.candidates_of(node.args[0], 0)])
             return NodeStrategies(node, [self._replicated(node)])
         try:
             strategies = self._from_dtensor(node)
