@@ -46,7 +46,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, Output
 
 from ir.layers import find_layers
 from ir.fast_trace import SynthesizedProgram
-from ir.precision import Precision, compute_copy, get_precision
+from ir.precision import Precision, cast_float, compute_copy, get_precision
 from ir.torch_compat import (is_assertion_op, mask_partial_type, redistribute_function,
                              register_fused_attention_sharding, strided_shard_type)
 from ir.trace import trace
@@ -260,13 +260,6 @@ def _redistribute(value: DTensor, mesh: DeviceMesh, placements: tuple[Placement,
                "backward_options": {"op_dtype": dt, "out_dtype": dt}}
         return Redistribute.apply(value, mesh, placements, False, cfg)
     return Redistribute.apply(value, mesh, placements, False)
-
-
-def _cast_float(t: Any, dtype: torch.dtype) -> Any:
-    """``t`` in ``dtype`` if it is a floating tensor of another dtype."""
-    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-        return t.to(dtype)
-    return t
 
 
 def on_mesh(placements: Sequence[str], mesh_shape: Sequence[int]) -> list[str]:
@@ -590,7 +583,7 @@ class PlanExecutor:
             if spec.kind == InputKind.PARAMETER:
                 fqn = spec.target
                 placements = self._planned(fqn, "parameter")
-                value = _cast_float(state[fqn], self.precision.master_dtype)
+                value = cast_float(state[fqn], self.precision.master_dtype)
                 dt = value.detach() if self.local else distribute_tensor(
                     value.detach(), self.mesh, _parse_all(placements), src_data_rank=None)
                 param = torch.nn.Parameter(dt, requires_grad=value.requires_grad)
@@ -599,7 +592,7 @@ class PlanExecutor:
                 self._placeholder_placements[name] = placements
             elif spec.kind == InputKind.BUFFER:
                 fqn = spec.target
-                value = _cast_float(state[fqn] if fqn in state else consts[fqn],
+                value = cast_float(state[fqn] if fqn in state else consts[fqn],
                                     self.precision.compute_dtype)
                 if fqn in self.plan.parameters and not self.local:
                     placements = self.plan.parameters[fqn]
@@ -649,7 +642,7 @@ class PlanExecutor:
         env: dict[str, Any] = {}
         for name, value in zip(self.user_input_names, flat_inputs):
             env[name] = self._distribute_input(name, value)
-        if self.local and not self._segments and not self._recording and self._whole_program:
+        if self.local and not self._segments and not self._recording:
             self._forwards += 1
             return self._user_outputs(self._compiled(*[
                 env[n.name] if n.name in env else self._placeholder_value(n.name)
@@ -658,11 +651,6 @@ class PlanExecutor:
         out = next(n for n in self.ep.graph.nodes if n.op == "output")
         outputs = torch.fx.node.map_arg(out.args[0], lambda n: env[n.name])
         return self._user_outputs(outputs)
-
-    @property
-    def _whole_program(self) -> bool:
-        """Whether this executor runs the whole captured program (not a stage of it)."""
-        return type(self)._program_calls is PlanExecutor._program_calls
 
     @functools.cached_property
     def _compiled(self) -> torch.fx.GraphModule:
@@ -688,7 +676,7 @@ class PlanExecutor:
         so gradients are reduced in it)."""
         value = self._placeholders[name]
         if self.precision.mixed and isinstance(value, torch.nn.Parameter):
-            return _cast_float(value, self.precision.compute_dtype)
+            return cast_float(value, self.precision.compute_dtype)
         return value
 
     def _execute(self, env: dict[str, Any]) -> None:
@@ -731,7 +719,7 @@ class PlanExecutor:
     def _distribute_input(self, name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        value = _cast_float(value, self.precision.compute_dtype)
+        value = cast_float(value, self.precision.compute_dtype)
         placements = self.plan.inputs.get(name)
         if placements is None:
             warnings.warn(f"plan gives no placement for input {name}; replicating it", stacklevel=3)

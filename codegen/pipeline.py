@@ -39,11 +39,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from codegen.executor import (CapturedProgram, PlanExecutor, PlanMismatchError, _cast_float,
-                              _parse_all,
+from codegen.executor import (CapturedProgram, PlanExecutor, PlanMismatchError, _parse_all,
                               capture_program, placement_str, redistribute)
 from costmodel.schedules import TORCH_SCHEDULE_CLASSES, canonical_schedule
 from ir.layers import find_layers
+from ir.precision import cast_float
 from ir.torch_compat import strided_shard_type
 from planner.plan_format import Plan, StagePlan
 
@@ -51,7 +51,7 @@ _StridedShard = strided_shard_type()
 
 __all__ = [
     "PipelinePlanError", "PipelineRuntime", "StageExecutor", "StageModule", "local_shape",
-    "split_microbatch", "stage_pp_rank", "validate_pipeline_plan",
+    "split_microbatch", "split_microbatches", "stage_pp_rank", "validate_pipeline_plan",
 ]
 
 _SINGLE_STAGE = ("gpipe", "1f1b")
@@ -142,18 +142,25 @@ def validate_pipeline_plan(plan: Plan) -> None:
         raise PipelinePlanError(f"num_microbatches is {pipe.num_microbatches}")
 
 
-def split_microbatch(inputs: Sequence[Any], num_microbatches: int) -> tuple[Any, ...]:
-    """The first micro-batch of the global ``inputs`` (dim 0 split as the schedule splits it)."""
-    out = []
+def split_microbatches(inputs: Sequence[Any], num_microbatches: int) -> list[tuple[Any, ...]]:
+    """The micro-batches of the global ``inputs``: dim 0 of every tensor split as
+    the schedule splits it (``tensor_split``), other values repeated."""
+    parts = []
     for t in inputs:
         if isinstance(t, torch.Tensor):
             if t.ndim == 0 or t.shape[0] % num_microbatches:
                 raise PipelinePlanError(
                     f"an input of shape {list(t.shape)} cannot be split into {num_microbatches} "
                     f"equal micro-batches along dim 0; choose a batch divisible by it")
-            t = torch.tensor_split(t, num_microbatches, dim=0)[0]
-        out.append(t)
-    return tuple(out)
+            parts.append(torch.tensor_split(t, num_microbatches, dim=0))
+        else:
+            parts.append([t] * num_microbatches)
+    return [tuple(p[i] for p in parts) for i in range(num_microbatches)]
+
+
+def split_microbatch(inputs: Sequence[Any], num_microbatches: int) -> tuple[Any, ...]:
+    """The first micro-batch of the global ``inputs`` (:func:`split_microbatches`)."""
+    return split_microbatches(inputs, num_microbatches)[0]
 
 
 # ------------------------------------------------------------------ local shapes
@@ -320,7 +327,7 @@ class StageExecutor(PlanExecutor):
         fqn = self._param_fqn.get(name)
         if fqn is not None and self.param_value is not None:
             # FSDP2's mixed-precision policy gathers it in the compute dtype already
-            return _cast_float(self.param_value(fqn), self.precision.compute_dtype)
+            return cast_float(self.param_value(fqn), self.precision.compute_dtype)
         return super()._placeholder_value(name)
 
     def _receive(self, name: str, local: torch.Tensor) -> DTensor:

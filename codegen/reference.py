@@ -81,17 +81,6 @@ def check_tolerance(precision: Any) -> float:
     return 1e-5 if get_precision(precision).compute_dtype == torch.float32 else 5e-2
 
 
-def _split(inputs: Any, m: int) -> list[tuple]:
-    """``m`` micro-batches of ``inputs``: dim 0 of every tensor split as torch's
-    pipeline schedules split it (``tensor_split``), other values repeated."""
-    inputs = tuple(inputs)
-    if m == 1:
-        return [inputs]
-    parts = [torch.tensor_split(t, m, dim=0) if isinstance(t, torch.Tensor) and t.ndim > 0
-             else [t] * m for t in inputs]
-    return [tuple(p[i] for p in parts) for i in range(m)]
-
-
 def make_optimizer(params: Any, name: str = "sgd", lr: float = 1e-3) -> torch.optim.Optimizer:
     """The optimizer both the reference and the distributed run use."""
     if name == "sgd":
@@ -128,6 +117,7 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
     Returns:
         The step-1 loss and gradients and the loss of every step.
     """
+    from codegen.pipeline import split_microbatches
     from ir.precision import forward_in, get_precision, prepare_model
 
     precision = get_precision(precision)
@@ -138,22 +128,18 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
     losses: list[float] = []
     grads: dict[str, torch.Tensor | None] = {}
     m = max(1, int(num_microbatches))
-    microbatches = _split(inputs, m)
+    microbatches = split_microbatches(tuple(inputs), m) if m > 1 else [tuple(inputs)]
     for step in range(max(1, steps)):
-        if m == 1:
-            loss = loss_of(forward_in(model, inputs, precision))
+        mb_losses = []
+        for mb in microbatches:
+            loss = loss_of(forward_in(model, mb, precision))
             loss.backward()
-            losses.append(float(loss.detach()))
-        else:
-            mb_losses = []
-            for mb in microbatches:
-                loss = loss_of(forward_in(model, mb, precision))
-                loss.backward()
-                mb_losses.append(float(loss.detach()))
+            mb_losses.append(float(loss.detach()))
+        if m > 1:  # the schedule's scale_grads
             for p in model.parameters():
                 if p.grad is not None:
                     p.grad.div_(m)
-            losses.append(sum(mb_losses) / m)
+        losses.append(sum(mb_losses) / m)
         if step == 0:
             grads = {fqn: (p.grad.detach().clone() if p.grad is not None else None)
                      for fqn, p in model.named_parameters()}

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["Precision", "PRECISIONS", "get_precision", "compute_copy", "cast_floats",
+__all__ = ["Precision", "PRECISIONS", "get_precision", "compute_copy", "cast_float", "cast_floats",
            "forward_in", "precision_of_dtype", "prepare_model"]
 
 
@@ -127,8 +127,11 @@ def precision_of_dtype(dtype: torch.dtype) -> Precision:
     return PRECISIONS["bf16" if dtype == torch.bfloat16 else "fp32"]
 
 
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+def cast_float(t: Any, dtype: torch.dtype) -> Any:
+    """``t`` in ``dtype`` if it is a floating tensor of another dtype, else ``t``."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+        return t.to(dtype)
+    return t
 
 
 def cast_floats(values: Any, dtype: torch.dtype) -> Any:
@@ -136,7 +139,7 @@ def cast_floats(values: Any, dtype: torch.dtype) -> Any:
     tensor cast to ``dtype``; integer tensors and other values unchanged."""
     import torch.utils._pytree as pytree
 
-    return pytree.tree_map(lambda v: _cast(v, dtype) if isinstance(v, torch.Tensor) else v,
+    return pytree.tree_map(lambda v: cast_float(v, dtype),
                            values)
 
 
@@ -160,7 +163,7 @@ def compute_copy(model: torch.nn.Module, example_inputs: Sequence[Any],
         if t.is_meta:
             return torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                device="meta")
-        return _cast(t.detach(), dtype).clone()
+        return cast_float(t.detach(), dtype).clone()
 
     memo: dict[int, Any] = {}
     for p in model.parameters():
@@ -192,6 +195,6 @@ def forward_in(model: torch.nn.Module, inputs: Sequence[Any], precision: Precisi
         return model(*inputs)
     from torch.func import functional_call
 
-    state = {name: _cast(t, dtype) for name, t in
+    state = {name: cast_float(t, dtype) for name, t in
              list(model.named_parameters()) + list(model.named_buffers())}
     return functional_call(model, state, inputs)

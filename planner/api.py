@@ -19,7 +19,7 @@ from ir.precision import Precision, compute_copy, get_precision, precision_of_dt
 from ir.trace import trace
 from planner.forked import run_beside
 from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
-from planner.plan_format import OpPlacement, Plan, Reshard, SolverReport
+from planner.plan_format import OpPlacement, Plan, Reshard, SolverReport, training_precision
 
 
 # Fraction of device memory kept free for the allocator's fragmentation and workspaces.
@@ -123,12 +123,6 @@ def training_record(precision: str | Precision, optimizer: str, example_inputs: 
             "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
                              for t in example_inputs],
             "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())), **extra}
-
-
-def training_precision(training: dict[str, Any]) -> str:
-    """The precision a plan's ``training`` section records (plans of format 2
-    name only the dtype, which they trained in throughout)."""
-    return training.get("precision") or training.get("dtype", "float32")
 
 
 def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, Any],

@@ -190,11 +190,7 @@ class Plan:
     def precision(self) -> "Precision":
         """The training precision the plan was made for (``training.precision``;
         plans of format 1 and 2 trained in their ``training.dtype`` throughout)."""
-        from ir.precision import get_precision
-
-        return get_precision(self.training.get("precision") or
-                             self.training.get("dtype", "float32"),
-                             _short_dtype(self.training.get("reduce_dtype")))
+        return training_precision(self.training)
 
     @property
     def world_size(self) -> int:
@@ -254,8 +250,13 @@ class Plan:
             raise PlanError(f"plan.json is malformed ({err}); regenerate it with `planner plan`") from err
 
 
-def _short_dtype(name: str | None) -> str | None:
-    return {"float32": "fp32", "bfloat16": "bf16"}.get(name, name) if name else None
+def training_precision(training: dict[str, Any]) -> "Precision":
+    """The precision a plan's ``training`` section records (plans of format 1
+    and 2 name only the dtype, which they trained in throughout)."""
+    from ir.precision import get_precision
+
+    return get_precision(training.get("precision") or training.get("dtype", "float32"),
+                         training.get("reduce_dtype"))
 
 
 def _pipeline_from_dict(d: dict[str, Any] | None) -> PipelinePlan | None:
