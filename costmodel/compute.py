@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 from .cluster import DEFAULT_FLOP_EFFICIENCY, DeviceSpec
 
 if TYPE_CHECKING:
-    from ir.graph import Graph
+    from ir.graph import Graph, Node
 
-__all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times", "host_passes",
+__all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times", "backward_kernels",
+           "host_passes",
            "DEFAULT_HALF_SATURATION_FLOPS", "FUSED_ATTENTION", "ATTENTION_BACKWARD_FLOPS"]
 
 #: FLOPs at which a GEMM reaches half its maximum efficiency. ~1e9 FLOPs (a
@@ -99,23 +100,44 @@ def op_time(
 
 
 def backward_op_times(flops: float, bytes_moved: float, device: DeviceSpec, dtype: Any, *,
-                      input_grad: bool, weight_grad: bool) -> tuple[float, float]:
+                      input_grad: int, weight_grad: int) -> tuple[float, float]:
     """Seconds of one op's backward, split as zero-bubble schedules need it.
 
     Returns ``(b, w)``: ``b`` computes the gradients of the op's activation inputs,
-    ``w`` those of its weights. A contraction (``flops > 0``) costs its forward FLOPs
-    again for each (dX = dY W^T and dW = X^T dY); a memory-bound op re-reads and
-    re-writes about its forward bytes for the input gradient, and as much again
-    when it also has weights (layer-norm scale and bias).
+    ``w`` those of its weights, each as ``input_grad`` / ``weight_grad`` kernels
+    (:func:`backward_kernels`) of the forward's size: a contraction costs its
+    forward FLOPs again for each operand's gradient (dX = dY W^T and dW = X^T dY;
+    dQ = dS K and dK = dS^T Q); a memory-bound op re-reads and re-writes about its
+    forward bytes for the input gradient, and as much again when it also has
+    weights (layer-norm scale and bias).
 
     Args:
         flops, bytes_moved: the op's forward FLOPs and bytes.
-        input_grad: an activation input needs a gradient.
-        weight_grad: a parameter input needs a gradient.
+        input_grad: kernels computing activation-input gradients (0 for none).
+        weight_grad: kernels computing weight gradients (0 for none).
     """
-    b = op_time(flops, bytes_moved, device, dtype) if input_grad else 0.0
-    w = op_time(flops, bytes_moved, device, dtype) if weight_grad else 0.0
-    return b, w
+    one = op_time(flops, bytes_moved, device, dtype) if input_grad or weight_grad else 0.0
+    return int(input_grad) * one, int(weight_grad) * one
+
+
+def backward_kernels(node: "Node", requires_grad: "set[str] | frozenset[str]",
+                     param_derived: "set[str] | frozenset[str]") -> tuple[int, int]:
+    """Kernels the backward of op ``node`` runs: ``(input, weight)``, for the
+    gradients of its activation inputs and of its weights.
+
+    A contraction (``node.flops > 0``) runs one per operand that needs a
+    gradient: one per activation operand (both of ``Q K^T``) and one for the
+    weight. Another op runs one kernel for all its activation inputs and one
+    for its weights. The fused attention kernel has one backward for q, k and v.
+    ``requires_grad``: names of the values that need a gradient;
+    ``param_derived``: those computed from parameters alone (weights)."""
+    activations = [a for a in dict.fromkeys(node.args)
+                   if a in requires_grad and a not in param_derived]
+    weights = any(a in param_derived for a in node.args)
+    if node.target == FUSED_ATTENTION:
+        return int(bool(activations)), 0
+    inputs = len(activations) if node.flops > 0 else int(bool(activations))
+    return inputs, int(weights)
 
 
 #: The captured node of ``F.scaled_dot_product_attention``, run as one fused kernel.
@@ -156,9 +178,8 @@ def attention_times(flops: float, bytes_moved: float, device: DeviceSpec,
 def host_passes(graph: "Graph") -> int:
     """Ops the host issues in one training step of ``graph`` as the cost model
     counts them (each charged ``DeviceSpec.host_overhead`` at least): every op
-    but tuple projections once in the forward, and in the backward a view once,
-    another op once for its activation inputs' gradients and once for its
-    weights' (:func:`backward_op_times`; fused attention has one backward kernel)."""
+    but tuple projections once in the forward, and in the backward a view once
+    and another op's :func:`backward_kernels`."""
     grad, weights = graph.gradient_path, graph.parameter_views
     total = 0
     for n in graph.nodes:
@@ -167,9 +188,5 @@ def host_passes(graph: "Graph") -> int:
         total += 1
         if n.name not in grad:
             continue
-        if n.is_view:
-            total += 1
-            continue
-        total += int(any(a in grad and a not in weights for a in n.args))
-        total += int(n.target != FUSED_ATTENTION and any(a in weights for a in n.args))
+        total += 1 if n.is_view else sum(backward_kernels(n, grad, weights))
     return total

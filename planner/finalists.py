@@ -207,6 +207,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
             zero_stage=cand.mesh.zero_stage, zero_axis=0 if cand.mesh.zero_stage else None,
             predicted={"forward_s": t.forward_s, "backward_input_s": t.backward_input_s,
                        "backward_weight_s": t.backward_weight_s, "grad_sync_s": t.grad_sync_s,
+                       "update_s": t.update_s,
                        "in_flight_microbatches": exact.copies[s],
                        "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))
     first = parts[0]
@@ -254,12 +255,15 @@ def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> d
     mine = [s for s in range(len(parts)) if s2r[s] == busiest]
     return {
         "step_time_s": exact.step_time_s,
-        "compute_s": m * sum(parts[s].predicted["compute_s"] for s in mine),
+        # the stage plans price one micro-batch and the step's optimizer update
+        "compute_s": sum(m * (parts[s].predicted["compute_s"] - exact.times[s].update_s)
+                         + exact.times[s].update_s for s in mine),
         "communication_s": m * sum(parts[s].predicted["communication_s"] for s in mine),
         "resharding_s": m * sum(parts[s].predicted["resharding_s"] for s in mine),
         "bubble_s": exact.bubble_s,
         "p2p_s": sum(exact.p2p),
         "grad_sync_s": max(t.grad_sync_s for t in exact.times),
+        "update_s": max(t.update_s for t in exact.times),
         "memory_bytes_per_device": memory,
     }
 

@@ -57,13 +57,22 @@ class CheckpointGroup:
             checkpointing frees.
         recompute: ``recompute[k][i]``: seconds to recompute node ``nodes[k]``
             under strategy i in backward.
-        kept: bytes the group keeps when checkpointed (its inputs).
+        kept: ``kept[k][i]``: bytes per device the group keeps for the backward
+            when checkpointed and node ``nodes[k]`` runs strategy i (the layer
+            inputs that node reads, as it reads them); empty: nothing kept.
     """
 
     nodes: list[int]
     saved: list[list[float]]
     recompute: list[list[float]]
-    kept: float = 0.0
+    kept: list[list[float]] = field(default_factory=list)
+
+    def net_freed(self, k: int) -> list[float]:
+        """Bytes per device checkpointing frees at node ``nodes[k]``, per strategy:
+        what it saves less what it keeps (negative where it keeps more)."""
+        if not self.kept:
+            return list(self.saved[k])
+        return [s - h for s, h in zip(self.saved[k], self.kept[k])]
 
 
 class EdgeMatrix(list):
@@ -130,7 +139,7 @@ class AssignmentProblem:
         total = float(sum(m[i] for m, i in zip(self.node_memory, choice)))
         for g, on in zip(self.checkpoint_groups, checkpoint or ()):
             if on:
-                total += g.kept - sum(g.saved[k][choice[v]] for k, v in enumerate(g.nodes))
+                total -= sum(g.net_freed(k)[choice[v]] for k, v in enumerate(g.nodes))
         return total
 
     def size(self, reduce: bool = True) -> tuple[int, int]:
@@ -350,11 +359,9 @@ def _with_checkpointing(problem: AssignmentProblem, combo: tuple[bool, ...]) -> 
     for g, on in zip(problem.checkpoint_groups, combo):
         if not on:
             continue
-        if budget is not None:
-            budget -= g.kept
         for k, v in enumerate(g.nodes):
             costs[v] = [c + r for c, r in zip(costs[v], g.recompute[k])]
-            memory[v] = [m - s for m, s in zip(memory[v], g.saved[k])]
+            memory[v] = [m - s for m, s in zip(memory[v], g.net_freed(k))]
     w = problem.memory_weight
     if w > 0:
         costs = [[c + w * m for c, m in zip(cs, ms)] for cs, ms in zip(costs, memory)]
@@ -375,9 +382,8 @@ def _least_change(problem: AssignmentProblem, base: tuple[bool, ...],
         if was == now:
             continue
         sign = 1.0 if now else -1.0  # on: recompute paid, saved bytes freed, kept bytes held
-        for recompute, saved in zip(g.recompute, g.saved):
-            total += min(sign * (r - w * b) for r, b in zip(recompute, saved))
-        total += sign * w * g.kept
+        for k, recompute in enumerate(g.recompute):
+            total += min(sign * (r - w * b) for r, b in zip(recompute, g.net_freed(k)))
     return total
 
 
@@ -417,18 +423,21 @@ def _solve(problem: AssignmentProblem, time_limit_s: float,
     freed: dict[tuple[int, int], float] = {}  # (node, strategy) -> bytes a checkpoint frees
     kept_terms, freed_terms = [], []  # (variable, bytes)
     for g, group in enumerate(problem.checkpoint_groups):
-        kept_terms.append((ckpt[g], group.kept))
         for k, v in enumerate(group.nodes):
+            net = group.net_freed(k)
             for i in range(len(x[v])):
-                # z = x AND ckpt (recompute paid), y = x AND NOT ckpt (activations kept)
-                if group.recompute[k][i] > 0:
+                # z = x AND ckpt (recompute paid, net bytes held), y = x AND NOT ckpt
+                # (activations kept); both bounded from below, and priced upwards
+                if group.recompute[k][i] > 0 or net[i] < 0:
                     z = model.var(False, group.recompute[k][i] * _SCALE)
                     model.row(-1.0, math.inf, [z, x[v][i], ckpt[g]], [1.0, -1.0, -1.0])
-                if group.saved[k][i] > 0:
+                    if net[i] < 0:
+                        kept_terms.append((z, -net[i]))
+                if net[i] > 0:
                     y = model.var(False)
                     model.row(0.0, math.inf, [y, x[v][i], ckpt[g]], [1.0, -1.0, 1.0])
-                    freed[v, i] = freed.get((v, i), 0.0) + group.saved[k][i]
-                    freed_terms.append((y, group.saved[k][i]))
+                    freed[v, i] = freed.get((v, i), 0.0) + net[i]
+                    freed_terms.append((y, net[i]))
     if problem.memory_weight > 0 and problem.node_memory is not None:
         # memory priced in the objective: the terms of the memory row, weighted
         w = problem.memory_weight * _SCALE

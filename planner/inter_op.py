@@ -59,8 +59,12 @@ class StageTimes:
     """Seconds of one stage: per micro-batch ``forward_s``, ``backward_input_s``
     (input gradients, activation-gradient collectives, recomputation) and
     ``backward_weight_s``; per step ``grad_sync_s`` (parameter-gradient
-    reduction). ``state_bytes`` (parameters, gradients, optimizer states) and
-    ``activation_bytes`` (one micro-batch's saved activations) per device."""
+    reduction) and ``update_s`` (the optimizer's update and the mixed-precision
+    casts of the parameters). ``state_bytes`` (parameters, gradients, optimizer
+    states) and ``activation_bytes`` (one micro-batch's saved activations) per
+    device. ``weight_sync_s``: the part of ``backward_input_s`` that all-reduces
+    weight gradients over the data-parallel axis in each micro-batch (what
+    ZeRO would do once per step instead)."""
 
     forward_s: float
     backward_input_s: float
@@ -68,15 +72,22 @@ class StageTimes:
     grad_sync_s: float
     state_bytes: float
     activation_bytes: float
+    update_s: float = 0.0
+    weight_sync_s: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
         return self.forward_s + self.backward_input_s + self.backward_weight_s
 
     @property
+    def step_end_s(self) -> float:
+        """What the stage does once per step after its last backward."""
+        return self.grad_sync_s + self.update_s
+
+    @property
     def total_s(self) -> float:
-        """One micro-batch and the gradient sync: the intra-op ILP's objective."""
-        return self.microbatch_s + self.grad_sync_s
+        """One micro-batch and the once-per-step work: the intra-op ILP's objective."""
+        return self.microbatch_s + self.step_end_s
 
     def memory(self, copies: float) -> float:
         """Bytes per device with ``copies`` micro-batches in flight."""
@@ -87,15 +98,15 @@ class StageTimes:
 
     def _values(self) -> tuple[float, ...]:
         return (self.forward_s, self.backward_input_s, self.backward_weight_s, self.grad_sync_s,
-                self.state_bytes, self.activation_bytes)
+                self.state_bytes, self.activation_bytes, self.update_s, self.weight_sync_s)
 
 
-ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str,
                 zero_stage: int = 0, pricer: ReshardPricer | None = None,
-                cost: IntraOpCost | None = None) -> StageTimes:
+                cost: IntraOpCost | None = None, reduce_once: bool = False) -> StageTimes:
     """Split an intra-op solution's step into the parts a pipeline schedules apart.
 
     Forward compute and forward reshards (including gathering sharded
@@ -104,7 +115,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     recomputation in the backward; weight-gradient compute in the weight
     backward; the gradient reshards of parameters and, under ZeRO
     (``zero_stage``, see :class:`IntraOpCost`), the parameters' all-gather and
-    reduce-scatter over mesh axis 0 once per step. ``pricer``: the
+    reduce-scatter over mesh axis 0 once per step (so too the gradient
+    all-reduce under ``reduce_once``, see :class:`IntraOpCost`). ``pricer``: the
     :class:`ReshardPricer` of this mesh to share (its prices are memoised).
     ``cost``: the :class:`IntraOpCost` the result was solved with, to share
     (its node prices are kept; it prices as these arguments would).
@@ -112,8 +124,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     graph, chosen = result.graph, result.chosen
     if cost is None:
         cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer,
-                           zero_stage=zero_stage, pricer=pricer)
-    f = b = w = sync = 0.0
+                           zero_stage=zero_stage, pricer=pricer, reduce_once=reduce_once)
+    f = b = w = sync = update = weight_sync = 0.0
     zero_priced = zero_bytes = 0.0  # ZeRO's collectives as the ILP priced them; their bytes
     for n in graph.nodes:
         s = chosen[n.name]
@@ -122,12 +134,14 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         if n.kind == PARAM:
             zero_priced += cost.state_collectives(n, s)
             zero_bytes += cost.zero_bytes(n, s)
+            update += cost.prices(n, s).compute_s  # optimizer update and casts, once a step
         if n.kind != OP:
             continue
         prices = cost.prices(n, s)
         f += prices.forward_s
         bi, bw = prices.backward_s
         b += bi + prices.collectives_s
+        weight_sync += cost.weight_sync(n, s)
         w += bw
         for k, arg in enumerate(n.args):
             idx = n.arg_index if n.target == "getitem" else 0
@@ -142,13 +156,13 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
                     sync += g
                 else:
                     b += g
-    recompute = result.solution.objective_s - (f + b + w + sync + zero_priced)
+    recompute = result.solution.objective_s - (f + b + w + sync + zero_priced + update)
     b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
     sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
     memory = result.memory
     activations = memory.get("activations", 0.0)
     state = sum(v for k, v in memory.items() if k != "activations")
-    return StageTimes(f, b, w, sync, state, activations)
+    return StageTimes(f, b, w, sync, state, activations, update, weight_sync)
 
 
 def layer_signature(graph: Graph, layer: PipelineLayer) -> str:
@@ -191,10 +205,11 @@ def mesh_family(mesh_key: tuple) -> tuple:
     """The family of the stage mesh with :attr:`StageMeshOption.key`
     ``mesh_key``: the meshes whose layer placements carry over to each other
     (a layer profile of one re-prices at another) have the same number of
-    axes, the same inner (in-node, tensor-parallel) axis size and the same
-    ZeRO stage. Searches of different families share no profile."""
-    shape, zero_stage = mesh_key
-    return len(shape), shape[-1] if len(shape) > 1 else 0, zero_stage
+    axes, the same inner (in-node, tensor-parallel) axis size, the same
+    ZeRO stage and gradient reduction. Searches of different families share
+    no profile."""
+    shape = mesh_key[0]
+    return (len(shape), shape[-1] if len(shape) > 1 else 0, *mesh_key[1:])
 
 
 @dataclass
@@ -209,11 +224,15 @@ class StageMeshOption:
     # parameters replicated on axis 0) or 1 (Megatron's distributed optimizer,
     # priced for its baselines only)
     zero_stage: int = 0
+    # with zero_stage 0: the gradients on axis 0 all-reduced once per step, not
+    # per micro-batch (Megatron's DDP; priced for its baselines only)
+    reduce_once: bool = False
 
     @property
     def key(self) -> tuple:
-        """What the stage's problems depend on besides its layers: shape and ZeRO stage."""
-        return self.shape, self.zero_stage
+        """What the stage's problems depend on besides its layers: shape, ZeRO
+        stage and when the gradients are reduced."""
+        return self.shape, self.zero_stage, self.reduce_once
 
     @property
     def family(self) -> tuple:

@@ -26,10 +26,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from costmodel.collectives import axis_links, collective_time
-from costmodel.compute import FUSED_ATTENTION, attention_times, backward_op_times, op_time
+from costmodel.compute import (FUSED_ATTENTION, attention_times, backward_kernels,
+                               backward_op_times, op_time)
 from costmodel.memory import OPTIMIZER_ACCESSES, training_state_bytes
 from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
 from costmodel.resharding import ReshardPricer
@@ -103,7 +104,8 @@ class IntraOpCost:
 
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
                  optimizer: str = "adam", activation_copies: float = 1.0,
-                 pricer: ReshardPricer | None = None, zero_stage: int = 0):
+                 pricer: ReshardPricer | None = None, zero_stage: int = 0,
+                 reduce_once: bool = False):
         """``pricer``: a :class:`ReshardPricer` of this mesh and cluster to share
         (its prices are memoised, so graphs priced on the same mesh one after
         another reuse them); a new one when None. ``zero_stage``: how the
@@ -121,6 +123,11 @@ class IntraOpCost:
           at the first forward and kept until the last backward (torch's
           pipeline stage does not reshard between micro-batches), the
           gradient sums reduce-scattered once per step.
+
+        ``reduce_once`` (with ``zero_stage`` 0): whole states, but the gradient
+        sums on axis 0 accumulate over the micro-batches and are all-reduced
+        once per step (Megatron's DDP; torch DDP under ``no_sync``), priced as
+        the reduce-scatter and all-gather a ring all-reduce is made of.
         """
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
@@ -128,17 +135,25 @@ class IntraOpCost:
         self.zero_stage = zero_stage
         # ranks the parameter states are sharded over (mesh axis 0 under ZeRO)
         self.state_shards = int(mesh_shape[0]) if zero_stage else 1
+        # ranks whose gradient sums on mesh axis 0 wait for the end of the step
+        self.step_sync_ranks = int(mesh_shape[0]) if zero_stage or reduce_once else 1
         # micro-batches whose saved activations are alive at once (pipeline in-flight)
         self.activation_copies = float(activation_copies)
         self.optimizer = optimizer
         self.cluster = cluster
         self.mesh_shape = tuple(int(d) for d in mesh_shape)
         self.links = axis_links(cluster, self.mesh_shape)
-        # seconds of ZeRO's once-per-step collectives of one byte: their per-message latency
-        self._zero_latency = self.zero_collectives(1.0)
         # the training precision (``dtype`` names it; older callers pass a dtype name)
         self.precision = get_precision(dtype)
         self.dtype = self.precision.compute_dtype_name
+        # bytes of a reduced gradient element over a compute-dtype one (fp32 sums of
+        # bf16 gradients under bf16-mixed: 2)
+        self.reduce_scale = self.precision.reduce_dtype.itemsize / self.precision.compute_dtype.itemsize
+        # once per step, the parameters are all-gathered in the compute dtype after
+        # ZeRO's update; DDP's all-reduce is all in the reduce dtype
+        self.gather_scale = 1.0 if zero_stage else self.reduce_scale
+        # seconds of ZeRO's once-per-step collectives of one byte: their per-message latency
+        self._zero_latency = self.zero_collectives(1.0)
         self.requires_grad = graph.gradient_path
         self.param_derived = graph.parameter_views
         # node -> indices of its outputs autograd keeps for backward
@@ -213,6 +228,22 @@ class IntraOpCost:
         (each shard factor priced once, as :meth:`compute_each`)."""
         return self._per_shard_factor(node, strategies, self.forward_time)
 
+    def recompute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
+        """Seconds of re-running ``node``'s forward in a checkpointed layer's
+        backward, under each of ``strategies``: its kernel (:meth:`forward_time`)
+        and the reduction of each output it leaves partial on a mesh axis (a
+        row-parallel linear's all-reduce), which the re-run issues again."""
+        out = []
+        for t, s in zip(self.forward_each(node, strategies), strategies):
+            for info, placements in zip(node.outputs, s.outputs):
+                for a, (p, size) in enumerate(zip(placements or (), self.mesh_shape)):
+                    if size > 1 and type(p) is Partial:
+                        nbytes = local_numel(info, placements, self.mesh_shape,
+                                             skip_axis=a) * info.itemsize
+                        t += collective_time("all_reduce", nbytes, size, self.links[a])
+            out.append(t)
+        return out
+
     def _per_shard_factor(self, node: Node, strategies: Sequence[Strategy],
                           price: Callable[[Node, Strategy], float]) -> list[float]:
         if node.kind != OP:
@@ -270,9 +301,7 @@ class IntraOpCost:
         if node.is_view:
             return self._view_time(node), 0.0
         f = self.shard_factor(s)
-        input_grad = any(a in self.requires_grad and a not in self.param_derived
-                         for a in node.args)
-        weight_grad = any(a in self.param_derived for a in node.args)
+        input_grad, weight_grad = backward_kernels(node, self.requires_grad, self.param_derived)
         if node.target == FUSED_ATTENTION:
             b = attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                 self.dtype)[1] if input_grad else 0.0
@@ -297,48 +326,66 @@ class IntraOpCost:
     def backward_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds of the all-reduce of input gradients that come out partial
         under ``s``, in each micro-batch's backward. Under ZeRO
-        (:attr:`zero_stage` > 0) a parameter's gradient sum on mesh axis 0
-        waits for the end of the step instead, and the parameter node itself
-        carries that step's all-gather and reduce-scatter over axis 0
+        (:attr:`zero_stage` > 0) or ``reduce_once`` a parameter's gradient sum
+        on mesh axis 0 waits for the end of the step instead, and the parameter
+        node itself carries that step's collectives over axis 0
         (:meth:`state_collectives`)."""
         if node.kind == PARAM:
             return self.state_collectives(node, s)
+        return sum(t for _, _, t in self._gradient_all_reduces(node, s))
+
+    def weight_sync(self, node: Node, s: Strategy) -> float:
+        """The part of :meth:`backward_collectives` that all-reduces weight
+        gradients over mesh axis 0 in each micro-batch's backward (what ZeRO
+        or ``reduce_once`` would do once per step instead)."""
+        return sum(t for arg, a, t in self._gradient_all_reduces(node, s)
+                   if a == 0 and arg in self.param_derived)
+
+    def _gradient_all_reduces(self, node: Node, s: Strategy) -> list[tuple[str, int, float]]:
+        """(argument, mesh axis, seconds) of each all-reduce of an input gradient
+        that comes out partial under ``s`` in a micro-batch's backward."""
         if node.kind != OP:
-            return 0.0
+            return []
         out_split = s.output_split_axes
         if not any(out_split):  # replicated outputs: no input gradient comes out partial
-            return 0.0
-        total = 0.0
+            return []
+        out = []
         for arg, info, pin, replicated in zip(node.args, node.inputs, s.inputs,
                                               s.replicated_inputs):
             if arg not in self.requires_grad:
                 continue
             for a, size in enumerate(self.mesh_shape):
-                if a == 0 and self.state_shards > 1 and arg in self.param_derived:
+                if a == 0 and self.step_sync_ranks > 1 and arg in self.param_derived:
                     continue  # a pending sum, reduced once per step
                 if size > 1 and out_split[a] and replicated[a]:
                     nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
-                    total += collective_time("all_reduce", nbytes, size, self.links[a])
-        return total
+                    if arg in self.param_derived:  # a weight's gradient, in the reduce dtype
+                        nbytes *= self.reduce_scale
+                    out.append((arg, a, collective_time("all_reduce", nbytes, size,
+                                                        self.links[a])))
+        return out
 
     def zero_bytes(self, node: Node, s: Strategy) -> float:
-        """Bytes per device of a parameter whose states ZeRO shards over mesh
-        axis 0 (it is replicated there); 0 for anything else or without ZeRO."""
-        if node.kind != PARAM or self.state_shards == 1 or not isinstance(s.outputs[0][0],
-                                                                          Replicate):
+        """Bytes per device of a parameter whose gradient sum on mesh axis 0
+        (where it is replicated) is reduced once per step, under ZeRO or
+        ``reduce_once``; 0 for anything else."""
+        if node.kind != PARAM or self.step_sync_ranks == 1 or not isinstance(s.outputs[0][0],
+                                                                             Replicate):
             return 0.0
         return local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
 
     def zero_collectives(self, nbytes: float) -> float:
-        """Seconds of ZeRO's once-per-step collectives over mesh axis 0 for
-        ``nbytes`` of parameters: the reduce-scatter of their gradients and the
-        all-gather of the parameters, one collective each (as FSDP2 issues
-        them for a stage; ring: together the bytes of one all-reduce)."""
-        if self.state_shards == 1 or nbytes <= 0:
+        """Seconds of the once-per-step collectives over mesh axis 0 for
+        ``nbytes`` of parameters in the compute dtype: the reduce-scatter of
+        their gradients (in the reduce dtype) and the all-gather of the
+        parameters (in the compute dtype), one collective each (as FSDP2 issues
+        them for a stage; ring: together the bytes and time of the one
+        all-reduce, in the reduce dtype, Megatron's DDP issues under ``reduce_once``)."""
+        if self.step_sync_ranks == 1 or nbytes <= 0:
             return 0.0
-        n, link = self.state_shards, self.links[0]
-        return (collective_time("reduce_scatter", nbytes, n, link)
-                + collective_time("all_gather", nbytes, n, link))
+        n, link = self.step_sync_ranks, self.links[0]
+        return (collective_time("reduce_scatter", nbytes * self.reduce_scale, n, link)
+                + collective_time("all_gather", nbytes * self.gather_scale, n, link))
 
     def state_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds one parameter adds to :meth:`zero_collectives` of its stage:
@@ -561,6 +608,22 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
     return IntraOpProblem(problem, classes, members, loop_costs, group_layers, recomputed)
 
 
+def _first_readers(graph: Graph, ops: list[str], inside: set[str]) -> list[tuple[str, int]]:
+    """(op, argument position) of the first op in ``ops`` (program order) to read
+    each floating value from outside ``inside``: the layer inputs a checkpointed
+    layer keeps for its backward, each once."""
+    seen: set[str] = set()
+    out = []
+    for name in ops:
+        node = graph[name]
+        for k, a in enumerate(node.args):
+            if a in inside or a in seen or k >= len(node.inputs) or not node.inputs[k].is_float:
+                continue
+            seen.add(a)
+            out.append((name, k))
+    return out
+
+
 def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], layers: list[Layer],
                        classes: list[int], members: list[list[int]],
                        node_memory: list[list[float]]):
@@ -577,33 +640,44 @@ def _checkpoint_groups(cost: IntraOpCost, strategies: list[NodeStrategies], laye
     for layer in layers:
         by_sig.setdefault(layer.signature, []).append(layer)
     groups, names, recomputed = [], [], []
+    graph = cost.graph
     for sig_layers in by_sig.values():
-        kept, group_classes, contiguous = 0.0, [], True
+        group_classes, contiguous = [], True
+        count: dict[int, int] = {}  # class -> its ops in these layers
+        # class -> bytes per device per strategy the checkpointed layers keep
+        kept_of: dict[int, list[float]] = {}
         for layer in sig_layers:
             ops = [n for n in layer.nodes if n in op_pos]
             if not ops or op_pos[ops[-1]] - op_pos[ops[0]] + 1 != len(ops):
                 contiguous = False
                 break
             inside = set(layer.nodes)
-            graph = cost.graph
-            external = {a for n in ops for a in graph[n].args if a not in inside}
-            kept += cost.activation_copies * sum(
-                graph[a].outputs[0].nbytes for a in external
-                if graph[a].outputs and graph[a].outputs[0].is_float)
+            for reader, k in _first_readers(graph, ops, inside):
+                c = classes[index[reader]]
+                info = graph[reader].inputs[k]
+                held = [cost.activation_copies * info.itemsize
+                        * local_numel(info, st.inputs[k], cost.mesh_shape)
+                        for st in strategies[index[reader]].strategies]
+                kept_of[c] = [a + b for a, b in zip(kept_of.get(c, [0.0] * len(held)), held)]
             for n in ops:
                 c = classes[index[n]]
-                if c not in group_classes and any(node_memory[c]):
+                count[c] = count.get(c, 0) + 1
+                if c not in group_classes:
                     group_classes.append(c)
-        if not contiguous or not group_classes:
-            continue
+        if not contiguous or not any(any(node_memory[c]) for c in group_classes):
+            continue  # nothing to free
+        group_classes += [c for c in kept_of if c not in group_classes]
+        kept = [kept_of.get(c, [0.0] * len(node_memory[c])) for c in group_classes]
+        # every op of the layers runs again (ops of a class outside them do not)
         recompute = []
         for c in group_classes:
-            ns, count = strategies[members[c][0]], len(members[c])
-            recompute.append([count * t for t in cost.forward_each(ns.node, ns.strategies)])
+            ns = strategies[members[c][0]]
+            recompute.append([count.get(c, 0) * t
+                              for t in cost.recompute_each(ns.node, ns.strategies)])
         # what checkpointing frees: the saved activations (not a backward transient) of
         # all but one layer and micro-batch, which the backward recomputes at a time
         freed = 1.0 - 1.0 / (len(sig_layers) * cost.activation_copies)
-        saved = [[freed * len(members[c]) * cost.activation_copies
+        saved = [[freed * count.get(c, 0) * cost.activation_copies
                   * cost.memory_breakdown(strategies[members[c][0]].node, st).get("activations", 0.0)
                   for st in strategies[members[c][0]].strategies] for c in group_classes]
         groups.append(CheckpointGroup(group_classes, saved, recompute, kept))
@@ -751,8 +825,8 @@ def least_memory(problem: AssignmentProblem) -> float:
     for g in problem.checkpoint_groups:
         in_group.update(g.nodes)
         plain = sum(min(problem.node_memory[v]) for v in g.nodes)
-        checkpointed = g.kept + sum(min(m - f for m, f in zip(problem.node_memory[v], saved))
-                                    for v, saved in zip(g.nodes, g.saved))
+        checkpointed = sum(min(m - f for m, f in zip(problem.node_memory[v], g.net_freed(k)))
+                           for k, v in enumerate(g.nodes))
         total += min(plain, checkpointed)
     return total + float(sum(min(m) for v, m in enumerate(problem.node_memory)
                              if v not in in_group))
@@ -818,10 +892,10 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                      activation_copies: float = 1.0,
                      strategies: list[NodeStrategies] | None = None,
                      pricer: ReshardPricer | None = None,
-                     zero_stage: int = 0) -> PreparedIntraOp:
+                     zero_stage: int = 0, reduce_once: bool = False) -> PreparedIntraOp:
     """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
     several budgets can be solved without pricing again. ``pricer``,
-    ``zero_stage``: see :class:`IntraOpCost`."""
+    ``zero_stage``, ``reduce_once``: see :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
         strategies = build_strategies(graph, mesh_shape)
@@ -837,7 +911,7 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer,
-                       zero_stage)
+                       zero_stage, reduce_once)
     return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
                            float(activation_copies))
 
@@ -865,6 +939,7 @@ def restrict(prepared: PreparedIntraOp, allowed: Sequence[Sequence[int]]) -> Pre
         [pick(x, c) for c, x in enumerate(p.node_memory)],
         checkpoint_groups=[dataclasses.replace(
             g, saved=[pick(x, c) for x, c in zip(g.saved, g.nodes)],
+            kept=[pick(x, c) for x, c in zip(g.kept, g.nodes)],
             recompute=[pick(x, c) for x, c in zip(g.recompute, g.nodes)])
             for g in p.checkpoint_groups])
     return dataclasses.replace(prepared, strategies=strategies, built=dataclasses.replace(
@@ -873,17 +948,15 @@ def restrict(prepared: PreparedIntraOp, allowed: Sequence[Sequence[int]]) -> Pre
 
 def _with_checkpointing(problem: AssignmentProblem) -> AssignmentProblem:
     """``problem`` with every checkpoint group checkpointed: each group's
-    recompute seconds and memory change folded into its nodes' prices (its
-    kept inputs into its first node's), and no decision left to the solver."""
+    recompute seconds and memory change folded into its nodes' prices, and no
+    decision left to the solver."""
     node_costs = [list(c) for c in problem.node_costs]
     node_memory = [list(m) for m in problem.node_memory] if problem.node_memory else None
     for g in problem.checkpoint_groups:
         for k, v in enumerate(g.nodes):
             node_costs[v] = [c + r for c, r in zip(node_costs[v], g.recompute[k])]
             if node_memory is not None:
-                node_memory[v] = [m - s for m, s in zip(node_memory[v], g.saved[k])]
-        if node_memory is not None and g.nodes:
-            node_memory[g.nodes[0]] = [m + g.kept for m in node_memory[g.nodes[0]]]
+                node_memory[v] = [m - s for m, s in zip(node_memory[v], g.net_freed(k))]
     return dataclasses.replace(problem, node_costs=node_costs, node_memory=node_memory,
                                checkpoint_groups=[])
 
@@ -938,10 +1011,11 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
             chosen_of = [solution.choice[c] for c in group.nodes]
             breakdown.compute_s += sum(r[i] for r, i in zip(group.recompute, chosen_of))
             freed = sum(m[i] for m, i in zip(group.saved, chosen_of))
+            kept = sum(m[i] for m, i in zip(group.kept, chosen_of))
             # the layer being recomputed, alive again: reported apart (it peaks
             # after the backward transient of the loss, not with it)
             layer = freed * again / (1.0 - again) if again < 1.0 else 0.0
-            memory["activations"] += group.kept - freed - layer
+            memory["activations"] += kept - freed - layer
             memory["recomputed_layer"] = memory.get("recomputed_layer", 0.0) + layer
     assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (breakdown, solution.objective_s, solution.status, checkpointed)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,

@@ -51,14 +51,15 @@ def stage_in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
 
 def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
               p2p: list[float]) -> tuple[float, float]:
-    """(step seconds including the slowest gradient sync, bubble seconds)."""
+    """(step seconds including the slowest gradient sync and optimizer update,
+    bubble seconds)."""
     if schedule == NO_PIPELINE:
-        return times[0].microbatch_s + times[0].grad_sync_s, 0.0
+        return times[0].microbatch_s + times[0].step_end_s, 0.0
     r = simulate(schedule, pp, m, [t.forward_s for t in times],
                  [t.backward_input_s for t in times], [t.backward_weight_s for t in times],
                  p2p if p2p else 0.0, stages_per_rank=v, timeline=False)
-    sync = max(t.grad_sync_s for t in times)
-    return r.step_time + sync, r.step_time - max(r.busy)
+    end = max(t.step_end_s for t in times)
+    return r.step_time + end, r.step_time - max(r.busy)
 
 
 def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
@@ -365,11 +366,23 @@ def _file_order(shape: tuple[str, int, int, int], blob: bytes | None) -> None:
 ZERO_CANDIDATES = 6
 
 
+def _zero3_estimate(c: PipelineCandidate) -> float:
+    """What ``c``'s step would take if its weight gradients were reduced once per
+    step rather than in each of its micro-batches (ZeRO-3's main change): its
+    step less all but one micro-batch's weight-gradient all-reduces of its
+    slowest-syncing stage. Ranks the candidates whose ZeRO-3 variants are priced."""
+    if c.split is None:
+        return c.step_time_s
+    sync = max(t.weight_sync_s for t in c.split.times)
+    return c.step_time_s - (c.num_microbatches - 1) * sync
+
+
 def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
     """For each group of ranked candidates, the ZeRO-3 variants of its
-    leading :data:`ZERO_CANDIDATES` pipelines (those without ZeRO whose stage
-    mesh has more than one rank on axis 0), priced, best first; none unless
+    :data:`ZERO_CANDIDATES` pipelines (without ZeRO, stage mesh with more than
+    one rank on axis 0) that ZeRO-3 promises most (:func:`_zero3_estimate`),
+    priced, best first; none unless
     ``opts`` allows both ZeRO stages. The groups are priced together, in
     one forked phase (in their order within each pricing scope, as if one
     after the other).
@@ -385,8 +398,10 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     if not (0 in zeros and 3 in zeros):
         return [[] for _ in groups]
     per_group = [[(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3),
-                   c.schedule, c.num_microbatches) for c in ranked[:ZERO_CANDIDATES]
-                  if c.schedule != NO_PIPELINE and not c.mesh.zero_stage and c.mesh.shape[0] > 1]
+                   c.schedule, c.num_microbatches)
+                  for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
+                                   and not c.mesh.zero_stage and c.mesh.shape[0] > 1),
+                                  key=_zero3_estimate)[:ZERO_CANDIDATES]]
                  for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = _price_all(ctx, configs, lambda k, config: (

@@ -92,7 +92,8 @@ class StagePlan:
             Megatron's distributed optimizer, in Megatron baselines only; the
             runtime does not run it).
         predicted: per micro-batch ``forward_s``, ``backward_input_s``,
-            ``backward_weight_s``; per step ``grad_sync_s``; and
+            ``backward_weight_s``; per step ``grad_sync_s`` and ``update_s``
+            (optimizer update and parameter casts); and
             ``memory_bytes_per_device`` (bytes, by kind).
     """
 

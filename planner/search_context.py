@@ -295,7 +295,8 @@ class SearchContext:
         return prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
                                 optimizer=self.optimizer, fixed=self.fixed or None,
                                 activation_copies=copies, strategies=strategies,
-                                pricer=self.pricer(mesh), zero_stage=mesh.zero_stage)
+                                pricer=self.pricer(mesh), zero_stage=mesh.zero_stage,
+                                reduce_once=mesh.reduce_once)
 
     def pricer(self, mesh: StageMeshOption) -> ReshardPricer:
         """The resharding pricer every problem on ``mesh`` shares."""
@@ -306,11 +307,14 @@ class SearchContext:
         return self._pricers[key]
 
     def solve_stage(self, prog: MicrobatchProgram, first: int, end: int, mesh: StageMeshOption,
-                    budget: float | None, copies: float) -> IntraOpResult:
-        """The intra-op solution of layers ``first .. end - 1`` within ``budget`` bytes."""
+                    budget: float | None, copies: float,
+                    recompute: bool | None = None) -> IntraOpResult:
+        """The intra-op solution of layers ``first .. end - 1`` within ``budget``
+        bytes; ``recompute`` as :func:`planner.intra_op.solve_prepared`."""
         self.ilp_solves += 1
         return solve_prepared(self.prepare_stage(prog, first, end, mesh, copies),
-                              memory_budget=budget, time_limit_s=self.time_limit_s)
+                              memory_budget=budget, time_limit_s=self.time_limit_s,
+                              recompute=recompute)
 
     def exact_stage(self, prog: MicrobatchProgram, first: int, end: int,
                     mesh: StageMeshOption, budget: float | None, copies: float) -> IntraOpResult:
@@ -364,7 +368,8 @@ class SearchContext:
         """:func:`stage_times` of a stage on ``mesh`` (with its ZeRO stage);
         ``cost``: the one ``result`` was solved with, to share."""
         return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
-                           mesh.zero_stage, pricer=self.pricer(mesh), cost=cost)
+                           mesh.zero_stage, pricer=self.pricer(mesh), cost=cost,
+                           reduce_once=mesh.reduce_once)
 
     def stage_graph(self, prog: MicrobatchProgram, first: int, end: int) -> Graph:
         """The sub-graph of layers ``first .. end - 1``, made once per program."""
@@ -545,7 +550,7 @@ class SearchContext:
         prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
                                     dtype=self.dtype, optimizer=self.optimizer,
                                     strategies=strategies, pricer=self.pricer(mesh),
-                                    zero_stage=mesh.zero_stage)
+                                    zero_stage=mesh.zero_stage, reduce_once=mesh.reduce_once)
         points = []
         for chosen, weight in zip(ref.assignments, ref.weights):
             level = restrict(prepared, [

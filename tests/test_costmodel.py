@@ -555,3 +555,21 @@ def test_efficiency_curve_by_problem_size():
     # small GEMMs are relatively slower than large ones
     assert op_time(1e7, 0, dev, "float32") / 1e7 > 50 * op_time(1e12, 0, dev, "float32") / 1e12
     assert DeviceSpec.from_dict(dev.to_dict()) == dev
+
+
+def test_backward_runs_one_kernel_per_operand_of_a_contraction():
+    """Unfused attention's two batched matmuls have two activation operands
+    each, so two gradient kernels; a linear has one for x and one for W."""
+    from costmodel.compute import backward_kernels
+    from ir.trace import trace
+    from ir.zoo import GPTConfig, build_from_config
+
+    model, inputs = build_from_config(GPTConfig(1, 32, 2, vocab_size=64, block_size=16,
+                                                attention="unfused"), batch_size=2, seq_len=16)
+    graph = trace(model, inputs)
+    grad, weights = graph.gradient_path, graph.parameter_views
+    kernels = {n.target: backward_kernels(n, grad, weights) for n in graph.nodes
+               if n.kind == "op" and n.name in grad and not n.is_view}
+    assert kernels["aten.bmm.default"] == (2, 0)
+    assert kernels["aten.addmm.default"] == (1, 1)
+    assert kernels["aten._softmax.default"] == (1, 0)

@@ -103,8 +103,8 @@ def checkpoint_problems(draw):
     nodes = sorted(set(draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3))))
     saved = [[float(draw(st.integers(0, int(m)))) for m in problem.node_memory[v]] for v in nodes]
     recompute = [[draw(costs) for _ in problem.node_costs[v]] for v in nodes]
-    problem.checkpoint_groups = [CheckpointGroup(nodes, saved, recompute,
-                                                 kept=float(draw(st.integers(0, 2))))]
+    kept = [[float(draw(st.integers(0, 2))) for _ in problem.node_costs[v]] for v in nodes]
+    problem.checkpoint_groups = [CheckpointGroup(nodes, saved, recompute, kept)]
     most = sum(max(m) for m in problem.node_memory) + 2
     problem.memory_budget = float(draw(st.integers(0, int(most))))
     return problem
@@ -139,8 +139,9 @@ def weighted_checkpoint_problems(draw):
         saved = [[float(draw(st.integers(0, int(m)))) for m in problem.node_memory[v]]
                  for v in members]
         recompute = [[draw(costs) for _ in problem.node_costs[v]] for v in members]
-        problem.checkpoint_groups.append(CheckpointGroup(members, saved, recompute,
-                                                         kept=float(draw(st.integers(0, 2)))))
+        kept = [[float(draw(st.integers(0, 2))) for _ in problem.node_costs[v]]
+                for v in members]
+        problem.checkpoint_groups.append(CheckpointGroup(members, saved, recompute, kept))
     return problem
 
 
@@ -212,7 +213,7 @@ def test_warm_start_checkpoints_when_that_is_what_fits(monkeypatch):
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])],
                                 node_memory=[[4.0, 4.0], [4.0, 4.0]], memory_budget=6.0,
                                 checkpoint_groups=[CheckpointGroup([0], [[3.0, 3.0]], [[0.5, 0.5]],
-                                                                   kept=1.0)])
+                                                                   [[1.0, 1.0]])])
     sol = solve(problem, hint=[0, 0], reduce=False)
     assert sol.status == "TIME_LIMIT_WARM_START" and sol.checkpoint == [True]
     assert sol.objective_s == pytest.approx(1.5) and problem.fits(sol.choice, sol.checkpoint)

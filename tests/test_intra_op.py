@@ -203,3 +203,22 @@ def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh(m
     assert [(u, v, m) for u, v, m in again.edges] == [(u, v, m) for u, v, m in alone.edges]
     with pytest.raises(ValueError, match="shared pricer is for mesh"):
         IntraOpCost(graph, cluster, (4,), "float32", pricer=shared)
+
+
+def test_checkpointed_layers_keep_their_inputs_per_device():
+    """A checkpointed layer keeps its input as this device holds it: on a
+    data-parallel mesh of 4, a quarter of the one-device bytes (batch split)."""
+    from planner.intra_op import solve_intra_op
+    from planner.megatron import MegatronConfig, megatron_layout
+
+    model, inputs = build_from_config(GPTConfig(4, 1024, 8, vocab_size=512, block_size=512),
+                                      batch_size=64, seq_len=512)
+    graph = trace(model, inputs)
+    cluster = load_cluster("dgx-a100-80g:1")
+    one = solve_intra_op(graph, cluster.sub_cluster(1, 1), (1,), dtype="bf16-mixed",
+                         recompute=True)
+    four = solve_intra_op(graph, cluster.sub_cluster(1, 4), (4,), dtype="bf16-mixed", recompute=True,
+                          fixed=megatron_layout(graph, MegatronConfig(1, 4)))
+    assert one.checkpointed and four.checkpointed
+    # (the scalar loss is not split)
+    assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4, rel=1e-4)

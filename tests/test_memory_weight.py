@@ -43,7 +43,7 @@ def test_a_larger_weight_never_uses_more_memory():
         node_costs=[[1.0, 1.5, 3.0], [0.5, 0.5]],
         edges=[(0, 1, [[0.0, 0.1], [0.1, 0.0], [0.2, 0.2]])],
         node_memory=[[8.0, 4.0, 1.0], [2.0, 2.0]],
-        checkpoint_groups=[CheckpointGroup([1], [[1.5, 1.5]], [[0.4, 0.4]], kept=0.2)])
+        checkpoint_groups=[CheckpointGroup([1], [[1.5, 1.5]], [[0.4, 0.4]], [[0.2, 0.2]])])
     memories = []
     for weight in (0.0, 0.05, 0.2, 1.0, 10.0):
         problem.memory_weight = weight
