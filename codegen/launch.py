@@ -100,6 +100,11 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
     """
     plan_path = os.fspath(plan_path)
     plan = load_plan(plan_path)
+    if plan.precision.compute_dtype_name == "float16":
+        message = (f"plan {plan_path} trains in {plan.precision.name}, which needs loss "
+                   f"scaling that this runtime does not do; re-plan with --precision "
+                   f"bf16-mixed to run it")
+        raise LaunchError(message, first_line=message, user_error=True)
     world = plan.world_size
     if nproc is not None and int(nproc) != world:
         raise LaunchError(

@@ -10,6 +10,9 @@ precision      master params,   compute and   gradients     what runs it
                optimizer        activations   reduced in
 =============  ===============  ============  ============  ======================
 ``bf16-mixed`` fp32             bf16          fp32 (bf16)   Megatron-LM, torchtitan
+``fp16-mixed`` fp32             fp16          fp32 (fp16)   Megatron-LM on V100 (and
+                                                            A100 in 2021), with loss
+                                                            scaling; planned, not run
 ``bf16``       bf16             bf16          bf16          a model cast to bf16
 ``fp32``       fp32             fp32          fp32          a model left in fp32
 =============  ===============  ============  ============  ======================
@@ -86,6 +89,7 @@ class Precision:
 
 PRECISIONS: Mapping[str, Precision] = {
     "bf16-mixed": Precision("bf16-mixed", torch.float32, torch.bfloat16, torch.float32),
+    "fp16-mixed": Precision("fp16-mixed", torch.float32, torch.float16, torch.float32),
     "bf16": Precision("bf16", torch.bfloat16, torch.bfloat16, torch.bfloat16),
     "fp32": Precision("fp32", torch.float32, torch.float32, torch.float32),
 }
@@ -93,7 +97,7 @@ PRECISIONS: Mapping[str, Precision] = {
 # dtype names plans of format version 2 recorded; each means that dtype throughout
 _LEGACY = {"float32": "fp32", "bfloat16": "bf16"}
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16}
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def get_precision(name: "str | Precision", reduce_dtype: str | None = None) -> Precision:
@@ -116,7 +120,7 @@ def get_precision(name: "str | Precision", reduce_dtype: str | None = None) -> P
     if reduce_dtype is not None:
         if reduce_dtype not in _DTYPES:
             raise ValueError(f"unknown gradient reduction dtype {reduce_dtype!r}; "
-                             f"choose fp32 or bf16")
+                             f"choose fp32, bf16 or fp16")
         p = p.with_reduce_dtype(_DTYPES[reduce_dtype])
     return p
 

@@ -60,10 +60,12 @@ def _check_mesh(mesh_shape: Sequence[int], cluster: Cluster) -> tuple[int, ...]:
 
 def default_precision(model: torch.nn.Module, cluster: Cluster) -> Precision:
     """The precision a step trains in when nobody names one: ``bf16-mixed`` on
-    GPU clusters (what Megatron-LM and torchtitan run); on CPU ranks (gloo)
-    the model's own dtype (``fp32``, or ``bf16`` for a model in bf16)."""
+    GPU clusters (what Megatron-LM and torchtitan run), ``fp16-mixed`` on GPUs
+    without bf16 units (V100); on CPU ranks (gloo) the model's own dtype
+    (``fp32``, or ``bf16`` for a model in bf16)."""
     if cluster.backend != "gloo":
-        return get_precision("bf16-mixed")
+        bf16 = "bfloat16" in cluster.device.peak_flops
+        return get_precision("bf16-mixed" if bf16 else "fp16-mixed")
     dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
     return precision_of_dtype(dtypes[0] if dtypes else torch.float32)
 
@@ -82,11 +84,13 @@ def resolve_precision(model: torch.nn.Module, cluster: Cluster,
         chosen = get_precision(precision)
     except ValueError as err:
         raise PlanningError(str(err)) from None
-    if chosen.master_dtype == torch.float32 and any(
-            p.dtype == torch.bfloat16 for p in model.parameters()):
+    half = next((p.dtype for p in model.parameters()
+                 if p.dtype in (torch.bfloat16, torch.float16)), None)
+    if chosen.master_dtype == torch.float32 and half is not None:
+        name = "bf16" if half == torch.bfloat16 else "fp16"
         raise PlanningError(f"precision {chosen.name} keeps fp32 master parameters but the "
-                            f"model's parameters are bf16; give the fp32 model, or plan "
-                            f"with precision='bf16'")
+                            f"model's parameters are {name}; give the fp32 model"
+                            + (", or plan with precision='bf16'" if name == "bf16" else ""))
     return chosen
 
 
@@ -214,10 +218,10 @@ def _two_processes(here: Callable[[], Any], there: Callable[[], Any]) -> tuple[A
 
 def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any,
              memory_budget: float | None, precision: str | Precision | None = None
-             ) -> tuple[torch.nn.Module, Cluster, tuple, Graph, str, float]:
+             ) -> tuple[torch.nn.Module, Cluster, tuple, Graph, Precision, float]:
     """The model and inputs as the step runs them (floating tensors in the
     precision's compute dtype: :func:`ir.precision.compute_copy`, the caller's
-    model untouched), the cluster, the captured program, the precision's name
+    model untouched), the cluster, the captured program, the precision
     and the memory budget (bytes per device)."""
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
@@ -229,7 +233,7 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
     if not graph.parameters:
         raise PlanningError(f"{type(model).__name__} has no parameters to shard")
     budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
-    return model, cluster, tuple(example_inputs), graph, chosen.name, budget
+    return model, cluster, tuple(example_inputs), graph, chosen, budget
 
 
 def _best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, ...]], dtype: str,

@@ -98,12 +98,13 @@ def _recompute(args: argparse.Namespace) -> bool | None:
 
 
 def _add_precision(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--precision", choices=["bf16-mixed", "bf16", "fp32"],
+    p.add_argument("--precision", choices=["bf16-mixed", "fp16-mixed", "bf16", "fp32"],
                    help="training precision: bf16-mixed (fp32 master weights and optimizer "
-                   "states, bf16 compute; default on GPU clusters), bf16, or fp32 (default on "
-                   "local-cpu)")
-    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"],
-                   help="dtype gradients are reduced in under bf16-mixed (default fp32)")
+                   "states, bf16 compute; default on GPU clusters), fp16-mixed (the same in "
+                   "fp16, default on GPUs without bf16; planned, not run), bf16, or fp32 "
+                   "(default on local-cpu)")
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16", "fp16"],
+                   help="dtype gradients are reduced in under a mixed precision (default fp32)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

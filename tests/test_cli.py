@@ -51,6 +51,19 @@ def test_user_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, mo
     assert message in err and len(err.splitlines()) == 1 and err.startswith("planner: error:")
 
 
+def test_fp16_plans_are_priced_on_a_v100_but_not_run(tmp_path, capsys):
+    """A V100 has no bf16 units: its default precision is fp16-mixed, which the
+    runtime refuses in one line (fp16 training needs loss scaling)."""
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--mesh", "8",
+                 "--quiet", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["training"]["precision"] == "fp16-mixed"
+    capsys.readouterr()
+    assert main(["run", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "loss scaling" in err and len(err.splitlines()) == 1
+
+
 def test_wrong_plan_version_exit_2(tmp_path, capsys):
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({"format_version": 0}))
