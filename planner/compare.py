@@ -121,7 +121,7 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             auto = plan(model, cluster, example_inputs=inputs, model_source=model_spec,
                         time_limit_s=time_limit_s, zoo_kwargs=zoo_kwargs,
                         precision=chosen, **(auto_options or {}))
-            entries.append(Entry("auto", _auto_label(auto), auto,
+            entries.append(Entry("auto", auto_label(auto), auto,
                                  seconds=time.perf_counter() - t0))
         except PlanningError as err:
             entries.append(Entry("auto", "-", None, str(err), seconds=time.perf_counter() - t0))
@@ -184,7 +184,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             "megatron_feasible": len(manual), "plans": rows}
 
 
-def _auto_label(p: Plan) -> str:
+def auto_label(p: Plan) -> str:
+    """An automatic plan's layout in words, e.g. ``pp=4 stage mesh 2x2 ZeRO-3 zbv m=64``."""
     if p.pipeline is None:
         return f"mesh {'x'.join(map(str, p.mesh_shape))}"
     pipe = p.pipeline

@@ -22,9 +22,16 @@ batch over dp); the ILP then prices the reduce-scatter that replaces the
 row-parallel all-reduce and the all-gather before each column-parallel block,
 and the activation memory those regions no longer replicate.
 
-Not modelled: ``recompute_granularity`` (the intra-op ILP decides per layer
-kind whether to checkpoint, under the memory budget; there is no way to force
-full recomputation from outside it).
+``recompute_granularity="full"`` (Megatron's ``--recompute-granularity full``
+with one layer per checkpoint) checkpoints every transformer layer; without
+it the intra-op ILP decides per layer kind whether to checkpoint, under the
+memory budget. ``decoder_first_pipeline_num_layers`` and
+``decoder_last_pipeline_num_layers`` give the first and last pipeline stages
+their own layer counts, the others splitting the rest evenly.
+
+Gradients: with the distributed optimizer they are reduce-scattered once per
+step (ZeRO-1); without it Megatron's DDP accumulates them over the
+micro-batches and all-reduces them once per step.
 """
 
 from __future__ import annotations
@@ -69,7 +76,10 @@ class MegatronConfig:
     pipeline rank) selects the interleaved 1F1B schedule.
     ``sequence_parallel`` (Megatron's ``--sequence-parallel``, needs tp > 1)
     splits the activations between the tensor-parallel blocks on the sequence
-    dimension over the tp axis.
+    dimension over the tp axis. ``recompute_granularity``: None (the ILP
+    decides) or ``"full"`` (every layer recomputed in backward).
+    ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``
+    (pp > 1, no virtual stages): layers of the first / last stage.
     """
 
     tensor_model_parallel_size: int
@@ -79,6 +89,9 @@ class MegatronConfig:
     virtual_pipeline_model_parallel_size: int | None = None
     micro_batch_size: int | None = None
     sequence_parallel: bool = False
+    recompute_granularity: str | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "data_parallel_size",
@@ -95,6 +108,24 @@ class MegatronConfig:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise PlanningError("sequence_parallel splits the tensor-parallel group's activations: "
                                 "it needs tensor_model_parallel_size > 1")
+        if self.recompute_granularity not in (None, "full"):
+            raise PlanningError(f"recompute_granularity={self.recompute_granularity!r} is not "
+                                f"modelled; use 'full' or None (the planner decides)")
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            n = getattr(self, name)
+            if n is None:
+                continue
+            if self.pipeline_model_parallel_size < 2 or v is not None:
+                raise PlanningError(f"{name} needs pipeline_model_parallel_size >= 2 and no "
+                                    f"virtual pipeline stages")
+            if n < 1:
+                raise PlanningError(f"{name} must be at least 1, got {n}")
+
+    @property
+    def recompute(self) -> bool | None:
+        """The intra-op solver's ``recompute``: True under full recomputation,
+        None (its own choice) otherwise."""
+        return True if self.recompute_granularity == "full" else None
 
     @property
     def tp(self) -> int:
@@ -150,12 +181,25 @@ class MegatronConfig:
                                 f"{m} micro-batches to be a multiple of pp={self.pp}")
         return m
 
-    def check_layers(self, num_layers: int) -> None:
-        """Megatron splits the layers evenly over pp x vpp model chunks."""
+    def layer_split(self, num_layers: int) -> list[int]:
+        """Layers of each of the pp x vpp model chunks, in pipeline order:
+        Megatron's even split, or the first and last stages' given counts and
+        the rest even.
+
+        Raises:
+            PlanningError: the layers do not split that way.
+        """
         chunks = self.pp * self.stages_per_rank
-        if num_layers % chunks:
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        ends = [n for n in (first, last) if n is not None]
+        middle, rest = chunks - len(ends), num_layers - sum(ends)
+        if rest < middle or (middle and rest % middle) or (not middle and rest):
             raise PlanningError(f"{self.label()}: {num_layers} layers do not split evenly into "
-                                f"{chunks} pipeline stages")
+                                f"{chunks} pipeline stages"
+                                + (f" with {sum(ends)} on the first and last" if ends else ""))
+        even = [rest // middle] * middle if middle else []
+        return ([first] if first is not None else []) + even + (
+            [last] if last is not None else [])
 
     def label(self) -> str:
         """Megatron terms, e.g. ``tp=2 pp=4 dp=8 mbs=1 vpp=2 sp``."""
@@ -168,6 +212,11 @@ class MegatronConfig:
             out += " sp"
         if not self.use_distributed_optimizer and self.dp > 1:
             out += " no-dist-opt"
+        if self.recompute_granularity:
+            out += f" recompute={self.recompute_granularity}"
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if first is not None or last is not None:
+            out += f" layers first/last={first or '-'}/{last or '-'}"
         return out
 
 
@@ -178,6 +227,26 @@ def _views_of(graph: Graph, name: str, users: dict[str, list[str]]) -> list[str]
         n = todo.pop()
         out.append(n)
         todo += [u for u in users[n] if graph[u].is_view and graph[u].target != "getitem"]
+    return out
+
+
+# elementwise ops a row-parallel output may pass before the residual add (dropout)
+_PASS_THROUGH = {"aten.native_dropout.default"}
+
+
+def _on_to_residual(graph: Graph, name: str, users: dict[str, list[str]]) -> list[str]:
+    """``name`` and what carries its values on unchanged in shape towards the
+    residual add: views, dropout and the dropout's first output."""
+    out, todo = [], [name]
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        for u in users[n]:
+            node = graph[u]
+            if (node.is_view and node.target != "getitem") or node.target in _PASS_THROUGH or (
+                    node.target == "getitem" and node.arg_index == 0
+                    and graph[node.args[0]].target in _PASS_THROUGH):
+                todo.append(u)
     return out
 
 
@@ -211,7 +280,7 @@ def _classify_linears(graph: Graph) -> dict[str, str]:
             kinds[p.fqn] = "column"  # output head: vocabulary parallel
             continue
         closes = any(graph[c].target == "aten.add.Tensor"
-                     for m in matmuls for v in _views_of(graph, m, users) for c in users[v])
+                     for m in matmuls for v in _on_to_residual(graph, m, users) for c in users[v])
         kinds[p.fqn] = "row" if closes else "column"
     return kinds
 
@@ -468,7 +537,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     if graph is None:
         graph = cache.get("graph") or trace(model, example_inputs)
     cache["graph"] = graph
-    dtype = chosen.name
+    dtype = chosen
     budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
     floor = _state_floor(graph, cfg, optimizer, dtype)
     if floor > budget:
@@ -489,7 +558,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     try:
         result = solve_intra_op(graph, cluster, cfg.mesh_shape, dtype=dtype,
                                 time_limit_s=time_limit_s, fixed=layout, optimizer=optimizer,
-                                memory_budget=budget + saving)
+                                memory_budget=budget + saving, recompute=cfg.recompute)
     except FixedPlacementError as err:
         raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}") from err
     except MemoryInfeasibleError as err:
@@ -519,10 +588,11 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         raise PlanningError(f"{cfg.label()}: pp={cfg.pp} does not cut cluster '{cluster.name}' "
                             f"into sub-meshes inside a node or of whole nodes")
     # the distributed optimizer: optimizer states sharded over dp (mesh axis 0),
-    # gradients reduced once per step (ZeRO-1)
+    # gradients reduced once per step (ZeRO-1); without it DDP's all-reduce,
+    # also once per step
     zero = 1 if cfg.use_distributed_optimizer and cfg.dp > 1 else 0
     mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node,
-                           zero_stage=zero)
+                           zero_stage=zero, reduce_once=not zero and cfg.dp > 1)
     key = ("ctx", cfg.dp, cfg.tp, cfg.sequence_parallel, budget, time_limit_s, optimizer)
     ctx = cache.get(key)
     if ctx is None:
@@ -533,10 +603,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                                          whole_batch_graph=graph)
     prog = ctx.program(m, traced=True)
     v = cfg.stages_per_rank
-    blocks = block_count(prog.layers)
-    cfg.check_layers(blocks)
-    chunks = cfg.pp * v
-    bounds = manual_bounds(prog.layers, [blocks // chunks] * chunks)
+    bounds = manual_bounds(prog.layers, cfg.layer_split(block_count(prog.layers)))
     try:
         copies = stage_in_flight(cfg.schedule, cfg.pp, m, v)
     except ValueError as err:
@@ -545,7 +612,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     results, times = [], []
     for s, (a, b) in enumerate(bounds):
         try:
-            r = ctx.solve_stage(prog, a, b, mesh, budget / v, copies[s])
+            r = ctx.solve_stage(prog, a, b, mesh, budget / v, copies[s], cfg.recompute)
         except FixedPlacementError as err:
             raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}"
                                 ) from err

@@ -20,8 +20,12 @@ Parameter counts (elements, not bytes):
 Forward FLOPs of one step (matmuls only, as counted by PyTorch's flop registry,
 causal attention counted as full): ``L (24 b s h^2 + 4 b s^2 h) + 2 b s h V``.
 
-No dropout, no weight tying, no custom autograd: the module exports with
-``torch.export.export(strict=False)`` on the meta device.
+No weight tying, no custom autograd: the module exports with
+``torch.export.export(strict=False)`` on the meta device. By default no
+dropout and fused attention; ``GPTConfig(attention="unfused", dropout=0.1)``
+is the program Megatron-LM trained GPT-3-style models with in 2021: the
+scores ``Q K^T`` materialised, masked, soft-maxed and dropped out as s x s
+tensors, and dropout on the embeddings and after each block's projections.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ class GPTConfig:
         block_size: maximum sequence length (s), in tokens; the number of rows
             of the position embedding.
         layer_norm_eps: LayerNorm epsilon.
+        attention: ``"fused"`` (``F.scaled_dot_product_attention``, one fused
+            kernel) or ``"unfused"`` (the scores as [batch, heads, s, s]
+            tensors: matmul, causal mask, softmax, dropout, matmul).
+        dropout: probability of dropping an element of the embeddings, of each
+            block's two projection outputs and (unfused) of the attention
+            probabilities; 0 emits no dropout.
     """
 
     n_layer: int
@@ -54,10 +64,16 @@ class GPTConfig:
     vocab_size: int = 50257
     block_size: int = 1024
     layer_norm_eps: float = 1e-5
+    attention: str = "fused"
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        if self.attention not in ("fused", "unfused"):
+            raise ValueError(f"attention must be 'fused' or 'unfused', got {self.attention!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
 
     @property
     def head_dim(self) -> int:
@@ -83,6 +99,12 @@ class GPTConfig:
         return float(self.n_layer * (24 * b * s * h * h + 4 * b * s * s * h) + 2 * b * s * h * v)
 
 
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout``, or ``x`` itself when ``p`` is 0 (``F.dropout`` would still
+    put an op in the captured program)."""
+    return F.dropout(x, p, training) if p > 0 else x
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with a fused qkv projection.
 
@@ -93,8 +115,15 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.n_embd = config.n_embd
+        # configs of other families (``MoEConfig``) have neither field: fused, no dropout
+        self.fused = getattr(config, "attention", "fused") == "fused"
+        self.dropout = getattr(config, "dropout", 0.0)
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=True)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=True)
+        if not self.fused:  # True above the diagonal: the future a token may not see
+            s = config.block_size
+            self.register_buffer("future", torch.ones(s, s, dtype=torch.bool).triu(1),
+                                 persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
@@ -103,9 +132,15 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = (q * (1.0 / math.sqrt(C // self.n_head))) @ k.transpose(-2, -1)
+            scores = scores.masked_fill(self.future[:T, :T], float("-inf"))
+            probs = dropout(torch.softmax(scores, dim=-1), self.dropout, self.training)
+            y = probs @ v
         y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.c_proj(y)
+        return dropout(self.c_proj(y), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -116,9 +151,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=True)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=True)
+        self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return dropout(self.c_proj(self.gelu(self.c_fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -190,7 +226,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         B, T = idx.shape
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x = dropout(self.transformer.wte(idx) + self.transformer.wpe(pos),
+                    getattr(self.config, "dropout", 0.0), self.training)
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
