@@ -27,8 +27,9 @@ and ``<!-- plan-quality:end -->`` in README.md.
     python -m benchmarks.plan_quality --quick          # a small subset
     python -m benchmarks.plan_quality --cases alpa     # cases whose name contains 'alpa'
 
-Memory note: the parameter dtype is half precision, so the cost model prices
-Adam at 8 bytes per parameter (no float32 master copy) for both sides.
+Precision: mixed, as both Alpa and Megatron-LM train: fp32 master weights
+and Adam states, compute in fp16 on the V100 (``fp16-mixed``) and in bf16 on
+A100 and H100 (``bf16-mixed``); 18 bytes of state per parameter on both sides.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import torch
 from benchmarks.common import machine_info, read_results, write_results
 from costmodel.cluster import Cluster
 from costmodel.presets import preset
+from ir.precision import compute_copy, get_precision
 from ir.zoo import GPTConfig, build, build_from_config
 from ir.zoo import config as zoo_config
 from planner.compare import compare
@@ -70,7 +72,7 @@ class Case:
     cluster: str                    # preset:nodes, or "p3.16xlarge/<gpus>" for part of a node
     batch: int
     seq: int
-    dtype: torch.dtype
+    precision: str                  # training precision (ir.precision), the same for both sides
     auto: dict[str, Any] = field(default_factory=dict)       # plan() restrictions
     megatron: dict[str, Any] = field(default_factory=dict)   # grid restrictions
     quick: bool = False
@@ -91,14 +93,11 @@ def build_case_model(case: Case) -> tuple[torch.nn.Module, tuple]:
     if case.model.startswith("alpa-gpt3-"):
         layers, hidden, heads = ALPA_GPT[case.model.removeprefix("alpa-gpt3-")]
         cfg = GPTConfig(layers, hidden, heads, vocab_size=51200, block_size=case.seq)
-        return build_from_config(cfg, device="meta", batch_size=case.batch, seq_len=case.seq,
-                                 dtype=case.dtype)
+        return build_from_config(cfg, device="meta", batch_size=case.batch, seq_len=case.seq)
     if case.vocab is not None:
         cfg = dataclasses.replace(zoo_config(case.model), vocab_size=case.vocab)
-        return build_from_config(cfg, device="meta", batch_size=case.batch, seq_len=case.seq,
-                                 dtype=case.dtype)
-    return build(case.model, device="meta", batch_size=case.batch, seq_len=case.seq,
-                 dtype=case.dtype)
+        return build_from_config(cfg, device="meta", batch_size=case.batch, seq_len=case.seq)
+    return build(case.model, device="meta", batch_size=case.batch, seq_len=case.seq)
 
 
 # The auto search tries every pipeline degree, stage mesh and schedule, with
@@ -112,7 +111,7 @@ def _auto(batch: int, **extra: Any) -> dict[str, Any]:
 
 
 def _cases() -> list[Case]:
-    f16, bf16 = torch.float16, torch.bfloat16
+    f16, bf16 = "fp16-mixed", "bf16-mixed"
     out = []
     for size, gpus in (("350m", 1), ("1.3b", 4), ("2.6b", 8), ("6.7b", 16), ("15b", 32),
                        ("39b", 64)):
@@ -163,13 +162,14 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
 
     cluster = build_cluster(case.cluster)
     model, inputs = build_case_model(case)
-    graph = trace(model, inputs)
+    graph = trace(*compute_copy(model, inputs, get_precision(case.precision)))
     configs = megatron_grid(cluster, case.batch, block_count(pipeline_layers(graph)), case.megatron)
     t0 = time.perf_counter()
     result = compare(case.model, cluster, model=model, inputs=inputs, time_limit_s=time_limit_s,
                      configs=configs, auto_options=case.auto,
                      megatron_deadline_s=megatron_deadline_s,
                      zoo_kwargs={"batch_size": case.batch, "seq_len": case.seq}, graph=graph,
+                     precision=case.precision,
                      progress=lambda msg: print(f"  {time.perf_counter() - t0:7.1f}s {msg}",
                                                 flush=True))
     total = time.perf_counter() - t0
@@ -179,7 +179,7 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
     return {
         "case": case.name, "commit": commit, "model": case.model, "cluster": cluster.name,
         "devices": cluster.num_devices, "global_batch": case.batch, "seq_len": case.seq,
-        "dtype": str(case.dtype).replace("torch.", ""),
+        "precision": case.precision,
         "parameters": graph.num_parameters,
         "restricted": {"auto": case.auto, "megatron": case.megatron,
                        "ilp_time_limit_s": time_limit_s,
