@@ -315,3 +315,15 @@ def test_gradients_are_reduced_in_the_reduce_dtype():
         precision=get_precision("bf16-mixed", reduce)) for reduce in (None, "bf16")]
     assert [p.training["reduce_dtype"] for p in plans] == ["float32", "bfloat16"]
     assert plans[0].predicted["grad_sync_s"] > plans[1].predicted["grad_sync_s"]
+
+
+def test_uneven_first_stage_is_planned_with_its_layer_count():
+    from ir.zoo import GPTConfig, build_from_config
+
+    model, inputs = build_from_config(GPTConfig(4, 64, 4, vocab_size=128, block_size=32),
+                                      batch_size=4, seq_len=32)
+    plan = megatron_plan(model, "local-cpu:2", MegatronConfig(
+        1, 1, pipeline_model_parallel_size=2, micro_batch_size=2,
+        decoder_first_pipeline_num_layers=1), example_inputs=inputs)
+    blocks = [[layer for layer in st.layers if ".h." in layer] for st in plan.pipeline.stages]
+    assert [len(b) for b in blocks] == [1, 3]
