@@ -55,16 +55,34 @@ def build_model(spec: str, *, device: str = "meta", seed: int = 0, **zoo_kwargs:
         spec: zoo name (``gpt-tiny``, ``gpt3-175b``, ...) or ``file.py:factory``.
         device: ``meta`` for planning, ``cpu``/``cuda`` for running.
         seed: torch seed set before building, so every rank builds the same weights.
-        zoo_kwargs: batch_size / seq_len overrides for zoo models.
+        zoo_kwargs: batch_size / seq_len overrides: of a zoo model's example
+            step, or passed to a factory that takes them as keyword arguments.
+
+    Raises:
+        ModelSourceError: a ``.py`` file without ``:factory``, or overrides a
+            factory does not take.
     """
+    import inspect
+
     from ir import zoo
 
     torch.manual_seed(seed)
+    if ":" not in spec and spec.endswith(".py"):
+        raise ModelSourceError(f"model file {spec} needs the factory to call: {spec}:make_model "
+                               f"(a function returning (model, example_inputs))")
     if ":" not in spec or spec.split(":")[0] in zoo.names():
         return zoo.build(spec, device=device, **zoo_kwargs)
     factory = _load_factory(spec)
+    if zoo_kwargs:
+        accepted = inspect.signature(factory).parameters
+        missing = [k for k in zoo_kwargs if k not in accepted]
+        if missing and not any(p.kind == p.VAR_KEYWORD for p in accepted.values()):
+            flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+            raise ModelSourceError(f"factory {spec} takes no {', '.join(missing)}, so {flags} "
+                                   f"would be ignored; add the keyword argument to the "
+                                   f"factory or leave the option out")
     with torch.device(device):
-        result = factory()
+        result = factory(**zoo_kwargs)
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise ModelSourceError(f"factory {spec} must return (model, example_inputs)")
     model, inputs = result

@@ -227,6 +227,10 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
         cluster = load_cluster(cluster)
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
+    for i, t in enumerate(example_inputs):
+        if isinstance(t, torch.Tensor) and 0 in t.shape:
+            raise PlanningError(f"example input {i} has shape {list(t.shape)}, with an empty "
+                                f"dimension: give a batch and sequence of at least one")
     chosen = resolve_precision(model, cluster, precision)
     model, example_inputs = compute_copy(model, tuple(example_inputs), chosen)
     graph = trace(model, tuple(example_inputs), beside=_two_processes)

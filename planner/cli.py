@@ -30,16 +30,37 @@ def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
     return shape
 
 
+def _check_step_sizes(args: argparse.Namespace) -> None:
+    """``--batch-size`` and ``--seq-len``, when given, are positive."""
+    from planner.api import PlanningError
+
+    for flag, value in (("--batch-size", getattr(args, "batch_size", None)),
+                        ("--seq-len", getattr(args, "seq_len", None))):
+        if value is not None and value < 1:
+            raise PlanningError(f"{flag} must be a positive integer, got {value}")
+
+
+def _check_output(path: str) -> None:
+    """The directory ``path`` is written into exists (checked before planning)."""
+    from planner.api import PlanningError
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise PlanningError(f"cannot write {path}: directory {folder} does not exist; create "
+                            f"it or give another -o")
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from costmodel.cluster import ClusterError
     from ir.source import ModelSourceError
     from ir.trace import TraceError
-    from ir.zoo import UnknownModelError
+    from ir.zoo import ExampleStepError, UnknownModelError
     from planner.api import PlanningError
     from planner.plan_format import PlanError
 
     errors: list[type[BaseException]] = [ClusterError, ModelSourceError, TraceError,
-                                         UnknownModelError, PlanningError, PlanError]
+                                         UnknownModelError, ExampleStepError, PlanningError,
+                                         PlanError]
     try:
         from codegen.executor import PlanMismatchError
         errors.append(PlanMismatchError)
@@ -113,6 +134,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from planner.report import format_plan
 
     mesh = _parse_mesh(args.mesh)
+    _check_step_sizes(args)
+    _check_output(args.output)
     zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
                   if v is not None}
     pp = _int_list(args.pp, "--pp")
@@ -173,6 +196,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from planner.compare import compare, format_comparison, write_outputs
 
+    _check_step_sizes(args)
+    _check_output(args.output)
     zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
                   if v is not None}
     result = compare(args.model, args.cluster, zoo_kwargs=zoo_kwargs,
@@ -193,6 +218,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         print(f"planner: error: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
         return EXIT_USAGE
+    _check_output(args.output)
     try:
         cluster = profile_local(args.ranks, args.output, quick=args.quick, progress=True)
     except ProfileError as err:

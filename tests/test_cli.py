@@ -112,3 +112,65 @@ def test_run_check_prints_the_verdict(tmp_path, capsys):
     assert main(["run", str(out), "--check", "--steps", "1"]) == 0
     text = capsys.readouterr().out
     assert "check PASSED" in text and "loss" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--batch-size", "0"],
+     "--batch-size must be a positive integer"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--seq-len", "-5"],
+     "--seq-len must be a positive integer"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--seq-len", "4096"],
+     "sequence length must be in 1..32"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "-o", "no-such-dir/plan.json"],
+     "does not exist; create it"),
+    (["compare", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "-o", "no-such-dir/cmp"],
+     "does not exist; create it"),
+    (["plan", "--model", "my_model.py", "--cluster", "local-cpu:2"], "my_model.py:make_model"),
+])
+def test_bad_step_sizes_and_paths_are_refused_before_planning(argv, message, capsys, tmp_path,
+                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_step_sizes_reach_a_factory_that_takes_them_and_are_refused_by_one_that_does_not(
+        tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+
+            def forward(self, x):
+                return self.fc(x).pow(2).mean()
+
+        def sized(batch_size=4):
+            return Net(), (torch.randn(batch_size, 8),)
+
+        def fixed():
+            return Net(), (torch.randn(4, 8),)
+    """))
+    assert main(["plan", "--model", "models.py:sized", "--cluster", "local-cpu:2", "--mesh", "2",
+                 "--batch-size", "6", "--quiet", "-o", "p.json"]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["training"]["input_shapes"] == [[6, 8]]
+    capsys.readouterr()
+    assert main(["plan", "--model", "models.py:fixed", "--cluster", "local-cpu:2",
+                 "--batch-size", "6", "-o", "q.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--batch-size would be ignored" in err and len(err.splitlines()) == 1
+
+
+def test_an_empty_example_batch_is_refused_before_tracing():
+    import torch
+    from torch import nn
+
+    from planner.api import PlanningError, plan
+
+    with pytest.raises(PlanningError, match="empty dimension"):
+        plan(nn.Linear(8, 8), "local-cpu:2", example_inputs=(torch.empty(0, 8),))

@@ -31,7 +31,8 @@ from ir.zoo.moe import MoEConfig, MoEGPT
 
 __all__ = [
     "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig", "MoEConfig", "MoEGPT",
-    "UnknownModelError", "build", "build_from_config", "config", "describe", "names",
+    "UnknownModelError", "ExampleStepError", "build", "build_from_config", "config", "describe",
+    "names",
 ]
 
 
@@ -41,6 +42,10 @@ class UnknownModelError(ValueError):
     def __init__(self, name: str) -> None:
         self.name = name
         super().__init__(f"unknown model {name!r}; available models: {', '.join(names())}")
+
+
+class ExampleStepError(ValueError):
+    """An example step (batch size, sequence length) the model cannot take."""
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,11 @@ def build_from_config(cfg: Any, *, device: torch.device | str = "meta",
     dev = torch.device(device)
     fam = _family(cfg)
     b = 8 if batch_size is None else int(batch_size)
+    if b < 1:
+        raise ExampleStepError(f"batch size must be a positive integer, got {b}")
+    if fam != "mlp" and seq_len is not None and not 1 <= int(seq_len) <= cfg.max_seq_len:
+        raise ExampleStepError(f"sequence length must be in 1..{cfg.max_seq_len} for this "
+                               f"model (its maximum), got {seq_len}")
     with _seeded(dev), dev:
         if fam == "mlp":
             model: nn.Module = MLP(cfg)
