@@ -35,7 +35,8 @@ class ReferenceResult:
 
 
 def loss_of(outputs: Any) -> Any:
-    """The training loss of a program's outputs: its first tensor, summed if not a scalar.
+    """The training loss of a program's outputs: its first tensor, which must be a
+    scalar (the planner refuses other models).
 
     Applied the same way to the reference and to the distributed run.
     """
@@ -46,7 +47,10 @@ def loss_of(outputs: Any) -> Any:
         outputs = tensors[0]
     if not isinstance(outputs, torch.Tensor):
         raise ValueError(f"the model returned {type(outputs).__name__}, not a tensor loss")
-    return outputs if outputs.ndim == 0 else outputs.sum()
+    if outputs.numel() != 1:
+        raise ValueError(f"the model returned a tensor of shape {list(outputs.shape)}, not a "
+                         f"scalar loss; return the training loss from forward")
+    return outputs if outputs.ndim == 0 else outputs.reshape(())
 
 
 def zoo_kwargs(training: dict[str, Any] | None) -> dict[str, Any]:

@@ -236,6 +236,13 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
     graph = trace(model, tuple(example_inputs), beside=_two_processes)
     if not graph.parameters:
         raise PlanningError(f"{type(model).__name__} has no parameters to shard")
+    loss = graph[graph.output_names[0]].outputs[0] if graph.output_names else None
+    if loss is None or loss.numel != 1:
+        raise PlanningError(
+            f"{type(model).__name__}'s forward returns "
+            f"{'nothing' if loss is None else f'a tensor of shape {list(loss.shape)}'}, not "
+            f"the scalar training loss the planner trains; return the loss (for example "
+            f"F.cross_entropy(logits, targets)) from forward")
     budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
     return model, cluster, tuple(example_inputs), graph, chosen, budget
 

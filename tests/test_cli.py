@@ -174,3 +174,17 @@ def test_an_empty_example_batch_is_refused_before_tracing():
 
     with pytest.raises(PlanningError, match="empty dimension"):
         plan(nn.Linear(8, 8), "local-cpu:2", example_inputs=(torch.empty(0, 8),))
+
+
+def test_a_model_that_returns_no_scalar_loss_is_refused(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logits.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def make():
+            return nn.Linear(8, 8), (torch.randn(4, 8),)
+    """))
+    assert main(["plan", "--model", "logits.py:make", "--cluster", "local-cpu:2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not the scalar training loss" in err and len(err.splitlines()) == 1
