@@ -40,14 +40,19 @@ def _check_step_sizes(args: argparse.Namespace) -> None:
             raise PlanningError(f"{flag} must be a positive integer, got {value}")
 
 
-def _check_output(path: str) -> None:
-    """The directory ``path`` is written into exists (checked before planning)."""
+def _output_folder(path: str) -> None:
+    """Make the folder ``path`` is written into, before any work starts, so that
+    a path that cannot be written fails at once rather than after planning."""
     from planner.api import PlanningError
 
     folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise PlanningError(f"cannot write {path}: directory {folder} does not exist; create "
-                            f"it or give another -o")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise PlanningError(f"cannot write {path}: {err.strerror or err} at {folder}; give "
+                            f"another -o") from None
+    if not os.access(folder, os.W_OK):
+        raise PlanningError(f"cannot write {path}: {folder} is not writable; give another -o")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -135,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     mesh = _parse_mesh(args.mesh)
     _check_step_sizes(args)
-    _check_output(args.output)
+    _output_folder(args.output)
     zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
                   if v is not None}
     pp = _int_list(args.pp, "--pp")
@@ -197,7 +202,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from planner.compare import compare, format_comparison, write_outputs
 
     _check_step_sizes(args)
-    _check_output(args.output)
+    _output_folder(args.output)
     zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
                   if v is not None}
     result = compare(args.model, args.cluster, zoo_kwargs=zoo_kwargs,
@@ -218,7 +223,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if args.ranks < 1:
         print(f"planner: error: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
         return EXIT_USAGE
-    _check_output(args.output)
+    _output_folder(args.output)
     try:
         cluster = profile_local(args.ranks, args.output, quick=args.quick, progress=True)
     except ProfileError as err:

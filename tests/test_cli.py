@@ -121,18 +121,26 @@ def test_run_check_prints_the_verdict(tmp_path, capsys):
      "--seq-len must be a positive integer"),
     (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--seq-len", "4096"],
      "sequence length must be in 1..32"),
-    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "-o", "no-such-dir/plan.json"],
-     "does not exist; create it"),
-    (["compare", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "-o", "no-such-dir/cmp"],
-     "does not exist; create it"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "-o", "a-file/plan.json"],
+     "cannot write a-file/plan.json"),
+    (["compare", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "-o", "a-file/cmp"],
+     "cannot write a-file/cmp"),
     (["plan", "--model", "my_model.py", "--cluster", "local-cpu:2"], "my_model.py:make_model"),
 ])
 def test_bad_step_sizes_and_paths_are_refused_before_planning(argv, message, capsys, tmp_path,
                                                               monkeypatch):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")  # a file where a folder is asked for
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_plan_output_folder_is_made(tmp_path, capsys):
+    out = tmp_path / "new" / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--mesh", "2",
+                 "--quiet", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["mesh"]["shape"] == [2]
 
 
 def test_step_sizes_reach_a_factory_that_takes_them_and_are_refused_by_one_that_does_not(
