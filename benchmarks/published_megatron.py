@@ -10,10 +10,11 @@ vocabulary 51200) built on the meta device as Megatron-LM ran it in 2021
 materialised, dropout 0.1), on ``dgx-a100-80g`` nodes (A100 80 GB datasheet
 figures, the same for every row), in fp16 mixed precision as published
 (``fp16-mixed``: fp32 master weights and Adam states, 18 bytes of state per
-parameter where Megatron's fp16 kept 16; gradients reduced in fp16), with Megatron's own choices: tensor, pipeline and data parallel
-sizes, micro-batch size, the interleaved schedule where a row gives layers per
-virtual stage, full recomputation (``--recompute-granularity full``) and plain
-DDP (no distributed optimizer: gradients all-reduced once per step).
+parameter where Megatron's fp16 kept 16; gradients reduced in fp16), with
+Megatron's own choices: tensor, pipeline and data parallel sizes, micro-batch
+size, the interleaved schedule where a row gives layers per virtual stage, full
+recomputation (``--recompute-granularity full``) and plain DDP (no distributed
+optimizer: gradients all-reduced once per step).
 
 Predicted TFLOP/s per GPU = F / (predicted step seconds x GPUs), with the paper's
 count of one iteration's work, recomputation included:
