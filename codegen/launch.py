@@ -69,6 +69,29 @@ def _first_error_line(text: str) -> str | None:
     return m.group(1).strip() if m else None
 
 
+def placement_error(plan: Any) -> str | None:
+    """What is wrong with the first placement of ``plan`` the runtime cannot
+    read (an unknown string, or not one per mesh axis), or None; checked
+    before any rank starts."""
+    from codegen.executor import parse_placement
+
+    axes = len(plan.pipeline.stage_mesh["shape"]) if plan.pipeline else len(plan.mesh_shape)
+    places = [(f"parameter {k}", v) for k, v in plan.parameters.items()]
+    places += [(f"input {k}", v) for k, v in plan.inputs.items()]
+    for name, op in plan.nodes.items():
+        places += [(f"node {name}", v) for v in (*op.inputs, *op.outputs) if v is not None]
+    for where, placements in places:
+        if len(placements) != axes:
+            return (f"{where} has {len(placements)} placements {placements} for a mesh of "
+                    f"{axes} axes")
+        for text in placements:
+            try:
+                parse_placement(text)
+            except ValueError as err:
+                return f"{where} has placement {text!r}: {err}"
+    return None
+
+
 def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int = 1,
            check: bool = False, record: str | os.PathLike | None = None,
            optimizer: str = "sgd", lr: float = 1e-3, rtol: float | None = None,
@@ -100,6 +123,10 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
     """
     plan_path = os.fspath(plan_path)
     plan = load_plan(plan_path)
+    wrong = placement_error(plan)
+    if wrong:
+        message = f"plan {plan_path}: {wrong}; regenerate it with `planner plan`"
+        raise LaunchError(message, first_line=message, user_error=True)
     if plan.precision.compute_dtype_name == "float16":
         message = (f"plan {plan_path} trains in {plan.precision.name}, which needs loss "
                    f"scaling that this runtime does not do; re-plan with --precision "

@@ -196,3 +196,28 @@ def test_a_model_that_returns_no_scalar_loss_is_refused(tmp_path, capsys, monkey
     assert main(["plan", "--model", "logits.py:make", "--cluster", "local-cpu:2"]) == 2
     err = capsys.readouterr().err.strip()
     assert "not the scalar training loss" in err and len(err.splitlines()) == 1
+
+
+def test_run_refuses_unreadable_placements_before_starting_ranks(tmp_path, capsys):
+    """`planner run` reads every placement before torchrun starts: the plans the
+    planner writes pass, a hand-edited "X" or a missing axis is one line, exit 2."""
+    from codegen.launch import placement_error
+    from planner.plan_format import load_plan
+
+    single, pipe = tmp_path / "single.json", tmp_path / "pipe.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "2x2",
+                 "--quiet", "-o", str(single)]) == 0
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--pp", "2",
+                 "--schedule", "1f1b", "--microbatches", "2", "--zero", "3", "--quiet",
+                 "-o", str(pipe)]) == 0
+    assert placement_error(load_plan(single)) is None
+    assert placement_error(load_plan(pipe)) is None
+    data = json.loads(single.read_text())
+    name = next(iter(data["parameters"]))
+    for bad, message in ((["X", "R"], "has placement 'X'"), (["R"], "has 1 placements")):
+        data["parameters"][name] = bad
+        single.write_text(json.dumps(data))
+        capsys.readouterr()
+        assert main(["run", str(single)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
