@@ -67,6 +67,9 @@ class PlanMismatchError(ValueError):
 
 
 # --------------------------------------------------------------------------- placements
+#: How a plan writes the partial DTensor makes inside an embedding or gather
+#: lookup: it may be recorded and checked against, not requested.
+MASKED_PARTIAL = "P(mask)"
 _SHARD_RE = re.compile(r"^S\((-?\d+)\)(?:\[sf=(\d+)\])?$")
 _PARTIAL_RE = re.compile(r"^P(?:\((\w+)\))?$")
 
@@ -85,7 +88,7 @@ def parse_placement(text: str) -> Placement:
     m = _PARTIAL_RE.match(s)
     if m and m.group(1) != "mask":
         return Partial(m.group(1) or "sum")
-    if s == "P(mask)":
+    if s == MASKED_PARTIAL:
         raise ValueError("P(mask) is made by DTensor inside embedding/gather; it cannot be "
                          "requested explicitly")
     raise ValueError(f"unknown placement {text!r}; expected R, S(d), P or P(avg)")
@@ -99,7 +102,7 @@ def placement_str(p: Placement) -> str:
     ``P(mask)``; it cannot be parsed back because only DTensor can create it.
     """
     if isinstance(p, _MaskPartial):
-        return "P(mask)"
+        return MASKED_PARTIAL
     if isinstance(p, _StridedShard):
         return f"S({p.dim})[sf={p.split_factor}]"
     if isinstance(p, Shard):
@@ -297,7 +300,7 @@ def same_placements(have: Sequence[str], want: Sequence[str]) -> bool:
     """Whether placements ``have`` satisfy the plan's ``want`` (``P(mask)`` satisfies ``P``)."""
     if len(have) != len(want):
         return False
-    return all(h == w or (h == "P(mask)" and w == "P") for h, w in zip(have, want))
+    return all(h == w or (h == MASKED_PARTIAL and w == "P") for h, w in zip(have, want))
 
 
 def _reachable_target(value: DTensor, want: Sequence[str]) -> tuple[Placement, ...]:
@@ -310,7 +313,7 @@ def _reachable_target(value: DTensor, want: Sequence[str]) -> tuple[Placement, .
     integer = not (value.dtype.is_floating_point or value.dtype.is_complex)
     target = []
     for have, w in zip(value.placements, want):
-        if w == "P(mask)" or (integer and w.startswith("P")):
+        if w == MASKED_PARTIAL or (integer and w.startswith("P")):
             target.append(have)
         else:
             target.append(parse_placement(w))
@@ -984,7 +987,7 @@ class PlanExecutor:
             if gnode.arg_index is None:
                 for arg, dst in zip(gnode.args, obs["inputs"]):
                     src = produced.get(arg, [[]])[0] if produced.get(arg) else []
-                    if dst and src and any(a != b and b != "P(mask)" for a, b in zip(src, dst)):
+                    if dst and src and any(a != b and b != MASKED_PARTIAL for a, b in zip(src, dst)):
                         reshards.append(Reshard(node=gnode.name, arg=arg, module=gnode.module_path,
                                                 src=list(src), dst=list(dst), time_s=0.0))
             produced[gnode.name] = [list(p) for p in obs["outputs"]]
