@@ -21,8 +21,8 @@ restrictions are part of the case: ``auto`` = keyword arguments of
 ``planner.plan``, ``megatron`` = the Megatron grid).
 
 Writes ``benchmarks/results/plan_quality.json`` (cases already there and not
-re-run are kept) and the markdown table between ``<!-- plan-quality:begin -->``
-and ``<!-- plan-quality:end -->`` in README.md.
+re-run are kept) and the markdown table made from it,
+``benchmarks/results/plan_quality.md``.
 
     python -m benchmarks.plan_quality --quick          # a small subset
     python -m benchmarks.plan_quality --cases alpa     # cases whose name contains 'alpa'
@@ -57,8 +57,7 @@ from planner.megatron import MegatronConfig, megatron_configs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "plan_quality.json")
-README = os.path.join(os.path.dirname(HERE), "README.md")
-BEGIN, END = "<!-- plan-quality:begin -->", "<!-- plan-quality:end -->"
+TABLE = os.path.join(HERE, "results", "plan_quality.md")
 
 # Alpa (OSDI'22) table 4, GPT-3: (layers, hidden, heads).
 ALPA_GPT = {"350m": (24, 1024, 16), "1.3b": (24, 2048, 32), "2.6b": (32, 2560, 32),
@@ -247,15 +246,10 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_readme(table: str, path: str = README) -> bool:
-    text = open(path, encoding="utf-8").read()
-    if BEGIN not in text or END not in text:
-        return False
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
+def write_table(table: str, path: str = TABLE) -> None:
+    """The markdown table of the results, beside their JSON."""
     with open(path, "w", encoding="utf-8") as f:
-        f.write(head + BEGIN + "\n" + table + "\n" + END + tail)
-    return True
+        f.write("# Plan quality: auto vs Megatron-LM\n\n" + table + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,13 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--megatron-deadline", type=float, default=600.0,
                     help="seconds of Megatron planning per case; later configurations skipped")
     ap.add_argument("--out", default=RESULTS)
-    ap.add_argument("--no-readme", action="store_true")
-    ap.add_argument("--readme-only", action="store_true",
-                    help="only rewrite README.md's table from the JSON")
+    ap.add_argument("--table-only", action="store_true",
+                    help="only rewrite plan_quality.md from the JSON")
     args = ap.parse_args(argv)
-    if args.readme_only:
+    if args.table_only:
         with open(args.out) as f:
-            write_readme(markdown(json.load(f)))
+            write_table(markdown(json.load(f)))
         return 0
     cases = _cases()
     if args.quick:
@@ -296,8 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                    "cases": sorted(previous.values(), key=lambda x: order.index(x["case"])
                                    if x["case"] in order else len(order))}
         write_results(args.out, results)
-    if cases and not args.no_readme:
-        write_readme(markdown(results))
+    if cases:
+        write_table(markdown(results))
     return 0
 
 
