@@ -141,7 +141,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         f += prices.forward_s
         bi, bw = prices.backward_s
         b += bi + prices.collectives_s
-        weight_sync += cost.weight_sync(n, s)
+        weight_sync += prices.weight_sync_s
         w += bw
         for k, arg in enumerate(n.args):
             idx = n.arg_index if n.target == "getitem" else 0

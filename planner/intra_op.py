@@ -77,13 +77,16 @@ class NodePrices:
     """What one node costs under one strategy (:meth:`IntraOpCost.prices`):
     seconds of :meth:`IntraOpCost.compute`, of its forward alone, of its
     backward (input gradient, weight gradient), of its gradient collectives,
-    and bytes per device by kind (:meth:`IntraOpCost.memory_breakdown`)."""
+    bytes per device by kind (:meth:`IntraOpCost.memory_breakdown`), and the
+    part of its collectives that all-reduces weight gradients over mesh axis 0
+    in each micro-batch (what ZeRO or ``reduce_once`` does once per step)."""
 
     compute_s: float
     forward_s: float
     backward_s: tuple[float, float]
     collectives_s: float
     memory: Mapping[str, float]
+    weight_sync_s: float = 0.0
 
 
 @dataclass
@@ -211,8 +214,10 @@ class IntraOpCost:
         b, w = self.backward_times(node, s)
         # as compute() adds them
         compute = forward + b + w if node.kind == OP else self.compute(node, s)
+        weight_sync = sum(t for arg, a, t in self._gradient_all_reduces(node, s)
+                          if a == 0 and arg in self.param_derived)
         prices = NodePrices(compute, forward, (b, w), self.backward_collectives(node, s),
-                            self.memory_breakdown(node, s))
+                            self.memory_breakdown(node, s), weight_sync)
         self._prices[key] = (s, prices)
         return prices
 
@@ -333,13 +338,6 @@ class IntraOpCost:
         if node.kind == PARAM:
             return self.state_collectives(node, s)
         return sum(t for _, _, t in self._gradient_all_reduces(node, s))
-
-    def weight_sync(self, node: Node, s: Strategy) -> float:
-        """The part of :meth:`backward_collectives` that all-reduces weight
-        gradients over mesh axis 0 in each micro-batch's backward (what ZeRO
-        or ``reduce_once`` would do once per step instead)."""
-        return sum(t for arg, a, t in self._gradient_all_reduces(node, s)
-                   if a == 0 and arg in self.param_derived)
 
     def _gradient_all_reduces(self, node: Node, s: Strategy) -> list[tuple[str, int, float]]:
         """(argument, mesh axis, seconds) of each all-reduce of an input gradient
