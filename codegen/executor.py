@@ -94,6 +94,16 @@ def parse_placement(text: str) -> Placement:
     raise ValueError(f"unknown placement {text!r}; expected R, S(d), P or P(avg)")
 
 
+def parse_planned(text: str) -> Placement | None:
+    """A placement as a plan may hold it: :func:`parse_placement`, or None for
+    :data:`MASKED_PARTIAL` (recorded and checked against, never requested).
+
+    Raises:
+        ValueError: a string no plan holds.
+    """
+    return None if text.strip() == MASKED_PARTIAL else parse_placement(text)
+
+
 def placement_str(p: Placement) -> str:
     """Inverse of :func:`parse_placement`.
 

@@ -73,7 +73,7 @@ def placement_error(plan: Any) -> str | None:
     """What is wrong with the first placement of ``plan`` the runtime cannot
     read (an unknown string, or not one per mesh axis), or None; checked
     before any rank starts."""
-    from codegen.executor import MASKED_PARTIAL, parse_placement
+    from codegen.executor import parse_planned
 
     axes = len(plan.pipeline.stage_mesh["shape"]) if plan.pipeline else len(plan.mesh_shape)
     places = [(f"parameter {k}", v) for k, v in plan.parameters.items()]
@@ -85,10 +85,8 @@ def placement_error(plan: Any) -> str | None:
             return (f"{where} has {len(placements)} placements {placements} for a mesh of "
                     f"{axes} axes")
         for text in placements:
-            if text == MASKED_PARTIAL:  # what a lookup's output is, as recorded
-                continue
             try:
-                parse_placement(text)
+                parse_planned(text)
             except ValueError as err:
                 return f"{where} has placement {text!r}: {err}"
     return None
