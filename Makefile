@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m planner.demo
+	OMP_NUM_THREADS=1 $(BIN)/python -m app.demo
 
 # two pytest workers (pytest-xdist): a torchrun test's ranks wait on each other and
 # on start-up, so the other worker keeps the second core busy (17 -> 13.5 min here)

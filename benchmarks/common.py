@@ -21,6 +21,8 @@ import os
 import statistics
 from typing import Any, Sequence
 
+from costmodel.profile_machine import load_average
+
 __all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
            "cpu_pair_probe", "cpu_speed_probe", "median", "read_results", "write_results", "wrote_message"]
 
@@ -40,15 +42,6 @@ def machine_info(*, brief: bool = False) -> dict[str, Any]:
     if brief:
         return {k: info[k] for k in BRIEF_MACHINE_KEYS}
     return info
-
-
-def load_average() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages, rounded to 0.01 (None where the
-    platform has none): other work on a shared machine skews every timing."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def load_average_1min() -> float | None:

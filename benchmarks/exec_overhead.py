@@ -42,7 +42,7 @@ if ROOT not in sys.path:
 
 from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
 from codegen.launch import LaunchError, _end_group, _tail, launch  # noqa: E402
-from costmodel.cluster import load_cluster  # noqa: E402
+from costmodel.presets import load_cluster  # noqa: E402
 from ir.source import build_model  # noqa: E402
 from planner.megatron import MegatronConfig, megatron_plan  # noqa: E402
 

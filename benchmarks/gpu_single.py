@@ -2,7 +2,7 @@
 
 Runs in under 5 minutes on one H100 with the torch the GPU image ships; the
 project need not be installed (this script puts the repository root on
-``sys.path`` and runs the planner as ``python3 -m planner.cli``).
+``sys.path`` and runs the planner as ``python3 -m app.cli``).
 
 1. ``planner profile --ranks 1`` of the GPU into ``OUT/cluster.json`` (about 20 s
    on an H100; with ``--cluster`` an existing cluster JSON is used instead).
@@ -180,10 +180,10 @@ def machine(device: str) -> dict[str, Any]:
 # --- phases -------------------------------------------------------------------------
 
 def profile(out_dir: str, quick: bool) -> tuple[str, dict[str, Any]]:
-    """``python3 -m planner.cli profile --ranks 1``; on failure a preset one-GPU cluster
+    """``python3 -m app.cli profile --ranks 1``; on failure a preset one-GPU cluster
     (dgx-h100 or h200 cut to one device) so that the rest still runs."""
     path = os.path.join(out_dir, "cluster.json")
-    cmd = [sys.executable, "-m", "planner.cli", "profile", "--ranks", "1", "-o", path]
+    cmd = [sys.executable, "-m", "app.cli", "profile", "--ranks", "1", "-o", path]
     if quick:
         cmd.append("--quick")
     env = dict(os.environ)
@@ -200,7 +200,7 @@ def profile(out_dir: str, quick: bool) -> tuple[str, dict[str, Any]]:
             raise RuntimeError(tail[-1] if tail else f"exit status {proc.returncode}")
     except Exception as err:  # noqa: BLE001
         rec["error"] = _line(err)
-        from costmodel.cluster import load_cluster
+        from costmodel.presets import load_cluster
 
         gpu = _cmd(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]) or ""
         name = "h200" if "H200" in gpu else "dgx-h100"

@@ -108,7 +108,7 @@ if wants profile || wants measured; then
         skip profile "one GPU: the collectives need >= 2 ranks"
     else
         for w in $WORLDS; do
-            step "profile_$w" "$PYTHON" -m planner.cli profile --ranks "$w" -o "$OUT/local_gpu_$w.json"
+            step "profile_$w" "$PYTHON" -m app.cli profile --ranks "$w" -o "$OUT/local_gpu_$w.json"
             [ -f "$OUT/local_gpu_$w.profile.json" ] && PROFILES="$PROFILES $OUT/local_gpu_$w.profile.json"
         done
     fi

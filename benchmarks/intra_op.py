@@ -21,10 +21,10 @@ import time
 
 from benchmarks.common import machine_info, read_results, write_results
 from benchmarks.plan_time import timed_problem
-from costmodel.cluster import load_cluster
+from costmodel.presets import load_cluster
 from ir import trace
 from ir.source import build_model
-from planner.ilp import SOLVERS, solve
+from planner.ilp import SOLVERS, reduced_size, solve
 from planner.intra_op import build_problem, least_memory
 
 # (model, cluster, mesh, target seconds, budget fraction or None): the budgeted
@@ -37,7 +37,7 @@ CASES = (
 
 
 def _size(problem, reduce: bool) -> dict:
-    variables, constraints = problem.size(reduce=reduce)
+    variables, constraints = reduced_size(problem) if reduce else problem.size()
     return {"variables": variables, "constraints": constraints}
 
 
@@ -60,7 +60,7 @@ def run_case(name: str, cluster_spec: str, mesh_shape: tuple[int, ...], target_s
     t1 = time.perf_counter()
     tied, cost, strategies, times = timed_problem(graph, load_cluster(cluster_spec), mesh_shape)
     untied = build_problem(cost, strategies, tie=False)
-    before = untied.problem.size(reduce=False)
+    before = untied.problem.size()
     solves = {solver: _solve(tied.problem, solver, time_limit_s) for solver in solvers}
     default = solves[solvers[0]]
     intra_op_s = times["strategies_s"] + times["build_s"] + default["solve_s"]

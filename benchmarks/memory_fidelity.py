@@ -78,7 +78,7 @@ MODELS: dict[str, tuple[str | None, Any, int, int, str, bool]] = {
 
 
 def _cluster(spec: str) -> Any:
-    from costmodel.cluster import load_cluster
+    from costmodel.presets import load_cluster
 
     if spec == "h100:1":  # one H100: the dgx-h100 preset cut to one device
         return load_cluster("dgx-h100").sub_cluster(1, 1)

@@ -52,7 +52,7 @@ from costmodel.presets import preset
 from ir.precision import compute_copy, get_precision
 from ir.zoo import GPTConfig, build, build_from_config
 from ir.zoo import config as zoo_config
-from planner.compare import compare
+from app.compare import compare
 from planner.megatron import MegatronConfig, megatron_configs
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -19,11 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (cpu_pair_probe, cpu_speed_probe, load_average, machine_info,
                                read_results, write_results)
-from costmodel.cluster import load_cluster
+from costmodel.presets import load_cluster
+from costmodel.strategy_cost import IntraOpCost
 from ir import trace
 from ir.source import build_model
 from ir.zoo import GPTConfig, build_from_config, config
-from planner.intra_op import IntraOpCost, build_problem
+from planner.intra_op import build_problem
 from planner.ilp import solve
 from planner.strategies import build_strategies
 

@@ -93,7 +93,7 @@ def make_plan(model_name: str, world: int, config: str, *, precision: str = PREC
                 f"auto ILP on mesh (1, {world})")
     if config == "pp2":
         # the distributed optimizer (ZeRO-1 stages) is priced but not run by the
-        # pipeline runtime (codegen.pipeline.validate_pipeline_plan): plain dp stages
+        # pipeline runtime (codegen.pipeline_validation.validate_pipeline_plan): plain dp stages
         return megatron(MegatronConfig(1, world // 2, use_distributed_optimizer=False,
                                        pipeline_model_parallel_size=2, micro_batch_size=2))
     if config == "zero3":

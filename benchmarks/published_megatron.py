@@ -116,7 +116,7 @@ def megatron_config(run: PublishedRun):
 
 def build_row(run: PublishedRun):
     """(model on meta, example inputs of the global batch, cluster)."""
-    from costmodel.cluster import load_cluster
+    from costmodel.presets import load_cluster
     from ir.zoo import GPTConfig, build_from_config
 
     cfg = GPTConfig(run.layers, run.hidden, run.heads, vocab_size=VOCAB, block_size=SEQ_LEN,
@@ -143,7 +143,7 @@ def price_row(run: PublishedRun, auto: bool, time_limit_s: float) -> dict[str, A
     """The row priced as published (and planned automatically with ``auto``)."""
     from ir.precision import get_precision
     from planner.api import plan
-    from planner.compare import auto_label
+    from app.compare import auto_label
     from planner.megatron import megatron_plan
 
     model, inputs, cluster = build_row(run)

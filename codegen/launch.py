@@ -19,6 +19,7 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
+from ir.placements import parse_planned
 from planner.plan_format import load_plan
 
 __all__ = ["LaunchError", "REPO_ROOT", "launch"]
@@ -73,8 +74,6 @@ def placement_error(plan: Any) -> str | None:
     """What is wrong with the first placement of ``plan`` the runtime cannot
     read (an unknown string, or not one per mesh axis), or None; checked
     before any rank starts."""
-    from codegen.executor import parse_planned
-
     axes = len(plan.pipeline.stage_mesh["shape"]) if plan.pipeline else len(plan.mesh_shape)
     places = [(f"parameter {k}", v) for k, v in plan.parameters.items()]
     places += [(f"input {k}", v) for k, v in plan.inputs.items()]
@@ -122,7 +121,28 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
             one-line error where there is one, and ends with their output's tail).
     """
     plan_path = os.fspath(plan_path)
-    plan = load_plan(plan_path)
+    world = _runnable_world(load_plan(plan_path), plan_path, nproc)
+    with tempfile.TemporaryDirectory(prefix="codegen-launch-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world}", "-m", "codegen.rank_main",
+               os.path.abspath(plan_path), "--steps", str(int(steps)),
+               "--result-json", result_path, "--optimizer", optimizer, "--lr", repr(lr)]
+        if rtol is not None:  # else the plan's precision decides (codegen.reference.check_tolerance)
+            cmd += ["--rtol", repr(rtol)]
+        if check:
+            cmd.append("--check")
+        if record is not None:
+            cmd += ["--record", os.path.abspath(os.fspath(record))]
+        cmd += list(extra_args)
+        returncode, stdout, stderr = _run_ranks(cmd, cwd, _rank_env(env), timeout_s,
+                                                plan_path, world)
+        return _read_result(result_path, returncode, stdout, stderr, plan_path, world)
+
+
+def _runnable_world(plan: Any, plan_path: str, nproc: int | None) -> int:
+    """The plan's world size, after refusing (:class:`LaunchError`) a plan this
+    runtime cannot run or ``nproc`` ranks cannot run, before any rank starts."""
     wrong = placement_error(plan)
     if wrong:
         message = f"plan {plan_path}: {wrong}; regenerate it with `planner plan`"
@@ -137,52 +157,60 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         raise LaunchError(
             f"plan {plan_path} is for a mesh of {world} devices {list(plan.mesh_shape)} "
             f"but nproc={nproc}; launch it with nproc={world} or re-plan for {nproc} devices")
-    with tempfile.TemporaryDirectory(prefix="codegen-launch-") as tmp:
-        result_path = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", "-m", "codegen.rank_main",
-               os.path.abspath(plan_path), "--steps", str(int(steps)),
-               "--result-json", result_path, "--optimizer", optimizer, "--lr", repr(lr)]
-        if rtol is not None:  # else the plan's precision decides (codegen.reference.check_tolerance)
-            cmd += ["--rtol", repr(rtol)]
-        if check:
-            cmd.append("--check")
-        if record is not None:
-            cmd += ["--record", os.path.abspath(os.fspath(record))]
-        cmd += list(extra_args)
-        run_env = dict(os.environ)
-        run_env["OMP_NUM_THREADS"] = "1"
-        run_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (REPO_ROOT, run_env.get("PYTHONPATH", "")) if p)
-        if env:
-            run_env.update(env)
-        # torchrun and its ranks get their own process group, so that a timeout
-        # ends all of them (and nothing else).
-        proc = subprocess.Popen(cmd, cwd=os.fspath(cwd) if cwd else None, env=run_env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _end_group(proc)
-            stdout, stderr = proc.communicate()
-            raise LaunchError(f"plan {plan_path} did not finish within {timeout_s:.0f} s on "
-                              f"{world} ranks; output tail:\n{_tail(stdout + stderr)}") from None
-        except BaseException:
-            _end_group(proc)
-            raise
-        output = stdout + stderr
-        if os.path.exists(result_path):
-            with open(result_path) as f:
-                result = json.load(f)
-            if "refused" in result:  # the ranks refused the plan (codegen.rank_main._refuse)
-                raise LaunchError(f"{result['refused']}\n--- output tail ({plan_path}, "
-                                  f"{world} ranks) ---\n{_tail(output)}",
-                                  first_line=result["refused"], user_error=True)
-            result["returncode"] = proc.returncode
-            result["output"] = _tail(stdout, 20)
-            return result
-        first = _first_error_line(output)
-        head = first or f"ranks exited with status {proc.returncode} and no result"
-        raise LaunchError(f"{head}\n--- output tail ({plan_path}, {world} ranks) ---\n"
-                          f"{_tail(output)}", first_line=first)
+    return world
+
+
+def _rank_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The ranks' environment: this one, one OpenMP thread, the repo root on
+    ``PYTHONPATH``, then ``env``."""
+    run_env = dict(os.environ)
+    run_env["OMP_NUM_THREADS"] = "1"
+    run_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (REPO_ROOT, run_env.get("PYTHONPATH", "")) if p)
+    if env:
+        run_env.update(env)
+    return run_env
+
+
+def _run_ranks(cmd: list[str], cwd: str | os.PathLike | None, run_env: dict[str, str],
+               timeout_s: float, plan_path: str, world: int) -> tuple[int, str, str]:
+    """Run torchrun's ``cmd`` (plan ``plan_path`` on ``world`` ranks); its exit
+    status, stdout and stderr. Past ``timeout_s`` its ranks are ended and
+    :class:`LaunchError` raised."""
+    # torchrun and its ranks get their own process group, so that a timeout
+    # ends all of them (and nothing else).
+    proc = subprocess.Popen(cmd, cwd=os.fspath(cwd) if cwd else None, env=run_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        stdout, stderr = proc.communicate()
+        raise LaunchError(f"plan {plan_path} did not finish within {timeout_s:.0f} s on "
+                          f"{world} ranks; output tail:\n{_tail(stdout + stderr)}") from None
+    except BaseException:
+        _end_group(proc)
+        raise
+    return proc.returncode, stdout, stderr
+
+
+def _read_result(result_path: str, returncode: int, stdout: str, stderr: str,
+                 plan_path: str, world: int) -> dict[str, Any]:
+    """Rank 0's result, with the exit status and the output's tail; a
+    :class:`LaunchError` where the ranks refused the plan or wrote no result."""
+    output = stdout + stderr
+    where = f"{plan_path}, {world} ranks"
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            result = json.load(f)
+        if "refused" in result:  # the ranks refused the plan (codegen.rank_main._refuse)
+            raise LaunchError(f"{result['refused']}\n--- output tail ({where}) ---\n"
+                              f"{_tail(output)}", first_line=result["refused"], user_error=True)
+        result["returncode"] = returncode
+        result["output"] = _tail(stdout, 20)
+        return result
+    first = _first_error_line(output)
+    head = first or f"ranks exited with status {returncode} and no result"
+    raise LaunchError(f"{head}\n--- output tail ({where}) ---\n{_tail(output)}",
+                      first_line=first)

@@ -19,7 +19,7 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
   ``fully_shard`` over the stage-mesh axis ``zero_axis``.
 * :class:`PipelineRuntime` builds the stages (``torch.distributed.pipelining.
   PipelineStage``, static shapes) and the plan's schedule class
-  (``costmodel.schedules.TORCH_SCHEDULE_CLASSES``), and runs one step on the
+  (``costmodel.schedule_specs.SCHEDULE_SPECS``), and runs one step on the
   global batch: torch splits it into ``num_microbatches`` micro-batches along
   dim 0, the last stage's output is the micro-batch loss, and the schedule
   averages gradients over micro-batches (``scale_grads``), which gives the
@@ -29,7 +29,6 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -39,107 +38,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from codegen.executor import (CapturedProgram, PlanExecutor, PlanMismatchError, _parse_all,
-                              capture_program, placement_str, redistribute)
-from costmodel.schedules import TORCH_SCHEDULE_CLASSES, canonical_schedule
-from ir.layers import find_layers
+from codegen.capture import CapturedProgram, PlanMismatchError, capture_program
+from codegen.executor import PlanExecutor
+from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
+from codegen.redistribution import redistribute
+from costmodel.schedule_specs import schedule_spec
+from ir.placements import parse_placements, placement_str
 from ir.precision import cast_float
-from ir.torch_compat import strided_shard_type
+from ir.repeated_blocks import find_layers
+from ir.torch_compat import is_strided_shard
 from planner.plan_format import Plan, StagePlan
 
-_StridedShard = strided_shard_type()
-
-__all__ = [
-    "PipelinePlanError", "PipelineRuntime", "StageExecutor", "StageModule", "local_shape",
-    "split_microbatch", "split_microbatches", "stage_pp_rank", "validate_pipeline_plan",
-]
-
-_SINGLE_STAGE = ("gpipe", "1f1b")
-_V_STYLE = ("zbv", "dualpipev")
-
-
-class PipelinePlanError(ValueError):
-    """A pipeline plan this runtime cannot run; the message says why and what to do."""
-
-
-# ------------------------------------------------------------------ plan checks
-def stage_pp_rank(schedule: str, index: int, pp: int) -> int:
-    """The pipeline rank torch's ``schedule`` runs stage ``index`` on.
-
-    Loop style (``index % pp``) for all schedules but the V ones (zbv,
-    dualpipev), which fold the stages back: rank ``r`` runs ``r`` and ``2pp-1-r``.
-    """
-    if schedule in _V_STYLE:
-        return index if index < pp else 2 * pp - 1 - index
-    return index % pp
-
-
-def validate_pipeline_plan(plan: Plan) -> None:
-    """Refuse pipeline plans this runtime cannot run, with a one-line reason.
-
-    Checks the schedule name, the stage count and placement on pipeline ranks
-    (torch's), the world mesh (``[pp] + stage_mesh``, first axis ``pp``), the
-    stage ranks (rows of the world mesh), the ZeRO settings and that every
-    stage's outputs are the next stage's inputs, in order, in the same placements.
-    """
-    pipe = plan.pipeline
-    if pipe is None:
-        raise PipelinePlanError("plan has no pipeline section; run it with PlanExecutor")
-    try:
-        schedule = canonical_schedule(pipe.schedule)
-    except (TypeError, ValueError) as err:
-        raise PipelinePlanError(str(err)) from None
-    stages = pipe.stages
-    v = pipe.stages_per_rank
-    if v < 1 or not stages or len(stages) % v:
-        raise PipelinePlanError(f"{len(stages)} stages cannot be spread {v} per rank")
-    pp = pipe.pp
-    if schedule in _SINGLE_STAGE and v != 1:
-        raise PipelinePlanError(f"schedule {schedule} runs one stage per rank, the plan has {v}")
-    if schedule in _V_STYLE and v != 2:
-        raise PipelinePlanError(f"schedule {schedule} runs two stages per rank, the plan has {v}")
-    shape = [int(d) for d in pipe.stage_mesh.get("shape", [])]
-    names = list(pipe.stage_mesh.get("axis_names") or [])
-    if not shape or len(names) != len(shape) or len(set(names)) != len(names) or "pp" in names:
-        raise PipelinePlanError(f"stage_mesh {pipe.stage_mesh} needs one distinct axis name "
-                                f"(not 'pp') per dimension")
-    if list(plan.mesh_shape) != [pp] + shape or (plan.mesh.get("axis_names") or ["pp"])[0] != "pp":
-        raise PipelinePlanError(f"plan mesh {plan.mesh} is not the world mesh [pp={pp}] + "
-                                f"stage mesh {shape} with first axis 'pp'")
-    size = math.prod(shape)
-    for i, st in enumerate(stages):
-        if st.index != i:
-            raise PipelinePlanError(f"stage at position {i} has index {st.index}; list stages "
-                                    f"in index order")
-        want = stage_pp_rank(schedule, i, pp)
-        if st.pp_rank != want:
-            raise PipelinePlanError(f"stage {i} is on pipeline rank {st.pp_rank} but torch's "
-                                    f"{TORCH_SCHEDULE_CLASSES[schedule]} runs it on rank {want}")
-        if list(st.ranks) != list(range(want * size, (want + 1) * size)):
-            raise PipelinePlanError(f"stage {i} ranks {st.ranks} are not row {want} of the world "
-                                    f"mesh {list(plan.mesh_shape)}")
-        if st.zero_stage not in (0, 3):
-            raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage}; this runtime "
-                                    f"runs 0 (as placed) or 3 (FSDP2)")
-        if st.zero_stage == 3 and not (isinstance(st.zero_axis, int) and 0 <= st.zero_axis < len(shape)):
-            raise PipelinePlanError(f"stage {i} has zero_stage 3 but zero_axis {st.zero_axis!r} is "
-                                    f"not an axis of the {len(shape)}-D stage mesh")
-        if not st.nodes:
-            raise PipelinePlanError(f"stage {i} runs no nodes")
-    for a, b in zip(stages, stages[1:]):
-        if list(a.outputs) != list(b.inputs):
-            raise PipelinePlanError(f"stage {a.index} sends {list(a.outputs)} but stage {b.index} "
-                                    f"receives {list(b.inputs)}; they must be the same, in order")
-        for name, placements in a.outputs.items():
-            if list(placements) != list(b.inputs[name]):
-                raise PipelinePlanError(
-                    f"stage {a.index} sends {name} as {placements} but stage {b.index} "
-                    f"receives it as {b.inputs[name]}; the sender must reshard to the receiver's")
-    if len(stages[-1].outputs) != 1:
-        raise PipelinePlanError(f"the last stage must output the loss alone, it outputs "
-                                f"{list(stages[-1].outputs)}")
-    if pipe.num_microbatches < 1:
-        raise PipelinePlanError(f"num_microbatches is {pipe.num_microbatches}")
+__all__ = ["PipelineRuntime", "StageExecutor", "StageModule", "local_shape", "split_microbatch",
+           "split_microbatches"]
 
 
 def split_microbatches(inputs: Sequence[Any], num_microbatches: int) -> list[tuple[Any, ...]]:
@@ -176,7 +87,7 @@ def local_shape(global_shape: Sequence[int], mesh: DeviceMesh,
     if coord is None:
         raise PipelinePlanError("this rank is not in the stage mesh")
     for axis, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
+        if is_strided_shard(p):
             raise PipelinePlanError(f"boundary placement {placement_str(p)} (strided shard) is "
                                     f"not supported between stages; send it as S(d) or R")
         if isinstance(p, Shard):
@@ -205,7 +116,7 @@ class StageExecutor(PlanExecutor):
         model, example_inputs: the model and the *micro-batch* user inputs the
             plan was made for (only used to capture when ``program`` is None).
         mesh: the stage's sub-mesh (shape ``plan.pipeline.stage_mesh``).
-        program: the shared capture (:func:`codegen.executor.capture_program`).
+        program: the shared capture (:func:`codegen.capture.capture_program`).
 
     Attributes:
         param_value: called with a parameter FQN at every forward to get the
@@ -316,7 +227,7 @@ class StageExecutor(PlanExecutor):
         else empty local shards of its boundary inputs."""
         if self.is_first:
             return tuple(microbatch)
-        return tuple(self._example(n, _parse_all(p)) for n, p in self.stage.inputs.items())
+        return tuple(self._example(n, parse_placements(p)) for n, p in self.stage.inputs.items())
 
     def example_outputs(self) -> tuple[torch.Tensor, ...]:
         """Empty local shards of what the stage sends (the loss, for the last stage)."""
@@ -332,7 +243,7 @@ class StageExecutor(PlanExecutor):
 
     def _receive(self, name: str, local: torch.Tensor) -> DTensor:
         """A received local shard as the DTensor of the planned placement."""
-        placements = _parse_all(self.stage.inputs[name])
+        placements = parse_placements(self.stage.inputs[name])
         shape = self._global_shape(name)
         if tuple(local.shape) != local_shape(shape, self.mesh, placements):
             raise PipelinePlanError(f"stage {self.stage.index} received {name} with local shape "
@@ -346,7 +257,7 @@ class StageExecutor(PlanExecutor):
         stage's output) replicated, since every rank of the stage backpropagates it."""
         if self.is_last:
             return [Replicate()] * self.mesh.ndim
-        return _parse_all(self.stage.outputs[name])
+        return parse_placements(self.stage.outputs[name])
 
     def _send(self, name: str, value: Any) -> torch.Tensor:
         """A stage output, redistributed to its send placement, as the local shard."""
@@ -370,7 +281,7 @@ class StageExecutor(PlanExecutor):
             if len(args) != len(self.user_input_names):
                 raise ValueError(f"the first stage takes the {len(self.user_input_names)} user "
                                  f"inputs ({', '.join(self.user_input_names)}), got {len(args)}")
-            env = {n: distribute_tensor(v, self.mesh, _parse_all(self._input_placements(n)),
+            env = {n: distribute_tensor(v, self.mesh, parse_placements(self._input_placements(n)),
                                         src_data_rank=None)
                    for n, v in zip(self.user_input_names, args)}
         else:
@@ -526,11 +437,10 @@ class PipelineRuntime:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining import schedules as torch_schedules
 
         validate_pipeline_plan(plan)
         pipe = plan.pipeline
-        schedule = canonical_schedule(pipe.schedule)
+        spec = schedule_spec(pipe.schedule)
         names = tuple(pipe.stage_mesh["axis_names"])
         world = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=("pp",) + names)
         stage_mesh = world[names[0]] if len(names) == 1 else world[names]
@@ -560,9 +470,8 @@ class PipelineRuntime:
                 output_args=executor.example_outputs(), group=world.get_group("pp")))
             modules.append(module)
             zero.append(st.zero_stage == 3)
-        cls_ = getattr(torch_schedules, TORCH_SCHEDULE_CLASSES[schedule])
-        arg = stages[0] if schedule in _SINGLE_STAGE else stages
-        sched = cls_(arg, n_microbatches=m, loss_fn=_stage_loss, scale_grads=True)
+        arg = stages[0] if spec.single_stage else stages
+        sched = spec.torch_type(arg, n_microbatches=m, loss_fn=_stage_loss, scale_grads=True)
         runtime = cls(plan=plan, world_mesh=world, stage_mesh=stage_mesh, pp_rank=pp_rank,
                       stage_plans=mine, modules=modules, stages=stages, schedule=sched,
                       num_microbatches=m, zero=zero)

@@ -282,29 +282,51 @@ def _reference(args: argparse.Namespace, plan: Any, rank: int, device: torch.dev
                           optimizer=args.optimizer, lr=args.lr, **zoo_kwargs(plan.training))
 
 
+def _build_model(plan: Any, device: torch.device) -> tuple[torch.nn.Module, Any]:
+    """The plan's model and inputs, built with seed 0 on ``device``, in training mode."""
+    from codegen.reference import zoo_kwargs
+    from ir.source import build_model
+
+    model, inputs = build_model(plan.model["source"], device=str(device), seed=0,
+                                **zoo_kwargs(plan.training))
+    model.train()
+    return model, inputs
+
+
+@contextlib.contextmanager
+def _building(caught: list[Any], *bad_plan: type[BaseException]) -> Iterator[None]:
+    """Build the plan's runtime inside: warnings go to ``caught``; a plan of
+    another program stops the rank with ``EXIT_MISMATCH``, one of the errors
+    ``bad_plan`` with ``EXIT_BAD_PLAN``."""
+    from codegen.capture import PlanMismatchError
+
+    with _recording_warnings(caught):
+        try:
+            yield
+        except PlanMismatchError as err:
+            raise _Exit(EXIT_MISMATCH, str(err)) from None
+        except bad_plan as err:
+            raise _Exit(EXIT_BAD_PLAN, str(err)) from None
+
+
 def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int,
                       device: torch.device) -> tuple[dict[str, Any], bool]:
     """Run a plan without a pipeline section with :class:`PlanExecutor`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
-    from codegen.executor import PlanExecutor, PlanMismatchError, redistribute
-    from codegen.reference import loss_of, make_optimizer, zoo_kwargs
-    from ir.source import build_model
+    from codegen.executor import PlanExecutor
+    from codegen.redistribution import redistribute
+    from codegen.reference import loss_of, make_optimizer
 
     t_setup = time.perf_counter()
     names = plan.mesh.get("axis_names")
     names = tuple(names) if names and len(names) == len(plan.mesh_shape) else None
     mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=names)
-    source = plan.model["source"]
-    model, inputs = build_model(source, device=str(device), seed=0, **zoo_kwargs(plan.training))
-    model.train()
+    model, inputs = _build_model(plan, device)
     caught: list[Any] = []
-    with _recording_warnings(caught):
-        try:
-            executor = PlanExecutor(plan, model, inputs, mesh)
-        except PlanMismatchError as err:
-            raise _Exit(EXIT_MISMATCH, str(err)) from None
+    with _building(caught):
+        executor = PlanExecutor(plan, model, inputs, mesh)
     del model  # the executor holds the distributed parameters
     params = dict(executor.named_parameters())
     opt = make_optimizer(params.values(), args.optimizer, args.lr)
@@ -345,12 +367,13 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
 
     steps = _train_steps(args, device, step_fn, after_step)
 
+    record = executor.record
     result = _result(args, plan, world, device, losses=steps.losses,
-                     nodes_executed=len(executor.observed),
-                     diffs=executor.compare_with_plan(), mismatches=executor.mismatches,
-                     explicit_reshards=executor.explicit_reshards,
-                     implicit_reshards=executor.implicit_reshards,
-                     grad_reductions=grad_reductions, fallback_ops=list(executor.fallback_ops),
+                     nodes_executed=len(record.observed),
+                     diffs=executor.compare_with_plan(), mismatches=record.mismatches,
+                     explicit_reshards=record.explicit_reshards,
+                     implicit_reshards=record.implicit_reshards,
+                     grad_reductions=grad_reductions, fallback_ops=list(record.fallback_ops),
                      caught=caught, setup_s=setup_s, steps=steps)
     return _finish(args, result, args.check and rank == 0, ref, grad_errors, missing_grads)
 
@@ -368,23 +391,15 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
     mean of the micro-batch losses. Rank 0 gathers the losses, every stage's
     full gradients and placement records from the first rank of each stage mesh.
     """
-    from codegen.executor import PlanMismatchError
-    from codegen.pipeline import PipelinePlanError, PipelineRuntime
-    from codegen.reference import make_optimizer, zoo_kwargs
-    from ir.source import build_model
+    from codegen.pipeline import PipelineRuntime
+    from codegen.pipeline_validation import PipelinePlanError
+    from codegen.reference import make_optimizer
 
     t_setup = time.perf_counter()
-    source = plan.model["source"]
-    model, inputs = build_model(source, device=str(device), seed=0, **zoo_kwargs(plan.training))
-    model.train()
+    model, inputs = _build_model(plan, device)
     caught: list[Any] = []
-    with _recording_warnings(caught):
-        try:
-            runtime = PipelineRuntime.build(plan, model, inputs, device)
-        except PlanMismatchError as err:
-            raise _Exit(EXIT_MISMATCH, str(err)) from None
-        except PipelinePlanError as err:
-            raise _Exit(EXIT_BAD_PLAN, str(err)) from None
+    with _building(caught, PipelinePlanError):
+        runtime = PipelineRuntime.build(plan, model, inputs, device)
     del model
     opt = make_optimizer([p for _, p in runtime.named_parameters()], args.optimizer, args.lr)
     setup_s = time.perf_counter() - t_setup
@@ -410,21 +425,37 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
 
     report = None
     if runtime.is_stage_leader:
-        report = {"grads": {k: (v.detach().cpu() if v is not None else None)
-                            for k, v in grads.items()},
-                  "losses": steps.losses if runtime.has_last else None,
-                  "diffs": [d for e in runtime.executors for d in e.compare_with_plan()],
-                  "mismatches": [m for e in runtime.executors for m in e.mismatches],
-                  "explicit": sum(e.explicit_reshards for e in runtime.executors),
-                  "implicit": sum(e.implicit_reshards for e in runtime.executors),
-                  "executed": sum(len(e.observed) for e in runtime.executors),
-                  "fallback": [op for e in runtime.executors for op in e.fallback_ops],
-                  "grad_reductions": grad_reductions}
+        report = _stage_report(runtime, grads, steps, grad_reductions)
     reports: list[Any] = [None] * world if rank == 0 else None
     dist.gather_object(report, reports, dst=0)
     if rank != 0:
         return {}, True
-    reports = [r for r in reports if r is not None]
+    return _pipelined_result(args, plan, world, device, [r for r in reports if r is not None],
+                             ref, caught=caught, setup_s=setup_s, steps=steps)
+
+
+def _stage_report(runtime: Any, grads: dict[str, Any], steps: _Steps,
+                  grad_reductions: int) -> dict[str, Any]:
+    """What the first rank of a stage mesh sends rank 0 about its stages: their
+    gradients (on the CPU), losses (last stage only) and placement records."""
+    records = [e.record for e in runtime.executors]
+    return {"grads": {k: (v.detach().cpu() if v is not None else None) for k, v in grads.items()},
+            "losses": steps.losses if runtime.has_last else None,
+            "diffs": [d for e in runtime.executors for d in e.compare_with_plan()],
+            "mismatches": [m for r in records for m in r.mismatches],
+            "explicit": sum(r.explicit_reshards for r in records),
+            "implicit": sum(r.implicit_reshards for r in records),
+            "executed": sum(len(r.observed) for r in records),
+            "fallback": [op for r in records for op in r.fallback_ops],
+            "grad_reductions": grad_reductions}
+
+
+def _pipelined_result(args: argparse.Namespace, plan: Any, world: int, device: torch.device,
+                      reports: list[dict[str, Any]], ref: Any, *, caught: list[Any],
+                      setup_s: float, steps: _Steps) -> tuple[dict[str, Any], bool]:
+    """The result of a pipelined run (rank 0) from every stage's
+    :func:`_stage_report`, with its ``pipeline`` section, checked against the
+    reference ``ref`` with --check; and whether it passed."""
     losses = next(r["losses"] for r in reports if r["losses"] is not None)
     result = _result(args, plan, world, device, losses=losses,
                      nodes_executed=sum(r["executed"] for r in reports),

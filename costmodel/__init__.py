@@ -14,14 +14,14 @@ from .cluster import (
     DeviceSpec,
     Link,
     canonical_dtype,
-    load_cluster,
 )
 from .collectives import COLLECTIVES, axis_links, collective_time
 from .compute import DEFAULT_HALF_SATURATION_FLOPS, matmul_efficiency, op_time
 from .memory import OPTIMIZER_STATES, gpt_activation_bytes_per_layer, reserve_bytes, training_state_bytes
-from .presets import PRESETS, local_cpu_cluster, preset
-from .resharding import ReshardStep, parse_placement, placement_str, reshard_steps, reshard_time
-from .schedules import SCHEDULES, ScheduleResult, rank_orders, simulate, simulate_orders
+from .presets import PRESETS, load_cluster, local_cpu_cluster, preset
+from .resharding import ReshardStep, reshard_steps, reshard_time
+from .schedule_specs import ScheduleSpec, schedule_spec
+from .schedules import SCHEDULES, ScheduleBook, ScheduleResult, rank_orders, simulate, simulate_orders
 
 __all__ = [
     "BACKENDS",
@@ -38,7 +38,9 @@ __all__ = [
     "Link",
     "ReshardStep",
     "SCHEDULES",
+    "ScheduleBook",
     "ScheduleResult",
+    "ScheduleSpec",
     "axis_links",
     "canonical_dtype",
     "collective_time",
@@ -47,10 +49,9 @@ __all__ = [
     "local_cpu_cluster",
     "matmul_efficiency",
     "op_time",
-    "parse_placement",
-    "placement_str",
     "preset",
     "rank_orders",
+    "schedule_spec",
     "simulate",
     "simulate_orders",
     "reserve_bytes",

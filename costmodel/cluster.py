@@ -10,25 +10,24 @@ the rate one device can push into the link while it also receives at the same
 rate (what NCCL calls bus bandwidth).
 
 The JSON form (``Cluster.to_dict`` / ``Cluster.from_dict``) is what a cluster
-file holds; ``load_cluster`` accepts a preset name, ``PRESET:NODES`` or such
-a file.
+file holds; :func:`costmodel.presets.load_cluster` accepts a preset name,
+``PRESET:NODES`` or such a file.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 __all__ = [
     "ClusterError",
     "canonical_dtype",
+    "check_mesh_shape",
     "Link",
     "DeviceSpec",
     "Cluster",
-    "load_cluster",
     "BACKENDS",
     "DEFAULT_KERNEL_OVERHEAD",
     "DEFAULT_FLOP_EFFICIENCY",
@@ -64,6 +63,31 @@ class ClusterError(ValueError):
 
     The message is always one line naming the offending field and the fix.
     """
+
+
+def check_mesh_shape(mesh_shape: Any, cluster: "Cluster | None" = None) -> tuple[int, ...]:
+    """``mesh_shape`` as a tuple of ints: a logical device mesh, one size per
+    axis, each at least 1; given ``cluster``, the sizes multiply to its devices.
+
+    The one check of a mesh shape, whoever gives it (the command line, the
+    planner, the cost model).
+
+    Raises:
+        ClusterError: what is wrong, and a shape that would do.
+    """
+    try:
+        shape = tuple(mesh_shape)
+    except TypeError:
+        shape = ()
+    if not shape or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in shape):
+        raise ClusterError(f"mesh {mesh_shape!r} must be one or more positive integer sizes, "
+                           f"such as 4 or 2x2")
+    if cluster is not None and math.prod(shape) != cluster.num_devices:
+        raise ClusterError(
+            f"mesh {'x'.join(map(str, shape))} has {math.prod(shape)} devices but cluster "
+            f"'{cluster.name}' has {cluster.num_devices}; give a mesh whose sizes multiply to "
+            f"{cluster.num_devices}")
+    return shape
 
 
 def canonical_dtype(dtype: Any) -> str:
@@ -447,49 +471,3 @@ class Cluster:
             inter_node=Link.from_dict(d["inter_node"], "inter_node"),
             backend=d["backend"],
         )
-
-
-def _parse_count(spec: str, text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1 or str(n) != text.strip():
-        raise ClusterError(f"cluster spec '{spec}': '{text}' after ':' must be a positive integer (nodes, or ranks for local-cpu)")
-    return n
-
-
-def load_cluster(spec: str) -> Cluster:
-    """A cluster from ``PRESET``, ``PRESET:N`` or a JSON cluster file path.
-
-    ``PRESET:N`` means N nodes (``dgx-a100-80g:2`` = 16 GPUs), except for
-    ``local-cpu:N``, which is N CPU ranks on this machine. A path (anything
-    that exists, ends in ``.json`` or contains a path separator) is read as
-    :meth:`Cluster.to_dict` JSON. Every failure is a :class:`ClusterError`.
-    """
-    from .presets import PRESETS, preset  # local: presets imports this module
-
-    if not isinstance(spec, str) or not spec.strip():
-        raise ClusterError(f"cluster spec must be a preset name or a JSON file path, got {spec!r}; presets: {', '.join(PRESETS)}")
-    spec = spec.strip()
-    looks_like_path = spec.endswith(".json") or os.sep in spec or (os.altsep is not None and os.altsep in spec)
-    if os.path.isfile(spec) or looks_like_path:
-        if not os.path.isfile(spec):
-            raise ClusterError(f"cluster file '{spec}' does not exist; give an existing JSON file or a preset ({', '.join(PRESETS)})")
-        try:
-            with open(spec, encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ClusterError(f"cluster file '{spec}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
-        except OSError as e:
-            raise ClusterError(f"cluster file '{spec}' cannot be read: {e.strerror}") from None
-        try:
-            return Cluster.from_dict(data)
-        except ClusterError as e:
-            raise ClusterError(f"cluster file '{spec}': {e}") from None
-    name, sep, count = spec.partition(":")
-    if name not in PRESETS:
-        raise ClusterError(f"unknown cluster preset '{name}'; presets: {', '.join(PRESETS)} (or give a JSON cluster file)")
-    if sep:
-        return preset(name, _parse_count(spec, count))
-    return preset(name)

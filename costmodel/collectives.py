@@ -33,19 +33,12 @@ import dataclasses
 import math
 from typing import Sequence
 
-from .cluster import Cluster, ClusterError, Link
+from .cluster import Cluster, Link, check_mesh_shape
 
 __all__ = ["COLLECTIVES", "axis_links", "collective_time"]
 
 #: Collective kinds :func:`collective_time` knows.
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p")
-
-
-def _check_mesh_shape(mesh_shape: Sequence[int]) -> tuple[int, ...]:
-    shape = tuple(mesh_shape)
-    if not shape or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in shape):
-        raise ClusterError(f"mesh shape must be a non-empty tuple of integers >= 1, got {mesh_shape!r}")
-    return shape
 
 
 def axis_links(cluster: Cluster, mesh_shape: Sequence[int]) -> list[Link]:
@@ -67,12 +60,7 @@ def axis_links(cluster: Cluster, mesh_shape: Sequence[int]) -> list[Link]:
         ClusterError: ``prod(mesh_shape) != cluster.num_devices`` or a bad shape.
             (For a pipeline stage's sub-mesh, use ``cluster.sub_cluster``.)
     """
-    shape = _check_mesh_shape(mesh_shape)
-    if math.prod(shape) != cluster.num_devices:
-        raise ClusterError(
-            f"mesh shape {shape} holds {math.prod(shape)} devices but cluster '{cluster.name}' has "
-            f"{cluster.num_devices}; use a mesh whose sizes multiply to {cluster.num_devices}"
-        )
+    shape = check_mesh_shape(mesh_shape, cluster)
     links: list[Link] = []
     dpn = cluster.devices_per_node
     for k, size in enumerate(shape):

@@ -153,7 +153,7 @@ def attention_times(flops: float, bytes_moved: float, device: DeviceSpec,
                     dtype: Any) -> tuple[float, float]:
     """Seconds of the fused attention kernel's forward and backward.
 
-    ``flops``: forward FLOPs it executes (``ir.trace.attention_flops``: half
+    ``flops``: forward FLOPs it executes (``ir.exported_graph.attention_flops``: half
     the score matrix under a causal mask); ``bytes_moved``: its forward bytes
     (q, k, v and the output, of order b·h·s·d; the s x s scores stay on chip).
     The backward does :data:`ATTENTION_BACKWARD_FLOPS` times the forward FLOPs

@@ -1,4 +1,6 @@
-"""Cluster presets built from published hardware figures.
+"""Cluster presets built from published hardware figures, and
+:func:`load_cluster`, which turns a cluster spec (a preset, ``PRESET:NODES``
+or a cluster JSON file) into a :class:`Cluster`.
 
 Units: seconds, bytes, FLOP/s, bytes/s.
 
@@ -26,6 +28,8 @@ overwrite them with measured values through :func:`local_cpu_cluster`'s
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
@@ -33,6 +37,7 @@ from .cluster import Cluster, ClusterError, DeviceSpec, Link
 
 __all__ = [
     "PRESETS",
+    "load_cluster",
     "preset",
     "local_cpu_cluster",
     "DEFAULT_LOCAL_CPU_RANKS",
@@ -217,3 +222,47 @@ def preset(name: str, count: int | None = None) -> Cluster:
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ClusterError(f"cluster preset '{name}' needs a positive integer count, got {count!r}")
     return PRESETS[name](count)
+
+
+def _parse_count(spec: str, text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1 or str(n) != text.strip():
+        raise ClusterError(f"cluster spec '{spec}': '{text}' after ':' must be a positive integer (nodes, or ranks for local-cpu)")
+    return n
+
+
+def load_cluster(spec: str) -> Cluster:
+    """A cluster from ``PRESET``, ``PRESET:N`` or a JSON cluster file path.
+
+    ``PRESET:N`` means N nodes (``dgx-a100-80g:2`` = 16 GPUs), except for
+    ``local-cpu:N``, which is N CPU ranks on this machine. A path (anything
+    that exists, ends in ``.json`` or contains a path separator) is read as
+    :meth:`Cluster.to_dict` JSON. Every failure is a :class:`ClusterError`.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ClusterError(f"cluster spec must be a preset name or a JSON file path, got {spec!r}; presets: {', '.join(PRESETS)}")
+    spec = spec.strip()
+    looks_like_path = spec.endswith(".json") or os.sep in spec or (os.altsep is not None and os.altsep in spec)
+    if os.path.isfile(spec) or looks_like_path:
+        if not os.path.isfile(spec):
+            raise ClusterError(f"cluster file '{spec}' does not exist; give an existing JSON file or a preset ({', '.join(PRESETS)})")
+        try:
+            with open(spec, encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ClusterError(f"cluster file '{spec}' is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from None
+        except OSError as e:
+            raise ClusterError(f"cluster file '{spec}' cannot be read: {e.strerror}") from None
+        try:
+            return Cluster.from_dict(data)
+        except ClusterError as e:
+            raise ClusterError(f"cluster file '{spec}': {e}") from None
+    name, sep, count = spec.partition(":")
+    if name not in PRESETS:
+        raise ClusterError(f"unknown cluster preset '{name}'; presets: {', '.join(PRESETS)} (or give a JSON cluster file)")
+    if sep:
+        return preset(name, _parse_count(spec, count))
+    return preset(name)

@@ -1,7 +1,7 @@
 """Per-rank measurement loop of ``planner profile`` (see :mod:`costmodel.profile`).
 
 One process ``python -m costmodel.profile_worker SPEC.json RANK WORLD`` is one
-rank, started by :func:`costmodel.profile.measure`. Every rank runs the same
+rank, started by :func:`costmodel.profile_run.measure`. Every rank runs the same
 measurements at the same time, as the ranks of a planned SPMD step would:
 
 * ``overhead``: seconds per eager call of a tiny elementwise op (dispatch +
@@ -44,6 +44,7 @@ import statistics
 import time
 import traceback
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["run_worker", "count_steps", "COLLECTIVE_KINDS"]
@@ -230,7 +231,21 @@ def _attention_fn(torch: Any, device: Any, dtype: Any, b: int, h: int, seq: int,
     return step
 
 
-def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str], None]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Rank:
+    """This process's place in the measurement: the ``torch`` and
+    ``torch.distributed`` modules, its device, its rank and the world size."""
+
+    torch: Any
+    dist: Any
+    device: Any
+    rank: int
+    world: int
+
+
+def _join(rank: int, world: int, spec: dict[str, Any]) -> _Rank:
+    """Set this rank's threads and device (TF32 off on GPU) and, with more
+    than one rank, join the process group at ``spec["init_method"]``."""
     import torch
     import torch.distributed as dist
 
@@ -243,43 +258,37 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     if world > 1:
         dist.init_process_group(spec["backend"], init_method=spec["init_method"], rank=rank, world_size=world,
                                 **({"device_id": device} if cuda else {}))
-    runner = _Runner(torch, dist, device, world, int(spec["reps"]), report)
-    compute_rep = float(spec["compute_min_rep_s"])
-    out: dict[str, Any] = {"overhead": None, "memory": [], "gemms": [], "collectives": [], "unsupported": {}}
+    return _Rank(torch, dist, device, rank, world)
+
+
+def _dispatch_items(r: _Rank, min_rep_s: float, out: dict[str, Any]) -> list[_Item]:
+    """The same chain of tiny ops on a plain tensor and on a replicated DTensor;
+    records into ``out["dispatch"]``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    torch, device = r.torch, r.device
+    mesh = DeviceMesh(device.type, list(range(r.world)))
+    plain = torch.ones(64, device=device, requires_grad=True)
+    dtensor = distribute_tensor(torch.ones(64, device=device), mesh, [Replicate()])
+    dtensor.requires_grad_()
+    out["dispatch"] = {"ops": DISPATCH_CHAIN + 1, "plain": {}, "dtensor": {}}
+    return [_Item(f"dispatch {kind}", (lambda x: lambda: _chain(x))(x), min_rep_s, False, out["dispatch"][kind])
+            for kind, x in (("plain", plain), ("dtensor", dtensor))]
+
+
+def _kernel_items(r: _Rank, spec: dict[str, Any], min_rep_s: float, out: dict[str, Any]) -> list[_Item]:
+    """The copies, GEMMs and fused attentions of ``spec``; each appends its
+    record to ``out["memory"]``, ``out["gemms"]`` or ``out["attention"]``."""
+    torch, device = r.torch, r.device
     items: list[_Item] = []
-
-    if spec.get("overhead"):
-        a = torch.zeros(1, device=device)
-        b = torch.zeros(1, device=device)
-        out["overhead"] = {}
-        items.append(_Item("kernel overhead", lambda: torch.add(a, b, out=a), compute_rep, False, out["overhead"]))
-
-    if spec.get("host"):  # eager PyTorch's host time per op: a host-bound training step
-        step, passes = _tiny_training_step(torch, device, spec["host"])
-        out["host"] = {"model": spec["host"], "passes": passes}
-        items.append(_Item("host per op", step, compute_rep, False, out["host"]))
-
-    if spec.get("dispatch") and dist.is_initialized():
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate, distribute_tensor
-
-        mesh = DeviceMesh(device.type, list(range(world)))
-        plain = torch.ones(64, device=device, requires_grad=True)
-        dtensor = distribute_tensor(torch.ones(64, device=device), mesh, [Replicate()])
-        dtensor.requires_grad_()
-        out["dispatch"] = {"ops": DISPATCH_CHAIN + 1, "plain": {}, "dtensor": {}}
-        for kind, x in (("plain", plain), ("dtensor", dtensor)):
-            items.append(_Item(f"dispatch {kind}", (lambda x: lambda: _chain(x))(x), compute_rep,
-                               False, out["dispatch"][kind]))
-
     for nbytes in spec.get("memory_bytes", ()):
         src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         dst = torch.zeros_like(src)
         rec = {"bytes": 2 * src.numel() * 4, "size": src.numel() * 4}
         out["memory"].append(rec)
         items.append(_Item(f"copy {nbytes / 2**20:.0f} MiB", (lambda s, d: lambda: d.copy_(s))(src, dst),
-                           compute_rep, False, rec))
-
+                           min_rep_s, False, rec))
     for m, k, n, dtype_name in spec.get("gemms", ()):
         dtype = getattr(torch, _DTYPES[dtype_name])
         x = torch.randn(m, k, dtype=dtype, device=device)
@@ -290,55 +299,109 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
                "bytes": elem * (m * k + k * n + m * n)}
         out["gemms"].append(rec)
         items.append(_Item(f"gemm {m}x{k}x{n}", (lambda x, w, y: lambda: torch.mm(x, w, out=y))(x, w, y),
-                           compute_rep, False, rec))
+                           min_rep_s, False, rec))
     out["attention"] = []
     for b, h, seq, d, dtype_name in spec.get("attention", ()):
         rec = {"shape": [b, h, seq, d], "dtype": dtype_name,
                "flops": 2.0 * b * h * seq * seq * 2 * d / 2}  # executed forward FLOPs, causal
         out["attention"].append(rec)
         items.append(_Item(f"attention {b}x{h}x{seq}x{d}", _attention_fn(
-            torch, device, getattr(torch, _DTYPES[dtype_name]), b, h, seq, d), compute_rep,
+            torch, device, getattr(torch, _DTYPES[dtype_name]), b, h, seq, d), min_rep_s,
             False, rec))
-    runner.run(items)
+    return items
 
-    dtype = getattr(torch, _DTYPES[spec.get("collective_dtype", "float32")])
-    elem = torch.tensor([], dtype=dtype).element_size()
-    items = []
-    buffers: dict[int, dict[int, tuple[Any, Any, Any]]] = {}  # group size -> numel -> tensors
-    group_sizes = [int(g) for g in (spec.get("group_sizes") or [world])] if spec.get("collectives") else []
-    groups: dict[int, Any] = {}
-    for g in group_sizes:
-        if g < 2 or g > world or world % g:
-            raise ValueError(f"group size {g} must be in 2..{world} and divide the world size {world}")
-        # g == world: the world group; else world/g disjoint groups of g ranks that run at once
-        groups[g] = None if g == world else dist.new_subgroups(g)[0]
+
+def _compute_items(r: _Rank, spec: dict[str, Any], out: dict[str, Any]) -> list[_Item]:
+    """Every non-collective measurement of ``spec``, in the order they run;
+    each records into its place in ``out``."""
+    torch, device = r.torch, r.device
+    min_rep_s = float(spec["compute_min_rep_s"])
+    items: list[_Item] = []
+    if spec.get("overhead"):
+        a = torch.zeros(1, device=device)
+        b = torch.zeros(1, device=device)
+        out["overhead"] = {}
+        items.append(_Item("kernel overhead", lambda: torch.add(a, b, out=a), min_rep_s, False, out["overhead"]))
+    if spec.get("host"):  # eager PyTorch's host time per op: a host-bound training step
+        step, passes = _tiny_training_step(torch, device, spec["host"])
+        out["host"] = {"model": spec["host"], "passes": passes}
+        items.append(_Item("host per op", step, min_rep_s, False, out["host"]))
+    if spec.get("dispatch") and r.dist.is_initialized():
+        items += _dispatch_items(r, min_rep_s, out)
+    return items + _kernel_items(r, spec, min_rep_s, out)
+
+
+def _collective_groups(r: _Rank, spec: dict[str, Any]) -> list[tuple[int, Any]]:
+    """``(group size, this rank's process group)`` for each of ``spec["group_sizes"]``
+    (default: the world; none when ``spec`` has no collectives). The world is
+    group None; a smaller size ``g`` splits the world into world/g disjoint
+    groups that run at once."""
+    sizes = [int(g) for g in (spec.get("group_sizes") or [r.world])] if spec.get("collectives") else []
+    groups: list[tuple[int, Any]] = []
+    for g in sizes:
+        if g < 2 or g > r.world or r.world % g:
+            raise ValueError(f"group size {g} must be in 2..{r.world} and divide the world size {r.world}")
+        groups.append((g, None if g == r.world else r.dist.new_subgroups(g)[0]))
+    return groups
+
+
+def _supported_kinds(r: _Rank, spec: dict[str, Any], dtype: Any, n_groups: int, unsupported: dict[str, str],
+                     report: Callable[[str], None]) -> list[str]:
+    """The collectives of ``spec`` the backend runs, in order; each one it
+    lacks goes into ``unsupported`` with its error, and its progress steps are
+    reported as done."""
     kinds = list(spec.get("collectives", ()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for kind in list(kinds):
             try:  # a backend without this collective raises the same way on every rank
-                _collective_fn(kind, world * 16, world, torch, dist, device, dtype)()
+                _collective_fn(kind, r.world * 16, r.world, r.torch, r.dist, r.device, dtype)()
             except (RuntimeError, NotImplementedError, ValueError) as err:
-                out["unsupported"][kind] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                unsupported[kind] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 kinds.remove(kind)
-                for _ in range(len(spec.get("sizes", ())) * len(group_sizes) * (int(spec["reps"]) + 1)):
+                for _ in range(len(spec.get("sizes", ())) * n_groups * (int(spec["reps"]) + 1)):
                     report(f"{kind} unsupported")
-    for g in group_sizes:
-        src = (rank // g) * g  # first global rank of this rank's group
+    return kinds
+
+
+def _collective_items(r: _Rank, spec: dict[str, Any], dtype: Any, kinds: list[str],
+                      groups: list[tuple[int, Any]], records: list[dict[str, Any]]) -> list[_Item]:
+    """One item per group size, kind and size (bytes rounded down to whole
+    elements that split evenly over the group); each appends its record to ``records``."""
+    elem = r.torch.tensor([], dtype=dtype).element_size()
+    items: list[_Item] = []
+    buffers: dict[int, dict[int, tuple[Any, Any, Any]]] = {}  # group size -> numel -> tensors
+    for g, group in groups:
+        src = (r.rank // g) * g  # first global rank of this rank's group
         for kind in kinds:
             for nbytes in spec.get("sizes", ()):
                 numel = max(g, (int(nbytes) // elem) // g * g)
-                rec = {"kind": kind, "nbytes": numel * elem, "group_size": g, "groups": world // g}
-                out["collectives"].append(rec)
-                fn = _collective_fn(kind, numel, g, torch, dist, device, dtype, groups[g], src,
+                rec = {"kind": kind, "nbytes": numel * elem, "group_size": g, "groups": r.world // g}
+                records.append(rec)
+                fn = _collective_fn(kind, numel, g, r.torch, r.dist, r.device, dtype, group, src,
                                     buffers.setdefault(g, {}))
                 items.append(_Item(f"{kind} {numel * elem} B /{g}", fn, float(spec["collective_min_rep_s"]), True, rec))
+    return items
+
+
+def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str], None]) -> dict[str, Any]:
+    """Join, run the compute measurements, then the collectives, and leave;
+    the result dict as the module docstring describes."""
+    r = _join(rank, world, spec)
+    runner = _Runner(r.torch, r.dist, r.device, world, int(spec["reps"]), report)
+    out: dict[str, Any] = {"overhead": None, "memory": [], "gemms": [], "collectives": [], "unsupported": {}}
+    runner.run(_compute_items(r, spec, out))
+
+    dtype = getattr(r.torch, _DTYPES[spec.get("collective_dtype", "float32")])
+    groups = _collective_groups(r, spec)
+    kinds = _supported_kinds(r, spec, dtype, len(groups), out["unsupported"], report)
+    items = _collective_items(r, spec, dtype, kinds, groups, out["collectives"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner.run(items)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if r.dist.is_initialized():
+        r.dist.barrier()
+        r.dist.destroy_process_group()
     return out
 
 

@@ -3,8 +3,9 @@
 Units: seconds, bytes.
 
 A tensor's layout on an N-D mesh is one DTensor placement per mesh axis
-(``Replicate()``, ``Shard(d)``, ``Partial(op)``); JSON writes them as
-``"R"``, ``"S(d)"``, ``"P"`` / ``"P(avg)"``.
+(``Replicate()``, ``Shard(d)``, ``Partial(op)``, the only ones priced), given
+as DTensor objects or as plan strings (``"R"``, ``"S(d)"``, ``"P"`` /
+``"P(avg)"``: :mod:`ir.placements`).
 
 :func:`reshard_steps` replays DTensor's greedy planner
 (``torch/distributed/tensor/_redistribute.py``,
@@ -38,57 +39,20 @@ merging of steps into one collective over a flattened mesh
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Sequence, Union
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from .cluster import Link
+from ir.placements import parse_placement, placement_str
+from ir.torch_compat import is_strided_shard
+
+from .cluster import Link, check_mesh_shape
 from .collectives import collective_time
 
-__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_time", "placement_str",
-           "parse_placement", "gradient_placements"]
+__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_time", "gradient_placements"]
 
 PlacementLike = Union[Placement, str]
-
-_PARTIAL_OPS = tuple(getattr(Partial, "ALL_REDUCE_OPS", ("sum", "avg", "min", "max", "product")))
-_RE_SHARD = re.compile(r"S\((\d+)\)")
-_RE_PARTIAL = re.compile(r"P(?:\((\w+)\))?")
-
-
-def placement_str(p: Placement) -> str:
-    """JSON form of a placement: ``"R"``, ``"S(d)"``, ``"P"`` (sum) or ``"P(op)"``."""
-    if isinstance(p, Shard) and type(p) is Shard:
-        return f"S({p.dim})"
-    if isinstance(p, Replicate):
-        return "R"
-    if isinstance(p, Partial):
-        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
-    raise ValueError(f"placement {p!r} has no JSON form; only Replicate, Shard(d) and Partial are supported")
-
-
-def parse_placement(s: str) -> Placement:
-    """Inverse of :func:`placement_str`: ``"R"``, ``"S(0)"``, ``"P"``, ``"P(avg)"``.
-
-    Raises:
-        ValueError: anything else, with the accepted forms in the message.
-    """
-    if not isinstance(s, str):
-        raise ValueError(f"placement must be a string like 'R', 'S(0)', 'P' or 'P(avg)', got {s!r}")
-    text = re.sub(r"\s+", "", s)
-    if text == "R":
-        return Replicate()
-    m = _RE_SHARD.fullmatch(text)
-    if m:
-        return Shard(int(m.group(1)))
-    m = _RE_PARTIAL.fullmatch(text)
-    if m:
-        op = m.group(1) or "sum"
-        if op not in _PARTIAL_OPS:
-            raise ValueError(f"placement {s!r}: unknown reduce op {op!r}; use one of {', '.join(_PARTIAL_OPS)}")
-        return Partial(op)
-    raise ValueError(f"placement {s!r} is not one of 'R', 'S(d)' (d >= 0), 'P' or 'P(op)'")
 
 
 def gradient_placements(placements: Sequence[PlacementLike]) -> tuple[PlacementLike, ...]:
@@ -120,17 +84,31 @@ class ReshardStep:
 
 
 def _as_placement(p: PlacementLike) -> Placement:
+    """``p`` as a placement the cost model prices: a plan string is read
+    (:func:`ir.placements.parse_placement`), a Replicate subclass is read as
+    ``Replicate()``, a Partial subclass (DTensor's masked partial) as the
+    partial it is.
+
+    Raises:
+        ValueError: a malformed plan string, a strided shard (the cost model
+            does not price it) or no DTensor placement.
+    """
     if type(p) in _PLAIN_PLACEMENTS:
         return p
+    given = p
     if isinstance(p, str):
-        return parse_placement(p)
-    if isinstance(p, Shard):  # not Shard itself: _StridedShard
-        raise ValueError(f"placement {p!r} is not supported by the cost model (only Replicate, Shard(d), Partial)")
+        p = parse_placement(p)
+        if type(p) in _PLAIN_PLACEMENTS:
+            return p
+    if is_strided_shard(p) or isinstance(p, Shard):  # a Shard subclass: Shard itself returned above
+        raise ValueError(f"placement {given!r} is a strided shard, which the cost model does not "
+                         f"price; it prices R, S(d), P and P(op)")
     if isinstance(p, Replicate):
         return Replicate()
     if isinstance(p, Partial):
         return p
-    raise ValueError(f"placement {p!r} is not a DTensor Replicate/Shard/Partial or its JSON string")
+    raise ValueError(f"placement {p!r} is not a DTensor Replicate, Shard or Partial, nor its "
+                     f"plan string")
 
 
 # the placement types the cost model takes as they are
@@ -143,7 +121,7 @@ def _normalize(placements: Sequence[PlacementLike], ndim: int, what: str) -> lis
         p = _as_placement(p)
         if type(p) is Shard:
             if not -ndim <= p.dim < ndim:
-                raise ValueError(f"{what} placement {placement_str(p)} shards dim {p.dim} of a {ndim}-D tensor")
+                raise ValueError(f"{what} placement {p!r} shards dim {p.dim} of a {ndim}-D tensor")
             if p.dim < 0:
                 p = Shard(p.dim % ndim)
         out.append(p)
@@ -252,11 +230,6 @@ def _check_tensor(shape: tuple[int, ...], itemsize: int) -> None:
         raise ValueError(f"itemsize must be a positive integer (bytes), got {itemsize!r}")
 
 
-def _check_mesh(mesh: tuple[int, ...], mesh_shape) -> None:
-    if any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in mesh) or not mesh:
-        raise ValueError(f"mesh_shape must be a non-empty tuple of integers >= 1, got {mesh_shape!r}")
-
-
 def _check_placements(src, dst, mesh: tuple[int, ...]) -> None:
     if len(src) != len(mesh) or len(dst) != len(mesh):
         raise ValueError(
@@ -267,7 +240,7 @@ def _check_placements(src, dst, mesh: tuple[int, ...]) -> None:
 def _check(src, dst, shape: tuple[int, ...], itemsize: int, mesh: tuple[int, ...],
            mesh_shape) -> None:
     _check_tensor(shape, itemsize)
-    _check_mesh(mesh, mesh_shape)
+    check_mesh_shape(mesh_shape)
     _check_placements(src, dst, mesh)
 
 
@@ -354,7 +327,7 @@ class ReshardPricer:
 
     def __init__(self, mesh_shape: Sequence[int], links: Sequence[Link]):
         _check_links(mesh_shape, links)
-        _check_mesh(tuple(mesh_shape), mesh_shape)
+        check_mesh_shape(mesh_shape)
         self.mesh_shape = tuple(mesh_shape)
         self.links = list(links)
         self.specs: list[tuple[PlacementLike, ...]] = []  # id -> placements

@@ -1,9 +1,10 @@
 """The planner's record of a captured training graph.
 
-A :class:`Graph` is a topologically ordered list of :class:`Node` records, one per
-placeholder (parameter, buffer or user input) and per aten call in the captured
-forward program. Every number carries its unit in its name: FLOPs are floating
-point operations of the forward pass, bytes are bytes.
+A :class:`Graph` is a topologically ordered list of :class:`ir.node.Node`
+records, one per placeholder (parameter, buffer or user input) and per aten
+call in the captured forward program. The node vocabulary (:class:`Node`,
+:class:`TensorInfo` and the node kinds) is defined in :mod:`ir.node` and handed
+on here, so that a reader of graphs imports all it needs from this module.
 """
 
 from __future__ import annotations
@@ -12,103 +13,14 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import networkx as nx
-import torch
 
-if TYPE_CHECKING:
-    from ir.layers import Layer
+from ir.node import BUFFER, INPUT, OP, PARAM, Node, TensorInfo
+from ir.repeated_blocks import Layer, find_layers
 
-PARAM = "param"
-BUFFER = "buffer"
-INPUT = "input"
-OP = "op"
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Shape and dtype of one tensor value (a global, unsharded view)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= int(d)
-        return n
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element."""
-        return self.dtype.itemsize
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole (unsharded) tensor."""
-        return self.numel * self.itemsize
-
-    @property
-    def is_float(self) -> bool:
-        return self.dtype.is_floating_point or self.dtype.is_complex
-
-    def to_json(self) -> dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": str(self.dtype).replace("torch.", "")}
-
-
-@dataclass
-class Node:
-    """One value-producing step of the captured program.
-
-    Attributes:
-        name: unique node name (the torch.fx node name).
-        kind: ``param``, ``buffer``, ``input`` or ``op``.
-        target: aten overload name such as ``aten.mm.default``; ``getitem`` for
-            tuple projections; the FQN for parameters and buffers.
-        args: names of the nodes whose tensors this node reads, in argument order
-            (one entry per tensor argument, repeats allowed).
-        arg_index: for ``getitem`` nodes, the index of the projected output.
-        inputs: TensorInfo of each tensor argument, aligned with ``args``.
-        outputs: TensorInfo of each tensor output (several for multi-output ops).
-        flops: forward FLOPs of this op (matmul/attention FLOPs from PyTorch's
-            flop registry; 0 for memory-bound ops).
-        bytes_moved: bytes read plus bytes written by this op in the forward pass
-            (0 for view ops that move no data).
-        params: FQNs of the parameters this node reads directly.
-        module_path: FQN of the innermost nn.Module that issued the op ("" = root).
-    """
-
-    name: str
-    kind: str
-    target: str
-    args: tuple[str, ...] = ()
-    arg_index: int | None = None
-    inputs: tuple[TensorInfo, ...] = ()
-    outputs: tuple[TensorInfo, ...] = ()
-    flops: float = 0.0
-    bytes_moved: float = 0.0
-    params: tuple[str, ...] = ()
-    module_path: str = ""
-    fqn: str | None = None
-
-    @property
-    def is_view(self) -> bool:
-        """An op that moves no bytes and does no FLOPs: a view of its input
-        (tuple projections included)."""
-        return self.kind == OP and self.bytes_moved == 0 and self.flops == 0
-
-    @property
-    def output(self) -> TensorInfo:
-        """The single tensor output; raises for multi-output nodes."""
-        if len(self.outputs) != 1:
-            raise ValueError(f"node {self.name} ({self.target}) has {len(self.outputs)} outputs")
-        return self.outputs[0]
-
-    @property
-    def is_placeholder(self) -> bool:
-        return self.kind in (PARAM, BUFFER, INPUT)
+__all__ = ["BUFFER", "INPUT", "OP", "PARAM", "Graph", "Node", "TensorInfo"]
 
 
 @dataclass
@@ -137,10 +49,8 @@ class Graph:
 
     @cached_property
     def layers(self) -> list[Layer]:
-        """:func:`ir.layers.find_layers` of this graph, found once (the
+        """:func:`ir.repeated_blocks.find_layers` of this graph, found once (the
         planner prices each stage graph on many meshes)."""
-        from ir.layers import find_layers  # ir.layers reads Graph: imported here
-
         return find_layers(self)
 
     def __getitem__(self, name: str) -> Node:

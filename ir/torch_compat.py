@@ -16,12 +16,14 @@ import torch
 import torch.fx.config
 
 __all__ = [
-    "KEPT_FUSED_OPS", "OpOverload", "SDPA", "aot_export_module", "capture_decompositions",
-    "kept_fused_ops", "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
-    "fake_tensor_mode_type", "fx_without_stack_traces", "is_assertion_op", "mask_partial_type", "op_schema_info",
-    "op_strategy_functions", "redistribute_function", "register_fused_attention_sharding",
-    "sharding_propagator", "single_dim_expansion", "strided_shard_type",
-    "without_dtensor_redistribute_costs",
+    "KEPT_FUSED_OPS", "OpOverload", "SDPA", "aot_export_module", "autograd_redistribute",
+    "capture_decompositions", "dispatcher_input_reshards", "kept_fused_ops",
+    "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
+    "fake_tensor_mode_type", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
+    "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
+    "op_strategy_functions", "register_fused_attention_sharding", "sharding_propagator",
+    "single_dim_expansion", "strided_shard", "strided_shard_type",
+    "without_dtensor_redistribute_costs", "zero_masked_rows",
 ]
 
 #: The type of an ATen op overload (``torch.ops.aten.mm.default``).
@@ -225,18 +227,89 @@ def mask_partial_type() -> type:
     return MaskPartial
 
 
+def is_mask_partial(placement: Any) -> bool:
+    """Whether ``placement`` is DTensor's masked partial (:func:`mask_partial_type`)."""
+    return isinstance(placement, mask_partial_type())
+
+
+def zero_masked_rows(placement: Any, local: torch.Tensor) -> None:
+    """Zero, in ``local`` (in place), the rows of an embedding or gather lookup
+    that DTensor's masked partial ``placement`` marks as another rank's, and
+    release its mask (DTensor's mask serves one reduction only)."""
+    placement.mask_buffer.apply_mask(local)
+    placement.mask_buffer.release_mask()
+
+
 def strided_shard_type() -> type:
-    """DTensor's strided shard placement."""
+    """DTensor's strided shard placement (a subclass of ``Shard`` in some torch
+    releases, not in 2.13: ask :func:`is_strided_shard` before ``isinstance(p, Shard)``)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return _StridedShard
 
 
-def redistribute_function() -> Any:
-    """DTensor's autograd function for a redistribution (also to Partial)."""
+def is_strided_shard(placement: Any) -> bool:
+    """Whether ``placement`` is DTensor's strided shard (:func:`strided_shard_type`)."""
+    return isinstance(placement, strided_shard_type())
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """DTensor's strided shard of tensor dim ``dim`` with ``split_factor``."""
+    return strided_shard_type()(dim, split_factor=split_factor)
+
+
+def local_tensor(value: Any) -> torch.Tensor:
+    """The local shard a DTensor ``value`` holds, itself: unlike ``to_local()``
+    no autograd node is made (for reading its memory layout)."""
+    return value._local_tensor
+
+
+def autograd_redistribute(value: Any, mesh: Any, placements: tuple) -> Any:
+    """``value`` redistributed to ``placements`` on ``mesh`` by DTensor's own
+    autograd function, which unlike ``DTensor.redistribute`` also goes to
+    ``Partial``. Negative shard dims are normalized first, as
+    ``DTensor.redistribute`` does; the collectives run in ``value``'s dtype
+    (the ``dtype_config`` argument newer torch takes)."""
+    import inspect
+
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor._redistribute import Redistribute
 
-    return Redistribute
+    placements = tuple(Shard(p.dim + value.ndim) if type(p) is Shard and p.dim < 0 else p
+                       for p in placements)
+    if "dtype_config" not in inspect.signature(Redistribute.forward).parameters:
+        return Redistribute.apply(value, mesh, placements, False)
+    dt = value.dtype
+    cfg = {"op_dtype": dt, "out_dtype": dt, "backward_options": {"op_dtype": dt, "out_dtype": dt}}
+    return Redistribute.apply(value, mesh, placements, False, cfg)
+
+
+def dispatcher_input_reshards(op: Any, args: tuple, kwargs: dict) -> list[tuple[Any, tuple]] | None:
+    """The DTensor arguments DTensor's dispatcher redistributes before it runs
+    ``op`` on ``args`` and ``kwargs``, each as ``(argument, placements it is
+    redistributed to)``: empty when it reshards none, None when the dispatcher
+    cannot be asked (its private API moved).
+
+    Raises:
+        What DTensor's sharding propagator raises for an op it has no strategy for.
+    """
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor import DTensor
+
+    try:
+        info = DTensor._op_dispatcher.unwrap_to_op_info(op, args, kwargs)
+    except Exception:  # noqa: BLE001 - private API moved; the caller does without
+        return None
+    result = sharding_propagator().propagate_op_sharding(info.schema)
+    if not getattr(result, "needs_redistribute", False) or result.redistribute_schema is None:
+        return []
+    new_schema = result.redistribute_schema.args_schema
+    flattened = info.args_tree_spec is not None
+    new_specs = pytree.tree_leaves(new_schema) if flattened else list(new_schema)
+    flat_args = pytree.tree_leaves(args) if flattened else list(args)
+    return [(arg, tuple(new.placements))
+            for arg, old, new in zip(flat_args, info.flat_args_schema, new_specs)
+            if isinstance(arg, DTensor) and hasattr(new, "placements") and old != new]
 
 
 def cpu_flash_attention_ops() -> tuple[Any, Any]:

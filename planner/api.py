@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
@@ -9,175 +10,26 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from costmodel.cluster import Cluster, load_cluster
-from costmodel.memory import reserve_bytes, step_peak_bytes
-from costmodel.resharding import placement_str
-from costmodel.schedules import release_orders
-from ir.graph import INPUT, OP, PARAM, Graph
-from ir.layers import block_count, manual_bounds
-from ir.precision import Precision, compute_copy, get_precision, precision_of_dtype
+from costmodel.cluster import Cluster
+from costmodel.presets import load_cluster
+from costmodel.schedules import canonical_schedule, default_stages_per_rank
+from ir.graph import Graph
+from ir.layers import PipelineLayer, block_count, manual_bounds
+from ir.precision import Precision, compute_copy
 from ir.trace import trace
+from planner.assembly import build_plan, model_record, training_record
+from planner.finalists import assemble, solve_exact, solve_finalists, split_far_finalists
 from planner.forked import run_beside
-from planner.intra_op import IntraOpCost, IntraOpResult, MemoryInfeasibleError, solve_intra_op
-from planner.plan_format import OpPlacement, Plan, Reshard, SolverReport, training_precision
+from planner.inter_op import stage_mesh_options
+from planner.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
+from planner.pipeline import (NO_PIPELINE, SEARCH_ZERO_STAGES, SearchOptions, accumulates,
+                              refine, search, zero_variants)
+from planner.plan_format import Plan
+from planner.request import (PlanRequest, PlanningError, check_mesh, default_memory_budget,
+                             mesh_candidates, resolve_precision)
+from planner.search_context import SearchContext
 
-
-# Fraction of device memory kept free for the allocator's fragmentation and workspaces.
-MEMORY_RESERVE = 0.1
-
-
-class PlanningError(ValueError):
-    """The request cannot be planned; the message says what to change."""
-
-
-def _strs(placements) -> list[str]:
-    return [placement_str(p) for p in placements]
-
-
-def mesh_candidates(num_devices: int) -> list[tuple[int, ...]]:
-    """Logical mesh shapes tried when the user gives none: (N,) and every (a, N/a)."""
-    shapes: list[tuple[int, ...]] = [(num_devices,)]
-    for a in range(2, num_devices):
-        if num_devices % a == 0:
-            shapes.append((a, num_devices // a))
-    return shapes
-
-
-def _check_mesh(mesh_shape: Sequence[int], cluster: Cluster) -> tuple[int, ...]:
-    shape = tuple(int(d) for d in mesh_shape)
-    if not shape or any(d < 1 for d in shape):
-        raise PlanningError(f"mesh {mesh_shape} must be positive sizes such as 2x2")
-    size = 1
-    for d in shape:
-        size *= d
-    if size != cluster.num_devices:
-        raise PlanningError(
-            f"mesh {'x'.join(map(str, shape))} has {size} devices but cluster "
-            f"'{cluster.name}' has {cluster.num_devices}; give a mesh whose sizes multiply "
-            f"to {cluster.num_devices}")
-    return shape
-
-
-def default_precision(model: torch.nn.Module, cluster: Cluster) -> Precision:
-    """The precision a step trains in when nobody names one: ``bf16-mixed`` on
-    GPU clusters (what Megatron-LM and torchtitan run), ``fp16-mixed`` on GPUs
-    without bf16 units (V100); on CPU ranks (gloo) the model's own dtype
-    (``fp32``, or ``bf16`` for a model in bf16)."""
-    if cluster.backend != "gloo":
-        bf16 = "bfloat16" in cluster.device.peak_flops
-        return get_precision("bf16-mixed" if bf16 else "fp16-mixed")
-    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
-    return precision_of_dtype(dtypes[0] if dtypes else torch.float32)
-
-
-def resolve_precision(model: torch.nn.Module, cluster: Cluster,
-                      precision: str | Precision | None) -> Precision:
-    """``precision`` as a :class:`Precision` (its default when None).
-
-    Raises:
-        PlanningError: an unknown name, or fp32/bf16-mixed master weights asked of a
-            model whose parameters are bf16 (their fp32 values are gone).
-    """
-    if precision is None:
-        return default_precision(model, cluster)
-    try:
-        chosen = get_precision(precision)
-    except ValueError as err:
-        raise PlanningError(str(err)) from None
-    half = next((p.dtype for p in model.parameters()
-                 if p.dtype in (torch.bfloat16, torch.float16)), None)
-    if chosen.master_dtype == torch.float32 and half is not None:
-        name = "bf16" if half == torch.bfloat16 else "fp16"
-        raise PlanningError(f"precision {chosen.name} keeps fp32 master parameters but the "
-                            f"model's parameters are {name}; give the fp32 model"
-                            + (", or plan with precision='bf16'" if name == "bf16" else ""))
-    return chosen
-
-
-def _memory_report(memory: dict[str, float], peak: float | None = None) -> dict[str, int]:
-    """Bytes per device by kind; ``total`` their sum (what the plan's memory
-    budget bounds), ``peak`` the predicted peak of the step (``total`` unless
-    given: see :func:`costmodel.memory.step_peak_bytes`)."""
-    out = {k: int(round(v)) for k, v in sorted(memory.items())}
-    out["total"] = sum(out.values())
-    out["peak"] = out["total"] if peak is None else int(round(peak))
-    return out
-
-
-def default_memory_budget(cluster: Cluster) -> float:
-    """Bytes per device a plan may use: device memory less the allocator reserve."""
-    return float(cluster.device.memory - reserve_bytes(cluster.device.memory, MEMORY_RESERVE))
-
-
-def model_record(model: torch.nn.Module, graph: Graph, model_source: str | None) -> dict[str, Any]:
-    """The plan's ``model`` section: what the plan was made for."""
-    return {"name": model_source or type(model).__name__, "source": model_source,
-            "class": type(model).__name__, "fingerprint": graph.fingerprint(),
-            "num_parameters": graph.num_parameters}
-
-
-def training_record(precision: str | Precision, optimizer: str, example_inputs: Sequence[Any],
-                    zoo_kwargs: dict[str, Any] | None, **extra: Any) -> dict[str, Any]:
-    """The plan's ``training`` section: step shapes and settings the prediction
-    assumed. ``dtype`` is the compute dtype, ``precision`` the training
-    precision's name and ``reduce_dtype`` the gradient reduction dtype."""
-    p = get_precision(precision)
-    return {"dtype": p.compute_dtype_name, "precision": p.name,
-            "reduce_dtype": str(p.reduce_dtype).replace("torch.", ""), "optimizer": optimizer,
-            "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
-                             for t in example_inputs],
-            "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())), **extra}
-
-
-def build_plan(result: IntraOpResult, cluster: Cluster, model_info: dict[str, Any],
-               training: dict[str, Any], whole_batch: bool = False) -> Plan:
-    """Turn an intra-op solution into a Plan. ``whole_batch``: the step runs
-    the whole batch at once (no micro-batches), which lets gradients and
-    activations peak apart (:func:`costmodel.memory.step_peak_bytes`)."""
-    graph, chosen = result.graph, result.chosen
-    parameters = {n.fqn: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == PARAM}
-    inputs = {n.name: _strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == INPUT}
-    nodes: dict[str, OpPlacement] = {}
-    reshards: list[Reshard] = []
-    cost = IntraOpCost(graph, cluster, result.mesh_shape, training_precision(training))
-    for n in graph.nodes:
-        if n.kind != OP:
-            continue
-        s = chosen[n.name]
-        nodes[n.name] = OpPlacement(op=n.target, module=n.module_path,
-                                    inputs=[_strs(p) for p in s.inputs],
-                                    outputs=[_strs(p) for p in s.outputs])
-        for k, arg in enumerate(n.args):
-            producer = graph[arg]
-            idx = n.arg_index if n.target == "getitem" else 0
-            src = chosen[arg].outputs[idx]
-            if src != s.inputs[k]:
-                info = producer.outputs[idx]
-                reshards.append(Reshard(node=n.name, arg=arg, module=n.module_path,
-                                        src=_strs(src), dst=_strs(s.inputs[k]),
-                                        time_s=cost.reshard(src, s.inputs[k], info)))
-    sol = result.solution
-    b = result.breakdown
-    predicted = {
-        "step_time_s": sol.objective_s,
-        "compute_s": b.compute_s,
-        "communication_s": b.communication_s,
-        "resharding_s": b.resharding_s,
-        "memory_bytes_per_device": _memory_report(
-            result.memory, step_peak_bytes(result.memory, training.get("optimizer", "adam"))
-            if whole_batch else None),
-    }
-    return Plan(
-        model=model_info, cluster=cluster.to_dict(),
-        mesh={"shape": list(result.mesh_shape),
-              "axis_names": [f"mesh{i}" for i in range(len(result.mesh_shape))]},
-        parameters=parameters, inputs=inputs, nodes=nodes, reshards=reshards,
-        predicted=predicted,
-        solver=SolverReport(solver=sol.solver, status=sol.status, objective_s=sol.objective_s,
-                            bound_s=sol.bound_s, gap=sol.gap, time_limit_s=result.time_limit_s,
-                            num_variables=sol.num_variables,
-                            num_constraints=sol.num_constraints),
-        training=training, checkpoint=list(result.checkpointed))
+__all__ = ["PlanRequest", "PlanningError", "pipeline_plan", "plan"]
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
@@ -185,9 +37,9 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 def _planning(fn: _Fn) -> _Fn:
     """``fn``, a search, with Python's cyclic garbage collector paused while
-    it runs (as it was before afterwards), and the schedule orders it made
-    released after it (:func:`costmodel.schedules.release_orders`; ~400 MB
-    for gpt3-175b on 1024 GPUs).
+    it runs (as it was before afterwards). The schedule orders it made
+    (~400 MB for gpt3-175b on 1024 GPUs) are its search context's
+    (:attr:`planner.search_context.SearchContext.schedule_book`) and go with it.
 
     Reference counting still frees almost all a search makes; the objects it
     leaves in reference cycles (~50 MB for llama3-8b on 64 GPUs and
@@ -202,7 +54,6 @@ def _planning(fn: _Fn) -> _Fn:
         try:
             return fn(*args, **kwargs)
         finally:
-            release_orders()
             if was_enabled:
                 gc.enable()
     return planning  # type: ignore[return-value]
@@ -268,8 +119,6 @@ def _best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, .
 
 def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
     """``zero_stages`` as a list, or None (the search's default)."""
-    from planner.pipeline import SEARCH_ZERO_STAGES
-
     if zero_stages is None:
         return None
     out = [int(z) for z in zero_stages]
@@ -281,17 +130,8 @@ def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
 
 @_planning
 def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
-         mesh_shape: Sequence[int] | None = None, model_source: str | None = None,
-         time_limit_s: float = 30.0, optimizer: str = "adam",
-         memory_budget: float | None = None,
-         zoo_kwargs: dict[str, Any] | None = None,
-         pipeline: bool = True, pp: Sequence[int] | None = None,
-         schedules: Sequence[str] | None = None,
-         num_microbatches: Sequence[int] | None = None,
-         zero_stages: Sequence[int] | None = None,
-         precision: str | Precision | None = None,
-         recompute: bool | None = None,
-         progress: Callable[[str], None] | None = None) -> Plan:
+         request: PlanRequest | None = None,
+         progress: Callable[[str], None] | None = None, **options: Any) -> Plan:
     """Find the fastest way to run one training step of ``model`` on ``cluster``.
 
     The two-level search: every single-stage plan (the intra-op ILP on each 1-D
@@ -307,63 +147,52 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         example_inputs: arguments of one forward call of the whole (global)
             batch; ``model(*example_inputs)`` must return the scalar loss, a mean
             over the batch (micro-batches split dim 0 of every input).
-        mesh_shape: a logical device mesh such as ``(2, 2)``: plan one stage on
-            exactly this mesh (no pipeline).
-        model_source: how ``planner run`` rebuilds the model (zoo name or
-            ``file.py:factory``); recorded in the plan.
-        time_limit_s: limit for each ILP solve, seconds.
-        memory_budget: bytes per device the plan may use; default: the device's
-            memory less a 10 % allocator reserve.
-        zoo_kwargs: batch_size / seq_len used to build a zoo model (recorded so
-            the runner builds the same shapes).
-        pipeline: also search pipeline plans (ignored when ``mesh_shape`` is given).
-        pp, schedules, num_microbatches: restrict the pipeline search.
-        zero_stages: ZeRO stages of pipeline stages to try: 0 (none) and/or 3
-            (FSDP2 over the stage mesh's axis 0); default both.
-        precision: ``bf16-mixed`` (fp32 master parameters, gradients and
-            optimizer states, bf16 compute and activations), ``bf16`` or
-            ``fp32`` (:mod:`ir.precision`); default ``bf16-mixed`` on GPU
-            clusters and the model's own dtype on CPU ranks. Recorded in the
-            plan; ``planner run`` trains in it.
-        recompute: None: the search checkpoints layers only where that is
-            the fastest plan that fits; True: every layer; False: none.
-            Given, it needs ``mesh_shape`` or ``pipeline=False``.
+        request: the settings (:class:`planner.request.PlanRequest`: mesh,
+            precision, memory budget, pipeline restrictions, ...).
         progress: called with a short line as the search goes (for a progress bar).
+        options: :class:`PlanRequest` fields, given one by one (they replace
+            those of ``request``), e.g. ``mesh_shape=(2, 8)``,
+            ``precision="bf16-mixed"``, ``time_limit_s=10``.
 
     Python's cyclic garbage collector is paused while it runs (reference
-    counting frees almost everything; the rest waits for the next collection),
-    and the schedule orders of the search are released when it returns.
+    counting frees almost everything, the search's schedule orders included;
+    the rest waits for the next collection).
 
     Raises:
         PlanningError: bad mesh, or no plan fits in memory (the message gives the
             least memory per device that would fit).
+        TypeError: an option that is no :class:`PlanRequest` field.
     """
-    if recompute is not None and not mesh_shape and pipeline:
-        raise PlanningError("recompute= pins checkpointing of single-stage plans: give "
-                            "mesh_shape or pipeline=False with it")
+    req = dataclasses.replace(request or PlanRequest(), **options) if options else (
+        request or PlanRequest())
     model, cluster, example_inputs, graph, dtype, budget = _prepare(
-        model, cluster, example_inputs, memory_budget, precision)
-    info = model_record(model, graph, model_source)
-    training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
-    if mesh_shape or not pipeline:
-        shapes = [_check_mesh(mesh_shape, cluster)] if mesh_shape else mesh_candidates(
+        model, cluster, example_inputs, req.memory_budget, req.precision)
+    info = model_record(model, graph, req.model_source)
+    training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs)
+    if req.single_stage:
+        shapes = [check_mesh(req.mesh_shape, cluster)] if req.mesh_shape else mesh_candidates(
             cluster.num_devices)
-        best, too_big = _best_single_stage(graph, cluster, shapes, dtype, time_limit_s, budget,
-                                           optimizer, recompute)
+        best, too_big = _best_single_stage(graph, cluster, shapes, dtype, req.time_limit_s,
+                                           budget, req.optimizer, req.recompute)
         if best is None:
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
         return build_plan(best, cluster, info, training, whole_batch=True)
+    return _search_plan(req, model, cluster, example_inputs, graph, dtype, budget, progress,
+                        lambda r, c: build_plan(r, c, info, training))
 
-    from planner.finalists import assemble, solve_finalists, split_far_finalists
-    from planner.pipeline import (NO_PIPELINE, SearchOptions, accumulates, refine, search,
-                                  zero_variants)
-    from planner.search_context import SearchContext
 
-    ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
-                        budget=budget, time_limit_s=time_limit_s, progress=progress,
+def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
+                 example_inputs: tuple, graph: Graph, dtype: Precision, budget: float,
+                 progress: Callable[[str], None] | None,
+                 build: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
+    """The two-level search of :func:`plan` (single stages and pipelines), its
+    finalists solved exactly; ``build`` writes a solved program as a Plan."""
+    ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=req.optimizer,
+                        budget=budget, time_limit_s=req.time_limit_s, progress=progress,
                         whole_batch_graph=graph)
-    opts = SearchOptions(pp=pp, schedules=schedules, num_microbatches=num_microbatches,
-                         zero_stages=_check_zero_stages(zero_stages))
+    opts = SearchOptions(pp=req.pp, schedules=req.schedules,
+                         num_microbatches=req.num_microbatches,
+                         zero_stages=_check_zero_stages(req.zero_stages))
     priced = search(ctx, opts)
     first = [c for c in priced if not accumulates(c)]
     accumulating = [c for c in priced if accumulates(c)]
@@ -388,27 +217,24 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         exact = [e for e in solve_finalists(ctx, far) if e is not None]
     if not exact:  # the layer profiles are coarse: try every single stage exactly
         best, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
-                                           dtype, time_limit_s, budget, optimizer)
+                                           dtype, req.time_limit_s, budget, req.optimizer)
         if best is not None:
-            return build_plan(best, cluster, info, training)
+            return build(best, cluster)
         least = min(too_big, key=lambda e: e.least_bytes) if too_big else None
         raise PlanningError((str(least) if least else "no plan fits in memory")
                             + " (no pipeline of its layers fits either)")
     winner = min(exact, key=lambda e: e.step_time_s)
     if winner.candidate.schedule == NO_PIPELINE:
-        return build_plan(winner.results[0], cluster, info, training)
-    return assemble(winner, ctx, lambda r, c: build_plan(r, c, info, training))
+        return build(winner.results[0], cluster)
+    return assemble(winner, ctx, build)
 
 
 @_planning
 def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                   pp: int, stage_mesh: Sequence[int], schedule: str, num_microbatches: int,
                   zero_stage: int = 0, layer_split: Sequence[int] | None = None,
-                  model_source: str | None = None, zoo_kwargs: dict[str, Any] | None = None,
-                  time_limit_s: float = 30.0, optimizer: str = "adam",
-                  memory_budget: float | None = None,
-                  fixed: dict[str, tuple] | None = None,
-                  precision: str | Precision | None = None) -> Plan:
+                  fixed: dict[str, tuple] | None = None, request: PlanRequest | None = None,
+                  **options: Any) -> Plan:
     """A pipeline plan of one fixed configuration (what a user would pin by hand).
 
     Args:
@@ -423,17 +249,14 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
             stage and those after the last (head and loss) the last stage.
         fixed: placements (on the stage mesh) some parameters (by FQN) or inputs
             must take, e.g. a Megatron layout; the ILP places everything else.
-        Others: as :func:`plan`.
+        request, options: as :func:`plan` (of its fields, ``model_source``,
+            ``zoo_kwargs``, ``time_limit_s``, ``optimizer``, ``memory_budget``
+            and ``precision`` apply).
     """
-    from costmodel.schedules import canonical_schedule, default_stages_per_rank
-    from planner.inter_op import stage_mesh_options
-    from planner.finalists import assemble, solve_exact
-    from planner.pipeline import SearchOptions, search
-    from planner.search_context import SearchContext
-
+    req = dataclasses.replace(request or PlanRequest(), **options)
     model, cluster, example_inputs, graph, dtype, budget = _prepare(
-        model, cluster, example_inputs, memory_budget, precision)
-    stage_mesh = tuple(int(d) for d in stage_mesh)
+        model, cluster, example_inputs, req.memory_budget, req.precision)
+    stage_mesh = check_mesh(stage_mesh)
     _check_zero_stages([zero_stage])
     if pp * math.prod(stage_mesh) != cluster.num_devices:
         raise PlanningError(
@@ -441,8 +264,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
             f"{pp * math.prod(stage_mesh)} devices but cluster '{cluster.name}' has "
             f"{cluster.num_devices}")
     schedule = canonical_schedule(schedule)
-    ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=optimizer,
-                        budget=budget, time_limit_s=time_limit_s, fixed=fixed,
+    ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=req.optimizer,
+                        budget=budget, time_limit_s=req.time_limit_s, fixed=fixed,
                         whole_batch_graph=graph)
     if ctx.global_batch % num_microbatches:
         raise PlanningError(f"{num_microbatches} micro-batches do not divide the batch of "
@@ -450,17 +273,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     if not stage_mesh_options(cluster, pp):
         raise PlanningError(f"pp={pp} does not cut cluster '{cluster.name}' into sub-meshes "
                             f"inside a node or of whole nodes")
-    v = default_stages_per_rank(schedule)
     layers = ctx.program(num_microbatches).layers
-    if layer_split is not None:
-        blocks = block_count(layers)
-        if len(layer_split) != pp * v or sum(layer_split) != blocks or min(layer_split) < 1:
-            raise PlanningError(
-                f"layer_split {list(layer_split)} must give {pp * v} stages of at least one "
-                f"layer each, {blocks} layers in all")
-        bounds = manual_bounds(layers, layer_split)
-    else:
-        bounds = None
+    bounds = None if layer_split is None else _manual_bounds(
+        layers, layer_split, pp * default_stages_per_rank(schedule))
     cands = [c for c in search(ctx, SearchOptions(
         pp=[pp], schedules=[schedule], num_microbatches=[num_microbatches],
         stage_mesh=stage_mesh, zero_stages=[zero_stage])) if c.schedule == schedule]
@@ -468,11 +283,25 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         raise PlanningError(
             f"no {schedule} pipeline with pp={pp}, {num_microbatches} micro-batches and "
             f"{len(layers)} layers fits in memory (or torch's schedule rejects the shape)")
-    cand = cands[0]
     try:
-        exact = solve_exact(ctx, cand, bounds)
+        exact = solve_exact(ctx, cands[0], bounds)
     except MemoryInfeasibleError as err:
         raise PlanningError(f"a stage does not fit: {err}") from None
-    info = model_record(model, graph, model_source)
-    training = training_record(dtype, optimizer, example_inputs, zoo_kwargs)
+    info = model_record(model, graph, req.model_source)
+    training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs)
     return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))
+
+
+def _manual_bounds(layers: Sequence[PipelineLayer], layer_split: Sequence[int],
+                   stages: int) -> list[tuple[int, int]]:
+    """:func:`ir.layers.manual_bounds` of a user's ``layer_split`` over ``stages``.
+
+    Raises:
+        PlanningError: not ``stages`` counts of at least one layer adding up to the layers.
+    """
+    blocks = block_count(layers)
+    if len(layer_split) != stages or sum(layer_split) != blocks or min(layer_split) < 1:
+        raise PlanningError(
+            f"layer_split {list(layer_split)} must give {stages} stages of at least one "
+            f"layer each, {blocks} layers in all")
+    return manual_bounds(layers, layer_split)

@@ -11,15 +11,17 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from costmodel.cluster import Cluster
-from costmodel.schedules import canonical_schedule, torch_orders
+from costmodel.schedule_specs import schedule_spec
 from ir.graph import INPUT
+from ir.placements import placement_strs
 from planner.inter_op import PipelineCandidate, StageTimes
-from planner.forked import run_forked
 from planner.ilp import InfeasibleError
 from planner.intra_op import IntraOpResult, MemoryInfeasibleError
+from planner.microbatch_programs import MicrobatchProgram
 from planner.pipeline import accumulates, p2p_seconds, simulate_step, stage_in_flight
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
-from planner.search_context import ChildMark, MicrobatchProgram, SearchContext, held_by_both
+from planner.search_context import SearchContext
+from planner.search_executor import Phase, PhaseTask
 
 
 @dataclass
@@ -48,13 +50,17 @@ def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
     return _exact_pipeline(ctx, cand, prog, bounds, copies, results)
 
 
+# a candidate's program, the layer bounds and in-flight micro-batches of its stages
+Staged = tuple[MicrobatchProgram, list[tuple[int, int]], list[float]]
+
+
 def _stages(ctx: SearchContext, cand: PipelineCandidate,
-            bounds: list[tuple[int, int]] | None = None
-            ) -> tuple[MicrobatchProgram, list[tuple[int, int]], list[float]]:
+            bounds: list[tuple[int, int]] | None = None) -> Staged:
     """The captured program, the layer bounds and the in-flight micro-batches
     of each stage of ``cand``."""
     prog = ctx.program(cand.num_microbatches, traced=True)
-    copies = stage_in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank)
+    copies = stage_in_flight(cand.schedule, cand.pp, cand.num_microbatches, cand.stages_per_rank,
+                             ctx.schedule_book)
     return prog, list(bounds or cand.split.bounds), copies
 
 
@@ -81,14 +87,14 @@ def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: Microbatc
         times = [ctx.times_of(r, cand.mesh) for r in results]
     p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
-                                 cand.stages_per_rank, times, p2p)
+                                 cand.stages_per_rank, times, p2p, ctx.schedule_book)
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
 
 
 def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
                     ) -> list[ExactPipeline | None]:
     """:func:`solve_exact` of every finalist (None where a stage has no plan
-    within limits), on two CPU cores.
+    within limits), one task per chain of stages (:meth:`SearchContext.run_phase`).
 
     A stage's exact solve reads and writes only the solutions filed under
     its :meth:`SearchContext.stage_key` (its layer kinds on its stage mesh
@@ -96,51 +102,68 @@ def solve_finalists(ctx: SearchContext, finalists: Sequence[PipelineCandidate]
     therefore cut into chains by that key, each chain in the order
     :func:`solve_exact` of the finalists one after another would reach them;
     chains share nothing, so each gives the same answers whichever process
-    runs it (:mod:`planner.forked`). The programs are captured first, here,
-    so that both processes hold them and results refer to them instead of
-    copying them."""
+    runs it. The programs are captured first, here, so that both processes
+    hold them and results refer to them instead of copying them."""
     ctx.progress(f"exact stage solves of {len(finalists)} finalists")
     staged = [_stages(ctx, cand) for cand in finalists]
     chains: dict[tuple, list[tuple[int, int]]] = {}
     for i, (cand, (prog, bounds, copies)) in enumerate(zip(finalists, staged)):
         for s in _solve_order(copies):
             chains.setdefault(ctx.stage_key(prog, *bounds[s], cand.mesh), []).append((i, s))
-    shared = held_by_both(ctx, [prog for prog, _, _ in staged])
-
-    def chain_task(items: list[tuple[int, int]]) -> Callable[[], tuple]:
-        def run() -> tuple:
-            solves, reused = ctx.ilp_solves, ctx.stages_reused
-            failed: set[int] = set()  # finalists with a stage that has no plan
-            out: list[tuple[IntraOpResult, StageTimes] | None] = []  # solutions, their times
-            for i, s in items:
-                prog, bounds, copies = staged[i]
-                solved = None
-                if i not in failed:
-                    try:
-                        result = _exact_stage(ctx, prog, finalists[i], bounds[s], copies[s], s)
-                        solved = result, ctx.times_of(result, finalists[i].mesh)
-                    except (MemoryInfeasibleError, InfeasibleError):  # no plan within limits
-                        failed.add(i)
-                out.append(solved)
-            return out, ctx.ilp_solves - solves, ctx.stages_reused - reused
-        return run
-
-    solves, reused = ctx.ilp_solves, ctx.stages_reused
-    # the longest chains first, so that the last chain to start is short
-    order = sorted(chains.values(), key=len, reverse=True)
-    done = run_forked([chain_task(items) for items in order], shared, ChildMark(ctx))
-    # the counts of both processes (a child's never reach ctx by themselves)
-    ctx.ilp_solves = solves + sum(d[1] for d in done)
-    ctx.stages_reused = reused + sum(d[2] for d in done)
     solved: list[list[tuple[IntraOpResult, StageTimes] | None]] = [
         [None] * len(b) for _, b, _ in staged]
-    for items, (out, _, _) in zip(order, done):
-        for (i, s), stage in zip(items, out):
-            solved[i][s] = stage
+    # the longest chains first, so that the last chain to start is short
+    ctx.run_phase(Phase([_StageChain(ctx, finalists, staged, items, solved)
+                         for items in sorted(chains.values(), key=len, reverse=True)]),
+                  [prog for prog, _, _ in staged])
     return [None if any(r is None for r in rs) else
             _exact_pipeline(ctx, cand, prog, bounds, copies, [r for r, _ in rs],
                             [t for _, t in rs])
             for cand, (prog, bounds, copies), rs in zip(finalists, staged, solved)]
+
+
+class _StageChain(PhaseTask):
+    """The exact solves of the stages ``items`` ((finalist, stage) pairs of
+    one :meth:`SearchContext.stage_key`), in order, each with its times, or
+    None after a stage of its finalist had no plan within limits; filed into
+    ``solved[finalist][stage]``. A forked child sends back how many ILPs it
+    solved and stages it reused."""
+
+    def __init__(self, ctx: SearchContext, finalists: Sequence[PipelineCandidate],
+                 staged: Sequence[Staged], items: list[tuple[int, int]],
+                 solved: list[list[tuple[IntraOpResult, StageTimes] | None]]):
+        self.ctx = ctx
+        self.finalists = finalists
+        self.staged = staged
+        self.items = items
+        self.solved = solved
+
+    def run(self) -> tuple[list[tuple[IntraOpResult, StageTimes] | None], int, int]:
+        """The stages' solutions and times, the ILPs solved and the stages reused."""
+        ctx = self.ctx
+        solves, reused = ctx.ilp_solves, ctx.stages_reused
+        failed: set[int] = set()  # finalists with a stage that has no plan
+        out: list[tuple[IntraOpResult, StageTimes] | None] = []
+        for i, s in self.items:
+            prog, bounds, copies = self.staged[i]
+            solved = None
+            if i not in failed:
+                try:
+                    result = _exact_stage(ctx, prog, self.finalists[i], bounds[s], copies[s], s)
+                    solved = result, ctx.times_of(result, self.finalists[i].mesh)
+                except (MemoryInfeasibleError, InfeasibleError):  # no plan within limits
+                    failed.add(i)
+            out.append(solved)
+        return out, ctx.ilp_solves - solves, ctx.stages_reused - reused
+
+    def file(self, result: tuple) -> None:
+        for (i, s), stage in zip(self.items, result[0]):
+            self.solved[i][s] = stage
+
+    def file_sent(self, sent: tuple) -> None:
+        self.ctx.ilp_solves += sent[1]
+        self.ctx.stages_reused += sent[2]
+        self.file(sent)
 
 
 # Finalists predicted slower than the fastest prediction by more than this
@@ -169,13 +192,6 @@ def split_far_finalists(finalists: Sequence[PipelineCandidate],
     return [c for c in finalists if close(c)], [c for c in finalists if not close(c)]
 
 
-def stage_to_rank(schedule: str, pp: int, v: int) -> dict[int, int]:
-    """Pipeline rank of every stage, as torch's schedule places it (read from
-    its order at the fewest micro-batches it accepts; no simulation)."""
-    m = 2 * pp if canonical_schedule(schedule) == "dualpipev" else pp
-    return dict(torch_orders(schedule, pp, m, v)[1])
-
-
 def assemble(exact: ExactPipeline, ctx: SearchContext,
              base_plan: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
     """One Plan from the exactly solved stages (placements merged by node name)."""
@@ -183,7 +199,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
     prog = exact.program
     mesh_shape = list(cand.mesh.shape)
     world = cand.pp * cand.mesh.size
-    s2r = stage_to_rank(cand.schedule, cand.pp, cand.stages_per_rank)
+    s2r = schedule_spec(cand.schedule).stage_to_rank(cand.pp, cand.stages_per_rank)
     stage_cluster = cand.mesh.cluster(ctx.cluster)
     parts = [base_plan(r, stage_cluster) for r in exact.results]
     stages: list[StagePlan] = []
@@ -191,12 +207,12 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
         a, b = exact.bounds[s]
         recv, send = prog.boundaries[a][0], prog.boundaries[b - 1][1]
         next_inputs = parts[s + 1] if s + 1 < len(parts) else None
-        inputs = {name: _strs(r.chosen[name].outputs[0]) for name in recv}
+        inputs = {name: placement_strs(r.chosen[name].outputs[0]) for name in recv}
         if next_inputs is None:
-            outputs = {name: _strs(r.chosen[name].outputs[0]) for name in send}
+            outputs = {name: placement_strs(r.chosen[name].outputs[0]) for name in send}
         else:
             nr = exact.results[s + 1]
-            outputs = {name: _strs(nr.chosen[name].outputs[0]) for name in send}
+            outputs = {name: placement_strs(nr.chosen[name].outputs[0]) for name in send}
         rank = s2r[s]
         ranks = list(range(rank * cand.mesh.size, (rank + 1) * cand.mesh.size))
         t = exact.times[s]
@@ -233,17 +249,12 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
     return plan
 
 
-def _strs(placements) -> list[str]:
-    from costmodel.resharding import placement_str
-    return [placement_str(p) for p in placements]
-
-
 def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> dict[str, Any]:
     m = exact.candidate.num_microbatches
     v = exact.candidate.stages_per_rank
     pp = exact.candidate.pp
     # memory per device: the stages of the fullest rank
-    s2r = stage_to_rank(exact.candidate.schedule, pp, v)
+    s2r = schedule_spec(exact.candidate.schedule).stage_to_rank(pp, v)
     per_rank: dict[int, dict[str, int]] = {}
     for s, p in enumerate(parts):
         acc = per_rank.setdefault(s2r[s], {})

@@ -13,6 +13,7 @@ copied.
 
 Each task's answer depends only on its own inputs, so which process runs it
 does not change it: the result list is the same as running the tasks in order.
+The search reaches these through :class:`planner.search_executor.ForkedExecutor`.
 """
 
 from __future__ import annotations
@@ -76,15 +77,15 @@ def _forked_outcomes(tasks: Sequence[Callable[[], Any]], shared: Sequence[object
 def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequence[object] = (),
                in_child: Callable[[], None] | None = None,
                then: Sequence[Callable[[], Any]] = (),
-               after_here: Sequence[Callable[[], Any]] = ()
+               later: Sequence[Callable[[], Any]] = ()
                ) -> tuple[Any, Any, list[Any], list[Any]]:
     """``(here(), there(), [task() for task in then], [task() for task in
-    after_here])``: ``here`` run by this process and ``there`` by a forked
+    later])``: ``here`` run by this process and ``there`` by a forked
     child at the same time, after which each process takes the next task of
     ``then`` not yet taken when it is free (as :func:`run_forked` does; so
     the one that finishes first does not wait idle).
 
-    ``after_here``: tasks that need what ``here`` made, which the child
+    ``later``: tasks that need what ``here`` made, which the child
     (forked before) lacks. This process runs them first, once ``here`` is
     done, while the child works on ``then``; once the child is done, the rest
     are shared with a new child (:func:`run_forked`), which holds it.
@@ -95,10 +96,10 @@ def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequen
     raised here, in task order, after every task has run. Runs everything
     here, in that order, when there is no fork."""
     if not can_fork():
-        return here(), there(), [task() for task in then], [task() for task in after_here]
+        return here(), there(), [task() for task in then], [task() for task in later]
     take = _taker(len(then))
-    after = 2 + len(then)  # the index of after_here's first outcome
-    ran_after = 0  # how many of after_here this process ran beside the child
+    after = 2 + len(then)  # the index of later's first outcome
+    ran_after = 0  # how many of later this process ran while the child worked
 
     def work(in_the_child: bool, child_done: Callable[[], bool]) -> dict[int, tuple[bool, Any]]:
         nonlocal ran_after
@@ -106,17 +107,17 @@ def run_beside(here: Callable[[], Any], there: Callable[[], Any], shared: Sequen
             outcomes = {1: _outcome(there)}
         else:
             outcomes = {0: _outcome(here)}
-            while ran_after < len(after_here) and not child_done():
-                outcomes[after + ran_after] = _outcome(after_here[ran_after])
+            while ran_after < len(later) and not child_done():
+                outcomes[after + ran_after] = _outcome(later[ran_after])
                 ran_after += 1
         while (i := take()) is not None:
             outcomes[2 + i] = _outcome(then[i])
         return outcomes
 
     outcomes = _with_child(work, shared, in_child)
-    rest = _forked_outcomes(after_here[ran_after:], shared, in_child)
+    rest = _forked_outcomes(later[ran_after:], shared, in_child)
     outcomes.update((after + ran_after + i, outcome) for i, outcome in rest.items())
-    results = _results(outcomes, after + len(after_here))
+    results = _results(outcomes, after + len(later))
     return results[0], results[1], results[2:after], results[after:]
 
 

@@ -27,7 +27,6 @@ world mesh is ``[pp] + stage mesh``, which is what the code generator runs):
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -38,12 +37,11 @@ import numpy as np
 
 from costmodel.cluster import Cluster
 from costmodel.resharding import ReshardPricer, gradient_placements
-from costmodel.schedules import canonical_schedule, default_stages_per_rank, peak_activations
+from costmodel.schedules import ScheduleBook, peak_activations
+from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import PipelineLayer
-from ir.subgraph import boundary_values, subgraph
-from planner.intra_op import (IntraOpCost, IntraOpResult, MemoryInfeasibleError,
-                              local_numel, solve_intra_op)
+from planner.intra_op import IntraOpResult
 
 # Schedules the search tries, in this order (ties keep the earlier one).
 SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv",
@@ -220,7 +218,7 @@ class StageMeshOption:
     shape: tuple[int, ...]
     num_nodes: int
     devices_per_node: int
-    # ZeRO over mesh axis 0 (see planner.intra_op.IntraOpCost): 0, 3 (FSDP2,
+    # ZeRO over mesh axis 0 (see costmodel.strategy_cost.IntraOpCost): 0, 3 (FSDP2,
     # parameters replicated on axis 0) or 1 (Megatron's distributed optimizer,
     # priced for its baselines only)
     zero_stage: int = 0
@@ -245,6 +243,10 @@ class StageMeshOption:
 
     def cluster(self, cluster: Cluster) -> Cluster:
         return cluster.sub_cluster(self.num_nodes, self.devices_per_node)
+
+
+# The schedule name of a one-stage candidate (no pipeline).
+NO_PIPELINE = "none"
 
 
 def config_label(pp: int, v: int, mesh: StageMeshOption, schedule: str, m: int) -> str:
@@ -307,104 +309,153 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
 
     Returns:
         The best cut, or None when no cut fits in memory.
+
+    Every candidate bound ``t_max`` on the slowest stage (the seconds of
+    some stage's range) is tried from the least feasible one up, each by
+    :func:`_least_sum`, until ``least sum + (m - 1) t_max`` cannot beat the
+    best objective found.
     """
     L, S, m = num_layers, num_stages, num_microbatches
     if S > L:
         return None
-    # prefix[lv][i]: StageTimes of layers 0 .. i - 1 at level lv (summed in layer order)
+    prefix = _prefix_times(layer_times, L, levels)
+    cost, level = _stage_costs(prefix, S, copies, budget)
+    candidates, allowed = _stage_bounds(cost, L, S)
+    lo = _least_feasible(allowed, candidates)
+    if lo == len(candidates):
+        return None
+    least_sum = _least_sum(allowed, math.inf)[0]  # no cut has a smaller sum of stage times
+    best: SplitResult | None = None
+    for t_max in candidates[lo:]:
+        if best is not None and least_sum + (m - 1) * t_max >= best.objective_s:
+            break
+        found = _least_sum(allowed, t_max)
+        if found is None:
+            continue
+        total, nxt = found
+        objective = total + (m - 1) * t_max
+        if best is None or objective < best.objective_s - 1e-15:
+            best = _split_result(prefix, level, nxt, objective)
+    return best
+
+
+def _prefix_times(layer_times: Callable[[int, int], StageTimes], num_layers: int,
+                  levels: int) -> list[list[StageTimes]]:
+    """``prefix[lv][i]``: the StageTimes of layers ``0 .. i - 1`` at level
+    ``lv``, summed in layer order."""
     prefix = [[ZERO_TIMES] for _ in range(levels)]
     for lv in range(levels):
-        for i in range(L):
+        for i in range(num_layers):
             prefix[lv].append(prefix[lv][-1] + layer_times(i, lv))
+    return prefix
+
+
+def _stage_costs(prefix: list[list[StageTimes]], num_stages: int, copies: Sequence[float],
+                 budget: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(cost, level)``, each ``num_stages x (L + 1) x (L + 1)``:
+    ``cost[s, i, j]`` the seconds of layers ``[i, j)`` as stage ``s`` at its
+    fastest level that fits ``budget`` bytes with its in-flight ``copies``
+    (inf when none fits, or ``j <= i``), ``level[s, i, j]`` that level."""
+    levels, L = len(prefix), len(prefix[0]) - 1
     # per level, seconds and bytes of every range [i, j) as (L + 1) x (L + 1) arrays
     p = np.array([[t._values() for t in row] for row in prefix])  # levels x (L+1) x 6
     d = p[:, None, :, :] - p[:, :, None, :]  # [lv, i, j] = prefix[j] - prefix[i]
     seconds = d[..., 0] + d[..., 1] + d[..., 2]
     state, activations = d[..., 4], d[..., 5]
-    inf = float("inf")
-    ii, jj = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
-    ranges = jj > ii
-    # cost[s, i, j]: seconds of layers [i, j) as stage s at its fastest level that
-    # fits (inf when none fits); level[s, i, j] that level
-    cost = np.full((S, L + 1, L + 1), inf)
-    level = np.zeros((S, L + 1, L + 1), dtype=np.int64)
-    for s in range(S):
+    ranges = _ranges(L)[2]
+    cost = np.full((num_stages, L + 1, L + 1), math.inf)
+    level = np.zeros((num_stages, L + 1, L + 1), dtype=np.int64)
+    for s in range(num_stages):
         open_ = ranges.copy()
         for lv in range(levels):
             fits = open_ & (state[lv] + copies[s] * activations[lv] <= budget)
             cost[s][fits] = seconds[lv][fits]
             level[s][fits] = lv
             open_ &= ~fits
+    return cost, level
+
+
+def _ranges(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(ii, jj, ranges)``: the first and end layer of every ``[i, j)`` as
+    ``(L + 1) x (L + 1)`` index grids, and where ``j > i``."""
+    ii, jj = np.meshgrid(np.arange(num_layers + 1), np.arange(num_layers + 1), indexing="ij")
+    return ii, jj, jj > ii
+
+
+def _stage_bounds(cost: np.ndarray, num_layers: int, num_stages: int
+                  ) -> tuple[list[float], list[np.ndarray]]:
+    """The candidate bounds on the slowest stage (every finite seconds a
+    stage's range may take, ascending) and each stage's ``cost`` where its
+    range leaves every later stage a layer (inf elsewhere)."""
+    L, S = num_layers, num_stages
+    ii, jj, ranges = _ranges(L)
     # a stage may not take so many layers that a later stage gets none
     candidates = np.unique(cost[:, ranges & (jj - ii <= L - S + 1)])
     candidates = candidates[np.isfinite(candidates)].tolist()
     # stage s may start at i <= L - (S - s) and end at j <= L - (S - s - 1)
     allowed = [ranges & (ii <= L - (S - s)) & (jj <= L - (S - s - 1)) for s in range(S)]
-    allowed_cost = [np.where(allowed[s], cost[s], inf) for s in range(S)]
+    return candidates, [np.where(allowed[s], cost[s], math.inf) for s in range(S)]
 
-    def solve_for(t_max: float) -> tuple[float, list[int]] | None:
-        """Least sum of stage times with every stage at most ``t_max``, and the
-        first layer after each stage."""
-        # g[i]: least sum of stage times for layers i.. in stages s.. (each <= t_max)
-        g = np.full(L + 1, inf)
-        g[L] = 0.0
-        nxt = []
-        for s in range(S - 1, -1, -1):
-            total = np.where(allowed_cost[s] <= t_max, allowed_cost[s], inf) + g[None, :]
-            j = np.argmin(total, axis=1)  # the first (smallest) end layer on ties
-            g = total[np.arange(L + 1), j]
-            nxt.append(j)
-        if not np.isfinite(g[0]):
-            return None
-        return float(g[0]), nxt[::-1]
 
-    # Feasibility only grows with t_max: skip the infeasible ones by bisection.
+def _least_sum(allowed: list[np.ndarray], t_max: float) -> tuple[float, list[np.ndarray]] | None:
+    """Least sum of stage times with every stage at most ``t_max`` seconds
+    (``allowed``: each stage's costs, :func:`_stage_bounds`), and per stage
+    the end layer it takes from each first layer; None when no cut keeps
+    every stage within ``t_max``."""
+    L = allowed[0].shape[0] - 1
+    # g[i]: least sum of stage times for layers i.. in stages s.. (each <= t_max)
+    g = np.full(L + 1, math.inf)
+    g[L] = 0.0
+    nxt = []
+    for s in range(len(allowed) - 1, -1, -1):
+        total = np.where(allowed[s] <= t_max, allowed[s], math.inf) + g[None, :]
+        j = np.argmin(total, axis=1)  # the first (smallest) end layer on ties
+        g = total[np.arange(L + 1), j]
+        nxt.append(j)
+    if not np.isfinite(g[0]):
+        return None
+    return float(g[0]), nxt[::-1]
+
+
+def _least_feasible(allowed: list[np.ndarray], candidates: list[float]) -> int:
+    """The index of the least of ``candidates`` some cut keeps every stage
+    within (``len(candidates)`` when none): feasibility only grows with
+    ``t_max``, so the infeasible ones are skipped by bisection."""
     lo, hi = 0, len(candidates)
     while lo < hi:
         mid = (lo + hi) // 2
-        if solve_for(candidates[mid]) is None:
+        if _least_sum(allowed, candidates[mid]) is None:
             lo = mid + 1
         else:
             hi = mid
-    if lo == len(candidates):
-        return None
-    least_sum = solve_for(inf)[0]  # no cut has a smaller sum of stage times
-    best: SplitResult | None = None
-    for t_max in candidates[lo:]:
-        if best is not None and least_sum + (m - 1) * t_max >= best.objective_s:
-            break
-        found = solve_for(t_max)
-        if found is None:
-            continue
-        total, nxt = found
-        objective = total + (m - 1) * t_max
-        if best is None or objective < best.objective_s - 1e-15:
-            bounds, i = [], 0
-            for s in range(S):
-                j = int(nxt[s][i])
-                bounds.append((i, j))
-                i = j
-            lv = [int(level[s, a, b_]) for s, (a, b_) in enumerate(bounds)]
-            times = [_diff(prefix[l][b_], prefix[l][a]) for l, (a, b_) in zip(lv, bounds)]
-            best = SplitResult(bounds, lv, times, objective)
-    return best
+    return lo
+
+
+def _split_result(prefix: list[list[StageTimes]], level: np.ndarray, nxt: list[np.ndarray],
+                  objective: float) -> SplitResult:
+    """The cut :func:`_least_sum` chose (``nxt``), from layer 0 on, with
+    each stage's level and times."""
+    bounds, i = [], 0
+    for s in range(len(nxt)):
+        j = int(nxt[s][i])
+        bounds.append((i, j))
+        i = j
+    lv = [int(level[s, a, b]) for s, (a, b) in enumerate(bounds)]
+    times = [_diff(prefix[l][b], prefix[l][a]) for l, (a, b) in zip(lv, bounds)]
+    return SplitResult(bounds, lv, times, objective)
 
 
 def _diff(a: StageTimes, b: StageTimes) -> StageTimes:
     return StageTimes(*(x - y for x, y in zip(a._values(), b._values())))
 
 
-def in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
+def in_flight(schedule: str, pp: int, m: int, v: int,
+              book: ScheduleBook | None = None) -> list[float]:
     """Micro-batches of activations each stage keeps alive at the schedule's
-    peak (a rank's peak shared evenly among its ``v`` stages), by stage."""
-    return list(_in_flight(schedule, pp, m, v))
-
-
-@functools.lru_cache(maxsize=1024)
-def _in_flight(schedule: str, pp: int, m: int, v: int) -> tuple[float, ...]:
-    # asked for by every stage mesh and search round of the same schedule shape
-    peaks, stage_to_rank = peak_activations(schedule, pp, m, v)
-    return tuple(max(1.0, peaks[stage_to_rank[s]] / v) for s in range(pp * v))
+    peak (a rank's peak shared evenly among its ``v`` stages), by stage.
+    ``book``: the search's schedule orders (:class:`costmodel.schedules.ScheduleBook`)."""
+    peaks, stage_to_rank = peak_activations(schedule, pp, m, v, book=book)
+    return [max(1.0, peaks[stage_to_rank[s]] / v) for s in range(pp * v)]
 
 
 def exhaustive_split(layer_times: Callable[[int, int], StageTimes], num_layers: int,

@@ -1,21 +1,12 @@
 """Intra-op pass: choose every op's sharding strategy on one device mesh.
 
 Builds the assignment problem of :mod:`planner.ilp` from a Graph, its DTensor
-strategies and the cost model, and solves it. Costs are seconds of one training
-step (forward, backward and gradient synchronisation):
-
-* node cost: forward compute time of the op under the strategy (FLOPs and bytes
-  divided by the devices it is split over; for a user input, the time to load
-  the device's part of the batch), plus its backward priced as input gradients
-  and weight gradients separately (costmodel.compute.backward_op_times), plus
-  the backward all-reduce an input needs when it is replicated on a mesh axis
-  over which the op's output is split (for parameters this is the gradient
-  synchronisation of data parallelism; for activations it is Megatron's ``f``);
-* edge cost: forward resharding of the producer's output placement into the
-  consumer's input placement, plus the reverse resharding of its gradient.
-
-Gradient communication is not overlapped with backward: the code generator
-reduces gradients after backward, so the model charges it in full.
+strategies (:mod:`planner.strategies`) and their prices
+(:class:`costmodel.strategy_cost.IntraOpCost`), and solves it. Costs are
+seconds of one training step (forward, backward and gradient
+synchronisation): a node's cost is its strategy's compute and collectives, an
+edge's cost the resharding of the producer's output placement into the
+consumer's input placement, forward and backward.
 """
 
 from __future__ import annotations
@@ -24,69 +15,22 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+from torch.distributed.tensor.placement_types import Replicate
 
-from costmodel.collectives import axis_links, collective_time
-from costmodel.compute import (FUSED_ATTENTION, attention_times, backward_kernels,
-                               backward_op_times, op_time)
-from costmodel.memory import OPTIMIZER_ACCESSES, training_state_bytes
-from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
-from costmodel.resharding import ReshardPricer
 from costmodel.cluster import Cluster
-from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
-from ir.layers import Layer
-from ir.precision import get_precision
-from planner.report import format_bytes
+from costmodel.resharding import ReshardPricer
+from costmodel.strategy_cost import CostBreakdown, IntraOpCost, local_numel
+from ir.graph import INPUT, OP, PARAM, Graph, TensorInfo
+from ir.repeated_blocks import Layer
+from ir.strategy import NodeStrategies, Placements, Strategy
 from planner.ilp import (AssignmentProblem, CheckpointGroup, EdgeMatrix, Hint, Solution,
                          greedy_assignment, solve, warm_start_value)
-from planner.strategies import NodeStrategies, Placements, Strategy, build_strategies, is_shard
+from planner.megatron_layout import MegatronConfig, megatron_layout
+from planner.report import format_bytes
+from planner.strategies import build_strategies
 
-
-
-def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int],
-                skip_axis: int | None = None) -> float:
-    """Elements of ``info`` held by one device (ignoring mesh axis ``skip_axis``)."""
-    n = float(info.numel)
-    for a, (p, size) in enumerate(zip(placements, mesh_shape)):
-        if a != skip_axis and is_shard(p):
-            n /= size
-    return n
-
-
-# ZeRO stages the cost model prices (IntraOpCost's zero_stage).
-ZERO_STAGES = (0, 1, 3)
-
-
-@dataclass
-class CostBreakdown:
-    """Predicted seconds of one training step on one device, by kind."""
-
-    compute_s: float = 0.0
-    communication_s: float = 0.0
-    resharding_s: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return self.compute_s + self.communication_s + self.resharding_s
-
-
-@dataclass(frozen=True)
-class NodePrices:
-    """What one node costs under one strategy (:meth:`IntraOpCost.prices`):
-    seconds of :meth:`IntraOpCost.compute`, of its forward alone, of its
-    backward (input gradient, weight gradient), of its gradient collectives,
-    bytes per device by kind (:meth:`IntraOpCost.memory_breakdown`), and the
-    part of its collectives that all-reduces weight gradients over mesh axis 0
-    in each micro-batch (what ZeRO or ``reduce_once`` does once per step)."""
-
-    compute_s: float
-    forward_s: float
-    backward_s: tuple[float, float]
-    collectives_s: float
-    memory: Mapping[str, float]
-    weight_sync_s: float = 0.0
 
 
 @dataclass
@@ -102,397 +46,6 @@ class IntraOpResult:
     checkpointed: list[str] = field(default_factory=list)  # layers recomputed in backward
 
 
-class IntraOpCost:
-    """Prices strategies and edges of one graph on one mesh of one cluster (seconds)."""
-
-    def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
-                 optimizer: str = "adam", activation_copies: float = 1.0,
-                 pricer: ReshardPricer | None = None, zero_stage: int = 0,
-                 reduce_once: bool = False):
-        """``pricer``: a :class:`ReshardPricer` of this mesh and cluster to share
-        (its prices are memoised, so graphs priced on the same mesh one after
-        another reuse them); a new one when None. ``zero_stage``: how the
-        parameter states and gradient sums use mesh axis 0 (the data-parallel
-        axis; parameters replicated on it):
-
-        * 0: every device holds whole states; the gradients are all-reduced in
-          each micro-batch's backward (DTensor's Partial -> Replicate);
-        * 1: the optimizer states are sharded over axis 0; the gradient sums
-          on it wait for the end of the step, are reduce-scattered once and
-          the updated parameters all-gathered once (Megatron's distributed
-          optimizer);
-        * 3: FSDP2 with the whole stage as one unit: parameters, gradients and
-          optimizer states sharded over axis 0; the parameters are all-gathered
-          at the first forward and kept until the last backward (torch's
-          pipeline stage does not reshard between micro-batches), the
-          gradient sums reduce-scattered once per step.
-
-        ``reduce_once`` (with ``zero_stage`` 0): whole states, but the gradient
-        sums on axis 0 accumulate over the micro-batches and are all-reduced
-        once per step (Megatron's DDP; torch DDP under ``no_sync``), priced as
-        the reduce-scatter and all-gather a ring all-reduce is made of.
-        """
-        if zero_stage not in ZERO_STAGES:
-            raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
-        self.graph = graph
-        self.zero_stage = zero_stage
-        # ranks the parameter states are sharded over (mesh axis 0 under ZeRO)
-        self.state_shards = int(mesh_shape[0]) if zero_stage else 1
-        # ranks whose gradient sums on mesh axis 0 wait for the end of the step
-        self.step_sync_ranks = int(mesh_shape[0]) if zero_stage or reduce_once else 1
-        # micro-batches whose saved activations are alive at once (pipeline in-flight)
-        self.activation_copies = float(activation_copies)
-        self.optimizer = optimizer
-        self.cluster = cluster
-        self.mesh_shape = tuple(int(d) for d in mesh_shape)
-        self.links = axis_links(cluster, self.mesh_shape)
-        # the training precision (``dtype`` names it; older callers pass a dtype name)
-        self.precision = get_precision(dtype)
-        self.dtype = self.precision.compute_dtype_name
-        # bytes of a reduced gradient element over a compute-dtype one (fp32 sums of
-        # bf16 gradients under bf16-mixed: 2)
-        self.reduce_scale = self.precision.reduce_dtype.itemsize / self.precision.compute_dtype.itemsize
-        # once per step, the parameters are all-gathered in the compute dtype after
-        # ZeRO's update; DDP's all-reduce is all in the reduce dtype
-        self.gather_scale = 1.0 if zero_stage else self.reduce_scale
-        # seconds of ZeRO's once-per-step collectives of one byte: their per-message latency
-        self._zero_latency = self.zero_collectives(1.0)
-        self.requires_grad = graph.gradient_path
-        self.param_derived = graph.parameter_views
-        # node -> indices of its outputs autograd keeps for backward
-        self.saved = saved_outputs(graph, self.requires_grad)
-        self.transient_node = self._largest_transient()
-        if pricer is None:
-            pricer = ReshardPricer(self.mesh_shape, self.links)
-        elif pricer.mesh_shape != self.mesh_shape or pricer.links != self.links:
-            raise ValueError(f"the shared pricer is for mesh {pricer.mesh_shape} and other "
-                             f"links; this cost is for mesh {self.mesh_shape}")
-        self._pricer = pricer
-        # NodePrices of the (node, strategy) pairs asked for by prices()
-        self._prices: dict[tuple[str, int], tuple[Strategy, NodePrices]] = {}
-
-    def spec_id(self, placements: Placements) -> int:
-        """A small int naming ``placements`` (equal placements, equal ids), so that
-        prices are cached under int keys instead of hashing Placement objects."""
-        return self._pricer.spec_id(placements)
-
-    def reshard(self, src: Placements, dst: Placements, info: TensorInfo) -> float:
-        """Seconds to redistribute ``info`` from ``src`` to ``dst`` placements."""
-        if src == dst:
-            return 0.0
-        return self._pricer.time(src, dst, info.shape, info.itemsize)
-
-    def shard_factor(self, s: Strategy) -> int:
-        """Devices one op instance is split over under strategy ``s``."""
-        f = 1
-        for split, size in zip(s.split_axes, self.mesh_shape):
-            if split:
-                f *= size
-        return f
-
-    def compute(self, node: Node, s: Strategy) -> float:
-        """Seconds of the node's forward and backward on one device."""
-        if node.kind == INPUT:  # each device loads its part of the batch into memory
-            local = local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
-            return local / self.cluster.device.memory_bandwidth
-        if node.kind == PARAM:
-            return self.cast_time(node, s) + self.optimizer_time(node, s)
-        if node.kind != OP:
-            return 0.0
-        b, w = self.backward_times(node, s)
-        return self.forward_time(node, s) + b + w
-
-    def prices(self, node: Node, s: Strategy) -> NodePrices:
-        """:class:`NodePrices` of ``node`` under ``s``, made once per pair: the
-        solutions of one problem (its memory levels, and the stage times of
-        each) price mostly the same chosen strategies."""
-        key = (node.name, id(s))
-        known = self._prices.get(key)
-        if known is not None and known[0] is s:
-            return known[1]
-        forward = self.forward_time(node, s)
-        b, w = self.backward_times(node, s)
-        # as compute() adds them
-        compute = forward + b + w if node.kind == OP else self.compute(node, s)
-        weight_sync = sum(t for arg, a, t in self._gradient_all_reduces(node, s)
-                          if a == 0 and arg in self.param_derived)
-        prices = NodePrices(compute, forward, (b, w), self.backward_collectives(node, s),
-                            self.memory_breakdown(node, s), weight_sync)
-        self._prices[key] = (s, prices)
-        return prices
-
-    def compute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
-        """:meth:`compute` of ``node`` under each of ``strategies``: an op's
-        depends on its strategy only through :meth:`shard_factor`, so each
-        factor is priced once (a layer's ops have tens of strategies and a
-        few factors)."""
-        return self._per_shard_factor(node, strategies, self.compute)
-
-    def forward_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
-        """:meth:`forward_time` of ``node`` under each of ``strategies``
-        (each shard factor priced once, as :meth:`compute_each`)."""
-        return self._per_shard_factor(node, strategies, self.forward_time)
-
-    def recompute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
-        """Seconds of re-running ``node``'s forward in a checkpointed layer's
-        backward, under each of ``strategies``: its kernel (:meth:`forward_time`)
-        and the reduction of each output it leaves partial on a mesh axis (a
-        row-parallel linear's all-reduce), which the re-run issues again."""
-        out = []
-        for t, s in zip(self.forward_each(node, strategies), strategies):
-            for info, placements in zip(node.outputs, s.outputs):
-                for a, (p, size) in enumerate(zip(placements or (), self.mesh_shape)):
-                    if size > 1 and type(p) is Partial:
-                        nbytes = local_numel(info, placements, self.mesh_shape,
-                                             skip_axis=a) * info.itemsize
-                        t += collective_time("all_reduce", nbytes, size, self.links[a])
-            out.append(t)
-        return out
-
-    def _per_shard_factor(self, node: Node, strategies: Sequence[Strategy],
-                          price: Callable[[Node, Strategy], float]) -> list[float]:
-        if node.kind != OP:
-            return [price(node, s) for s in strategies]
-        by_factor: dict[int, float] = {}
-        out = []
-        for s in strategies:
-            f = self.shard_factor(s)
-            if f not in by_factor:
-                by_factor[f] = price(node, s)
-            out.append(by_factor[f])
-        return out
-
-    def optimizer_time(self, node: Node, s: Strategy) -> float:
-        """Seconds of the optimizer's update of this device's part of a
-        parameter: a memory-bound pass over the tensors of its size the update
-        reads and writes (:data:`costmodel.memory.OPTIMIZER_ACCESSES`), in the
-        master dtype, over the shard ZeRO leaves this device."""
-        numel = local_numel(node.output, s.outputs[0], self.mesh_shape) / self.state_shards
-        nbytes = numel * OPTIMIZER_ACCESSES.get(self.optimizer, 0) * self.precision.master_bytes
-        if nbytes <= 0:
-            return 0.0
-        memory = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
-        return nbytes / memory
-
-    def cast_time(self, node: Node, s: Strategy) -> float:
-        """Seconds of a mixed-precision step's two casts of a parameter: the
-        master copy to the compute dtype before the forward reads it, and its
-        gradient back to the master dtype (each reads one dtype and writes the
-        other); 0 when the parameter is kept in the compute dtype."""
-        if not self.precision.mixed:
-            return 0.0
-        numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
-        one = op_time(0.0, numel * (self.precision.master_bytes
-                                    + self.precision.compute_dtype.itemsize),
-                      self.cluster.device, self.dtype)
-        return 2 * one
-
-    def _dispatch(self, node: Node) -> float:
-        """Host seconds the distributed runtime adds to running the op once."""
-        return 0.0 if node.target == "getitem" else self.cluster.device.dispatch_overhead
-
-    def _view_time(self, node: Node) -> float:
-        """Seconds of a view op in one pass: no kernel, but the host issues it
-        (``host_overhead``, on a device the host runs ahead of) and the
-        distributed runtime dispatches it."""
-        if node.target == "getitem":
-            return 0.0
-        return self._dispatch(node) + self.cluster.device.host_overhead
-
-    def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
-        """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
-        if node.kind != OP or node.name not in self.requires_grad:
-            return 0.0, 0.0
-        if node.is_view:
-            return self._view_time(node), 0.0
-        f = self.shard_factor(s)
-        input_grad, weight_grad = backward_kernels(node, self.requires_grad, self.param_derived)
-        if node.target == FUSED_ATTENTION:
-            b = attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
-                                self.dtype)[1] if input_grad else 0.0
-            return b + self._dispatch(node), 0.0
-        b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
-                                 self.dtype, input_grad=input_grad, weight_grad=weight_grad)
-        return b + self._dispatch(node), w
-
-    def forward_time(self, node: Node, s: Strategy) -> float:
-        """Seconds of the op's forward alone (what activation checkpointing re-runs)."""
-        if node.kind != OP:
-            return 0.0
-        if node.is_view:
-            return self._view_time(node)
-        f = self.shard_factor(s)
-        if node.target == FUSED_ATTENTION:
-            return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
-                                    self.dtype)[0] + self._dispatch(node))
-        return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
-                + self._dispatch(node))
-
-    def backward_collectives(self, node: Node, s: Strategy) -> float:
-        """Seconds of the all-reduce of input gradients that come out partial
-        under ``s``, in each micro-batch's backward. Under ZeRO
-        (:attr:`zero_stage` > 0) or ``reduce_once`` a parameter's gradient sum
-        on mesh axis 0 waits for the end of the step instead, and the parameter
-        node itself carries that step's collectives over axis 0
-        (:meth:`state_collectives`)."""
-        if node.kind == PARAM:
-            return self.state_collectives(node, s)
-        return sum(t for _, _, t in self._gradient_all_reduces(node, s))
-
-    def _gradient_all_reduces(self, node: Node, s: Strategy) -> list[tuple[str, int, float]]:
-        """(argument, mesh axis, seconds) of each all-reduce of an input gradient
-        that comes out partial under ``s`` in a micro-batch's backward."""
-        if node.kind != OP:
-            return []
-        out_split = s.output_split_axes
-        if not any(out_split):  # replicated outputs: no input gradient comes out partial
-            return []
-        out = []
-        for arg, info, pin, replicated in zip(node.args, node.inputs, s.inputs,
-                                              s.replicated_inputs):
-            if arg not in self.requires_grad:
-                continue
-            for a, size in enumerate(self.mesh_shape):
-                if a == 0 and self.step_sync_ranks > 1 and arg in self.param_derived:
-                    continue  # a pending sum, reduced once per step
-                if size > 1 and out_split[a] and replicated[a]:
-                    nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
-                    if arg in self.param_derived:  # a weight's gradient, in the reduce dtype
-                        nbytes *= self.reduce_scale
-                    out.append((arg, a, collective_time("all_reduce", nbytes, size,
-                                                        self.links[a])))
-        return out
-
-    def zero_bytes(self, node: Node, s: Strategy) -> float:
-        """Bytes per device of a parameter whose gradient sum on mesh axis 0
-        (where it is replicated) is reduced once per step, under ZeRO or
-        ``reduce_once``; 0 for anything else."""
-        if node.kind != PARAM or self.step_sync_ranks == 1 or not isinstance(s.outputs[0][0],
-                                                                             Replicate):
-            return 0.0
-        return local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
-
-    def zero_collectives(self, nbytes: float) -> float:
-        """Seconds of the once-per-step collectives over mesh axis 0 for
-        ``nbytes`` of parameters in the compute dtype: the reduce-scatter of
-        their gradients (in the reduce dtype) and the all-gather of the
-        parameters (in the compute dtype), one collective each (as FSDP2 issues
-        them for a stage; ring: together the bytes and time of the one
-        all-reduce, in the reduce dtype, Megatron's DDP issues under ``reduce_once``)."""
-        if self.step_sync_ranks == 1 or nbytes <= 0:
-            return 0.0
-        n, link = self.step_sync_ranks, self.links[0]
-        return (collective_time("reduce_scatter", nbytes * self.reduce_scale, n, link)
-                + collective_time("all_gather", nbytes * self.gather_scale, n, link))
-
-    def state_collectives(self, node: Node, s: Strategy) -> float:
-        """Seconds one parameter adds to :meth:`zero_collectives` of its stage:
-        those of its bytes less their per-message latency, which the stage's
-        one pair of collectives pays once (:func:`planner.inter_op.stage_times`
-        adds it)."""
-        nbytes = self.zero_bytes(node, s)
-        if nbytes == 0:
-            return 0.0
-        return max(0.0, self.zero_collectives(nbytes) - self._zero_latency)
-
-    def memory_breakdown(self, node: Node, s: Strategy) -> dict[str, float]:
-        """Bytes per device that ``node`` holds under ``s`` during a training step.
-
-        Parameters bring their gradient and optimizer states (sharded like the
-        parameter); a user input its local batch; an op the outputs that
-        autograd keeps for some op's backward (:mod:`costmodel.saved_tensors`).
-
-        With n ranks on mesh axis 0: under ZeRO-1 the optimizer states count
-        ``1/n``; under ZeRO-3 (FSDP2 with the whole stage as one unit)
-        parameters, gradients and optimizer states are kept 1/n each, and on
-        top the stage's parameters are all-gathered whole for the step and its
-        gradients stay whole until they are reduce-scattered: params and grads
-        count ``1 + 1/n`` times, optimizer states ``1/n``.
-        """
-        if node.kind == PARAM:
-            numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
-            n = self.state_shards
-            # ZeRO shards the states over axis 0, where the parameter is replicated
-            state = training_state_bytes(int(math.ceil(numel)), precision=self.precision,
-                                         optimizer=self.optimizer,
-                                         zero_stage=self.zero_stage if n > 1 else 0, dp_size=n)
-            return {k: float(v) for k, v in state.items() if k != "total"}
-        if node.kind == INPUT:
-            return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
-                    * node.output.itemsize}
-        out: dict[str, float] = {}
-        kept = self.saved.get(node.name)
-        if node.kind == OP and kept:
-            f = self.shard_factor(s)
-            out["activations"] = sum(local_numel(o, p, self.mesh_shape) * o.itemsize
-                                     for i, (o, p) in enumerate(zip(node.outputs, s.outputs))
-                                     if i in kept) + extra_saved_bytes(node) / f
-        if node.name == self.transient_node:
-            out["backward_transient"] = self.backward_transient(node, s)
-        return out
-
-    def _largest_transient(self) -> str | None:
-        """The op whose backward holds the most transient gradient bytes,
-        unsharded (in a language model the vocabulary projection and the
-        loss, at the start of the backward, while every activation is alive).
-        Its :meth:`backward_transient` under its chosen strategy counts
-        toward the step's peak memory; a linear term, so the ILP's memory
-        budget covers it exactly (other ops' transients are assumed smaller)."""
-        best, name = 0.0, None
-        for n in self.graph.nodes:
-            if n.kind != OP or n.is_view or n.name not in self.requires_grad:
-                continue
-            nbytes = sum(o.nbytes for o in n.outputs if o.is_float) + sum(
-                t.nbytes for a, t in zip(n.args, n.inputs)
-                if t.is_float and a in self.requires_grad and a not in self.param_derived)
-            if nbytes > best:
-                best, name = nbytes, n.name
-        return name
-
-    def backward_transient(self, node: Node, s: Strategy) -> float:
-        """Bytes per device the backward of ``node`` holds on top of the saved
-        activations while it runs: the gradient of its outputs and the
-        gradients it writes for its activation inputs (the largest of these, at
-        the loss, is what lifts the step's peak above the states and saved
-        activations). 0 off the gradient path and for views."""
-        if node.kind != OP or node.is_view or node.name not in self.requires_grad:
-            return 0.0
-        out = sum(local_numel(o, p, self.mesh_shape) * o.itemsize
-                  for o, p in zip(node.outputs, s.outputs) if o.is_float)
-        ins = sum(local_numel(t, p, self.mesh_shape) * t.itemsize
-                  for a, t, p in zip(node.args, node.inputs, s.inputs)
-                  if t.is_float and a in self.requires_grad and a not in self.param_derived)
-        return float(out + ins)
-
-    def memory(self, node: Node, s: Strategy) -> float:
-        """Bytes per device of :meth:`memory_breakdown`, activations counted once per
-        micro-batch in flight (``activation_copies``)."""
-        return float(sum(v * (self.activation_copies if k == "activations" else 1.0)
-                         for k, v in self.memory_breakdown(node, s).items()))
-
-    def edge(self, producer_out: Placements, consumer_in: Placements, info: TensorInfo,
-             requires_grad: bool) -> float:
-        """Seconds of an edge: forward reshard of ``info`` from the producer's output
-        placements into the consumer's input placements, plus (``requires_grad``)
-        the reverse reshard of its gradient."""
-        return self.edge_seconds((self.spec_id(producer_out),), (self.spec_id(consumer_in),),
-                                 info, requires_grad)[0][0]
-
-    @property
-    def edge_matrices(self) -> dict[tuple, tuple]:
-        """Edge matrices of strategy lists priced on this mesh
-        (:func:`_edge_matrix`), kept by the shared :class:`ReshardPricer`."""
-        return self._pricer.memo("edge_matrices")
-
-    def edge_seconds(self, srcs: tuple[int, ...], dsts: tuple[int, ...], info: TensorInfo,
-                     requires_grad: bool) -> tuple[tuple[float, ...], ...]:
-        """:meth:`edge` for every (producer output, consumer input) pair of
-        placements given by :meth:`spec_id`: seconds, ``[i][j]`` for ``srcs[i]``
-        and ``dsts[j]`` (memoised by the mesh's :class:`ReshardPricer`,
-        :meth:`ReshardPricer.edge_seconds`)."""
-        return self._pricer.edge_seconds(srcs, dsts, info.shape, info.itemsize, requires_grad)
-
-
 def _distinct(specs: list[int]) -> tuple[list[int], list[int]]:
     """Distinct placement ids (first-seen order) and the index of each input in them."""
     index: dict[int, int] = {}
@@ -504,7 +57,7 @@ def tie_classes(graph: Graph, strategies: list[NodeStrategies],
                 layers: list[Layer] | None = None, untied: frozenset[str] = frozenset()
                 ) -> list[int]:
     """Class of each node: nodes at the same position of repeated blocks (same
-    :func:`ir.layers.find_layers` signature) with the same strategy list share one
+    :func:`ir.repeated_blocks.find_layers` signature) with the same strategy list share one
     class, so every copy of a block takes the same strategies (as Megatron does);
     every other node, and every node named in ``untied`` (priced unlike its
     copies), is a class of its own. Classes are numbered in program order."""
@@ -717,7 +270,7 @@ def _priced_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies
     else:
         priced = cost.edge_seconds(tuple(srcs), tuple(dsts), info, rg)
     # producer strategies with the same output placement share one row object
-    # (ilp._compress recognises them by identity)
+    # (planner.ilp_problem.compress_edge recognises them by identity)
     rows = [[row[j] for j in dst_of] for row in priced]
     return [rows[i] for i in src_of]
 
@@ -757,8 +310,6 @@ def megatron_targets(graph: Graph, mesh_shape: Sequence[int]) -> dict[str, list[
     :func:`planner.megatron.megatron_layout` classifies them) and data parallel on
     every other axis (parameters replicated, inputs split on the batch dim); then
     the same without the data-parallel split; then replicated."""
-    from planner.megatron import MegatronConfig, megatron_layout  # megatron imports this module
-
     n = len(tuple(mesh_shape))
     r = Replicate()
     layout = megatron_layout(graph, MegatronConfig(tensor_model_parallel_size=2,

@@ -1,7 +1,7 @@
 """The two-level search: pipeline configurations (stages, stage meshes,
 schedules, micro-batches, ZeRO) priced from layer profiles by the inter-op DP,
-on two CPU cores. The leading candidates are solved exactly per stage by
-:mod:`planner.finalists`.
+in phases of independent tasks (:mod:`planner.search_phases`). The leading
+candidates are solved exactly per stage by :mod:`planner.finalists`.
 
 Units: seconds, bytes. See :mod:`planner.inter_op` for the pieces and
 :mod:`planner.search_context` for what the search shares.
@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 from costmodel.cluster import Cluster
-from costmodel.schedules import (adopt_orders, canonical_schedule, default_stages_per_rank,
-                                 orders_cached, simulate, torch_orders)
-from planner.forked import run_beside, run_forked
-from planner.inter_op import (SEARCH_SCHEDULES, PipelineCandidate, StageMeshOption, StageTimes,
-                              config_label, in_flight, split_layers, stage_mesh_options)
-from planner.search_context import (ChildMark, MicrobatchProgram, SearchContext,
-                                     held_by_both, pricing_scope)
+from costmodel.schedule_specs import canonical_schedule, default_stages_per_rank, schedule_spec
+from costmodel.schedules import ScheduleBook, simulate
+from planner.inter_op import (NO_PIPELINE, SEARCH_SCHEDULES, PipelineCandidate, StageMeshOption,
+                              StageTimes, config_label, in_flight, split_layers,
+                              stage_mesh_options)
+from planner.microbatch_programs import MicrobatchProgram
+from planner.search_context import SearchContext
+from planner.search_phases import own_profiles_of, price_all
 
 
 def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: StageMeshOption,
@@ -40,24 +40,22 @@ def p2p_seconds(prog: MicrobatchProgram, bounds: list[tuple[int, int]], mesh: St
     return out
 
 
-# The schedule name of a one-stage candidate (no pipeline).
-NO_PIPELINE = "none"
-
-
-def stage_in_flight(schedule: str, pp: int, m: int, v: int) -> list[float]:
-    """In-flight micro-batches of each stage (1 for a single stage)."""
-    return [1.0] if schedule == NO_PIPELINE else in_flight(schedule, pp, m, v)
+def stage_in_flight(schedule: str, pp: int, m: int, v: int,
+                    book: ScheduleBook | None = None) -> list[float]:
+    """In-flight micro-batches of each stage (1 for a single stage).
+    ``book``: the search's schedule orders (:attr:`SearchContext.schedule_book`)."""
+    return [1.0] if schedule == NO_PIPELINE else in_flight(schedule, pp, m, v, book)
 
 
 def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
-              p2p: list[float]) -> tuple[float, float]:
+                  p2p: list[float], book: ScheduleBook | None = None) -> tuple[float, float]:
     """(step seconds including the slowest gradient sync and optimizer update,
-    bubble seconds)."""
+    bubble seconds). ``book``: as for :func:`stage_in_flight`."""
     if schedule == NO_PIPELINE:
         return times[0].microbatch_s + times[0].step_end_s, 0.0
     r = simulate(schedule, pp, m, [t.forward_s for t in times],
                  [t.backward_input_s for t in times], [t.backward_weight_s for t in times],
-                 p2p if p2p else 0.0, stages_per_rank=v, timeline=False)
+                 p2p if p2p else 0.0, stages_per_rank=v, timeline=False, book=book)
     end = max(t.step_end_s for t in times)
     return r.step_time + end, r.step_time - max(r.busy)
 
@@ -66,13 +64,14 @@ def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
                         limit: int) -> list[int]:
     """Micro-batch counts tried, fewest first: the batch split into
     micro-batches of 1, 4, 16, ... sequences, at most ``limit`` of them,
-    where the count is a multiple of pp (DualPipeV: 2pp), as torch's
-    schedules accept. Micro-batches of one sequence (Megatron's usual
-    size) keep the bubble and the in-flight activations smallest: with
-    counts pp, 2pp and 4pp instead, gpt3-175b on 1024 A100s chose 516.10
-    s/step where pp=16 with 1536 micro-batches gives 277.74, and llama3-8b
-    on 64 H100s 71.10 where pp=2 with 256 gives 58.25."""
-    first = pp * (2 if canonical_schedule(schedule) == "dualpipev" else 1)
+    where the count is a multiple of pp, and of the fewest torch's schedule
+    accepts where that is more (DualPipeV: 2pp). Micro-batches of one
+    sequence (Megatron's usual size) keep the bubble and the in-flight
+    activations smallest: with counts pp, 2pp and 4pp instead, gpt3-175b
+    on 1024 A100s chose 516.10 s/step where pp=16 with 1536 micro-batches
+    gives 277.74, and llama3-8b on 64 H100s 71.10 where pp=2 with 256
+    gives 58.25."""
+    first = max(pp, schedule_spec(schedule).min_microbatches(pp, v))
     counts = []
     size = 1  # sequences per micro-batch
     while global_batch // size >= first and len(counts) < limit:
@@ -177,189 +176,10 @@ def accumulates(cand: PipelineCandidate) -> bool:
 def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
     """Every priced configuration (from layer profiles and the stage DP), best first."""
     configs = configurations(ctx, opts)
-    candidates = [c for c in _price_all(ctx, configs, lambda k, config: (
+    candidates = [c for c in price_all(ctx, configs, _price, lambda k, config: (
         f"[{k + 1}/{len(configs)}] {config_label(*config)}")) if c is not None]
     candidates.sort(key=lambda c: c.step_time_s)
     return candidates
-
-
-Config = tuple[int, int, StageMeshOption, str, int]  # (pp, v, stage mesh, schedule, m)
-
-
-def _price_all(ctx: SearchContext, configs: Sequence[Config],
-               label: Callable[[int, Config], str], traced: bool = False
-               ) -> list[PipelineCandidate | None]:
-    """``[_price(ctx, *config) for config in configs]``, on two CPU cores
-    (:mod:`planner.forked`), one task per pricing scope.
-
-    A configuration's price depends on the profiles of its pricing scope
-    only (:func:`pricing_scope`: references are made and re-priced within a
-    mesh family, and at micro-batch size 1 within a stage mesh), so pricing
-    each scope's configurations in their order, in either process, gives the
-    same prices as pricing all in order. The programs are made here first,
-    in that order (which decides what is captured and what derived), size 1
-    last, so that both processes hold them before they price; while this
-    process captures, the forked child prices what needs no program still
-    to come: the leading configurations (they come first in every scope's
-    order) and, beside the capture of size 1, the scopes of other sizes.
-    A task run by the child sends back its
-    scopes' profiles, without their priced problems (remade if they are
-    extended, :meth:`SearchContext._extend`), and its strategy caches.
-
-    ``traced``: the configurations are of mesh families without references
-    (ZeRO-3 variants), so their scopes make them, with ILPs of their own on
-    captured or written-out programs (:meth:`SearchContext.program`). Those
-    only derived so far are written out here while the child prices the
-    scopes that have theirs; then both price the rest."""
-
-    def scope_of(config: Config) -> tuple:
-        mesh, m = config[2], config[4]
-        return pricing_scope(mesh.key, ctx.global_batch // m)
-
-    ms = list(dict.fromkeys(m for *_, m in configs if ctx.global_batch % m == 0))
-    ready = 0  # the leading configurations whose programs exist
-    while ready < len(configs) and not ctx.will_capture(configs[ready][4]):
-        ready += 1
-    child = ChildMark(ctx)
-
-    def task(ks: list[int]) -> Callable[[], tuple]:
-        def run() -> tuple:
-            solves = ctx.ilp_solves
-            out = []
-            for k in ks:
-                ctx.progress(label(k, configs[k]))
-                out.append(_price(ctx, *configs[k]))
-            if not child.in_child:  # its profiles and ILP count are here already
-                return out, None, 0
-            return (out, ctx.scope_state({scope_of(configs[k]) for k in ks}),
-                    ctx.ilp_solves - solves)
-        return run
-
-    priced: list[PipelineCandidate | None] = [None] * len(configs)
-
-    def file(ks: list[int], done: tuple) -> None:
-        out, state, solves = done
-        if state is not None:  # priced by the child
-            ctx.adopt_scope_state(state)
-            ctx.ilp_solves += solves
-        for k, cand in zip(ks, out):
-            priced[k] = cand
-
-    Job = tuple[Callable[[], Any], Callable[[Any], None]]  # a task, and what files its result
-
-    def make(counts: list[int], traced: bool = False) -> None:
-        for m in counts:
-            ctx.program(m, traced=traced)
-
-    def settle(jobs: list[Job], results: list[Any]) -> None:
-        for (_, on_done), result in zip(jobs, results):
-            on_done(result)
-
-    def beside(counts: list[int], there: list[int], jobs: list[Job],
-               after: Sequence[Job] = (), traced: bool = False) -> None:
-        """Make the programs of micro-batch ``counts`` (``traced``: captured
-        or written out) here while the forked child prices the
-        configurations ``there``; then both take ``jobs``, and this process
-        (and, once the child is done with those, a new one) the jobs
-        ``after``, which need those programs."""
-        _, done, results, results_after = run_beside(
-            lambda: make(counts, traced), task(there), held_by_both(ctx, ctx.programs()), child,
-            then=[job for job, _ in jobs], after_here=[job for job, _ in after])
-        file(there, done)
-        settle(jobs, results)
-        settle(after, results_after)
-
-    def forked(jobs: list[Job]) -> None:
-        settle(jobs, run_forked([job for job, _ in jobs], held_by_both(ctx, ctx.programs()),
-                                child))
-
-    # torch's schedule orders, made once on both cores before the scopes are
-    # priced (each asks for many of them; each process made them all for
-    # itself: gpt3-175b on 1024 GPUs, 96 shapes, ~16 s in each)
-    shapes = _missing_schedule_shapes(configs)
-    orders: list[Job] = [(_orders_task(shape), lambda blob, shape=shape: _file_order(shape, blob))
-                         for shape in shapes]
-    # micro-batches of one sequence: another program, captured last (see
-    # SearchContext.program); the scopes that need it, priced last
-    one = [m for m in ms if ctx.global_batch // m == 1]
-    others = [m for m in ms if m not in one]
-    capture_others = any(ctx.will_capture(m) for m in others)
-    capture_one = any(ctx.will_capture(m) for m in one)
-    first = list(range(ready)) if capture_others or capture_one else []
-    scopes: dict[tuple, list[int]] = {}
-    for k in range(len(first), len(configs)):
-        scopes.setdefault(scope_of(configs[k]), []).append(k)
-    # the largest scopes first, so that the last task to start is short; those
-    # at micro-batch size 1 apart (their program may be captured after the others)
-    # (a scope names its stage mesh, last, only at size 1: see pricing_scope)
-    ordered = sorted(scopes.items(), key=lambda item: len(item[1]), reverse=True)
-
-    def job(ks: list[int]) -> Job:
-        return task(ks), lambda done: file(ks, done)
-
-    early = [ks for scope, ks in ordered if scope[-1] is None]
-    late = [ks for scope, ks in ordered if scope[-1] is not None]
-    # the child works while this process captures: on the leading
-    # configurations whose programs exist (``first``) and the schedule orders
-    # beside the first captures; on the scopes not at size 1 beside the
-    # capture of size 1 (once ``first`` is filed: a scope's configurations
-    # are priced in their order), while this process, done capturing, prices
-    # the scopes at size 1
-    if capture_others:
-        beside(others, first, orders)
-        if capture_one:
-            beside(one, [], [job(ks) for ks in early], [job(ks) for ks in late])
-            early = late = []
-        else:
-            make(one)
-    else:
-        make(others)
-        if capture_one:
-            beside(one, first, orders)
-        else:
-            forked(orders)
-    rest = early + late
-    # (traced) made here first: each program only derived so far that a
-    # scope may price on (where no reference divides its shapes, another
-    # size of its scope makes one too)
-    unwritten = [m for m in ms if traced and not ctx.has_traced(m)]
-    waiting = [ks for ks in rest if any(configs[k][4] in unwritten for k in ks)]
-    if waiting:
-        beside(unwritten, [], [job(ks) for ks in rest if ks not in waiting],
-               [job(ks) for ks in waiting], traced=True)
-    else:
-        forked([job(ks) for ks in rest])
-    return priced
-
-
-def _missing_schedule_shapes(configs: Sequence[Config]) -> list[tuple[str, int, int, int]]:
-    """The schedule shapes ``(schedule, pp, m, v)`` of ``configs`` whose
-    torch orders (:func:`costmodel.schedules.torch_orders`) this process
-    lacks, the longest first."""
-    return sorted({(s, pp, m, v) for pp, v, _, s, m in configs
-                   if s != NO_PIPELINE and not orders_cached(s, pp, m, v)},
-                  key=lambda shape: (-shape[1] * shape[2] * shape[3], shape))
-
-
-def _orders_task(shape: tuple[str, int, int, int]) -> Callable[[], bytes | None]:
-    """A task giving torch's orders of ``shape`` pickled (:func:`_file_order`
-    reads them), or None where torch rejects it (the pricing reads that as no
-    candidate). Pickled here by the C pickler in one piece: the forked
-    child's results go through :mod:`planner.forked`'s pickler, which asks
-    which object it is for each of the ~600k tuples and ints of a large
-    shape (gpt3-175b: 2.2 s for all shapes, against 0.1 s)."""
-    def run() -> bytes | None:
-        try:
-            return pickle.dumps(torch_orders(*shape), protocol=pickle.HIGHEST_PROTOCOL)
-        except ValueError:
-            return None
-    return run
-
-
-def _file_order(shape: tuple[str, int, int, int], blob: bytes | None) -> None:
-    """File in this process the orders :func:`_orders_task` made for ``shape``."""
-    if blob is not None:
-        adopt_orders(*shape, pickle.loads(blob))
 
 
 # The leading candidates whose ZeRO-3 variants zero_variants() prices.
@@ -383,9 +203,9 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     :data:`ZERO_CANDIDATES` pipelines (without ZeRO, stage mesh with more than
     one rank on axis 0) that ZeRO-3 promises most (:func:`_zero3_estimate`),
     priced, best first; none unless
-    ``opts`` allows both ZeRO stages. The groups are priced together, in
-    one forked phase (in their order within each pricing scope, as if one
-    after the other).
+    ``opts`` allows both ZeRO stages. The groups are priced together
+    (:func:`planner.search_phases.price_all`; in their order within each
+    pricing scope, as if one after the other).
 
     ZeRO-3 keeps the parameters replicated on axis 0, shards their states
     there and synchronises gradients once per step instead of in every
@@ -404,7 +224,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                                   key=_zero3_estimate)[:ZERO_CANDIDATES]]
                  for ranked in groups]
     configs = [config for group in per_group for config in group]
-    priced = _price_all(ctx, configs, lambda k, config: (
+    priced = price_all(ctx, configs, _price, lambda k, config: (
         f"ZeRO-3 variant {k + 1}/{len(configs)}: {config_label(*config)}"), traced=True)
     out, start = [], 0
     for group in per_group:
@@ -423,7 +243,7 @@ REFINE_PAIRS = 3
 
 def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[PipelineCandidate]:
     """Re-price the leading candidates with ILP profiles of their own (mesh,
-    micro-batch size) and all :data:`planner.search_context.PROFILE_LEVELS`
+    micro-batch size) and all :data:`planner.profile_levels.PROFILE_LEVELS`
     memory levels, then rank again.
 
     Re-priced profiles carry placements the ILP chose at another micro-batch
@@ -436,7 +256,7 @@ def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[Pipeline
     for c in top:
         pairs.setdefault((c.mesh.key, c.num_microbatches), c.mesh)
     pairs = dict(list(pairs.items())[:REFINE_PAIRS])
-    changed = _own_profiles_forked(ctx, pairs)
+    changed = own_profiles_of(ctx, pairs)
     if not changed:
         return ranked
     again = []
@@ -449,45 +269,10 @@ def refine(ctx: SearchContext, ranked: list[PipelineCandidate]) -> list[Pipeline
     return again
 
 
-def _own_profiles_forked(ctx: SearchContext, pairs: dict[tuple, StageMeshOption]
-                         ) -> list[tuple]:
-    """:meth:`SearchContext.own_profiles` of every (stage mesh, micro-batches)
-    pair, on two CPU cores (:mod:`planner.forked`); the pairs whose profiles
-    changed.
-
-    The pairs share no profile (each is filed under its own mesh and
-    micro-batch size), so each gives the same profiles whichever process
-    makes them. The programs whose strategies are enumerated are made here
-    first, so that both processes hold them. A forked process's profiles come
-    back without their priced problem, which is made again only if they are
-    extended later (:meth:`SearchContext._extend`)."""
-    progs = {}
-    for (shape, m), mesh in pairs.items():
-        prog = ctx.program(m)
-        progs[shape, m] = ctx.program(m, traced=True) if ctx.has_repriced(prog, mesh) else prog
-    child = ChildMark(ctx)
-
-    def task(prog: MicrobatchProgram, mesh: StageMeshOption) -> Callable[[], tuple]:
-        def run() -> tuple:
-            solves = ctx.ilp_solves
-            changed = ctx.own_profiles(prog, mesh)
-            if child.in_child:  # sent back by pickling: without the priced problems
-                changed = [(layer, dataclasses.replace(p, prepared=None)) for layer, p in changed]
-            return changed, ctx.ilp_solves - solves
-        return run
-
-    shared = held_by_both(ctx, list(progs.values()))
-    solves = ctx.ilp_solves
-    done = run_forked([task(progs[key], mesh) for key, mesh in pairs.items()], shared, child)
-    ctx.ilp_solves = solves + sum(d[1] for d in done)  # a child's never reach ctx by themselves
-    for key, (changed, _) in zip(pairs, done):
-        for layer, prof in changed:
-            ctx.adopt(progs[key], layer, prof)
-    return [key for key, (changed, _) in zip(pairs, done) if changed]
-
-
 def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule: str,
            m: int) -> PipelineCandidate | None:
+    """One configuration priced from layer profiles and the stage DP; None
+    where it does not fit or torch rejects its schedule."""
     if ctx.global_batch % m:
         return None
     prog = ctx.program(m)
@@ -495,7 +280,7 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
     if S > len(prog.layers):
         return None
     try:
-        copies = stage_in_flight(schedule, pp, m, v)
+        copies = stage_in_flight(schedule, pp, m, v, ctx.schedule_book)
     except ValueError:  # torch rejects this (schedule, pp, m) combination
         return None
     split = None
@@ -513,7 +298,7 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
     if split is None:
         return None
     p2p = p2p_seconds(prog, split.bounds, mesh, ctx.cluster)
-    step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p)
+    step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p, ctx.schedule_book)
     return PipelineCandidate(pp, v, mesh, schedule, m, split, step, bubble, sum(p2p))
 
 

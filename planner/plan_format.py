@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 if TYPE_CHECKING:
     from ir.precision import Precision
@@ -25,6 +25,52 @@ READABLE_VERSIONS = (1, 2, 3)
 
 class PlanError(ValueError):
     """A plan.json that cannot be used; the message says what is wrong and what to do."""
+
+
+# plan.json ``model``: what the plan was made for. ``name``: the zoo name or
+# file.py:factory, else the class name; ``source``: how `planner run` rebuilds
+# the model (None: it cannot); ``class``: the model's class name;
+# ``fingerprint``: ir.Graph.fingerprint of the captured program. (The
+# functional form, because ``class`` is a keyword.)
+ModelRecord = TypedDict("ModelRecord", {"name": str, "source": "str | None", "class": str,
+                                        "fingerprint": str, "num_parameters": int})
+
+
+class MemoryReport(TypedDict):
+    """Bytes per device by kind (``params``, ``grads``, ``optimizer``,
+    ``activations``, ``backward_transient``); ``total`` their sum (what the
+    memory budget bounds) and ``peak`` the step's predicted peak."""
+
+    total: int
+    peak: int
+
+
+class TrainingRecord(TypedDict, total=False):
+    """plan.json ``training``: the step the prediction assumed."""
+
+    dtype: str                 # compute dtype, e.g. "bfloat16"
+    precision: str             # training precision (ir.precision), e.g. "bf16-mixed"
+    reduce_dtype: str          # dtype gradients are reduced in, e.g. "float32"
+    optimizer: str             # "adam", "adamw", "sgd_momentum" or "sgd"
+    input_shapes: list[list[int] | None]   # of the whole-batch example inputs
+    zoo_kwargs: dict[str, int]  # batch_size / seq_len a zoo model was built with
+    microbatch_size: int       # pipelines and accumulation: sequences per micro-batch
+    global_batch: int          # sequences per step
+    manual: dict[str, Any]     # a Megatron baseline's configuration (Megatron's names)
+
+
+class PredictedStep(TypedDict, total=False):
+    """plan.json ``predicted``: one training step on the cluster (seconds, bytes)."""
+
+    step_time_s: float
+    compute_s: float
+    communication_s: float
+    resharding_s: float
+    bubble_s: float            # pipelines: idle time of the schedule
+    p2p_s: float               # pipelines: stage-to-stage sends
+    grad_sync_s: float         # pipelines: once-per-step gradient reduction
+    update_s: float            # pipelines: optimizer update and parameter casts
+    memory_bytes_per_device: MemoryReport
 
 
 @dataclass
@@ -148,19 +194,17 @@ class Plan:
     """A complete parallelization plan for one model on one cluster.
 
     Attributes:
-        model: what the plan was made for: ``name``, ``source`` (zoo name or
-            ``file.py:factory``), ``fingerprint`` (ir.Graph.fingerprint of the
-            captured program) and ``num_parameters``.
+        model: what the plan was made for (:class:`ModelRecord`).
         cluster: the cluster spec (costmodel.Cluster.to_dict()).
         mesh: ``shape`` (list of ints) and ``axis_names``.
         parameters: parameter FQN -> placements (one string per mesh axis).
         inputs: user input name -> placements.
         nodes: op node name -> placements of its inputs and outputs.
         reshards: every point where a tensor changes placement, in program order.
-        predicted: ``step_time_s`` with its breakdown (``compute_s``,
-            ``communication_s``, ``resharding_s``) and ``memory_bytes_per_device``.
+        predicted: the step's seconds and bytes per device (:class:`PredictedStep`).
         solver: the ILP report.
-        training: batch and optimiser settings the prediction assumed.
+        training: batch, precision and optimiser settings the prediction
+            assumed (:class:`TrainingRecord`).
         checkpoint: module paths of the layers whose activations are recomputed
             in backward (activation checkpointing), in program order.
         pipeline: None for a single-stage plan. For a pipeline plan ``mesh`` is
@@ -169,16 +213,16 @@ class Plan:
             mesh of the stage that owns the node (one string per stage-mesh axis).
     """
 
-    model: dict[str, Any]
+    model: ModelRecord
     cluster: dict[str, Any]
     mesh: dict[str, Any]
     parameters: dict[str, list[str]]
     inputs: dict[str, list[str]]
     nodes: dict[str, OpPlacement]
     reshards: list[Reshard]
-    predicted: dict[str, Any]
+    predicted: PredictedStep
     solver: SolverReport
-    training: dict[str, Any] = field(default_factory=dict)
+    training: TrainingRecord = field(default_factory=dict)  # type: ignore[assignment]
     checkpoint: list[str] = field(default_factory=list)
     pipeline: PipelinePlan | None = None
     format_version: int = FORMAT_VERSION

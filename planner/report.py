@@ -67,7 +67,7 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
     rows = [[name, pl, str(len(fqns))] for (name, pl), fqns in groups.items()]
     lines.append(_table(["parameter", "placements", "count"], rows))
     lines.append("")
-    lines.append(f"inputs: " + ", ".join(f"{k} {_placements(v)}" for k, v in plan.inputs.items()))
+    lines.append("inputs: " + ", ".join(f"{k} {_placements(v)}" for k, v in plan.inputs.items()))
     total = sum(r.time_s for r in plan.reshards)
     lines.append(f"{len(plan.reshards)} reshard points, {_seconds(total)} forward")
     if verbose and plan.reshards:

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from planner.cli import main
+from app.cli import main
 
 
 def test_plan_writes_json_and_prints_summary(tmp_path, capsys):
@@ -98,7 +98,7 @@ def test_user_model_file_factory(tmp_path, capsys):
 
 
 def test_console_command_is_installed():
-    proc = subprocess.run([sys.executable, "-m", "planner.cli", "--help"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "--help"], capture_output=True,
                           text=True)
     assert proc.returncode == 0 and "plan" in proc.stdout
 

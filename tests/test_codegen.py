@@ -18,8 +18,10 @@ import warnings
 import pytest
 
 import ir
-from codegen.executor import PlanMismatchError, parse_placement, placement_str, record_plan
+from codegen.capture import PlanMismatchError
+from codegen.executor import record_plan
 from codegen.launch import LaunchError, launch
+from ir.placements import parse_placement, placement_str
 from ir.source import build_model
 from planner.plan_format import Plan, SolverReport, load_plan
 
@@ -133,7 +135,8 @@ def test_written_out_program_runs_the_models_math():
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from codegen.executor import PlanExecutor, WrittenOutProgram, capture_program
+    from codegen.capture import WrittenOutProgram, capture_program
+    from codegen.executor import PlanExecutor
     from codegen.launch import REPO_ROOT
     from codegen.reference import loss_of
 

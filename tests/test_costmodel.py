@@ -27,14 +27,13 @@ from costmodel import (
     local_cpu_cluster,
     matmul_efficiency,
     op_time,
-    parse_placement,
-    placement_str,
     preset,
     reserve_bytes,
     reshard_steps,
     reshard_time,
     training_state_bytes,
 )
+from ir.placements import parse_placement, placement_str
 
 LINK = Link("test", bandwidth=100e9, latency=5e-6)
 

@@ -8,10 +8,11 @@ from torch import nn
 
 import ir.fast_trace as fast_trace_module
 from ir import zoo
+from ir.exported_graph import graph_from_exported, module_path as _module_path
 from ir.fast_trace import SynthesizedProgram, fast_trace, rescaled_trace
 from ir.probe_rescale import RescaleError, rescale_program
-from ir.trace import (CapturedProgram, _module_path, capture, capture_in_one_pass,
-                      graph_from_exported, trace)
+from ir.program_capture import CapturedProgram, capture, capture_in_one_pass
+from ir.trace import trace
 from ir.zoo import GPTConfig, LlamaConfig, MoEConfig
 from planner.api import plan
 
@@ -94,8 +95,8 @@ LLAMA5 = LlamaConfig(n_layers=5, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=176, v
 
 def _counting_captures(monkeypatch) -> list:
     """Make this process's probe captures append ``(method, blocks kept)`` to
-    the returned list: ``"two passes"`` (ir.trace.capture) or ``"one pass"``
-    (ir.trace.capture_in_one_pass)."""
+    the returned list: ``"two passes"`` (ir.program_capture.capture) or ``"one pass"``
+    (ir.program_capture.capture_in_one_pass)."""
     done = []
     for name, method in (("capture", "two passes"), ("capture_in_one_pass", "one pass")):
         def counted(m, a, real=getattr(fast_trace_module, name), method=method):
@@ -370,7 +371,7 @@ def test_one_pass_decompositions_are_made_again_when_an_op_is_registered():
     custom op the model may call) makes a table that decomposes it too."""
     from torch.export import default_decompositions
 
-    from ir.trace import _export_decompositions
+    from ir.program_capture import _export_decompositions
 
     first = _export_decompositions()
     assert _export_decompositions() == first

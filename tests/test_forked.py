@@ -1,6 +1,7 @@
-"""Finalists solved and profiles refined on two cores (planner.forked) give
-what doing it in order gives, and failures in the forked child are reported,
-not lost."""
+"""Finalists solved and profiles refined on two cores (planner.forked, through
+planner.search_executor's ForkedExecutor) give what doing it in order
+(SerialExecutor) gives, and failures in the forked child are reported, not
+lost."""
 
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ from costmodel.presets import local_cpu_cluster
 from ir.source import build_model
 from ir.zoo import GPTConfig, build_from_config
 from ir.trace import trace
+from planner import microbatch_programs
 from planner import pipeline as ps
 from planner import search_context
+from planner import search_phases
 from planner.finalists import solve_exact, solve_finalists
 from planner.forked import ForkedTaskError, can_fork, run_beside, run_forked
+from planner.search_executor import ForkedExecutor, Phase, PhaseTask, SerialExecutor
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="needs os.fork and two CPUs")
 
@@ -71,7 +75,7 @@ def test_beside_runs_one_task_in_a_child_while_this_process_runs_the_other():
 
 
 @needs_fork
-def test_tasks_after_here_run_where_what_here_made_exists():
+def test_later_tasks_run_where_what_here_made_exists():
     """Tasks that need what ``here`` made run in this process while the
     first child works on ``then``, and the rest, once it is done, in this
     process and a child forked after ``here``: none in the first child."""
@@ -95,13 +99,13 @@ def test_tasks_after_here_run_where_what_here_made_exists():
 
     here_pid, there_pid, then_pids, after_done = run_beside(
         here, there, then=[lambda k=k: then(k) for k in range(2)],
-        after_here=[lambda k=k: after(k) for k in range(12)])
+        later=[lambda k=k: after(k) for k in range(12)])
     assert [k for k, _ in after_done] == list(range(12))  # in task order
     after_pids = {pid for _, pid in after_done}
     assert there_pid not in after_pids
     assert os.getpid() in after_pids and after_pids - {os.getpid()}  # a second child ran some
     with pytest.raises(ValueError, match="after 3"):  # an error there reaches the caller
-        run_beside(lambda: None, lambda: None, after_here=[
+        run_beside(lambda: None, lambda: None, later=[
             lambda k=k: (_ for _ in ()).throw(ValueError(f"after {k}")) if k == 3 else k
             for k in range(6)])
 
@@ -116,16 +120,63 @@ def test_a_task_error_is_raised_here_even_when_it_does_not_pickle():
         run_forked([lambda: 1, fail, lambda: 3, fail])
 
 
+class _Made(PhaseTask):
+    """A task of a phase: its number and the process that ran it, filed in
+    ``filed`` with how it came back."""
+
+    def __init__(self, k, filed, made=None):
+        self.k, self.filed, self.made = k, filed, made
+
+    def run(self):
+        time.sleep(0.1)
+        if self.made is not None:  # a task after ``make``: in whichever process runs it
+            assert self.made == ["program"]
+        return self.k, os.getpid()
+
+    def sent_back(self, result):
+        return (*result, "sent")
+
+    def file(self, result):
+        self.filed.append(result)
+
+
+def _phase_filed(executor):
+    """What ``executor`` files of a phase of every part, in filing order."""
+    made, filed = [], []
+    phase = Phase([_Made(k, filed) for k in range(1, 3)], make=lambda: made.append("program"),
+                  there=_Made(0, filed), after=[_Made(k, filed, made) for k in range(3, 11)])
+    executor.run(phase, (), lambda: None)
+    assert made == ["program"]
+    return filed
+
+
+@needs_fork
+def test_the_forked_executor_files_what_the_serial_one_files_in_task_order():
+    """Both executors file every task's result in task order (``there``,
+    ``tasks``, ``after``); the forked one files what its child ran as that
+    child sent it back (PhaseTask.sent_back), the rest as run here."""
+    serial = _phase_filed(SerialExecutor())
+    assert serial == [(k, os.getpid()) for k in range(11)]
+    forked = _phase_filed(ForkedExecutor())
+    assert [r[0] for r in forked] == list(range(11))
+    assert forked[0][1] != os.getpid() and forked[0][2:] == ("sent",)  # ``there``: the child
+    for r in forked:
+        assert (r[1] == os.getpid()) == (len(r) == 2)  # sent back exactly where a child ran it
+    assert any(len(r) == 3 for r in forked[3:])  # a second child took some of ``after``
+
+
 def _gpt8_contexts():
     """A maker of fresh SearchContexts of the 8-block test GPT on 8 CPU ranks
-    that share one programs dict (each micro-batch size is traced once)."""
+    that share one programs dict (each micro-batch size is traced once);
+    ``serial``: its phases run here, in task order."""
     model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
     programs: dict = {}
 
-    def context() -> search_context.SearchContext:
+    def context(serial: bool = False) -> search_context.SearchContext:
         return search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                 optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
-                                programs=programs)
+                                programs=programs,
+                                executor=SerialExecutor() if serial else None)
     return context
 
 
@@ -154,20 +205,16 @@ def test_finalists_solved_on_two_cores_equal_solving_them_in_order():
 
 
 @needs_fork
-def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
+def test_refined_profiles_on_two_cores_equal_refining_in_order():
     """refine() makes the profiles of its (mesh, micro-batches) pairs in this
     process and a forked one: the ranking, every profile and the order of the
     mesh families' references equal making them here one pair after another."""
     context = _gpt8_contexts()
 
     def refined(forked: bool):
-        if not forked:
-            monkeypatch.setattr(ps, "run_forked",
-                                lambda tasks, shared=(), in_child=None: [t() for t in tasks])
-        ctx = context()
+        ctx = context(serial=not forked)
         ranked = ps.refine(ctx, ps.search(ctx, ps.SearchOptions(
             pp=[2, 4], schedules=["1f1b", "gpipe"], num_microbatches=[4])))
-        monkeypatch.undo()
         return ctx, ranked
 
     ctx, ranked = refined(forked=True)
@@ -183,17 +230,8 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order(monkeypatch):
     assert ctx.ilp_solves == alone.ilp_solves
 
 
-def _in_order(monkeypatch) -> None:
-    """The search's forked phases run here, in task order."""
-    monkeypatch.setattr(ps, "run_forked",
-                        lambda tasks, shared=(), in_child=None: [t() for t in tasks])
-    monkeypatch.setattr(ps, "run_beside",
-                        lambda here, there, shared=(), in_child=None, then=(), after_here=():
-                        (here(), there(), [t() for t in then], [t() for t in after_here]))
-
-
 @needs_fork
-def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
+def test_search_on_two_cores_equals_searching_in_order():
     """search() and zero_variants() price one mesh family per task in this
     process and a forked one (and the single stages in the child while this
     process captures the micro-batch programs): every candidate, profile and
@@ -204,11 +242,10 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
     whole_batch = trace(model, inputs)
 
     def searched(forked: bool):
-        if not forked:
-            _in_order(monkeypatch)
         ctx = search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
-                               whole_batch_graph=whole_batch)
+                               whole_batch_graph=whole_batch,
+                               executor=None if forked else SerialExecutor())
         beside = ctx.will_capture(4)
         # 8 micro-batches: size 1, which torch captures as another program
         opts = ps.SearchOptions(pp=[1, 2, 4], schedules=["1f1b", "gpipe"],
@@ -217,7 +254,6 @@ def test_search_on_two_cores_equals_searching_in_order(monkeypatch):
         # the best pipeline of each mesh family: ZeRO-3 variants for both processes
         leaders = list({c.mesh.family: c for c in reversed(ranked) if c.pp > 1}.values())
         variants, = ps.zero_variants(ctx, [leaders], opts)
-        monkeypatch.undo()
         return ctx, ranked, variants, beside
 
     ctx, ranked, variants, beside = searched(forked=True)
@@ -251,7 +287,7 @@ def test_zero_variants_write_out_a_missing_program_once_here(monkeypatch, tmp_pa
                                       batch_size=16, seq_len=16)
     whole_batch = trace(model, inputs)
     writers = tmp_path / "writers"
-    real_rescaled_trace = search_context.rescaled_trace
+    real_rescaled_trace = microbatch_programs.rescaled_trace
 
     def rescaled_trace(*args, **kwargs):
         with open(writers, "a") as fh:
@@ -259,7 +295,7 @@ def test_zero_variants_write_out_a_missing_program_once_here(monkeypatch, tmp_pa
         return real_rescaled_trace(*args, **kwargs)
 
     def variants(forked: bool):
-        monkeypatch.setattr(search_context, "rescaled_trace", rescaled_trace)
+        monkeypatch.setattr(microbatch_programs, "rescaled_trace", rescaled_trace)
         said: list[str] = []
         ctx = search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
@@ -273,7 +309,7 @@ def test_zero_variants_write_out_a_missing_program_once_here(monkeypatch, tmp_pa
         leaders = best + [dataclasses.replace(c, num_microbatches=8) for c in best]
         writers.write_text("")
         if not forked:
-            _in_order(monkeypatch)
+            ctx.executor = SerialExecutor()
         out, = ps.zero_variants(ctx, [leaders], opts)
         monkeypatch.undo()
         return out, said, writers.read_text().split()
@@ -302,7 +338,7 @@ def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here(
     ctx = context()
     prog, made = own(ctx, levels=1)
     for layer, prof in made:
-        ctx.adopt(prog, layer, dataclasses.replace(prof, prepared=None))
+        ctx.file_own_profile(prog, layer, dataclasses.replace(prof, prepared=None))
     _, want = own(context(), levels=3)
     for (layer, prof), (_, w) in zip(made, want):
         sent = ctx._profiles[(prog.signatures[layer], prof.mesh.shape, 8)]
@@ -314,26 +350,27 @@ def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here(
 @needs_fork
 def test_schedule_orders_made_on_two_cores_are_filed_here():
     """The schedule shapes a search lacks, made as tasks on both cores (as
-    _price_all runs them beside the captures), come back equal to what torch
+    price_all runs them while capturing), come back equal to what torch
     gives here and, filed, are held here; a shape torch rejects gives None,
     not an error."""
     from costmodel import schedules
+    from costmodel.schedule_torch import orders_from_torch
 
     shapes = [("1f1b", 3, 7, 1), ("interleaved_1f1b", 3, 9, 2), ("zbv", 3, 11, 2),
               ("gpipe", 5, 13, 1), ("interleaved_zero_bubble", 3, 15, 2)]
     rejected = ("dualpipev", 3, 5, 2)  # torch: DualPipeV needs m >= 2 pp
     configs = [(pp, v, None, s, m) for s, pp, m, v in [*shapes, rejected]]
-    assert not any(schedules.orders_cached(*shape) for shape in shapes)
-    missing = ps._missing_schedule_shapes(configs)
+    book = schedules.ScheduleBook()
+    missing = search_phases.missing_schedule_shapes(configs, book)
     assert sorted(missing) == sorted([*shapes, rejected])
-    made = run_forked([ps._orders_task(shape) for shape in missing])
-    assert made[missing.index(rejected)] is None
-    for shape, blob in zip(missing, made):
-        ps._file_order(shape, blob)
+    tasks = [search_phases._ScheduleOrders(shape, book) for shape in missing]
+    assert tasks[missing.index(rejected)].run() is None
+    ForkedExecutor().run(Phase(tasks), (), lambda: None)
     for shape in shapes:
-        assert schedules.orders_cached(*shape)
-        assert schedules.torch_orders(*shape) == schedules._orders_from_torch(*shape)
-    assert not schedules.orders_cached(*rejected)
+        assert book.holds(*shape)
+        assert schedules.torch_orders(*shape, book=book) == orders_from_torch(*shape)
+    assert not book.holds(*rejected)
+    assert search_phases.missing_schedule_shapes(configs, book) == [rejected]
 
 
 @needs_fork
@@ -356,8 +393,8 @@ def test_objects_are_out_of_the_collectors_sight_while_the_child_runs():
 
 
 def test_a_forked_process_sends_back_the_strategies_its_parent_lacks():
-    """scope_state in a forked process carries the strategies and expansions
-    made since the fork, once each; adopted, the parent holds what the
+    """scope_caches in a forked process carries the strategies and expansions
+    made since the fork, once each; merged, the parent holds what the
     child holds."""
     context = _gpt8_contexts()
     parent, child = context(), context()
@@ -369,18 +406,18 @@ def test_a_forked_process_sends_back_the_strategies_its_parent_lacks():
     for name in ("_strategy_cache", "_expansions"):
         setattr(child, name, {k: dict(v) if isinstance(v, dict) else v
                               for k, v in getattr(parent, name).items()})
-    child.forked()
+    child._in_forked_child()
     child.profile(prog, 0, small)  # nothing new: all of it inherited
     child.profile(prog, 0, big)
     scopes = {search_context.pricing_scope(m.key, prog.microbatch_size) for m in (small, big)}
-    sent = child.scope_state(scopes)
+    sent = child.scope_caches(scopes)
     assert sent["strategies"].get(small.shape, {}) == {}
     assert sent["strategies"][big.shape] == child._strategy_cache[big.shape]
     assert sent["expansions"].keys() == child._expansions.keys() - parent._expansions.keys()
     assert sent["expansions"]
-    parent.adopt_scope_state(sent)
+    parent.merge_scope_caches(sent)
     assert parent._strategy_cache.keys() == child._strategy_cache.keys()
     assert parent._strategy_cache[big.shape] == child._strategy_cache[big.shape]
     assert parent._expansions.keys() == child._expansions.keys()
-    again = child.scope_state(scopes)
+    again = child.scope_caches(scopes)
     assert not again["expansions"] and not any(again["strategies"].values())

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from costmodel.cluster import load_cluster
+from costmodel.presets import load_cluster
 from ir import zoo
 from planner.api import plan
 

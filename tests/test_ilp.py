@@ -6,7 +6,8 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from planner.ilp import SOLVERS, AssignmentProblem, InfeasibleError, brute_force, solve
+from planner.ilp import (SOLVERS, AssignmentProblem, InfeasibleError, brute_force, reduced_size,
+                         solve)
 
 costs = st.sampled_from([0.0, 0.0, 1e-6, 1e-3, 0.25, 0.5, 1.0, 2.0])
 
@@ -83,7 +84,7 @@ def test_ilp_with_memory_budget_equals_brute_force(problem):
 
 
 def test_time_limit_without_solution_returns_the_warm_start(monkeypatch):
-    import planner.ilp as ilp
+    import planner.ilp_solver as ilp
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])])
@@ -151,7 +152,7 @@ def test_weighted_checkpointing_skips_only_combinations_that_cannot_win(problem)
     """Without a budget, checkpoint combinations that cannot beat the
     all-checkpointed optimum go unsolved: the answer is the weighted optimum
     (brute force), and the same one as solving every combination."""
-    import planner.ilp as ilp
+    import planner.ilp_checkpointing as ilp
 
     best = min(problem.weighted(list(choice), list(ckpt))
                for choice in itertools.product(*(range(len(c)) for c in problem.node_costs))
@@ -172,7 +173,7 @@ def _fake_backend(monkeypatch, status):
     """CreateSolver returns solvers whose Solve only reports ``status`` (all
     variables stay 0, so every node reads as taking strategy 0), and the LP
     relaxation never answers, so that the MIP backend decides."""
-    import planner.ilp as ilp
+    import planner.ilp_solver as ilp
 
     monkeypatch.setattr(ilp, "_integral_relaxation", lambda *args: None)
 
@@ -193,7 +194,7 @@ def _fake_backend(monkeypatch, status):
 
 def test_time_limited_answer_is_never_worse_than_the_warm_start(monkeypatch):
     """A search cut off with a FEASIBLE answer worse than the hint returns the hint."""
-    import planner.ilp as ilp
+    import planner.ilp_solver as ilp
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.FEASIBLE)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[2.0, 5.0], [1.0, 0.0]])])
@@ -206,7 +207,7 @@ def test_time_limited_answer_is_never_worse_than_the_warm_start(monkeypatch):
 
 
 def test_warm_start_checkpoints_when_that_is_what_fits(monkeypatch):
-    import planner.ilp as ilp
+    import planner.ilp_solver as ilp
     from planner.ilp import CheckpointGroup
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)
@@ -267,7 +268,7 @@ def test_elimination_collapses_a_chain_but_not_memory_under_a_budget():
     choice, best = brute_force(problem)
     sol = solve(problem)
     assert sol.objective_s == pytest.approx(best) and sol.status == "OPTIMAL"
-    assert problem.size() < problem.size(reduce=False)
+    assert reduced_size(problem) < problem.size()
     # no budget: memory does not matter and the whole ring goes
     import dataclasses
     free = dataclasses.replace(problem, memory_budget=None)

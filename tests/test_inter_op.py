@@ -9,12 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from costmodel.cluster import load_cluster
+from costmodel.presets import load_cluster
 from costmodel.collectives import axis_links, collective_time
 from ir.layers import block_count, cluster_layers, manual_bounds, pipeline_layers
 from ir.source import build_model
 from ir.subgraph import boundary_values
 from ir.trace import trace
+from planner import api as planner_api
 from planner import finalists as finalists_of_search
 from planner import pipeline as pipeline_search
 from planner.search_context import SearchContext
@@ -169,9 +170,9 @@ def test_far_finalists_are_solved_when_no_close_one_has_a_plan(monkeypatch):
         results = real_solve(ctx, finalists)
         return [None] * len(results) if len(asked) == 1 else results  # the close ones: no plan
 
-    monkeypatch.setattr(finalists_of_search, "solve_finalists", solve)
+    monkeypatch.setattr(planner_api, "solve_finalists", solve)  # as plan() calls them
     # only the fastest prediction is close
-    monkeypatch.setattr(finalists_of_search, "split_far_finalists", lambda f: real_split(f, 1.0))
+    monkeypatch.setattr(planner_api, "split_far_finalists", lambda f: real_split(f, 1.0))
     p = plan(model, "local-cpu:4", example_inputs=inputs, model_source="gpt-tiny",
              pp=[2], schedules=["1f1b"], num_microbatches=[2, 4], zero_stages=[0])
     assert len(asked) == 2 and asked[1] and not set(asked[0]) & set(asked[1])
@@ -249,7 +250,7 @@ def test_zero3_stages_count_sharded_states_and_sync_gradients_once_per_step():
     reduce-scatter and one all-gather of the stage's parameters (on a ring,
     the time of one all-reduce of them), where the plain stage all-reduces
     them in every micro-batch's backward."""
-    from planner.megatron import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model("gpt-tiny")
     layout = megatron_layout(trace(model, inputs), MegatronConfig(1, 2))  # params replicated
@@ -342,24 +343,36 @@ def test_plan_returns_a_pipeline_when_asked_and_the_same_one_twice():
     assert plan(model, "local-cpu:4", **kwargs).to_json() == first.to_json()
 
 
-def test_the_cycle_collector_is_paused_while_planning_and_restored_after():
-    """...and the search's schedule orders are not held once plan() returns."""
+def test_the_cycle_collector_is_paused_while_planning_and_restored_after(monkeypatch):
+    """...and the search's schedule orders (its context's ScheduleBook) are
+    freed by reference counting once plan() returns."""
     import gc
+    import weakref
 
-    from costmodel.schedules import orders_cached
+    from costmodel.schedules import ScheduleBook
+    from planner import search_context
 
+    books = []
+
+    def recorded_book():
+        book = ScheduleBook()
+        books.append(weakref.ref(book))
+        return book
+
+    monkeypatch.setattr(search_context, "ScheduleBook", recorded_book)
     model, inputs = build_model("gpt-tiny")
     during = []
 
     def progress(msg):
-        during.append((gc.isenabled(), orders_cached("1f1b", 2, 2)))
+        during.append((gc.isenabled(), any(b() is not None and b().holds("1f1b", 2, 2)
+                                           for b in books)))
 
     kwargs = dict(example_inputs=inputs, pp=[2], schedules=["1f1b"], num_microbatches=[2],
                   zero_stages=[0], progress=progress)
     assert gc.isenabled()
     plan(model, "local-cpu:4", **kwargs)
     assert during and not any(enabled for enabled, _ in during) and gc.isenabled()
-    assert any(held for _, held in during) and not orders_cached("1f1b", 2, 2)
+    assert any(held for _, held in during) and books and all(b() is None for b in books)
     gc.disable()  # a caller's own setting is left as it was
     try:
         plan(model, "local-cpu:4", **kwargs)

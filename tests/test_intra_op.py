@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.cluster import load_cluster
+from costmodel.presets import load_cluster
+from costmodel.strategy_cost import IntraOpCost
 from ir import trace
 from ir.zoo import GPTConfig, build_from_config
 from planner.api import plan
 from planner.ilp import brute_force, solve
-from planner.intra_op import IntraOpCost, build_problem
+from planner.intra_op import build_problem
 from planner.strategies import build_strategies, fake_mesh
 
 
@@ -76,7 +77,7 @@ def test_large_batch_small_model_comes_out_data_parallel():
 
 
 def test_repeated_blocks_share_one_solution():
-    from ir.layers import find_layers
+    from ir.repeated_blocks import find_layers
 
     model, inputs = build_from_config(GPTConfig(4, 64, 4, vocab_size=128, block_size=32),
                                       batch_size=8)
@@ -209,7 +210,7 @@ def test_checkpointed_layers_keep_their_inputs_per_device():
     """A checkpointed layer keeps its input as this device holds it: on a
     data-parallel mesh of 4, a quarter of the one-device bytes (batch split)."""
     from planner.intra_op import solve_intra_op
-    from planner.megatron import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_from_config(GPTConfig(4, 1024, 8, vocab_size=512, block_size=512),
                                       batch_size=64, seq_len=512)

@@ -5,13 +5,14 @@ import json
 import pytest
 
 from codegen.launch import launch
-from costmodel.cluster import load_cluster
+from costmodel.presets import load_cluster
 from ir import trace
 from ir.source import build_model
 from planner.api import PlanningError, pipeline_plan
-from planner.compare import compare
-from planner.megatron import (MegatronConfig, MegatronDoesNotFit, _classify_linears,
-                              megatron_configs, megatron_layout, megatron_plan)
+from app.compare import compare
+from planner.megatron import (MegatronConfig, MegatronDoesNotFit, megatron_configs,
+                              megatron_layout, megatron_plan)
+from planner.megatron_layout import _classify_linears
 
 
 @pytest.mark.parametrize("name, column, row", [
@@ -272,7 +273,7 @@ def test_auto_plan_is_never_slower_than_the_best_megatron_plan(tmp_path):
 
 
 def test_compare_command_writes_table_json_and_chart(tmp_path, capsys):
-    from planner.cli import main
+    from app.cli import main
 
     prefix = tmp_path / "out" / "cmp"
     assert main(["compare", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--no-interleaved",
@@ -285,7 +286,7 @@ def test_compare_command_writes_table_json_and_chart(tmp_path, capsys):
     assert data["devices"] == 2
     assert {r["megatron"]["sequence_parallel"] for r in data["plans"] if "megatron" in r} == {
         False, True}
-    from planner.cli import build_parser
+    from app.cli import build_parser
     assert not build_parser().parse_args(["compare", "--model", "m", "--cluster", "c",
                                           "--no-sequence-parallel"]).sequence_parallel
     assert (tmp_path / "out" / "cmp.png").read_bytes()[:4] == b"\x89PNG"

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from codegen.launch import REPO_ROOT, launch
-from codegen.pipeline import PipelinePlanError, validate_pipeline_plan
+from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
 
 SOURCE = os.path.join(REPO_ROOT, "tests", "pipeline_model.py") + ":gpt8"
@@ -31,7 +31,7 @@ def pipeline_test_plan(*, pp: int, stage_mesh: tuple[int, ...], schedule: str,
     from ir.source import build_model
     from ir.trace import trace
     from planner.api import pipeline_plan
-    from planner.megatron import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model(SOURCE, device="meta")
     fixed = None
@@ -111,12 +111,13 @@ def test_pp4_schedules(tmp_path, schedule, num_microbatches):
 
 def _synthetic_plan(schedule: str = "1f1b", pp: int = 2, v: int = 1) -> Plan:
     """A pipeline section over made-up node names (enough for the static checks)."""
-    from codegen.pipeline import stage_pp_rank
+    from costmodel.schedule_specs import schedule_spec
 
     n = pp * v
+    stage_to_rank = schedule_spec(schedule).stage_to_rank(pp, v)
     stages = []
     for s in range(n):
-        rank = stage_pp_rank(schedule, s, pp)
+        rank = stage_to_rank[s]
         stages.append(StagePlan(
             index=s, pp_rank=rank, layers=[f"h.{s}"], nodes=[f"op{s}"],
             ranks=[2 * rank, 2 * rank + 1],

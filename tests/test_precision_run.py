@@ -98,7 +98,7 @@ def test_resharding_keeps_the_fused_attention_layout():
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from codegen.executor import _keep_layout, redistribute
+    from codegen.redistribution import keep_layout, redistribute
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -107,7 +107,7 @@ def test_resharding_keeps_the_fused_attention_layout():
         src = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
         gathered = redistribute(src, mesh, [Replicate()])
         assert gathered.to_local().is_contiguous()  # what the collective returns
-        out = _keep_layout(src, gathered)
+        out = keep_layout(src, gathered)
         assert out.placements == (Replicate(),) and out.shape == (8, 4, 32, 16)
         assert out.to_local().stride() == (2048, 16, 64, 1)
         merged = out.to_local().transpose(1, 2).view(8, 32, 64)  # the program's view
@@ -116,6 +116,6 @@ def test_resharding_keeps_the_fused_attention_layout():
         # contiguous sources and partial sums are left alone
         plain = DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0)], run_check=False)
         again = redistribute(plain, mesh, [Replicate()])
-        assert _keep_layout(plain, again) is again
+        assert keep_layout(plain, again) is again
     finally:
         dist.destroy_process_group()

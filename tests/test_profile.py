@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from costmodel.cluster import Link, load_cluster
+from costmodel.cluster import Link
+from costmodel.presets import load_cluster
 from costmodel.collectives import collective_time
 from costmodel.compute import matmul_efficiency, op_time
 from costmodel.profile import (
@@ -23,7 +24,7 @@ from costmodel.profile import (
     write_profile,
 )
 from costmodel.profile_worker import COLLECTIVE_KINDS, count_steps
-from planner.cli import main
+from app.cli import main
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 

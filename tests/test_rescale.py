@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from costmodel.cluster import load_cluster
+from costmodel.presets import load_cluster
 from ir import trace
 from ir.rescale import batch_rule
 from ir.source import build_model

@@ -7,11 +7,12 @@ import random
 import pytest
 import torch.distributed.pipelining.schedules as tsched
 
+from costmodel.schedule_specs import SCHEDULE_SPECS
+from costmodel.schedule_torch import _RecordingStage
 from costmodel.schedules import (
     SCHEDULES,
-    TORCH_SCHEDULE_CLASSES,
+    ScheduleBook,
     ScheduleOp,
-    _RecordingStage,
     canonical_schedule,
     default_stages_per_rank,
     load_csv_orders,
@@ -80,8 +81,8 @@ def test_1f1b_trace_is_executed_order(pp, m):
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (3, 6)])
 def test_multi_stage_orders_are_torch_pipeline_order(name, pp, m):
     orders, s2r = rank_orders(name, pp, m)
-    cls = getattr(tsched, TORCH_SCHEDULE_CLASSES[name])
-    assert cls.__name__ == TORCH_SCHEDULE_CLASSES[name]
+    cls = getattr(tsched, SCHEDULE_SPECS[name].torch_class)
+    assert cls is SCHEDULE_SPECS[name].torch_type
     # every (stage, micro-batch) has one F and one B or one I + one W, on the stage's rank
     seen: dict[tuple[str, int, int], int] = {}
     for r, ops in orders.items():
@@ -104,9 +105,9 @@ def test_multi_stage_orders_are_torch_pipeline_order(name, pp, m):
         assert any(op.kind == "W" for op in orders[0])
     # the order read without torch's lowering is the compute order torch runs:
     # the compute actions of the lowered pipeline_order_with_comms
-    from costmodel.schedules import _stub_stages
+    from costmodel.schedule_torch import _stub_stages
 
-    lowered = cls(_stub_stages(name, pp, 2 * pp), n_microbatches=m).pipeline_order_with_comms
+    lowered = cls(_stub_stages(name, pp, 2), n_microbatches=m).pipeline_order_with_comms
     for r, ops in orders.items():
         runs = [a for a in lowered[r] if a.is_compute_op]
         flat = [sub for a in runs for sub in (a.sub_actions or (a,))]
@@ -325,7 +326,7 @@ def test_names_and_errors():
         simulate("1f1b", 4, 2, 1.0, 1.0)  # torch: 1F1B needs m >= pp
     with pytest.raises(ValueError, match="ScheduleDualPipeV"):
         simulate("dualpipev", 4, 6, 1.0, 1.0)  # torch: DualPipeV needs m >= 2 pp
-    with pytest.raises(ValueError, match="two stages"):
+    with pytest.raises(ValueError, match="exactly 2 stages"):
         simulate("zbv", 4, 8, 1.0, 1.0, stages_per_rank=3)
     with pytest.raises(ValueError, match="4 values"):
         simulate("gpipe", 4, 8, [1.0, 1.0], 1.0)
@@ -387,19 +388,63 @@ def test_adopted_orders_stand_in_for_torchs(monkeypatch):
     # orders made in another process (here: a pickled copy) are used as torch's
     import pickle
 
-    from costmodel import schedules
+    from costmodel import schedule_book
 
     shape = ("interleaved_1f1b", 3, 12, 2)
-    made = pickle.loads(pickle.dumps(schedules._orders_from_torch(*shape)))
-    assert not schedules.orders_cached(*shape)
-    schedules.adopt_orders(*shape, made)
+    made = pickle.loads(pickle.dumps(schedule_book.orders_from_torch(*shape)))
+    book = ScheduleBook()
+    assert not book.holds(*shape)
+    book.adopt(*shape, made)
 
     def torch_asked(*args):
         raise AssertionError("torch was asked again")
 
-    monkeypatch.setattr(schedules, "_orders_from_torch", torch_asked)
-    assert schedules.orders_cached(*shape)
-    result = simulate("interleaved_1f1b", 3, 12, 1.0, 2.0, stages_per_rank=2)
-    orders, s2r = rank_orders("interleaved_1f1b", 3, 12, 2)
+    monkeypatch.setattr(schedule_book, "orders_from_torch", torch_asked)
+    assert book.holds(*shape)
+    assert not ScheduleBook().holds(*shape)  # a book is its owner's only
+    result = simulate("interleaved_1f1b", 3, 12, 1.0, 2.0, stages_per_rank=2, book=book)
+    orders, s2r = rank_orders("interleaved_1f1b", 3, 12, 2, book=book)
     assert result == simulate_orders(orders, s2r, 1.0, 2.0, schedule="interleaved_1f1b",
                                      num_microbatches=12)
+
+
+def test_a_book_asks_torch_once_per_shape(monkeypatch):
+    """Orders, dependency order and peaks are made once per shape in a book
+    (the same objects come back) and afresh without one."""
+    from costmodel import schedule_book
+
+    asked = []
+    made = schedule_book.orders_from_torch
+    monkeypatch.setattr(schedule_book, "orders_from_torch",
+                        lambda *shape: asked.append(shape) or made(*shape))
+    book = ScheduleBook()
+    first = simulate("zbv", 3, 6, 1.0, 1.0, 1.0, book=book)
+    assert simulate("ScheduleZBVZeroBubble", 3, 6, 1.0, 1.0, 1.0, book=book) == first
+    assert peak_activations("zbv", 3, 6, book=book) == (first.peak_activations,
+                                                         first.stage_to_rank)
+    shape = schedule_book.schedule_shape("zbv", 3, 6)
+    assert book.dependency_order(shape) is book.dependency_order(shape)
+    assert book.peaks(shape) is book.peaks(shape)
+    assert asked == [("zbv", 3, 6, 2)]
+    simulate("zbv", 3, 6, 1.0, 1.0, 1.0)
+    simulate("zbv", 3, 6, 1.0, 1.0, 1.0)
+    assert len(asked) == 3
+
+
+def test_no_module_level_memo():
+    """No module of costmodel or planner keeps a process-wide memo (an
+    lru_cache'd function): what a search remembers, its context holds (the
+    schedule orders: a ScheduleBook)."""
+    import functools
+    import importlib
+    import pkgutil
+
+    import costmodel
+    import planner
+
+    for package in (costmodel, planner):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            memos = [name for name, value in vars(module).items()
+                     if isinstance(value, functools._lru_cache_wrapper)]
+            assert not memos, (info.name, memos)

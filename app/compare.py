@@ -17,13 +17,15 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from costmodel.cluster import Cluster, load_cluster
+from costmodel.cluster import Cluster
+from costmodel.presets import load_cluster
 from ir.graph import Graph
 from ir.layers import block_count, pipeline_layers
 from ir.source import build_model
 from ir.precision import compute_copy
 from ir.trace import trace
-from planner.api import PlanningError, plan, resolve_precision
+from planner.api import plan
+from planner.request import PlanRequest, PlanningError, resolve_precision
 from planner.megatron import MegatronConfig, MegatronDoesNotFit, megatron_configs, megatron_plan
 from planner.plan_format import Plan
 from planner.report import format_bytes
@@ -111,63 +113,15 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
                                    micro_batch_sizes=micro_batch_sizes,
                                    virtual_stages=virtual_stages,
                                    sequence_parallel=sequence_parallel)
-    entries: list[Entry] = []
-    cache: dict = {"graph": graph}
+    request = PlanRequest(model_source=model_spec, time_limit_s=time_limit_s,
+                          zoo_kwargs=zoo_kwargs, precision=chosen)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t0 = time.perf_counter()
-        try:
-            say("auto plan")
-            auto = plan(model, cluster, example_inputs=inputs, model_source=model_spec,
-                        time_limit_s=time_limit_s, zoo_kwargs=zoo_kwargs,
-                        precision=chosen, **(auto_options or {}))
-            entries.append(Entry("auto", auto_label(auto), auto,
-                                 seconds=time.perf_counter() - t0))
-        except PlanningError as err:
-            entries.append(Entry("auto", "-", None, str(err), seconds=time.perf_counter() - t0))
-        start = time.perf_counter()
-        too_big: set[tuple] = set()
-        for k, cfg in enumerate(configs):
-            family = (cfg.tp, cfg.pp, cfg.dp, cfg.virtual_pipeline_model_parallel_size,
-                      cfg.use_distributed_optimizer, cfg.sequence_parallel)
-            if family in too_big:
-                entries.append(Entry("megatron", cfg.label(), None,
-                                     "pruned: a smaller micro-batch size does not fit",
-                                     config=cfg))
-                continue
-            if megatron_deadline_s is not None and time.perf_counter() - start > megatron_deadline_s:
-                entries.append(Entry("megatron", cfg.label(), None,
-                                     "skipped: planning time budget spent", config=cfg))
-                continue
-            say(f"[{k + 1}/{len(configs)}] megatron {cfg.label()}")
-            t0 = time.perf_counter()
-            try:
-                p = megatron_plan(model, cluster, cfg, example_inputs=inputs,
-                                  model_source=model_spec, zoo_kwargs=zoo_kwargs,
-                                  time_limit_s=time_limit_s, graph=graph, cache=cache,
-                                  precision=chosen)
-                entries.append(Entry("megatron", cfg.label(), p, config=cfg,
-                                     seconds=time.perf_counter() - t0))
-            except PlanningError as err:
-                if isinstance(err, MegatronDoesNotFit):
-                    too_big.add(family)
-                entries.append(Entry("megatron", cfg.label(), None, str(err), config=cfg,
-                                     seconds=time.perf_counter() - t0))
-    rows = []
-    for e in entries:
-        row: dict[str, Any] = {"name": e.name, "config": e.config_label}
-        if e.config is not None:
-            row["megatron"] = _megatron_fields(e.config)
-        if e.seconds is not None:
-            row["planning_s"] = e.seconds
-        if e.plan is None:
-            row["error"] = e.error
-        else:
-            row.update(_metrics(e.plan, cluster, graph.forward_flops, tokens))
-            if e.plan.pipeline is not None:
-                row["bubble_s"] = e.plan.predicted.get("bubble_s")
-        rows.append(row)
-    rows.sort(key=lambda r: (r.get("step_time_s", float("inf")), r["config"]))
+        entries = [_auto_entry(model, cluster, inputs, request, auto_options or {}, say)]
+        entries += _megatron_entries(model, cluster, inputs, graph, request, configs,
+                                     megatron_deadline_s, say)
+    rows = sorted((_row(e, cluster, graph.forward_flops, tokens) for e in entries),
+                  key=lambda r: (r.get("step_time_s", float("inf")), r["config"]))
     feasible = [r for r in rows if "step_time_s" in r]
     manual = [r for r in feasible if r["name"] == "megatron"]
     best_manual = manual[0] if manual else None
@@ -182,6 +136,73 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             "runners_up": [r["config"] for r in manual[1:4]],
             "megatron_configs": len(configs),
             "megatron_feasible": len(manual), "plans": rows}
+
+
+def _auto_entry(model: torch.nn.Module, cluster: Cluster, inputs: tuple, request: PlanRequest,
+                auto_options: dict[str, Any], say: Callable[[str], None]) -> Entry:
+    """The automatic plan (``auto_options``: :class:`PlanRequest` fields that
+    restrict its search), or why there is none."""
+    say("auto plan")
+    t0 = time.perf_counter()
+    try:
+        auto = plan(model, cluster, example_inputs=inputs, request=request, **auto_options)
+    except PlanningError as err:
+        return Entry("auto", "-", None, str(err), seconds=time.perf_counter() - t0)
+    return Entry("auto", auto_label(auto), auto, seconds=time.perf_counter() - t0)
+
+
+def _megatron_entries(model: torch.nn.Module, cluster: Cluster, inputs: tuple, graph: Graph,
+                      request: PlanRequest, configs: Sequence[MegatronConfig],
+                      deadline_s: float | None, say: Callable[[str], None]) -> list[Entry]:
+    """Every Megatron configuration's plan, in grid order, or why it has none:
+    a larger micro-batch of a family (tp, pp, dp, vpp, optimizer, sp) that
+    did not fit is pruned, and after ``deadline_s`` seconds the rest are skipped."""
+    entries: list[Entry] = []
+    cache: dict = {"graph": graph}
+    start = time.perf_counter()
+    too_big: set[tuple] = set()
+    for k, cfg in enumerate(configs):
+        family = (cfg.tp, cfg.pp, cfg.dp, cfg.virtual_pipeline_model_parallel_size,
+                  cfg.use_distributed_optimizer, cfg.sequence_parallel)
+        if family in too_big:
+            entries.append(Entry("megatron", cfg.label(), None,
+                                 "pruned: a smaller micro-batch size does not fit", config=cfg))
+            continue
+        if deadline_s is not None and time.perf_counter() - start > deadline_s:
+            entries.append(Entry("megatron", cfg.label(), None,
+                                 "skipped: planning time budget spent", config=cfg))
+            continue
+        say(f"[{k + 1}/{len(configs)}] megatron {cfg.label()}")
+        t0 = time.perf_counter()
+        try:
+            p = megatron_plan(model, cluster, cfg, example_inputs=inputs,
+                              model_source=request.model_source, zoo_kwargs=request.zoo_kwargs,
+                              time_limit_s=request.time_limit_s, graph=graph, cache=cache,
+                              precision=request.precision)
+            entries.append(Entry("megatron", cfg.label(), p, config=cfg,
+                                 seconds=time.perf_counter() - t0))
+        except PlanningError as err:
+            if isinstance(err, MegatronDoesNotFit):
+                too_big.add(family)
+            entries.append(Entry("megatron", cfg.label(), None, str(err), config=cfg,
+                                 seconds=time.perf_counter() - t0))
+    return entries
+
+
+def _row(e: Entry, cluster: Cluster, forward_flops: float, tokens: int) -> dict[str, Any]:
+    """The JSON row of one compared plan: its metrics, or its error."""
+    row: dict[str, Any] = {"name": e.name, "config": e.config_label}
+    if e.config is not None:
+        row["megatron"] = _megatron_fields(e.config)
+    if e.seconds is not None:
+        row["planning_s"] = e.seconds
+    if e.plan is None:
+        row["error"] = e.error
+    else:
+        row.update(_metrics(e.plan, cluster, forward_flops, tokens))
+        if e.plan.pipeline is not None:
+            row["bubble_s"] = e.plan.predicted.get("bubble_s")
+    return row
 
 
 def auto_label(p: Plan) -> str:

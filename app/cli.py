@@ -17,7 +17,8 @@ EXIT_USAGE = 2
 
 
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
-    from planner.api import PlanningError
+    """``--mesh`` (``4``, ``2x2``) as a checked shape (:func:`planner.request.check_mesh`)."""
+    from planner.request import PlanningError, check_mesh
 
     if text is None:
         return None
@@ -25,14 +26,12 @@ def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
         shape = tuple(int(p) for p in text.lower().split("x"))
     except ValueError:
         raise PlanningError(f"mesh '{text}' is not like 4 or 2x2") from None
-    if any(d < 1 for d in shape):
-        raise PlanningError(f"mesh '{text}' must have positive sizes, like 2x2")
-    return shape
+    return check_mesh(shape)
 
 
 def _check_step_sizes(args: argparse.Namespace) -> None:
     """``--batch-size`` and ``--seq-len``, when given, are positive."""
-    from planner.api import PlanningError
+    from planner.request import PlanningError
 
     for flag, value in (("--batch-size", getattr(args, "batch_size", None)),
                         ("--seq-len", getattr(args, "seq_len", None))):
@@ -43,7 +42,7 @@ def _check_step_sizes(args: argparse.Namespace) -> None:
 def _output_folder(path: str) -> None:
     """Make the folder ``path`` is written into, before any work starts, so that
     a path that cannot be written fails at once rather than after planning."""
-    from planner.api import PlanningError
+    from planner.request import PlanningError
 
     folder = os.path.dirname(os.path.abspath(path))
     try:
@@ -57,17 +56,17 @@ def _output_folder(path: str) -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from costmodel.cluster import ClusterError
+    from ir.program_capture import TraceError
     from ir.source import ModelSourceError
-    from ir.trace import TraceError
     from ir.zoo import ExampleStepError, UnknownModelError
-    from planner.api import PlanningError
+    from planner.request import PlanningError
     from planner.plan_format import PlanError
 
     errors: list[type[BaseException]] = [ClusterError, ModelSourceError, TraceError,
                                          UnknownModelError, ExampleStepError, PlanningError,
                                          PlanError]
     try:
-        from codegen.executor import PlanMismatchError
+        from codegen.capture import PlanMismatchError
         errors.append(PlanMismatchError)
     except ImportError:
         pass
@@ -75,7 +74,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 
 def _int_list(text: str | None, what: str, least: int = 1) -> list[int] | None:
-    from planner.api import PlanningError
+    from planner.request import PlanningError
 
     if text is None:
         return None
@@ -109,7 +108,7 @@ def _precision(args: argparse.Namespace) -> Any:
     if args.precision is None and args.reduce_dtype is None:
         return None
     from ir.precision import get_precision
-    from planner.api import PlanningError
+    from planner.request import PlanningError
 
     if args.precision is None:
         raise PlanningError("--reduce-dtype needs --precision bf16-mixed")
@@ -133,37 +132,42 @@ def _add_precision(p: argparse.ArgumentParser) -> None:
                    help="dtype gradients are reduced in under a mixed precision (default fp32)")
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from ir.source import build_model
-    from planner.api import plan
-    from planner.report import format_plan
+def _plan_request(args: argparse.Namespace) -> Any:
+    """The :class:`planner.request.PlanRequest` of ``planner plan``'s flags, checked."""
+    from planner.request import PlanningError, PlanRequest
 
-    mesh = _parse_mesh(args.mesh)
-    _check_step_sizes(args)
-    _output_folder(args.output)
     zoo_kwargs = {k: v for k, v in (("batch_size", args.batch_size), ("seq_len", args.seq_len))
                   if v is not None}
-    pp = _int_list(args.pp, "--pp")
-    microbatches = _int_list(args.microbatches, "--microbatches")
-    zero_stages = _int_list(args.zero, "--zero", least=0)
     schedules = args.schedule.split(",") if args.schedule else None
     if schedules:
         from costmodel.schedules import canonical_schedule
-        from planner.api import PlanningError
 
         try:
             schedules = [canonical_schedule(x) for x in schedules]
         except ValueError as err:
             raise PlanningError(str(err)) from None
-    model, inputs = build_model(args.model, device="meta", **zoo_kwargs)
+    return PlanRequest(
+        mesh_shape=_parse_mesh(args.mesh), model_source=args.model,
+        time_limit_s=args.time_limit, zoo_kwargs=zoo_kwargs, pipeline=not args.no_pipeline,
+        pp=_int_list(args.pp, "--pp"), schedules=schedules,
+        num_microbatches=_int_list(args.microbatches, "--microbatches"),
+        zero_stages=_int_list(args.zero, "--zero", least=0), precision=_precision(args),
+        recompute=_recompute(args))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from ir.source import build_model
+    from planner.api import plan
+    from planner.report import format_plan
+
+    _check_step_sizes(args)
+    request = _plan_request(args)
+    _output_folder(args.output)
+    model, inputs = build_model(args.model, device="meta", **request.zoo_kwargs)
     with warnings.catch_warnings(), _progress(not args.quiet) as progress:
         warnings.simplefilter("default")
-        result = plan(model, args.cluster, example_inputs=inputs, mesh_shape=mesh,
-                      model_source=args.model, time_limit_s=args.time_limit,
-                      zoo_kwargs=zoo_kwargs, pipeline=not args.no_pipeline, pp=pp,
-                      schedules=schedules, num_microbatches=microbatches,
-                      zero_stages=zero_stages, precision=_precision(args),
-                      recompute=_recompute(args), progress=progress)
+        result = plan(model, args.cluster, example_inputs=inputs, request=request,
+                      progress=progress)
     print(format_plan(result))
     existed = os.path.exists(args.output)
     result.save(args.output)
@@ -199,7 +203,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from planner.compare import compare, format_comparison, write_outputs
+    from app.compare import compare, format_comparison, write_outputs
 
     _check_step_sizes(args)
     _output_folder(args.output)

@@ -1,0 +1,87 @@
+"""The program the runtime runs: the model captured exactly as the planner captured it.
+
+:func:`capture_program` traces the model the way the planner did
+(:func:`ir.trace.trace`), so a plan's node names and its fingerprint match the
+program; :func:`check_plan_fits_program` refuses a plan made for another one
+(:class:`PlanMismatchError`, also raised for a plan of another mesh or
+parameter set).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export.graph_signature import ExportGraphSignature
+
+from ir.fast_trace import SynthesizedProgram
+from ir.precision import Precision, compute_copy, get_precision
+from ir.trace import trace
+from planner.plan_format import Plan
+
+__all__ = ["CapturedProgram", "PlanMismatchError", "WrittenOutProgram", "capture_program",
+           "check_plan_fits_program"]
+
+
+class PlanMismatchError(ValueError):
+    """The plan was made for another program, mesh or parameter set than the one given."""
+
+
+@dataclass
+class WrittenOutProgram:
+    """A fast trace's program (:class:`ir.fast_trace.SynthesizedProgram`) with
+    the model's own parameters and buffers: the parts of an ``ExportedProgram``
+    the executor reads."""
+
+    graph: torch.fx.Graph
+    graph_signature: ExportGraphSignature
+    state_dict: dict[str, torch.Tensor]  # FQN -> the model's parameter or buffer
+    constants: dict[str, torch.Tensor]
+
+
+@dataclass
+class CapturedProgram:
+    """A model captured as the planner captures it: the program and its Graph."""
+
+    ep: torch.export.ExportedProgram | WrittenOutProgram
+    graph: Any  # ir.graph.Graph
+
+
+def capture_program(model: torch.nn.Module, example_inputs: Any,
+                    precision: Precision | str = "fp32") -> CapturedProgram:
+    """Capture ``model(*example_inputs)`` exactly as the planner did
+    (:func:`ir.trace.trace` of :func:`ir.precision.compute_copy`: floating
+    tensors in the precision's compute dtype): a model of many identical
+    blocks from two short probe captures with the rest written out (the same
+    program, node for node, as the full capture, and several times faster to
+    make for a model of many blocks), any other with the full
+    ``torch.export`` capture. The program's state is ``model``'s own
+    parameters and buffers (the master copies; the executor casts them for
+    each forward)."""
+    captured_model, inputs = compute_copy(model, _as_tuple(example_inputs),
+                                          get_precision(precision))
+    graph = trace(captured_model, inputs)
+    program = graph.exported
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if isinstance(program, SynthesizedProgram):
+        program = WrittenOutProgram(program.graph, program.graph_signature, state, {})
+    elif captured_model is not model:  # captured on a meta copy: run on the model's tensors
+        program = WrittenOutProgram(program.graph, program.graph_signature, state,
+                                    dict(program.constants))
+    return CapturedProgram(program, graph)
+
+
+def check_plan_fits_program(plan: Plan, program: CapturedProgram, model: torch.nn.Module) -> None:
+    """Refuse a ``plan`` made for another program than ``program`` (its fingerprint)."""
+    fingerprint = program.graph.fingerprint()
+    expected = plan.model.get("fingerprint")
+    if expected != fingerprint:
+        raise PlanMismatchError(
+            f"plan was made for program {expected} but model "
+            f"'{plan.model.get('source', type(model).__name__)}' with these inputs captures "
+            f"as {fingerprint}; re-plan this model (same batch size and sequence length)")
+
+
+def _as_tuple(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)

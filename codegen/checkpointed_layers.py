@@ -1,0 +1,75 @@
+"""Layers the plan checkpoints: found in the program, run under ``torch.utils.checkpoint``.
+
+:func:`checkpoint_segments` finds each checkpointed layer's op nodes (they must
+be contiguous in the program); :func:`run_checkpointed` runs one such segment
+so that its activations are not kept and backward re-runs the same nodes
+(same placements, same reshards), recording nothing the second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils.checkpoint
+
+from codegen.capture import PlanMismatchError
+from codegen.placement_record import PlacementRecord
+from ir.repeated_blocks import find_layers
+
+__all__ = ["checkpoint_segments", "run_checkpointed"]
+
+
+def checkpoint_segments(graph: Any, calls: Sequence[torch.fx.Node],
+                        names: Sequence[str]) -> dict[str, list[torch.fx.Node]]:
+    """First node name -> the op nodes of each layer of ``names`` among ``calls``
+    (the op nodes run, in program order; ``graph`` is the :class:`ir.graph.Graph`)."""
+    if not names:
+        return {}
+    layers = {layer.name: set(layer.nodes) for layer in find_layers(graph)}
+    segments: dict[str, list[torch.fx.Node]] = {}
+    for name in names:
+        members = layers.get(name)
+        if members is None:
+            raise PlanMismatchError(f"plan checkpoints layer '{name}' but the model has no "
+                                    f"such layer; re-plan this model")
+        idx = [i for i, n in enumerate(calls) if n.name in members]
+        if not idx or idx[-1] - idx[0] + 1 != len(idx):
+            raise PlanMismatchError(f"plan checkpoints layer '{name}' but its ops are not "
+                                    f"contiguous in the program; re-plan this model")
+        segments[calls[idx[0]].name] = list(calls[idx[0]: idx[-1] + 1])
+    return segments
+
+
+def run_checkpointed(segment: list[torch.fx.Node], env: dict[str, Any],
+                     run_node: Callable[[torch.fx.Node, dict[str, Any]], Any],
+                     record: PlacementRecord, last_use: dict[str, list[str]]) -> None:
+    """Run ``segment`` with ``run_node`` under ``torch.utils.checkpoint``: its
+    outputs go into ``env``, and the values read for the last time inside it
+    (``last_use``: node name -> values) leave ``env``."""
+    inside = {n.name for n in segment}
+    external = list(dict.fromkeys(a.name for n in segment for a in n.all_input_nodes
+                                  if a.name not in inside))
+    outputs = [n.name for n in segment if any(u.name not in inside for u in n.users)]
+    first_run = [True]
+
+    def run(*values: Any) -> tuple:
+        local = dict(zip(external, values))
+        # the recomputation in backward: nothing new to record
+        replay = record.replaying() if not first_run[0] else contextlib.nullcontext()
+        first_run[0] = False
+        with replay:
+            for n in segment:
+                local[n.name] = run_node(n, local)
+        return tuple(local[o] for o in outputs)
+
+    # Early stop would abort the recomputation with an exception mid-layer, which
+    # the per-node DTensor fallback must not mistake for a sharding failure.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        results = torch.utils.checkpoint.checkpoint(run, *[env[e] for e in external],
+                                                    use_reentrant=False)
+    env.update(zip(outputs, results))
+    for n in segment:
+        for name in last_use.get(n.name, ()):
+            env.pop(name, None)

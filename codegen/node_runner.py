@@ -1,0 +1,336 @@
+"""Run one aten op node of the captured program on DTensors, as the plan places it.
+
+:class:`NodeRunner` is the per-node step of the executor's interpreter:
+
+* values computed only from constants stay plain tensors and become replicated
+  DTensors where they meet a DTensor op (or take the plan's placement at no cost);
+* before the op, every DTensor argument is redistributed to the placement the
+  plan gives for it (an *explicit reshard*);
+* the op itself is dispatched by DTensor; the output placements it produced are
+  recorded and, where they differ from the plan's, redistributed to the planned
+  ones (a *mismatch*);
+* an op DTensor cannot shard runs replicated (inputs gathered, local op, output
+  wrapped back as ``Replicate``) with a warning that names the op.
+
+What it sees goes into a :class:`codegen.placement_record.PlacementRecord`.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from codegen.placement_record import PlacementRecord
+from codegen.redistribution import (keep_layout, placements_of, reachable_target, redistribute,
+                                    same_placements, unmask)
+from ir.placements import parse_placement, parse_placements, placement_str
+from ir.torch_compat import dispatcher_input_reshards, is_assertion_op, is_mask_partial
+from planner.plan_format import OpPlacement, Plan
+
+__all__ = ["DTensorResultError", "NodeRunner", "tensor_leaves"]
+
+
+class DTensorResultError(RuntimeError):
+    """DTensor returned a value that cannot be right (wrong shape, impossible placement)."""
+
+
+def tensor_leaves(value: Any) -> list[Any]:
+    """Tensor outputs of an op, in the order ir.graph lists them (non-tensors skipped)."""
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return [value] if isinstance(value, torch.Tensor) else []
+
+
+def _replace_leaves(out: Any, new: dict[int, Any]) -> Any:
+    """``out`` with its tensor leaf ``k`` (:func:`tensor_leaves` order) replaced by ``new[k]``."""
+    if not isinstance(out, (tuple, list)):
+        return new.get(0, out)
+    items, k = [], 0
+    for v in out:
+        if isinstance(v, torch.Tensor):
+            items.append(new.get(k, v))
+            k += 1
+        else:
+            items.append(v)
+    return type(out)(items) if isinstance(out, tuple) else items
+
+
+def _check_output(node: torch.fx.Node, out: Any) -> None:
+    """Refuse DTensor results whose global shape or placements are impossible.
+
+    Guards against sharding rules that mis-handle an argument form (for example
+    ``sum.dim_IntList(x, [])``, which reduces every dim but whose DTensor rule reduces
+    none and leaves a ``Shard`` on a 0-dim result).
+    """
+    expected = node.meta.get("val")
+    got_leaves = tensor_leaves(out)
+    want_leaves = tensor_leaves(expected) if expected is not None else [None] * len(got_leaves)
+    for k, (got, want) in enumerate(zip(got_leaves, want_leaves)):
+        if not isinstance(got, DTensor):
+            continue
+        if want is not None and tuple(got.shape) != tuple(want.shape):
+            raise DTensorResultError(
+                f"output {k} has global shape {tuple(got.shape)}, the program says {tuple(want.shape)}")
+        for p in got.placements:
+            if isinstance(p, Shard) and not 0 <= p.dim < got.ndim:
+                raise DTensorResultError(
+                    f"output {k} is {list(got.placements)} on a {got.ndim}-D tensor")
+
+
+def _dtensor_input_choice(op: Any, args: tuple, kwargs: dict) -> dict[int, list[str]] | None:
+    """Placements DTensor will redistribute each DTensor argument to before running ``op``.
+
+    Returns ``{id(dtensor_arg): placements}`` for the arguments DTensor reshards
+    inside its dispatcher (empty when it reshards none), or None when the sharding
+    propagator could not be asked or has no strategy for ``op``
+    (:func:`ir.torch_compat.dispatcher_input_reshards`).
+    """
+    try:
+        reshards = dispatcher_input_reshards(op, args, kwargs)
+    except Exception:  # noqa: BLE001 - no strategy; running the op decides
+        return None
+    if reshards is None:
+        return None
+    return {id(arg): [placement_str(p) for p in placements] for arg, placements in reshards}
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _with_values(node: torch.fx.Node, values: Sequence[Any]) -> tuple[tuple, dict]:
+    """``node``'s args and kwargs with its argument nodes replaced by ``values``, in order."""
+    it = iter(values)
+    return torch.fx.node.map_arg((node.args, node.kwargs), lambda _: next(it))
+
+
+def _planned_input(entry: OpPlacement | None, i: int) -> list[str] | None:
+    """The plan's placements for argument ``i`` of a node (None: not planned)."""
+    return entry.inputs[i] if entry is not None and i < len(entry.inputs) else None
+
+
+class NodeRunner:
+    """Runs op nodes one at a time as ``plan`` places them on ``mesh``.
+
+    Args:
+        plan: the Plan, read on the mesh (:func:`codegen.redistribution.plan_on_mesh`).
+        mesh: the DeviceMesh the DTensors live on.
+        record: where the placements met are recorded.
+        local: the mesh has one device: run on plain tensors, every placement ``R``.
+    """
+
+    def __init__(self, plan: Plan, mesh: DeviceMesh, record: PlacementRecord, *, local: bool):
+        self.plan = plan
+        self.mesh = mesh
+        self.record = record
+        self.local = local
+        self._replicate = [Replicate()] * mesh.ndim
+        self._parsed_placements: dict[tuple[str, ...], Any] = {}
+        self._fallback_nodes: set[str] = set()
+
+    def wrap_replicated(self, t: torch.Tensor) -> DTensor:
+        """A plain tensor (the same on every rank) as a replicated DTensor."""
+        return DTensor.from_local(t, self.mesh, self._replicate, run_check=False)
+
+    def run(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        """Run op ``node`` on the values of ``env``; returns its output, placed as planned."""
+        if self.local:
+            return self._run_local(node, env)
+        entry = self.plan.nodes.get(node.name)
+        if node.target is operator.getitem:
+            value = env[node.args[0].name][node.args[1]]
+            return self._finish(node, entry, value, [], constant=not isinstance(value, DTensor))
+        arg_nodes: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((node.args, node.kwargs), arg_nodes.append)
+        values = [env[n.name] for n in arg_nodes]
+        if not any(isinstance(v, DTensor) for v in values):
+            return self._run_constant(node, entry, values)
+
+        values = self._placed_arguments(node, entry, arg_nodes, values)
+        args, kwargs = _with_values(node, values)
+        # the placements each input arrived in: recorded on the recording forward only
+        in_obs = [placements_of(v) for v in values] if self.record.recording else []
+        if is_assertion_op(node.target):
+            return self._run_check(node, entry, args, kwargs, in_obs)
+        if node.name in self._fallback_nodes:
+            out = self._run_replicated(node, args, kwargs)
+            return self._finish(node, entry, out, self._replicated_obs(values), constant=False)
+        if self.record.recording:
+            self._record_dtensor_choice(node, entry, arg_nodes, values, args, kwargs, in_obs)
+        try:
+            out = node.target(*args, **kwargs)
+            _check_output(node, out)
+        except Exception as err:  # noqa: BLE001 - DTensor could not run it: replicate
+            return self._fall_back(node, entry, args, kwargs, values, err)
+        return self._finish(node, entry, out, in_obs, constant=False)
+
+    # ------------------------------------------------------------ the arguments
+    def _parsed(self, placements: Sequence[str]) -> tuple[Placement, ...] | None:
+        """``placements`` as DTensor placements, parsed once per distinct list
+        (None for one only DTensor makes, ``P(mask)``)."""
+        key = tuple(placements)
+        found = self._parsed_placements.get(key, False)
+        if found is False:
+            try:
+                found = tuple(parse_placement(p) for p in key)
+            except ValueError:
+                found = None
+            self._parsed_placements[key] = found
+        return found
+
+    def _placed_arguments(self, node: torch.fx.Node, entry: OpPlacement | None,
+                          arg_nodes: list[torch.fx.Node], values: list[Any]) -> list[Any]:
+        """Every tensor argument brought to the plan's placement for it."""
+        placed = []
+        for i, (arg, v) in enumerate(zip(arg_nodes, values)):
+            if isinstance(v, torch.Tensor) and not isinstance(v, DTensor):
+                v = self.wrap_replicated(v)
+            want = _planned_input(entry, i)
+            if isinstance(v, DTensor) and want and v.placements != self._parsed(want):
+                have = placements_of(v)
+                target = reachable_target(v, want)
+                if tuple(target) != tuple(v.placements):
+                    v = keep_layout(v, redistribute(v, self.mesh, target))
+                    self.record.explicit(node.name, arg.name, have, want)
+            placed.append(v)
+        return placed
+
+    def _record_dtensor_choice(self, node: torch.fx.Node, entry: OpPlacement | None,
+                               arg_nodes: list[torch.fx.Node], values: list[Any], args: tuple,
+                               kwargs: dict, in_obs: list[list[str]]) -> None:
+        """Record the reshards DTensor will do inside its dispatcher; ``in_obs``
+        then holds the placements the op really consumes."""
+        choice = _dtensor_input_choice(node.target, args, kwargs)
+        if not choice:
+            return
+        for i, (arg, v) in enumerate(zip(arg_nodes, values)):
+            if isinstance(v, DTensor) and id(v) in choice:
+                self.record.dtensor_reshard(node, arg.name, in_obs[i], choice[id(v)],
+                                            _planned_input(entry, i), entry is not None)
+                in_obs[i] = choice[id(v)]
+
+    def _replicated_obs(self, values: list[Any]) -> list[list[str]]:
+        """The input placements of an op run replicated."""
+        return [["R"] * self.mesh.ndim if isinstance(v, DTensor) else [] for v in values]
+
+    # ------------------------------------------------------------ ways to run
+    def _run_local(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        """Run ``node`` on plain tensors (one device: every placement is ``R``)."""
+        if node.target is operator.getitem:
+            out = env[node.args[0].name][node.args[1]]
+        else:
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
+                                                 lambda n: env[n.name])
+            out = node.target(*args, **kwargs)
+        if self.record.recording:
+            entry = self.plan.nodes.get(node.name)
+            replicated = ["R"] * self.mesh.ndim
+            self.record.observe(node.name, [replicated for _ in (entry.inputs if entry else ())],
+                                [replicated for _ in tensor_leaves(out)])
+        return out
+
+    def _run_constant(self, node: torch.fx.Node, entry: OpPlacement | None,
+                      values: list[Any]) -> Any:
+        """Run an op none of whose arguments is a DTensor, on plain tensors."""
+        args, kwargs = _with_values(node, values)
+        out = node.target(*args, **kwargs)
+        in_obs = ([list(p) for p in entry.inputs] if entry else
+                  [["R"] * self.mesh.ndim if isinstance(v, torch.Tensor) else [] for v in values])
+        return self._finish(node, entry, out, in_obs, constant=True)
+
+    def _run_check(self, node, entry, args, kwargs, in_obs) -> Any:
+        """Run an output-less assertion op (``_assert_tensor_metadata``...) without moving data.
+
+        DTensor has no sharding rule for most of them; they only look at metadata,
+        so they run on the local shards. Should one compare a global size with a
+        local shard, it is run on the gathered tensors instead.
+        """
+        try:
+            out = node.target(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - no DTensor rule: check the local shards
+            try:
+                local_args, local_kwargs = pytree.tree_map(
+                    lambda v: v.to_local() if isinstance(v, DTensor) else v, (args, kwargs))
+                out = node.target(*local_args, **local_kwargs)
+            except Exception:  # noqa: BLE001 - compares global metadata: gather
+                out = self._run_replicated(node, args, kwargs)
+        return self._finish(node, entry, out, in_obs, constant=False)
+
+    def _fall_back(self, node, entry, args, kwargs, values, err) -> Any:
+        """Run ``node``, which DTensor failed with ``err``, replicated from now on."""
+        op = str(node.target)
+        warnings.warn(f"DTensor cannot shard {op} (node {node.name}: {type(err).__name__}: "
+                      f"{_first_line(err)}); running it replicated", stacklevel=2)
+        try:
+            out = self._run_replicated(node, args, kwargs)
+        except Exception as err2:  # noqa: BLE001
+            raise RuntimeError(
+                f"node {node.name} ({op}) failed on DTensor ({type(err).__name__}: "
+                f"{_first_line(err)}) and replicated ({type(err2).__name__}: "
+                f"{_first_line(err2)}); inputs {[placements_of(v) for v in values]}") from err
+        self._fallback_nodes.add(node.name)
+        self.record.fallback(op)
+        return self._finish(node, entry, out, self._replicated_obs(values), constant=False)
+
+    def _run_replicated(self, node, args, kwargs) -> Any:
+        """Run ``node`` on the gathered tensors; its outputs wrapped back as replicas."""
+        def local(v):
+            if isinstance(v, DTensor):
+                return redistribute(v, self.mesh, self._replicate).to_local()
+            return v
+        args, kwargs = pytree.tree_map(local, (args, kwargs))
+        out = node.target(*args, **kwargs)
+        return pytree.tree_map(
+            lambda t: self.wrap_replicated(t) if isinstance(t, torch.Tensor) else t, out)
+
+    # ------------------------------------------------------------ the outputs
+    def _finish(self, node, entry, out, in_obs, *, constant: bool) -> Any:
+        """Record output placements; bring outputs to the plan's placements."""
+        leaves = tensor_leaves(out)
+        want_all = entry.outputs if entry is not None else []
+        place = self._place_constant_outputs if constant else self._place_computed_outputs
+        new, out_obs = place(node, leaves, want_all)
+        if new:
+            out = _replace_leaves(out, new)
+        if self.record.recording:
+            self.record.observe(node.name, in_obs, out_obs)
+        return out
+
+    def _place_constant_outputs(self, node, leaves, want_all) -> tuple[dict[int, Any], list]:
+        """A constant is placed however the plan wants it at no cost (a local slice).
+        Returns the replaced leaves and every output's placements."""
+        out_obs, new = [], {}
+        for k, t in enumerate(leaves):
+            want = want_all[k] if k < len(want_all) else None
+            if want and any(p != "R" for p in want) and not isinstance(t, DTensor):
+                new[k] = redistribute(self.wrap_replicated(t), self.mesh, parse_placements(want))
+                out_obs.append(list(want))
+            else:
+                out_obs.append(placements_of(t) or ["R"] * self.mesh.ndim)
+        return new, out_obs
+
+    def _place_computed_outputs(self, node, leaves, want_all) -> tuple[dict[int, Any], list]:
+        """DTensor's outputs unmasked and, where they differ from the plan's,
+        redistributed (a mismatch). Returns the replaced leaves and, when
+        recording, the placements the outputs came out in."""
+        new = {}
+        for k, t in enumerate(leaves):
+            if isinstance(t, DTensor) and any(is_mask_partial(p) for p in t.placements):
+                new[k] = leaves[k] = unmask(t)
+        out_obs = [placements_of(t) for t in leaves] if self.record.recording else []
+        for k, t in enumerate(leaves):
+            want = want_all[k] if k < len(want_all) else None
+            if (want and isinstance(t, DTensor) and t.placements != self._parsed(want)
+                    and not same_placements(placements_of(t), want)):
+                new[k] = redistribute(t, self.mesh, parse_placements(want))
+                if self.record.recording:
+                    self.record.output_mismatch(node, k, out_obs[k], want)
+        return new, out_obs

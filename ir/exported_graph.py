@@ -1,0 +1,133 @@
+"""Read a captured core-ATen program as the planner's :class:`ir.graph.Graph`.
+
+:func:`graph_from_exported` gives every placeholder and aten call of an
+``ExportedProgram`` (or a program with its ``graph`` and ``graph_signature``:
+:class:`ir.program_capture.CapturedProgram`,
+:class:`ir.fast_program.SynthesizedProgram`) one :class:`ir.node.Node` with
+its shapes, forward FLOPs, bytes moved, parameters and module path.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+from torch.utils.flop_counter import flop_registry
+
+from ir.graph import Graph
+from ir.node import BUFFER, INPUT, OP, PARAM, Node, TensorInfo
+from ir.torch_compat import SDPA
+
+# Ops that only re-describe memory; they move no bytes.
+_VIEW_OPS = {
+    "aten.view.default", "aten._unsafe_view.default", "aten.permute.default",
+    "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dims",
+    "aten.squeeze.dim", "aten.t.default", "aten.transpose.int", "aten.slice.Tensor",
+    "aten.select.int", "aten.alias.default", "aten.split_with_sizes.default",
+    "aten.split.Tensor", "aten.unbind.int", "aten.detach.default",
+}
+
+
+def _tensor_info(val: Any) -> TensorInfo | None:
+    if isinstance(val, torch.Tensor):
+        return TensorInfo(tuple(int(d) for d in val.shape), val.dtype)
+    return None
+
+
+def _outputs_of(val: Any) -> tuple[TensorInfo, ...]:
+    if isinstance(val, (tuple, list)):
+        return tuple(t for t in (_tensor_info(v) for v in val) if t is not None)
+    t = _tensor_info(val)
+    return (t,) if t is not None else ()
+
+
+def module_path(fx_node: torch.fx.Node) -> str:
+    """FQN of the innermost module that issued ``fx_node`` ("" = the root or none)."""
+    stack = fx_node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path if isinstance(path, str) else ""
+
+
+def attention_flops(query: Sequence[int], key: Sequence[int], value: Sequence[int],
+                    is_causal: bool) -> float:
+    """Forward FLOPs the fused attention kernel executes for ``query`` [..., Sq, D],
+    ``key`` [..., Sk, D] and ``value`` [..., Sk, Dv]: the two products
+    ``Q K^T`` and ``P V`` (2 FLOPs a multiply-add each); with a causal mask the
+    flash kernels skip the blocks above the diagonal, about half of them."""
+    *batch, sq, d = query
+    sk, dv = key[-2], value[-1]
+    heads = 1
+    for n in batch:
+        heads *= int(n)
+    full = 2.0 * heads * sq * sk * (d + dv)
+    return full / 2 if is_causal else full
+
+
+def _sdpa_is_causal(fx_node: torch.fx.Node) -> bool:
+    if "is_causal" in fx_node.kwargs:
+        return bool(fx_node.kwargs["is_causal"])
+    return bool(fx_node.args[5]) if len(fx_node.args) > 5 else False
+
+
+def _flops(fx_node: torch.fx.Node) -> float:
+    target = fx_node.target
+    if target is SDPA:
+        q, k, v = (a.meta["val"].shape for a in fx_node.args[:3])
+        return attention_flops(q, k, v, _sdpa_is_causal(fx_node))
+    packet = getattr(target, "overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None:
+        return 0.0
+    args, kwargs = torch.fx.node.map_arg(
+        (fx_node.args, fx_node.kwargs), lambda n: n.meta.get("val"))
+    return float(formula(*args, **kwargs, out_val=fx_node.meta.get("val")))
+
+
+def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "") -> Graph:
+    """Build a :class:`Graph` from a (decomposed) exported program."""
+    sig = ep.graph_signature
+    params = dict(sig.inputs_to_parameters)
+    buffers = dict(sig.inputs_to_buffers)
+    nodes: list[Node] = []
+    output_names: tuple[str, ...] = ()
+    for fx_node in ep.graph.nodes:
+        val = fx_node.meta.get("val")
+        if fx_node.op == "placeholder":
+            if fx_node.name in params:
+                kind, fqn = PARAM, params[fx_node.name]
+            elif fx_node.name in buffers:
+                kind, fqn = BUFFER, buffers[fx_node.name]
+            else:
+                kind, fqn = INPUT, None
+            nodes.append(Node(name=fx_node.name, kind=kind, target=fqn or "input",
+                              outputs=_outputs_of(val), fqn=fqn))
+        elif fx_node.op == "call_function":
+            tensor_args = [a for a in fx_node.all_input_nodes]
+            flat_args = []
+            torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), flat_args.append)
+            arg_names = tuple(a.name for a in flat_args)
+            inputs = tuple(_tensor_info(a.meta.get("val")) for a in flat_args)
+            outputs = _outputs_of(val)
+            if fx_node.target is operator.getitem:
+                nodes.append(Node(name=fx_node.name, kind=OP, target="getitem",
+                                  args=(fx_node.args[0].name,), arg_index=int(fx_node.args[1]),
+                                  inputs=(), outputs=outputs,
+                                  module_path=module_path(fx_node)))
+                continue
+            target = str(fx_node.target)
+            moved = 0 if target in _VIEW_OPS else (
+                sum(t.nbytes for t in inputs if t) + sum(t.nbytes for t in outputs))
+            read_params = tuple(params[a.name] for a in tensor_args if a.name in params)
+            nodes.append(Node(
+                name=fx_node.name, kind=OP, target=target, args=arg_names,
+                inputs=tuple(t if t else TensorInfo((), torch.float32) for t in inputs),
+                outputs=outputs, flops=_flops(fx_node), bytes_moved=float(moved),
+                params=read_params, module_path=module_path(fx_node)))
+        elif fx_node.op == "output":
+            outs = []
+            torch.fx.node.map_arg(fx_node.args, outs.append)
+            output_names = tuple(o.name for o in outs)
+    return Graph(nodes=nodes, output_names=output_names, model_name=model_name, exported=ep)
