@@ -35,7 +35,6 @@ import functools
 from typing import Any, Iterator, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
@@ -48,7 +47,7 @@ from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer
 from codegen.redistribution import plan_on_mesh
 from ir.precision import cast_float
-from ir.torch_compat import fake_store_type, register_fused_attention_sharding
+from ir.torch_compat import fake_store_type, register_fused_attention_sharding, tree_leaves
 from planner.plan_format import Plan
 
 __all__ = ["PlanExecutor", "record_plan"]
@@ -171,7 +170,7 @@ class PlanExecutor:
     def forward(self, *inputs: Any) -> Any:
         """Run the program; returns its user outputs (one value, or a tuple)."""
         self._begin_forward()
-        flat_inputs = pytree.tree_leaves(inputs)
+        flat_inputs = tree_leaves(inputs)
         if len(flat_inputs) != len(self.user_input_names):
             raise ValueError(f"program takes {len(self.user_input_names)} inputs "
                              f"({', '.join(self.user_input_names)}), got {len(flat_inputs)}")

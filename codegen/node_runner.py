@@ -22,7 +22,6 @@ import warnings
 from typing import Any, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
@@ -31,7 +30,8 @@ from codegen.placement_record import PlacementRecord
 from codegen.redistribution import (keep_layout, placements_of, reachable_target, redistribute,
                                     same_placements, unmask)
 from ir.placements import parse_placement, parse_placements, placement_str
-from ir.torch_compat import dispatcher_input_reshards, is_assertion_op, is_mask_partial
+from ir.torch_compat import (dispatcher_input_reshards, is_assertion_op, is_mask_partial,
+                             tree_map)
 from planner.plan_format import OpPlacement, Plan
 
 __all__ = ["DTensorResultError", "NodeRunner", "tensor_leaves"]
@@ -257,7 +257,7 @@ class NodeRunner:
             out = node.target(*args, **kwargs)
         except Exception:  # noqa: BLE001 - no DTensor rule: check the local shards
             try:
-                local_args, local_kwargs = pytree.tree_map(
+                local_args, local_kwargs = tree_map(
                     lambda v: v.to_local() if isinstance(v, DTensor) else v, (args, kwargs))
                 out = node.target(*local_args, **local_kwargs)
             except Exception:  # noqa: BLE001 - compares global metadata: gather
@@ -286,9 +286,9 @@ class NodeRunner:
             if isinstance(v, DTensor):
                 return redistribute(v, self.mesh, self._replicate).to_local()
             return v
-        args, kwargs = pytree.tree_map(local, (args, kwargs))
+        args, kwargs = tree_map(local, (args, kwargs))
         out = node.target(*args, **kwargs)
-        return pytree.tree_map(
+        return tree_map(
             lambda t: self.wrap_replicated(t) if isinstance(t, torch.Tensor) else t, out)
 
     # ------------------------------------------------------------ the outputs

@@ -33,6 +33,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ir.torch_compat import tree_map
+
 __all__ = ["Precision", "PRECISIONS", "get_precision", "compute_copy", "cast_float", "cast_floats",
            "forward_in", "precision_of_dtype", "prepare_model"]
 
@@ -141,10 +143,7 @@ def cast_float(t: Any, dtype: torch.dtype) -> Any:
 def cast_floats(values: Any, dtype: torch.dtype) -> Any:
     """``values`` (a tensor or a tuple/list/dict of them) with every floating
     tensor cast to ``dtype``; integer tensors and other values unchanged."""
-    import torch.utils._pytree as pytree
-
-    return pytree.tree_map(lambda v: cast_float(v, dtype),
-                           values)
+    return tree_map(lambda v: cast_float(v, dtype), values)
 
 
 def compute_copy(model: torch.nn.Module, example_inputs: Sequence[Any],

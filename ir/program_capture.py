@@ -21,7 +21,8 @@ from torch.export.graph_signature import (
     ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument,
 )
 
-from ir.torch_compat import (aot_export_module, capture_decompositions, fused_attention_layout,
+from ir.torch_compat import (aot_export_module, capture_decompositions,
+                             decomposition_registry_size, fused_attention_layout,
                              fx_without_stack_traces)
 
 
@@ -163,11 +164,7 @@ def _export_decompositions() -> dict:
     collects every op with a CompositeImplicitAutograd kernel when first
     read (~60 ms, in every capture). Made once per process while no such op
     is registered anew (~0.3 ms to count them); each caller gets its own copy."""
-    from torch._decomp import decomposition_table
-
-    return capture_decompositions(_materialised_decompositions(
-        len(torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")),
-        len(decomposition_table)))
+    return capture_decompositions(_materialised_decompositions(*decomposition_registry_size()))
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,10 +14,12 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx.config
+from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "KEPT_FUSED_OPS", "OpOverload", "SDPA", "aot_export_module", "autograd_redistribute",
-    "capture_decompositions", "dispatcher_input_reshards", "kept_fused_ops",
+    "capture_decompositions", "decomposition_registry_size", "dispatcher_input_reshards",
+    "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
     "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
     "fake_tensor_mode_type", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
     "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
@@ -350,3 +352,21 @@ def register_fused_attention_sharding() -> None:
         return [([Replicate()] * 3, [Replicate()] * 6 + mask(Replicate())),
                 ([Shard(0)] * 3, [Shard(0)] * 6 + mask(Shard(0))),
                 ([Shard(1)] * 3, [Shard(1)] * 6 + mask(Shard(1)))]
+
+
+def decomposition_registry_size() -> tuple[int, int]:
+    """How many ops have a CompositeImplicitAutograd kernel and how many entries
+    torch's decomposition table holds: both grow when an op is registered
+    anew, so together they key a materialised copy of export's decompositions."""
+    from torch._decomp import decomposition_table
+
+    composite = torch._C._dispatch_get_registrations_for_dispatch_key("CompositeImplicitAutograd")
+    return len(composite), len(decomposition_table)
+
+
+def op_overload_name(obj: Any) -> tuple[str, str] | None:
+    """``("namespace::name", overload)`` of a torch op overload (``OpOverload``,
+    e.g. ``aten.mm.default``); None for anything else."""
+    if isinstance(obj, OpOverload):
+        return obj._schema.name, obj._overloadname
+    return None

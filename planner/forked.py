@@ -29,6 +29,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from ir.torch_compat import op_overload_name
+
 
 class ForkedTaskError(RuntimeError):
     """A task failed in the forked child with an exception that could not be sent back."""
@@ -238,9 +240,8 @@ class _SharedPickler(pickle.Pickler):
         return self._index.get(id(obj))
 
     def reducer_override(self, obj: object) -> Any:
-        if isinstance(obj, torch._ops.OpOverload):
-            return _torch_op, (obj._schema.name, obj._overloadname)
-        return NotImplemented
+        name = op_overload_name(obj)
+        return NotImplemented if name is None else (_torch_op, name)
 
 
 def _torch_op(name: str, overload: str) -> Any:
