@@ -42,11 +42,10 @@ def _planning(fn: _Fn) -> _Fn:
     (:attr:`planner.search_context.SearchContext.schedule_book`) and go with it.
 
     Reference counting still frees almost all a search makes; the objects it
-    leaves in reference cycles (~50 MB for llama3-8b on 64 GPUs and
-    gpt3-175b on 1024) wait for the next collection after it. Each full
-    collection walks every live object (the programs, profiles and schedule
-    orders: ~1 M), and they were ~1.5 s of a llama3-8b plan's 19.3 s and
-    ~4.8 s of gpt3-175b's 29.6 s here."""
+    leaves in reference cycles wait for the next collection after it. Each
+    full collection during a search would walk every live object (the
+    programs, profiles and schedule orders: about a million), several times
+    a search; the collector is a process-wide setting, restored on return."""
     @functools.wraps(fn)
     def planning(*args: Any, **kwargs: Any) -> Any:
         was_enabled = gc.isenabled()
