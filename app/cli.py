@@ -176,10 +176,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from planner.plan_format import load_plan
+    from planner.plan_format import PlanError, load_plan, placement_error
     from planner.report import format_plan
 
-    print(format_plan(load_plan(args.plan), verbose=True))
+    plan = load_plan(args.plan)
+    wrong = placement_error(plan)
+    if wrong:
+        raise PlanError(f"plan {args.plan}: {wrong}; regenerate it with `planner plan`")
+    print(format_plan(plan, verbose=True))
     return 0
 
 

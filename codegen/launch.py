@@ -19,8 +19,7 @@ import sys
 import tempfile
 from typing import Any, Sequence
 
-from ir.placements import parse_planned
-from planner.plan_format import load_plan
+from planner.plan_format import load_plan, placement_error
 
 __all__ = ["LaunchError", "REPO_ROOT", "launch"]
 
@@ -68,27 +67,6 @@ def _first_error_line(text: str) -> str | None:
     """The first rank's one-line error (ranks' lines may be interleaved)."""
     m = _ERROR_RE.search(text)
     return m.group(1).strip() if m else None
-
-
-def placement_error(plan: Any) -> str | None:
-    """What is wrong with the first placement of ``plan`` the runtime cannot
-    read (an unknown string, or not one per mesh axis), or None; checked
-    before any rank starts."""
-    axes = len(plan.pipeline.stage_mesh["shape"]) if plan.pipeline else len(plan.mesh_shape)
-    places = [(f"parameter {k}", v) for k, v in plan.parameters.items()]
-    places += [(f"input {k}", v) for k, v in plan.inputs.items()]
-    for name, op in plan.nodes.items():
-        places += [(f"node {name}", v) for v in (*op.inputs, *op.outputs) if v is not None]
-    for where, placements in places:
-        if len(placements) != axes:
-            return (f"{where} has {len(placements)} placements {placements} for a mesh of "
-                    f"{axes} axes")
-        for text in placements:
-            try:
-                parse_planned(text)
-            except ValueError as err:
-                return f"{where} has placement {text!r}: {err}"
-    return None
 
 
 def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int = 1,

@@ -295,6 +295,29 @@ class Plan:
             raise PlanError(f"plan.json is malformed ({err}); regenerate it with `planner plan`") from err
 
 
+def placement_error(plan: Plan) -> str | None:
+    """What is wrong with the first placement of ``plan`` no reader can read
+    (a string outside :mod:`ir.placements`' grammar, or not one per mesh
+    axis), or None. ``planner show`` and ``planner run`` check it first."""
+    from ir.placements import parse_planned  # torch's placement types: only when checked
+
+    axes = len(plan.pipeline.stage_mesh["shape"]) if plan.pipeline else len(plan.mesh_shape)
+    places = [(f"parameter {k}", v) for k, v in plan.parameters.items()]
+    places += [(f"input {k}", v) for k, v in plan.inputs.items()]
+    for name, op in plan.nodes.items():
+        places += [(f"node {name}", v) for v in (*op.inputs, *op.outputs) if v is not None]
+    for where, placements in places:
+        if len(placements) != axes:
+            return (f"{where} has {len(placements)} placements {placements} for a mesh of "
+                    f"{axes} axes")
+        for text in placements:
+            try:
+                parse_planned(text)
+            except ValueError as err:
+                return f"{where} has placement {text!r}: {err}"
+    return None
+
+
 def training_precision(training: dict[str, Any]) -> "Precision":
     """The precision a plan's ``training`` section records (plans of format 1
     and 2 name only the dtype, which they trained in throughout)."""

@@ -198,11 +198,11 @@ def test_a_model_that_returns_no_scalar_loss_is_refused(tmp_path, capsys, monkey
     assert "not the scalar training loss" in err and len(err.splitlines()) == 1
 
 
-def test_run_refuses_unreadable_placements_before_starting_ranks(tmp_path, capsys):
-    """`planner run` reads every placement before torchrun starts: the plans the
-    planner writes pass, a hand-edited "X" or a missing axis is one line, exit 2."""
-    from codegen.launch import placement_error
-    from planner.plan_format import load_plan
+def test_run_and_show_refuse_unreadable_placements(tmp_path, capsys):
+    """`planner run` (before torchrun starts) and `planner show` read every
+    placement: the plans the planner writes pass, a hand-edited "X" or a
+    missing axis is one line, exit 2."""
+    from planner.plan_format import load_plan, placement_error
 
     single, pipe = tmp_path / "single.json", tmp_path / "pipe.json"
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "2x2",
@@ -218,6 +218,7 @@ def test_run_refuses_unreadable_placements_before_starting_ranks(tmp_path, capsy
         data["parameters"][name] = bad
         single.write_text(json.dumps(data))
         capsys.readouterr()
-        assert main(["run", str(single)]) == 2
-        err = capsys.readouterr().err.strip()
-        assert message in err and len(err.splitlines()) == 1
+        for command in ("run", "show"):
+            assert main([command, str(single)]) == 2
+            err = capsys.readouterr().err.strip()
+            assert message in err and len(err.splitlines()) == 1

@@ -2,9 +2,10 @@
 
 Every string the codec writes goes through every reader: the codec's own
 (``parse_placement``, ``parse_planned``), the cost model's (``reshard_steps``),
-the launcher's check of a plan (``placement_error``) and the list reader the
-executor and the pipeline stages read plans with (``parse_placements``); malformed strings are refused by each with a message that
-names the string and the accepted forms.
+the check ``planner show`` and the launcher make of a plan
+(``placement_error``), and the list reader the executor and the pipeline
+stages read plans with (``parse_placements``); malformed strings are refused by
+each with a message that names the string and the accepted forms.
 """
 
 from __future__ import annotations
@@ -14,12 +15,11 @@ import json
 import pytest
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from codegen.launch import placement_error
 from costmodel.resharding import reshard_steps
 from ir.placements import (MASKED_PARTIAL, parse_placement, parse_placements, parse_planned,
                            placement_str)
 from ir.torch_compat import mask_partial_type, strided_shard
-from planner.plan_format import Plan, SolverReport
+from planner.plan_format import Plan, SolverReport, placement_error
 
 #: (plan string, a factory of the torch placement it stands for)
 WRITTEN = [
