@@ -58,6 +58,16 @@ def _planning(fn: _Fn) -> _Fn:
     return planning  # type: ignore[return-value]
 
 
+def _request(request: PlanRequest | None, options: dict[str, Any]) -> PlanRequest:
+    """``request`` (default: all defaults) with ``options``, its fields given as
+    keywords, replacing its own.
+
+    Raises:
+        TypeError: an option that is no field of :class:`PlanRequest`.
+    """
+    return dataclasses.replace(request or PlanRequest(), **options)
+
+
 def _two_processes(here: Callable[[], Any], there: Callable[[], Any]) -> tuple[Any, Any]:
     """``(here(), there())``, ``there`` run by a forked child meanwhile
     (:func:`planner.forked.run_beside`): the first capture's two probes take
@@ -162,8 +172,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             least memory per device that would fit).
         TypeError: an option that is no :class:`PlanRequest` field.
     """
-    req = dataclasses.replace(request or PlanRequest(), **options) if options else (
-        request or PlanRequest())
+    req = _request(request, options)
     model, cluster, example_inputs, graph, dtype, budget = _prepare(
         model, cluster, example_inputs, req.memory_budget, req.precision)
     info = model_record(model, graph, req.model_source)
@@ -252,7 +261,7 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
             ``zoo_kwargs``, ``time_limit_s``, ``optimizer``, ``memory_budget``
             and ``precision`` apply).
     """
-    req = dataclasses.replace(request or PlanRequest(), **options)
+    req = _request(request, options)
     model, cluster, example_inputs, graph, dtype, budget = _prepare(
         model, cluster, example_inputs, req.memory_budget, req.precision)
     stage_mesh = check_mesh(stage_mesh)

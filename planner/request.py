@@ -32,10 +32,6 @@ class PlanningError(ValueError):
     """The request cannot be planned; the message says what to change."""
 
 
-def _tuple_or_none(values: Sequence[Any] | None) -> tuple[Any, ...] | None:
-    return None if values is None else tuple(values)
-
-
 @dataclass(frozen=True)
 class PlanRequest:
     """The settings of one planning request (every field optional).
@@ -78,7 +74,7 @@ class PlanRequest:
         for name in ("mesh_shape", "pp", "schedules", "num_microbatches", "zero_stages"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
-                object.__setattr__(self, name, _tuple_or_none(value))
+                object.__setattr__(self, name, tuple(value))
         object.__setattr__(self, "zoo_kwargs", dict(self.zoo_kwargs or {}))
         if self.recompute is not None and not self.mesh_shape and self.pipeline:
             raise PlanningError("recompute= pins checkpointing of single-stage plans: give "
