@@ -19,12 +19,14 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 from typing import Any, Sequence
 
 from costmodel.profile_machine import load_average
 
 __all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
-           "cpu_pair_probe", "cpu_speed_probe", "median", "read_results", "write_results", "wrote_message"]
+           "cpu_pair_probe", "cpu_speed_probe", "git_commit", "median", "read_results",
+           "write_results", "wrote_message"]
 
 #: The keys of ``machine_info(brief=True)``, in order (the benchmarks' short machine record).
 BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
@@ -126,3 +128,15 @@ def wrote_message(path: str, result: dict[str, Any] | None = None) -> str:
     if result is not None and "wall_s" in result:
         return f"wrote {path} ({result['wall_s']:.0f} s)"
     return f"wrote {path}"
+
+
+def git_commit(tree: str | None = None) -> str | None:
+    """The short git commit of the checkout ``tree`` (default: this one's), or
+    None outside a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True,
+                              cwd=tree or os.path.dirname(os.path.abspath(__file__))
+                              ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None

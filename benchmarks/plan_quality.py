@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine_info, read_results, write_results
+from benchmarks.common import git_commit, machine_info, read_results, write_results
 from costmodel.cluster import Cluster
 from costmodel.presets import preset
 from ir.precision import compute_copy, get_precision
@@ -201,18 +201,6 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
     }
 
 
-def _commit() -> str | None:
-    """The checkout's git commit (None outside a git checkout)."""
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _fmt_rate(x: float | None) -> str:
     return "-" if x is None else f"{x:,.0f}"
 
@@ -274,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if any(s in c.name for s in args.cases)]
     previous: dict[str, Any] = {r["case"]: r for r in read_results(args.out).get("cases", [])}
     warnings.simplefilter("ignore")
-    commit = _commit()  # the code this process loaded (later commits do not change it)
+    commit = git_commit()  # the code this process loaded (later commits do not change it)
     for case in cases:
         print(f"{case.name}: {case.model} on {case.cluster}, batch {case.batch} x {case.seq}",
               flush=True)

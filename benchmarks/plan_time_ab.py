@@ -31,18 +31,10 @@ import time
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import load_average, machine_info, write_results  # noqa: E402
+from benchmarks.common import git_commit, load_average, machine_info, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "plan_time_ab.json")
-
-
-def _commit(tree: str) -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _ready(tree: str) -> None:
@@ -95,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{n} {p['plan_s']} s" for n, p in sorted(plans.items())), flush=True)
     result = {
         "machine": machine_info(brief=True), "load_average_before_each_run": loads,
-        "a": {"tree": trees["a"], "commit": _commit(trees["a"])},
-        "b": {"tree": trees["b"], "commit": _commit(trees["b"])},
+        "a": {"tree": trees["a"], "commit": git_commit(trees["a"])},
+        "b": {"tree": trees["b"], "commit": git_commit(trees["b"])},
         "cases": args.cases, "rounds": args.rounds,
         "plan_s": {n: {**s, "median_a": statistics.median(s["a"]),
                        "median_b": statistics.median(s["b"])} for n, s in sorted(seconds.items())},
