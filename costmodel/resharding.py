@@ -237,11 +237,12 @@ def _check_placements(src, dst, mesh: tuple[int, ...]) -> None:
         )
 
 
-def _check(src, dst, shape: tuple[int, ...], itemsize: int, mesh: tuple[int, ...],
-           mesh_shape) -> None:
+def _check(src, dst, shape: tuple[int, ...], itemsize: int, mesh_shape) -> tuple[int, ...]:
+    """The mesh shape, checked with the tensor and the placements."""
     _check_tensor(shape, itemsize)
-    check_mesh_shape(mesh_shape)
+    mesh = check_mesh_shape(mesh_shape)
     _check_placements(src, dst, mesh)
+    return mesh
 
 
 def reshard_steps(
@@ -260,8 +261,7 @@ def reshard_steps(
         mesh_shape: logical mesh shape.
     """
     shape = tuple(shape)
-    mesh = tuple(mesh_shape)
-    _check(src, dst, shape, itemsize, mesh, mesh_shape)
+    mesh = _check(src, dst, shape, itemsize, mesh_shape)
     return [ReshardStep(s.mesh_axis, placement_str(s.src), placement_str(s.dst), s.collective,
                         s.nbytes(shape, itemsize))
             for s in _plan(src, dst, len(shape), mesh)]
@@ -311,8 +311,8 @@ def reshard_time(
         links: one :class:`Link` per mesh axis (see :func:`axis_links`).
     """
     _check_links(mesh_shape, links)
-    shape, mesh = tuple(shape), tuple(mesh_shape)
-    _check(src, dst, shape, itemsize, mesh, mesh_shape)
+    shape = tuple(shape)
+    mesh = _check(src, dst, shape, itemsize, mesh_shape)
     return _plan_time(_plan(src, dst, len(shape), mesh), shape, itemsize, mesh, links)
 
 
