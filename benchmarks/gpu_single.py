@@ -258,12 +258,15 @@ def plain_case(case: Case, device: str, warmup: int, steps: int) -> None:
             torch.cuda.empty_cache()
 
 
-def run_case(case: Case, run_warmup: int, run_steps: int, timeout_s: float) -> None:
+def run_case(case: Case, run_warmup: int, run_steps: int, timeout_s: float,
+             check: bool = False) -> None:
+    """``planner run`` of the case's plan; with ``check`` also ``--check`` (its first
+    step against a one-process run of the same precision on the same GPU)."""
     from codegen.launch import launch
 
     t0 = time.perf_counter()
     res = launch(case.plan_path, steps=run_warmup + run_steps, optimizer="adamw",
-                 timeout_s=timeout_s)
+                 timeout_s=timeout_s, check=check)
     times = list(res.get("step_times_s") or [])
     timed = times[run_warmup:] or times
     case.record["run"] = {
@@ -274,6 +277,10 @@ def run_case(case: Case, run_warmup: int, run_steps: int, timeout_s: float) -> N
         "setup_s": res.get("setup_s"), "loss": res.get("loss"),
         "fallback_ops": res.get("fallback_ops"), "returncode": res.get("returncode"),
         "wall_s": round(time.perf_counter() - t0, 2)}
+    if check:
+        case.record["run"]["check"] = {k: res.get(k) for k in (
+            "passed", "loss_rel_err", "max_rel_grad_err", "worst_param", "num_params_checked",
+            "rtol", "observed_match")}
 
 
 # --- report -------------------------------------------------------------------------
@@ -348,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="plain loop timed steps")
     ap.add_argument("--run-warmup", type=int, default=2, help="planner run steps not timed")
     ap.add_argument("--run-steps", type=int, default=4, help="planner run steps timed")
+    ap.add_argument("--check", action="store_true",
+                    help="planner run --check for the main (bf16-mixed) cases")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit, s")
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="wall-clock budget: phases that would start after it are skipped")
@@ -422,11 +431,17 @@ def main(argv: list[str] | None = None) -> int:
                 c.record.setdefault("errors", {})["run"] = "skipped: time budget"
                 continue
             _guard(c.record, "run", lambda: run_case(c, args.run_warmup, args.run_steps,
-                                                     timeout_s=max(20.0, left)))
+                                                     timeout_s=max(20.0, left),
+                                                     check=args.check and c.main))
             if "run" in c.record:
                 st = c.record["run"]["step_time_s"]
+                checked = c.record["run"].get("check")
+                verdict = "" if checked is None else (
+                    f", check {'PASSED' if checked['passed'] else 'FAILED'} (max grad err "
+                    f"{checked['max_rel_grad_err']}, rtol {checked['rtol']})")
                 print(f"planner run {c.name}: "
-                      f"{st * 1e3 if st is not None else float('nan'):.1f} ms", flush=True)
+                      f"{st * 1e3 if st is not None else float('nan'):.1f} ms{verdict}",
+                      flush=True)
     for c in cases:
         add_ratios(c.record)
     result["machine"] = _guard(result, "machine", lambda: machine(args.device))
