@@ -101,13 +101,12 @@ def run(args: argparse.Namespace) -> int:
 
         args.rtol = check_tolerance(plan.precision)
 
-    if torch.cuda.is_available():
-        backend = "nccl"
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        backend = "gloo"
-        device = torch.device("cpu")
+    try:
+        backend, device = runtime_device(plan.cluster, local_rank)
+    except ValueError as err:
+        return _refuse(args, rank, EXIT_BAD_PLAN, str(err))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend)
     try:
         try:
@@ -130,6 +129,27 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK if int(verdict.item()) == 0 else EXIT_CHECK_FAILED
     finally:
         dist.destroy_process_group()
+
+
+def runtime_device(cluster: dict[str, Any], local_rank: int) -> tuple[str, torch.device]:
+    """The process-group backend and the device this rank trains on, as the
+    plan's ``cluster`` says: a gloo cluster (CPU ranks) runs on the CPU even where
+    CUDA is present; an NCCL one on GPU ``local_rank``, or on the CPU with gloo
+    where this machine has no CUDA (to try a GPU plan on a laptop).
+
+    Raises:
+        ValueError: an NCCL plan on a machine with fewer CUDA devices than the
+            ranks started on it.
+    """
+    if cluster.get("backend") == "gloo" or not torch.cuda.is_available():
+        return "gloo", torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(
+            f"the plan is for {cluster.get('name', 'a GPU cluster')} (one GPU a rank), but this "
+            f"machine has {count} CUDA device(s) for local rank {local_rank}; start at most "
+            f"{count} rank(s) per node, or plan for a CPU cluster (local-cpu:N)")
+    return "nccl", torch.device("cuda", local_rank)
 
 
 def _refuse(args: argparse.Namespace, rank: int, code: int, message: str) -> int:

@@ -323,3 +323,24 @@ def test_launch_refuses_plan_for_another_program(tmp_path):
     first_line = str(err.value).splitlines()[0]
     assert "feedfacefeedface" in first_line and "re-plan" in first_line
     assert err.value.user_error  # `planner run` prints it as one line and exits 2
+
+
+def test_rank_device_follows_the_plans_cluster(monkeypatch):
+    """A CPU plan's ranks train on the CPU even on a GPU machine (they used to take
+    cuda:LOCAL_RANK and fail on a one-GPU machine); a GPU plan takes the rank's
+    GPU, and more ranks than GPUs is refused in one line."""
+    import torch
+
+    from codegen.rank_main import runtime_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert runtime_device({"name": "local-cpu:4", "backend": "gloo"}, 3) == \
+        ("gloo", torch.device("cpu"))
+    assert runtime_device({"name": "dgx-h100:1", "backend": "nccl"}, 0) == \
+        ("nccl", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="1 CUDA device.*local rank 1"):
+        runtime_device({"name": "dgx-h100:1", "backend": "nccl"}, 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert runtime_device({"name": "dgx-h100:1", "backend": "nccl"}, 1) == \
+        ("gloo", torch.device("cpu"))
