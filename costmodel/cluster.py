@@ -273,11 +273,18 @@ class DeviceSpec:
             (shorter sequences fill the device less); 0 = constant.
         host_overhead: host seconds eager PyTorch spends issuing one op in a
             pass (dispatch, autograd bookkeeping, the launch) on a device the
-            host runs ahead of (a GPU): a kernel takes at least this long, as
-            the device waits for the host when its kernels are shorter
-            (``costmodel.compute.op_time``). Measured by ``planner profile`` on
-            GPUs; 0 = the host is never the bottleneck (CPU ranks, where host
-            and device are one, count ``kernel_overhead`` instead).
+            host runs ahead of (a GPU). The host queues kernels ahead of the
+            device, so a step takes at least the host's time for all its ops
+            (``costmodel.compute.host_seconds``), and otherwise the device's.
+            Measured by ``planner profile`` on GPUs; 0 = the host is never the
+            bottleneck (CPU ranks, where host and device are one, count
+            ``kernel_overhead`` instead).
+        unaligned_gemm_efficiency: throughput of a GEMM with a dimension that
+            is not a multiple of 16 bytes (a vocabulary of 50257) over that of
+            an aligned GEMM of the same FLOPs: tensor-core kernels need aligned
+            rows, and the library falls back to slower ones. Measured by
+            ``planner profile`` on GPUs; 1 = no penalty (CPUs, and the
+            datasheet presets, which state no such figure).
     """
 
     name: str
@@ -292,6 +299,7 @@ class DeviceSpec:
     attention_efficiency: float = 0.0
     attention_half_saturation_flops: float = 0.0
     host_overhead: float = 0.0
+    unaligned_gemm_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         _need_name("device.name", self.name)
@@ -299,6 +307,7 @@ class DeviceSpec:
             _need_fraction("device.attention_efficiency", self.attention_efficiency)
         _need_nonnegative("device.dispatch_overhead", self.dispatch_overhead, "seconds")
         _need_nonnegative("device.host_overhead", self.host_overhead, "seconds")
+        _need_fraction("device.unaligned_gemm_efficiency", self.unaligned_gemm_efficiency)
         _need_nonnegative("device.attention_half_saturation_flops",
                           self.attention_half_saturation_flops, "FLOPs")
         _need_nonnegative("device.half_saturation_flops", self.half_saturation_flops, "FLOPs")
@@ -352,6 +361,7 @@ class DeviceSpec:
             "attention_efficiency": self.attention_efficiency,
             "attention_half_saturation_flops": self.attention_half_saturation_flops,
             "host_overhead": self.host_overhead,
+            "unaligned_gemm_efficiency": self.unaligned_gemm_efficiency,
         }
 
     @classmethod
@@ -363,13 +373,14 @@ class DeviceSpec:
             ("name", "peak_flops", "memory", "memory_bandwidth"),
             ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops",
              "dispatch_overhead", "attention_efficiency", "attention_half_saturation_flops",
-             "host_overhead"),
+             "host_overhead", "unaligned_gemm_efficiency"),
         )
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
         kwargs: dict[str, Any] = {}
         for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                     "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
-                    "attention_half_saturation_flops", "host_overhead"):
+                    "attention_half_saturation_flops", "host_overhead",
+                    "unaligned_gemm_efficiency"):
             if key in d:
                 kwargs[key] = d[key]
         return cls(

@@ -2,17 +2,19 @@
 
 Units: seconds, FLOPs, bytes, FLOP/s, bytes/s.
 
-    time = max(max(flops / (peak_flops[dtype] * efficiency),
-                   bytes_moved / (memory_bandwidth * memory_efficiency))
-               + kernel_overhead,
-               host_overhead)
+    time = max(flops / (peak_flops[dtype] * efficiency),
+               bytes_moved / (memory_bandwidth * memory_efficiency)) + kernel_overhead
 
-``host_overhead`` is the host's time to issue one op in eager PyTorch: a GPU
-whose kernels are shorter waits for the host (0 on CPU ranks).
+This is the device's time. Eager PyTorch's host issues the kernels ahead of the
+device, so a device busy with long kernels hides the host's time per op, and a
+step of many short ones waits for the host: a step takes the longer of the two
+sums (:func:`host_seconds` gives the host's), not the longer of the two per op.
 
 The efficiencies and the overhead default to the :class:`DeviceSpec`'s
 (calibrated by profiling later). For GEMMs, :func:`matmul_efficiency` gives a
-size-dependent efficiency to pass as ``efficiency``.
+size-dependent efficiency to pass as ``efficiency``; a GEMM with a dimension not
+aligned to 16 bytes (:func:`gemm_aligned`) reaches
+``DeviceSpec.unaligned_gemm_efficiency`` of it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ if TYPE_CHECKING:
     from ir.graph import Graph, Node
 
 __all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times", "backward_kernels",
-           "host_passes",
+           "host_passes", "host_pass_counts", "host_seconds", "gemm_aligned", "GEMM_ALIGNMENT_BYTES",
            "DEFAULT_HALF_SATURATION_FLOPS", "FUSED_ATTENTION", "ATTENTION_BACKWARD_FLOPS"]
 
 #: FLOPs at which a GEMM reaches half its maximum efficiency. ~1e9 FLOPs (a
@@ -64,8 +66,10 @@ def op_time(
     dtype: Any,
     efficiency: float | None = None,
     memory_efficiency: float | None = None,
+    aligned: bool = True,
 ) -> float:
-    """Seconds one kernel takes on ``device``.
+    """Seconds one kernel takes on ``device`` (the device's time; the host's
+    is :func:`host_seconds`).
 
     Args:
         flops: floating-point operations of the kernel, FLOPs.
@@ -77,6 +81,9 @@ def op_time(
             :func:`matmul_efficiency` when ``device.half_saturation_flops > 0``.
         memory_efficiency: fraction of memory bandwidth reached; default
             ``device.memory_efficiency``.
+        aligned: False for a GEMM with a dimension not aligned to 16 bytes
+            (:func:`gemm_aligned`): its default efficiency is scaled by
+            ``device.unaligned_gemm_efficiency``.
 
     Returns 0.0 when both ``flops`` and ``bytes_moved`` are 0 (no kernel runs,
     e.g. a view); otherwise the roofline time plus ``device.kernel_overhead``.
@@ -91,16 +98,40 @@ def op_time(
         raise ValueError(f"memory_efficiency must be in (0, 1], got {mem_eff!r}")
     if flops == 0 and bytes_moved == 0:
         return 0.0
-    if efficiency is None and device.half_saturation_flops > 0 and flops > 0:
-        eff = matmul_efficiency(flops, eff, device.half_saturation_flops)
+    if efficiency is None and flops > 0:
+        if device.half_saturation_flops > 0:
+            eff = matmul_efficiency(flops, eff, device.half_saturation_flops)
+        if not aligned:
+            eff *= device.unaligned_gemm_efficiency
     compute = flops / (device.flops(dtype) * eff) if flops > 0 else 0.0
     memory = bytes_moved / (device.memory_bandwidth * mem_eff) if bytes_moved > 0 else 0.0
-    # the device runs ahead of the host only while its kernels outlast their launches
-    return max(max(compute, memory) + device.kernel_overhead, device.host_overhead)
+    return max(compute, memory) + device.kernel_overhead
+
+
+#: Row alignment tensor-core GEMM kernels need, bytes (8 bf16 or 4 fp32 elements).
+GEMM_ALIGNMENT_BYTES = 16
+
+
+def gemm_aligned(node: "Node") -> bool:
+    """Whether contraction ``node``'s matrices have every row length and row count
+    a multiple of :data:`GEMM_ALIGNMENT_BYTES` (the last two dimensions of each
+    floating input and output of two or more dimensions; a GEMM's backward
+    makes the transposed products of the same matrices, so one answer holds for
+    all three). True for a node that is no contraction."""
+    if node.flops <= 0 or node.target == FUSED_ATTENTION:
+        return True
+    for info in (*node.inputs, *node.outputs):
+        if not info.is_float or len(info.shape) < 2 or info.itemsize <= 0:
+            continue
+        align = max(1, GEMM_ALIGNMENT_BYTES // info.itemsize)
+        if any(int(d) % align for d in info.shape[-2:]):
+            return False
+    return True
 
 
 def backward_op_times(flops: float, bytes_moved: float, device: DeviceSpec, dtype: Any, *,
-                      input_grad: int, weight_grad: int) -> tuple[float, float]:
+                      input_grad: int, weight_grad: int, aligned: bool = True
+                      ) -> tuple[float, float]:
     """Seconds of one op's backward, split as zero-bubble schedules need it.
 
     Returns ``(b, w)``: ``b`` computes the gradients of the op's activation inputs,
@@ -115,8 +146,10 @@ def backward_op_times(flops: float, bytes_moved: float, device: DeviceSpec, dtyp
         flops, bytes_moved: the op's forward FLOPs and bytes.
         input_grad: kernels computing activation-input gradients (0 for none).
         weight_grad: kernels computing weight gradients (0 for none).
+        aligned: as :func:`op_time`'s.
     """
-    one = op_time(flops, bytes_moved, device, dtype) if input_grad or weight_grad else 0.0
+    one = (op_time(flops, bytes_moved, device, dtype, aligned=aligned)
+           if input_grad or weight_grad else 0.0)
     return int(input_grad) * one, int(weight_grad) * one
 
 
@@ -175,18 +208,32 @@ def attention_times(flops: float, bytes_moved: float, device: DeviceSpec,
     return forward, backward
 
 
-def host_passes(graph: "Graph") -> int:
-    """Ops the host issues in one training step of ``graph`` as the cost model
-    counts them (each charged ``DeviceSpec.host_overhead`` at least): every op
-    but tuple projections once in the forward, and in the backward a view once
-    and another op's :func:`backward_kernels`."""
+def host_pass_counts(graph: "Graph") -> tuple[int, int]:
+    """Ops the host issues in one training step of ``graph``: ``(forward,
+    backward)``. Every op but tuple projections once in the forward; in the
+    backward a view once and another op's :func:`backward_kernels`."""
     grad, weights = graph.gradient_path, graph.parameter_views
-    total = 0
+    forward = backward = 0
     for n in graph.nodes:
         if n.kind != "op" or n.target == "getitem":
             continue
-        total += 1
+        forward += 1
         if n.name not in grad:
             continue
-        total += 1 if n.is_view else sum(backward_kernels(n, grad, weights))
-    return total
+        backward += 1 if n.is_view else sum(backward_kernels(n, grad, weights))
+    return forward, backward
+
+
+def host_passes(graph: "Graph") -> int:
+    """Ops the host issues in one training step of ``graph``, forward and
+    backward (:func:`host_pass_counts`): what ``planner profile`` divides a
+    host-bound step's time by to measure ``DeviceSpec.host_overhead``."""
+    return sum(host_pass_counts(graph))
+
+
+def host_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:
+    """Host seconds to issue one step of ``graph``: ``(forward, backward)``, each
+    ``device.host_overhead`` per op pass (0 where the host is never the bottleneck).
+    A pass of the step takes at least this long whatever its kernels take."""
+    forward, backward = host_pass_counts(graph)
+    return forward * device.host_overhead, backward * device.host_overhead

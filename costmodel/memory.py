@@ -49,12 +49,17 @@ __all__ = [
 #: Optimizer -> number of per-parameter state tensors it keeps.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
 
-#: Optimizer -> tensors of a parameter's size its update reads and writes (torch's
-#: multi-tensor implementation): Adam reads the parameter, its gradient and both
-#: states, writes the parameter and both states, and writes and reads ``sqrt(v)``;
-#: SGD reads the parameter and gradient and writes the parameter (momentum adds
-#: reading and writing its buffer).
-OPTIMIZER_ACCESSES = {"adam": 9, "adamw": 9, "sgd_momentum": 5, "sgd": 3}
+#: Optimizer -> tensors of a parameter's size its update reads and writes, as
+#: torch's multi-tensor (``foreach``) implementation runs it, the default on GPUs:
+#: one pass over the whole list per ``_foreach`` op. AdamW: decay the parameter
+#: (read, write: 2), ``lerp_`` the first moment towards the gradient (3), scale
+#: the second moment (2), ``addcmul_`` the squared gradient into it (3),
+#: ``sqrt`` of it into a new list (2), divide that by the bias correction (2),
+#: add eps (2), ``addcdiv_`` the step into the parameter (4): 20. Adam without
+#: weight decay skips the first: 18. SGD: ``add_`` the scaled gradient (3); with
+#: momentum, scale the buffer (2), add the gradient to it (3) and add it to the
+#: parameter (3): 8.
+OPTIMIZER_ACCESSES = {"adam": 18, "adamw": 20, "sgd_momentum": 8, "sgd": 3}
 
 
 def training_state_bytes(

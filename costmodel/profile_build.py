@@ -14,18 +14,20 @@ half-saturation FLOPs.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from .cluster import Cluster, DeviceSpec, Link, canonical_dtype
+from .compute import matmul_efficiency
 from .presets import local_cpu_cluster
 from .profile_file import PROFILE_FORMAT_VERSION
 from .profile_fit import attention_fit, fit_alpha_beta, fit_gemm
 from .profile_machine import device_memory_per_rank, machine_info
 from .profile_worker import COLLECTIVE_KINDS
 
-__all__ = ["build_profile", "dispatch_overhead", "host_overhead"]
+__all__ = ["build_profile", "dispatch_overhead", "host_overhead", "unaligned_gemm_efficiency"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,23 @@ def host_overhead(raw: Mapping[str, Any]) -> float | None:
     return h["seconds"] / h["passes"]
 
 
+def unaligned_gemm_efficiency(records: Sequence[Mapping[str, Any]], gemm: Mapping[str, Any],
+                              overhead: float) -> float:
+    """Median, over GEMMs with a row not aligned to 16 bytes, of the time the
+    fitted (aligned) curve gives their FLOPs over the time they took, kernel
+    overhead removed from both: ``DeviceSpec.unaligned_gemm_efficiency``,
+    within (0, 1]; 1 when none was measured."""
+    ratios = []
+    for g in records:
+        eff = matmul_efficiency(g["flops"], gemm["max_efficiency"], gemm["half_saturation_flops"]) \
+            if gemm["half_saturation_flops"] > 0 else gemm["max_efficiency"]
+        curve = g["flops"] / (gemm["peak_flops"] * eff)
+        ratios.append(curve / max(g["seconds"] - overhead, 1e-12))
+    if not ratios:
+        return 1.0
+    return min(1.0, max(1e-3, statistics.median(ratios)))
+
+
 def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
     """Seconds DTensor adds per op and pass (forward or backward), from the
     ``dispatch`` measurement; None when it was not measured."""
@@ -76,12 +95,15 @@ def _fit_device(raw: Mapping[str, Any], device: str) -> _DeviceFits:
     overhead = float(raw["overhead"]["seconds"])
     mem = max(raw["memory"], key=lambda r: r["bytes"])
     main_dtype = "bfloat16" if device == "cuda" else "float32"
-    gemm = fit_gemm([(g["flops"], g["seconds"]) for g in raw["gemms"] if g["dtype"] == main_dtype], overhead)
+    aligned = [g for g in raw["gemms"] if not g.get("unaligned")]
+    gemm = fit_gemm([(g["flops"], g["seconds"]) for g in aligned if g["dtype"] == main_dtype], overhead)
     gemm["dtype"] = main_dtype
     peak = {main_dtype: gemm["peak_flops"]}
-    for g in raw["gemms"]:
+    for g in aligned:
         if g["dtype"] != main_dtype:  # single extra sizes: achieved rate, overhead removed
             peak[canonical_dtype(g["dtype"])] = g["flops"] / max(g["seconds"] - overhead, 1e-12)
+    gemm["unaligned_efficiency"] = unaligned_gemm_efficiency(
+        [g for g in raw["gemms"] if g.get("unaligned") and g["dtype"] == main_dtype], gemm, overhead)
     attention = attention_fit(raw.get("attention", ()), overhead, peak[main_dtype]) or {}
     return _DeviceFits(main_dtype, overhead, mem["bytes"] / mem["seconds"], gemm, peak, attention)
 
@@ -140,7 +162,8 @@ def _gpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
                      attention_efficiency=device.attention.get("attention_efficiency", 0.0),
                      attention_half_saturation_flops=device.attention.get(
                          "attention_half_saturation_flops", 0.0),
-                     host_overhead=host_overhead(raw) or 0.0)
+                     host_overhead=host_overhead(raw) or 0.0,
+                     unaligned_gemm_efficiency=device.gemm["unaligned_efficiency"])
     # With one GPU no collective runs: keep an NVLink-like placeholder (noted in the profile).
     fit = links.link
     link = Link("nvlink", fit["bandwidth"], fit["latency"]) if fit else Link("nvlink", 150e9, 2e-6)

@@ -68,6 +68,9 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         (f"GEMM {gemm['dtype']} peak", f"{gemm['peak_flops'] / 1e9:.1f} GFLOP/s",
          f"per rank; half-saturation {gemm['half_saturation_flops']:.3g} FLOPs, "
          f"fit median err {gemm['median_abs_pct_error']:.1f}%"),
+        *([("unaligned GEMM", f"{gemm['unaligned_efficiency']:.2f} x",
+            "a row not a multiple of 16 bytes, against the aligned curve")]
+          if gemm.get("unaligned_efficiency", 1.0) < 1.0 else []),
         ("memory bandwidth", f"{fits['memory_bandwidth'] / 1e9:.2f} GB/s", "per rank, copy (read + write)"),
         ("kernel overhead", f"{fits['kernel_overhead'] * 1e6:.2f} us", "per eager op"),
         *([("dispatch overhead", f"{fits['dispatch_overhead'] * 1e6:.1f} us",

@@ -80,6 +80,9 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
     gemms = [[m, k, n, dtype] for m, k, n in gemm_shapes(device, quick)]
     if gpu:
         gemms.append([4096, 4096, 4096, "float32"])  # the fp32 rate (tf32 off)
+    # GEMMs with a row not aligned to 16 bytes (a vocabulary of 50257): the output
+    # row, then the contracted one, each one element short of 8192
+    unaligned = [[8192, 1024, 8191, dtype], [8192, 8191, 1024, dtype]] if gpu else []
     return {
         "device": device,
         "backend": "nccl" if gpu else "gloo",
@@ -93,6 +96,7 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         **({"host": "gpt-tiny"} if gpu else {}),
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],
         "gemms": gemms,
+        "unaligned_gemms": unaligned,
         # causal fused attention, forward and backward: [batch, heads, seq, head dim, dtype]
         "attention": ([[4, 16, s, 64, dtype] for s in (1024, 2048, 4096)] if gpu
                       else [[2, 4, s, 32, dtype] for s in (128, 256)]),

@@ -12,6 +12,8 @@ measurements at the same time, as the ranks of a planned SPMD step would:
 * ``memory``: seconds per ``dst.copy_(src)`` of a large tensor (bytes moved =
   2 x size: one read, one write);
 * ``gemms``: seconds per ``torch.mm`` of each ``(m, k, n, dtype)``;
+* ``unaligned_gemms``: the same, recorded in ``gemms`` with ``"unaligned": true``
+  (a row not a multiple of 16 bytes);
 * ``collectives``: seconds per collective of each kind and size, with sizes
   as :func:`costmodel.collectives.collective_time` defines them (the gathered
   tensor for all_gather, the unsharded input for reduce_scatter, bytes per
@@ -60,7 +62,8 @@ def count_steps(spec: dict[str, Any]) -> int:
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
              + int(bool(spec.get("host")))
              + len(spec.get("memory_bytes", ()))
-             + len(spec.get("gemms", ())) + len(spec.get("attention", ()))
+             + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
+             + len(spec.get("attention", ()))
              + len(spec.get("collectives", ())) * len(spec.get("sizes", ()))
              * len(spec.get("group_sizes") or [0]))
     return items * (int(spec["reps"]) + 1)
@@ -289,14 +292,16 @@ def _kernel_items(r: _Rank, spec: dict[str, Any], min_rep_s: float, out: dict[st
         out["memory"].append(rec)
         items.append(_Item(f"copy {nbytes / 2**20:.0f} MiB", (lambda s, d: lambda: d.copy_(s))(src, dst),
                            min_rep_s, False, rec))
-    for m, k, n, dtype_name in spec.get("gemms", ()):
+    gemms = [(g, False) for g in spec.get("gemms", ())]
+    gemms += [(g, True) for g in spec.get("unaligned_gemms", ())]
+    for (m, k, n, dtype_name), unaligned in gemms:
         dtype = getattr(torch, _DTYPES[dtype_name])
         x = torch.randn(m, k, dtype=dtype, device=device)
         w = torch.randn(k, n, dtype=dtype, device=device)
         y = torch.zeros(m, n, dtype=dtype, device=device)
         elem = x.element_size()
         rec = {"m": m, "k": k, "n": n, "dtype": dtype_name, "flops": 2 * m * k * n,
-               "bytes": elem * (m * k + k * n + m * n)}
+               "bytes": elem * (m * k + k * n + m * n), **({"unaligned": True} if unaligned else {})}
         out["gemms"].append(rec)
         items.append(_Item(f"gemm {m}x{k}x{n}", (lambda x, w, y: lambda: torch.mm(x, w, out=y))(x, w, y),
                            min_rep_s, False, rec))

@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import (FUSED_ATTENTION, attention_times, backward_kernels,
-                               backward_op_times, op_time)
+                               backward_op_times, gemm_aligned, op_time)
 from costmodel.memory import OPTIMIZER_ACCESSES, training_state_bytes
 from costmodel.resharding import ReshardPricer
 from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
@@ -271,12 +271,10 @@ class IntraOpCost:
         return 0.0 if node.target == "getitem" else self.cluster.device.dispatch_overhead
 
     def _view_time(self, node: Node) -> float:
-        """Seconds of a view op in one pass: no kernel, but the host issues it
-        (``host_overhead``, on a device the host runs ahead of) and the
-        distributed runtime dispatches it."""
-        if node.target == "getitem":
-            return 0.0
-        return self._dispatch(node) + self.cluster.device.host_overhead
+        """Seconds of a view op in one pass: no kernel, but the distributed
+        runtime dispatches it (the host's own time to issue it counts in
+        :func:`costmodel.compute.host_seconds`)."""
+        return self._dispatch(node)
 
     def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
         """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
@@ -291,7 +289,8 @@ class IntraOpCost:
                                 self.dtype)[1] if input_grad else 0.0
             return b + self._dispatch(node), 0.0
         b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
-                                 self.dtype, input_grad=input_grad, weight_grad=weight_grad)
+                                 self.dtype, input_grad=input_grad, weight_grad=weight_grad,
+                                 aligned=gemm_aligned(node))
         return b + self._dispatch(node), w
 
     def forward_time(self, node: Node, s: Strategy) -> float:
@@ -304,7 +303,8 @@ class IntraOpCost:
         if node.target == FUSED_ATTENTION:
             return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                     self.dtype)[0] + self._dispatch(node))
-        return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype)
+        return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype,
+                        aligned=gemm_aligned(node))
                 + self._dispatch(node))
 
     def backward_collectives(self, node: Node, s: Strategy) -> float:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from costmodel.cluster import Cluster
+from costmodel.compute import host_seconds
 from costmodel.resharding import ReshardPricer, gradient_placements
 from costmodel.schedules import ScheduleBook, peak_activations
 from costmodel.strategy_cost import IntraOpCost
@@ -156,6 +157,10 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
                     b += g
     recompute = result.solution.objective_s - (f + b + w + sync + zero_priced + update)
     b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
+    # a pass takes at least the host's time to issue its ops (costmodel.compute)
+    host_f, host_b = host_seconds(graph, cluster.device)
+    f = max(f, host_f)
+    b = max(b, host_b - w)
     sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
     memory = result.memory
     activations = memory.get("activations", 0.0)

@@ -66,6 +66,7 @@ class PredictedStep(TypedDict, total=False):
     compute_s: float
     communication_s: float
     resharding_s: float
+    host_s: float              # GPUs: the host's time to issue the step's ops (a lower bound)
     bubble_s: float            # pipelines: idle time of the schedule
     p2p_s: float               # pipelines: stage-to-stage sends
     grad_sync_s: float         # pipelines: once-per-step gradient reduction

@@ -48,7 +48,8 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         f"{plan.cluster['devices_per_node']} devices), mesh {mesh}",
         f"predicted step {_seconds(pred['step_time_s'])}: compute {_seconds(pred['compute_s'])}, "
         f"communication {_seconds(pred['communication_s'])}, "
-        f"resharding {_seconds(pred['resharding_s'])}",
+        f"resharding {_seconds(pred['resharding_s'])}"
+        + (f"; the host issues its ops in {_seconds(pred['host_s'])}" if pred.get("host_s") else ""),
         "activation checkpointing: " + (", ".join(plan.checkpoint) if plan.checkpoint else "none"),
         "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()),
         f"solver {plan.solver.solver}: {plan.solver.status}, objective "
