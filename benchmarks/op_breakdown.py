@@ -122,7 +122,9 @@ def measure_case(model: str, batch: int, seq: int, precision: str, device: str,
     rows.sort(key=lambda r: -r["device_s"])
     ops_s = sum(r["device_s"] for r in rows)
     return {"model": model, "batch_size": batch, "seq_len": seq, "precision": precision,
-            "device": device, "wall_s": wall["median_s"], "wall": wall,
+            "device": device, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None,
+            "wall_s": wall["median_s"], "wall": wall,
             "kernels_s": kernel_us / 1e6 / steps if device == "cuda" else ops_s,
             "ops_s": ops_s, "by_category": _by_category(rows, "device_s"), "ops": rows}
 
@@ -242,9 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "op_breakdown.json")
     with open(path, "w") as f:
-        json.dump({"benchmark": "op_breakdown", "torch": torch.__version__,
-                   "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-                   "cases": records}, f, indent=1)
+        json.dump({"benchmark": "op_breakdown", "cases": records}, f, indent=1)
         f.write("\n")
     print(f"wrote {path}")
     return 0

@@ -337,6 +337,58 @@ def test_op_time_roofline():
     assert op_time(0, 0, dev, "float32") == 0.0
 
 
+def test_unaligned_gemm_is_priced_at_the_profiled_fraction():
+    """A GEMM with a row not a multiple of 16 bytes (a 50257-token vocabulary)
+    runs at the device's unaligned_gemm_efficiency of the aligned rate; the
+    alignment is read off the node's matrices (bf16: multiples of 8)."""
+    from costmodel.compute import gemm_aligned
+    from ir.graph import Node, TensorInfo
+
+    dev = dataclasses.replace(load_cluster("dgx-h100").device, unaligned_gemm_efficiency=0.25)
+    aligned = op_time(1e12, 0, dev, "bf16")
+    unaligned = op_time(1e12, 0, dev, "bf16", aligned=False)
+    assert unaligned - dev.kernel_overhead == pytest.approx(4 * (aligned - dev.kernel_overhead))
+
+    def mm(n: int) -> Node:
+        x, w = TensorInfo((16384, 768), torch.bfloat16), TensorInfo((768, n), torch.bfloat16)
+        return Node(name="mm", kind="op", target="aten.mm.default", args=("x", "w"),
+                    inputs=(x, w), outputs=(TensorInfo((16384, n), torch.bfloat16),),
+                    flops=2 * 16384 * 768 * n)
+
+    assert gemm_aligned(mm(50304)) and not gemm_aligned(mm(50257))
+    assert DeviceSpec.from_dict(dev.to_dict()) == dev
+
+
+def test_unaligned_efficiency_from_profile_timings():
+    """planner profile's figure: the fitted aligned curve's time over the
+    unaligned GEMMs' measured times (overhead removed), median; 1 if unmeasured."""
+    from costmodel.profile_build import unaligned_gemm_efficiency
+
+    curve = {"peak_flops": 1e15, "max_efficiency": 1.0, "half_saturation_flops": 0.0}
+    flops = 2 * 8192 * 1024 * 8191
+    records = [{"flops": flops, "seconds": 1e-5 + k * flops / 1e15} for k in (4, 5, 8)]
+    assert unaligned_gemm_efficiency(records, curve, 1e-5) == pytest.approx(1 / 5)
+    assert unaligned_gemm_efficiency([], curve, 1e-5) == 1.0
+
+
+def test_host_bounds_the_step_not_each_op():
+    """The host queues kernels ahead of a busy GPU: no op is charged the host's
+    time per op; the host's sum is a separate lower bound on the step."""
+    from costmodel.compute import host_pass_counts, host_passes, host_seconds
+    from ir import zoo
+    from ir.trace import trace
+
+    dev = dataclasses.replace(load_cluster("dgx-h100").device, host_overhead=20e-6)
+    assert op_time(0, 1e3, dev, "bf16") == pytest.approx(1e3 / dev.memory_bandwidth
+                                                         / dev.memory_efficiency
+                                                         + dev.kernel_overhead)
+    model, inputs = zoo.build("gpt-tiny", device="meta")
+    graph = trace(model, inputs)
+    forward, backward = host_pass_counts(graph)
+    assert forward > 0 and backward > 0 and forward + backward == host_passes(graph)
+    assert host_seconds(graph, dev) == pytest.approx((forward * 20e-6, backward * 20e-6))
+
+
 def test_matmul_efficiency_saturates():
     assert matmul_efficiency(1e9, 0.8, 1e9) == pytest.approx(0.4)
     effs = [matmul_efficiency(f) for f in (1e6, 1e8, 1e10, 1e12, 1e14)]

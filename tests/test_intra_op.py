@@ -67,11 +67,22 @@ def test_small_batch_gpt_block_is_no_slower_than_megatron():
 
 
 def test_large_batch_small_model_comes_out_data_parallel():
+    """Every GEMM runs data-parallel: its batch rows split, its weight whole at
+    the op. A weight may be stored sharded and gathered before use, as ZeRO-3
+    does, where the gather costs less than updating the whole weight on every
+    device (torch's foreach AdamW passes over it 20 times)."""
     model, inputs = build_from_config(GPTConfig(1, 256, 4, vocab_size=1024, block_size=128),
                                       batch_size=256)
     p = plan(model, _a100(4), example_inputs=inputs, mesh_shape=(4,))
     assert p.inputs["idx"] == ["S(0)"]
-    assert all(pl == ["R"] for pl in p.parameters.values())
+    gemms = [op for op in p.nodes.values() if op.op in ("aten.addmm.default", "aten.mm.default")]
+    assert len(gemms) == 5
+    for op in gemms:
+        assert op.outputs == [["S(0)"]]
+        assert sorted(op.inputs) == sorted([["S(0)"]] + [["R"]] * (len(op.inputs) - 1))
+    gathered = {r.arg for r in p.reshards if r.dst == ["R"] and r.arg.startswith("p_")}
+    assert all(pl == ["R"] or f"p_{fqn.replace('.', '_')}" in gathered
+               for fqn, pl in p.parameters.items())
     # gradient synchronisation of the replicated parameters is in the prediction
     assert p.predicted["communication_s"] > 0
 
