@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
@@ -137,6 +138,23 @@ class StageExecutor(PlanExecutor):
         self._vals = {n.name: n.meta.get("val") for n in self.ep.graph.nodes}
         self.is_first = stage.index == 0
         self.is_last = stage.index == len(plan.pipeline.stages) - 1
+        # A later stage reads the user inputs it needs (the targets of the loss)
+        # from its own copy of the micro-batch, not from the stage before: values
+        # that get no gradient are not sent (torch 2.11's stages mark every
+        # received buffer as requiring one, which integers cannot).
+        users = set(self.user_input_names)
+        self.received = [n for n in self.stage.inputs if self.is_first or n not in users]
+        self.sent = [n for n in self.stage.outputs if self.is_last or n not in users]
+        if not self.is_first:
+            for n in self.received:
+                val = self._vals.get(n)
+                if isinstance(val, torch.Tensor) and not val.is_floating_point():
+                    raise PipelinePlanError(
+                        f"stage {stage.index} would receive {n} ({val.dtype}) from the stage "
+                        f"before; only floating values, which carry a gradient, cross stages")
+        # set by the runtime for each step and micro-batch (:class:`_Stage`)
+        self.microbatches: list[tuple[Any, ...]] = []
+        self.microbatch_index = 0
         self._check_boundary()
         if any(s.kind.name == "BUFFER_MUTATION" for s in sig.output_specs):
             raise PipelinePlanError("the model updates buffers in forward (e.g. BatchNorm "
@@ -227,11 +245,12 @@ class StageExecutor(PlanExecutor):
         else empty local shards of its boundary inputs."""
         if self.is_first:
             return tuple(microbatch)
-        return tuple(self._example(n, parse_placements(p)) for n, p in self.stage.inputs.items())
+        return tuple(self._example(n, parse_placements(self.stage.inputs[n]))
+                     for n in self.received)
 
     def example_outputs(self) -> tuple[torch.Tensor, ...]:
         """Empty local shards of what the stage sends (the loss, for the last stage)."""
-        return tuple(self._example(n, self._send_placements(n)) for n in self.stage.outputs)
+        return tuple(self._example(n, self._send_placements(n)) for n in self.sent)
 
     # ---- running
     def _placeholder_value(self, name: str) -> Any:
@@ -285,13 +304,29 @@ class StageExecutor(PlanExecutor):
                                         src_data_rank=None)
                    for n, v in zip(self.user_input_names, args)}
         else:
-            if len(args) != len(self.stage.inputs):
-                raise ValueError(f"stage {self.stage.index} receives {len(self.stage.inputs)} "
+            if len(args) != len(self.received):
+                raise ValueError(f"stage {self.stage.index} receives {len(self.received)} "
                                  f"values, got {len(args)}")
-            env = {n: self._receive(n, v) for n, v in zip(self.stage.inputs, args)}
+            env = {n: self._receive(n, v) for n, v in zip(self.received, args)}
+            env.update(self._local_user_inputs())
         self._execute(env)
-        outs = tuple(self._send(n, env[n]) for n in self.stage.outputs)
+        outs = tuple(self._send(n, env[n]) for n in self.sent)
         return outs[0] if len(outs) == 1 else outs
+
+    def _local_user_inputs(self) -> dict[str, DTensor]:
+        """The user inputs a later stage reads, from this rank's copy of the
+        current micro-batch, at the stage's planned placements."""
+        wanted = [n for n in self.stage.inputs if n not in self.received]
+        if not wanted:
+            return {}
+        if not 0 <= self.microbatch_index < len(self.microbatches):
+            raise PipelinePlanError(f"stage {self.stage.index} runs micro-batch "
+                                    f"{self.microbatch_index} of {len(self.microbatches)}")
+        values = dict(zip(self.user_input_names, self.microbatches[self.microbatch_index]))
+        return {n: distribute_tensor(values[n], self.mesh,
+                                     parse_placements(self._input_placements(n)),
+                                     src_data_rank=None)
+                for n in wanted}
 
 
 def _mixed_precision_policy(plan: Plan) -> Any:
@@ -400,6 +435,19 @@ class _NotAView(torch.autograd.Function):
         return grad
 
 
+class _Stage(PipelineStage):
+    """torch's stage, telling the stage's executor which micro-batch each forward
+    runs (it reads the user inputs of that micro-batch locally)."""
+
+    def __init__(self, module: "StageModule", *args: Any, **kwargs: Any) -> None:
+        super().__init__(module, *args, **kwargs)
+        self._executor = module.executor
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._executor.microbatch_index = int(fwd_chunk_id)
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
 def _stage_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     """The pipeline's loss function: the last stage already outputs the micro-batch loss."""
     return output
@@ -436,7 +484,6 @@ class PipelineRuntime:
         """
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        from torch.distributed.pipelining import PipelineStage
 
         validate_pipeline_plan(plan)
         pipe = plan.pipeline
@@ -464,7 +511,7 @@ class PipelineRuntime:
                 # The local gradients are partial sums: reduce-scatter their sum.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-            stages.append(PipelineStage(
+            stages.append(_Stage(
                 module, st.index, len(pipe.stages), device,
                 input_args=executor.example_inputs(microbatch),
                 output_args=executor.example_outputs(), group=world.get_group("pp")))
@@ -508,6 +555,9 @@ class PipelineRuntime:
         """One forward and backward of the global batch; the micro-batch losses on the
         ranks of the last stage (local scalars), None elsewhere."""
         losses: list[torch.Tensor] | None = [] if self.has_last else None
+        microbatches = split_microbatches(global_inputs, self.num_microbatches)
+        for executor in self.executors:
+            executor.microbatches = microbatches
         args = tuple(global_inputs) if self.has_first else ()
         target = torch.zeros(self.num_microbatches) if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
