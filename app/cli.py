@@ -183,6 +183,17 @@ def cmd_show(args: argparse.Namespace) -> int:
     wrong = placement_error(plan)
     if wrong:
         raise PlanError(f"plan {args.plan}: {wrong}; regenerate it with `planner plan`")
+    if args.plot:
+        from app.plot import PlotError, plot_plan
+
+        try:
+            paths = plot_plan(plan, args.plot)
+        except PlotError as err:
+            raise PlanError(str(err)) from err
+        print(format_plan(plan))
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
     print(format_plan(plan, verbose=True))
     return 0
 
@@ -282,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("show", help="print a plan.json as tables")
     s.add_argument("plan")
+    s.add_argument("--plot", metavar="DIR",
+                   help="also draw memory.png (bytes per device by kind) and, for a "
+                   "pipeline, schedule.png (one step's timeline per rank) into DIR")
     s.set_defaults(func=cmd_show)
 
     r = sub.add_parser("run", help="run a plan on local ranks with torchrun")

@@ -222,3 +222,23 @@ def test_run_and_show_refuse_unreadable_placements(tmp_path, capsys):
             assert main([command, str(single)]) == 2
             err = capsys.readouterr().err.strip()
             assert message in err and len(err.splitlines()) == 1
+
+
+def test_show_plot_draws_memory_and_the_schedule_of_an_interleaved_pipeline(tmp_path, capsys):
+    """`planner show PLAN --plot DIR` of a pp=4 interleaved plan writes memory.png
+    (a bar per pipeline rank) and schedule.png (one step's timeline)."""
+    from ir.zoo import GPTConfig, build_from_config
+    from planner.api import pipeline_plan
+
+    model, inputs = build_from_config(GPTConfig(8, 64, 4, vocab_size=256, block_size=32),
+                                      batch_size=8, device="meta")
+    p = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=4, stage_mesh=(1,),
+                      schedule="interleaved_1f1b", num_microbatches=4)
+    path = tmp_path / "pp4.json"
+    p.save(str(path))
+    assert main(["show", str(path), "--plot", str(tmp_path / "pics")]) == 0
+    out = capsys.readouterr().out
+    for name in ("memory.png", "schedule.png"):
+        picture = tmp_path / "pics" / name
+        assert f"wrote {picture}" in out
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

@@ -1,0 +1,127 @@
+"""Pictures of a plan.json, drawn with matplotlib (``planner show PLAN --plot DIR``).
+
+* ``memory.png``: predicted bytes per device by kind (parameters, gradients,
+  optimizer states, saved activations, the backward's transient, ...) for each
+  pipeline rank (one bar for a single-stage plan), against the device's memory.
+* ``schedule.png`` (pipeline plans): one training step as the cost model times
+  it (:func:`costmodel.schedules.simulate` with the plan's per-stage seconds):
+  a row per pipeline rank, a box per forward (F), backward (B, or I for the
+  input gradient and W for the weight gradient in zero-bubble schedules) of
+  each micro-batch, coloured by stage and labelled with the micro-batch.
+
+Units: bytes are shown in GiB (MiB for small models), times in ms.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from planner.plan_format import Plan
+
+__all__ = ["plot_plan", "PlotError"]
+
+#: memory kinds that are not parts of the sum (plan.json reports them beside it)
+_NOT_PARTS = ("total", "peak")
+
+
+class PlotError(RuntimeError):
+    """The pictures cannot be drawn (matplotlib is missing)."""
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise PlotError("--plot needs matplotlib: pip install -e '.[plots]' "
+                        "(or pip install 'matplotlib>=3.8')") from err
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _rank_memory(plan: Plan) -> dict[str, dict[str, float]]:
+    """Label -> {kind: bytes} of each device group the plan predicts for."""
+    if plan.pipeline is None:
+        return {"every device": dict(plan.predicted["memory_bytes_per_device"])}
+    out: dict[str, dict[str, float]] = {}
+    for st in plan.pipeline.stages:
+        acc = out.setdefault(f"pp rank {st.pp_rank}", {})
+        for kind, value in st.predicted["memory_bytes_per_device"].items():
+            acc[kind] = acc.get(kind, 0.0) + float(value)
+    return dict(sorted(out.items()))
+
+
+def plot_memory(plan: Plan, path: str) -> str:
+    plt = _pyplot()
+    groups = _rank_memory(plan)
+    kinds = sorted({k for parts in groups.values() for k in parts if k not in _NOT_PARTS})
+    labels = list(groups)
+    tallest = max(sum(v for k, v in groups[g].items() if k not in _NOT_PARTS) for g in labels)
+    unit, scale = ("GiB", 2**30) if tallest >= 2**30 else ("MiB", 2**20)
+    capacity = float(plan.cluster["device"]["memory"])
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(labels) + 3), 4.5))
+    bottom = [0.0] * len(labels)
+    for kind in kinds:
+        heights = [groups[g].get(kind, 0.0) / scale for g in labels]
+        ax.bar(labels, heights, bottom=bottom, label=kind)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    if capacity <= 3 * tallest:  # the device's memory, where it does not flatten the bars
+        ax.axhline(capacity / scale, color="black", linestyle="--", linewidth=1)
+    ax.set_ylabel(f"{unit} per device")
+    ax.set_title(f"{plan.model['name']}: predicted memory per device "
+                 f"(the device has {capacity / 2**30:.0f} GiB)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_schedule(plan: Plan, path: str) -> str:
+    from costmodel.schedules import simulate
+
+    plt = _pyplot()
+    pipe = plan.pipeline
+    assert pipe is not None
+    stages = sorted(pipe.stages, key=lambda st: st.index)
+    pp = len({st.pp_rank for st in stages})
+    f = [st.predicted["forward_s"] for st in stages]
+    b = [st.predicted["backward_input_s"] for st in stages]
+    w = [st.predicted["backward_weight_s"] for st in stages]
+    # plan.json keeps the sends' total: spread evenly over the boundaries
+    p2p = plan.predicted.get("p2p_s", 0.0) / max(1, len(stages) - 1)
+    result = simulate(pipe.schedule, pp, pipe.num_microbatches, f, b, w, p2p,
+                      stages_per_rank=pipe.stages_per_rank, timeline=True)
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.7 * pp))
+    for a in result.timeline:
+        width = (a.end - a.start) * 1e3
+        shade = {"F": 1.0, "W": 0.45}.get(a.kind[:1], 0.7)
+        ax.barh(a.rank, width, left=a.start * 1e3, height=0.8, color=colours(a.stage % 10),
+                alpha=shade, edgecolor="white", linewidth=0.5)
+        if width > result.step_time * 1e3 / 80:
+            ax.text(a.start * 1e3 + width / 2, a.rank, f"{a.kind[:1]}{a.microbatch}",
+                    ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(pp), [f"pp rank {r}" for r in range(pp)])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms from the start of the step")
+    ax.set_title(f"{pipe.schedule}, {len(stages)} stages on {pp} ranks, "
+                 f"{pipe.num_microbatches} micro-batches: {result.step_time * 1e3:.1f} ms, "
+                 f"bubble {result.bubble_fraction:.0%} (colour: stage; F forward, "
+                 f"B/I backward, W weight gradient)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_plan(plan: Plan, out_dir: str) -> list[str]:
+    """Draw the plan's pictures into ``out_dir`` (made if missing); their paths."""
+    _pyplot()
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [plot_memory(plan, os.path.join(out_dir, "memory.png"))]
+    if plan.pipeline is not None:
+        paths.append(plot_schedule(plan, os.path.join(out_dir, "schedule.png")))
+    return paths
