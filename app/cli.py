@@ -207,14 +207,34 @@ def cmd_run(args: argparse.Namespace) -> int:
     from codegen.launch import LaunchError
 
     try:
-        result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check)
+        result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check,
+                        nodes=_nodes(args))
     except LaunchError as err:
         if err.user_error:  # the ranks refused the plan: one line, as for any bad input
             print(f"planner: error: {err.first_line}", file=sys.stderr)
             return EXIT_USAGE
         raise
+    if "node_rank" in result:  # not node 0: the result is printed there
+        print(f"node {result['node_rank']}: its ranks finished (node 0 prints the result)")
+        return 0
     print(result.get("output", "").rstrip())  # rank 0's summary
     return 0 if result.get("passed", True) else 1
+
+
+def _nodes(args: argparse.Namespace) -> Any:
+    """This node's part of a run over ``--nnodes`` nodes, or None for one node."""
+    from codegen.launch import Nodes
+    from planner.request import PlanningError
+
+    if args.nnodes == 1:
+        if args.node_rank or args.master_addr or args.master_port:
+            raise PlanningError("--node-rank, --master-addr and --master-port go with "
+                                "--nnodes N (N > 1)")
+        return None
+    if not args.master_addr or not args.master_port:
+        raise PlanningError(f"--nnodes {args.nnodes} needs --master-addr (node 0's host) and "
+                            f"--master-port (a free port there), the same on every node")
+    return Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -298,11 +318,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "pipeline, schedule.png (one step's timeline per rank) into DIR")
     s.set_defaults(func=cmd_show)
 
-    r = sub.add_parser("run", help="run a plan on local ranks with torchrun")
+    r = sub.add_parser("run", help="run a plan with torchrun, on this node or several")
     r.add_argument("plan")
     r.add_argument("--steps", type=int, default=2, help="training steps to run")
     r.add_argument("--check", action="store_true",
                    help="compare loss and gradients with a single-process run")
+    r.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the plan's ranks are spread over, evenly; run the same "
+                   "command on each node with its own --node-rank")
+    r.add_argument("--node-rank", type=int, default=0, help="this node, 0..nnodes-1")
+    r.add_argument("--master-addr", help="node 0's host name or address (with --nnodes)")
+    r.add_argument("--master-port", type=int, help="a free TCP port on node 0 (with --nnodes)")
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("compare", help="automatic plan vs every Megatron configuration")

@@ -4,8 +4,14 @@
     >>> result["passed"], result["max_rel_grad_err"]
 
 Runs ``python -m torch.distributed.run --standalone --nproc_per_node N -m
-codegen.rank_main PLAN.json ...`` with N the plan's world size (gloo on CPU, NCCL
-when CUDA is available) and ``OMP_NUM_THREADS=1``.
+codegen.rank_main PLAN.json ...`` with N the plan's world size (gloo for a CPU
+cluster's plan, NCCL for a GPU cluster's) and ``OMP_NUM_THREADS=1``.
+
+On several nodes, each node calls ``launch(..., nnodes=K, node_rank=R,
+master_addr=HOST, master_port=PORT)`` (``planner run --nnodes K --node-rank R
+--master-addr HOST --master-port PORT``): torchrun's static rendezvous, world / K
+ranks per node, global rank 0 on node 0 (whose call returns the result; the
+others return their exit status).
 """
 
 from __future__ import annotations
@@ -17,11 +23,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from planner.plan_format import load_plan, placement_error
 
-__all__ = ["LaunchError", "REPO_ROOT", "launch"]
+__all__ = ["LaunchError", "Nodes", "REPO_ROOT", "launch"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,8 +80,8 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
            check: bool = False, record: str | os.PathLike | None = None,
            optimizer: str = "sgd", lr: float = 1e-3, rtol: float | None = None,
            timeout_s: float = 300.0, extra_args: Sequence[str] = (),
-           env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None
-           ) -> dict[str, Any]:
+           env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
+           nodes: "Nodes | None" = None) -> dict[str, Any]:
     """Run a plan on ``nproc`` local processes and return rank 0's result JSON.
 
     Args:
@@ -92,6 +99,9 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         cwd: working directory of the ranks (default: this process's), against
             which a relative ``file.py:factory`` model source resolves; the repo
             root is put on ``PYTHONPATH`` so the packages import from anywhere.
+        nodes: this node's part of a run over several nodes (:class:`Nodes`);
+            None runs every rank here. On a node other than 0 the result is
+            ``{"node_rank", "returncode", "output"}``.
 
     Raises:
         LaunchError: the mesh size and ``nproc`` disagree, the ranks timed out, or
@@ -100,10 +110,11 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
     """
     plan_path = os.fspath(plan_path)
     world = _runnable_world(load_plan(plan_path), plan_path, nproc)
+    where = nodes.torchrun_args(world, plan_path) if nodes is not None else [
+        "--standalone", f"--nproc_per_node={world}"]
     with tempfile.TemporaryDirectory(prefix="codegen-launch-") as tmp:
         result_path = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={world}", "-m", "codegen.rank_main",
+        cmd = [sys.executable, "-m", "torch.distributed.run", *where, "-m", "codegen.rank_main",
                os.path.abspath(plan_path), "--steps", str(int(steps)),
                "--result-json", result_path, "--optimizer", optimizer, "--lr", repr(lr)]
         if rtol is not None:  # else the plan's precision decides (codegen.reference.check_tolerance)
@@ -115,7 +126,53 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         cmd += list(extra_args)
         returncode, stdout, stderr = _run_ranks(cmd, cwd, _rank_env(env), timeout_s,
                                                 plan_path, world)
+        if nodes is not None and nodes.node_rank != 0:
+            return _node_status(nodes.node_rank, returncode, stdout, stderr, plan_path, world)
         return _read_result(result_path, returncode, stdout, stderr, plan_path, world)
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """One node's part of a run over ``nnodes`` nodes: torchrun's static
+    rendezvous at ``master_addr:master_port`` (node 0's address and a free port
+    there), this node being ``node_rank``."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    def torchrun_args(self, world: int, plan_path: str) -> list[str]:
+        """torchrun's arguments for this node; :class:`LaunchError` (a user error)
+        when the nodes cannot hold the plan's ranks evenly or the numbers are off."""
+        problem = None
+        if self.nnodes < 1 or world % self.nnodes:
+            problem = (f"plan {plan_path} has {world} ranks, which {self.nnodes} nodes cannot "
+                       f"share evenly; use a number of nodes that divides {world}")
+        elif not 0 <= self.node_rank < self.nnodes:
+            problem = f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}"
+        elif not 0 < self.master_port < 65536:
+            problem = f"--master-port must be a TCP port (1-65535), got {self.master_port}"
+        elif not self.master_addr:
+            problem = "--master-addr must name node 0 (a host name or address)"
+        if problem:
+            raise LaunchError(problem, first_line=problem, user_error=True)
+        return [f"--nnodes={self.nnodes}", f"--node-rank={self.node_rank}",
+                f"--master-addr={self.master_addr}", f"--master-port={self.master_port}",
+                f"--nproc_per_node={world // self.nnodes}"]
+
+
+def _node_status(node_rank: int, returncode: int, stdout: str, stderr: str, plan_path: str,
+                 world: int) -> dict[str, Any]:
+    """What a node other than 0 reports: its ranks' exit status (node 0 holds the
+    result); a :class:`LaunchError` when they failed."""
+    if returncode != 0:
+        output = stdout + stderr
+        first = _first_error_line(output)
+        head = first or f"node {node_rank}'s ranks exited with status {returncode}"
+        raise LaunchError(f"{head}\n--- output tail ({plan_path}, {world} ranks, node "
+                          f"{node_rank}) ---\n{_tail(output)}", first_line=first)
+    return {"node_rank": node_rank, "returncode": returncode, "output": _tail(stdout, 20)}
 
 
 def _runnable_world(plan: Any, plan_path: str, nproc: int | None) -> int:

@@ -1,6 +1,7 @@
 """The `planner` command: summaries, files, and one-line errors with exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -242,3 +243,48 @@ def test_show_plot_draws_memory_and_the_schedule_of_an_interleaved_pipeline(tmp_
         picture = tmp_path / "pics" / name
         assert f"wrote {picture}" in out
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_plan_runs_over_two_loopback_nodes_and_passes_check(tmp_path):
+    """`planner run --nnodes 2` on two "nodes" of this machine (two torchrun
+    agents meeting at 127.0.0.1): the 2x2 plan's four ranks, two per node, pass
+    --check; node 0 prints the verdict, node 1 that its ranks finished."""
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "2x2",
+                 "--quiet", "-o", str(plan)]) == 0
+    port = str(_free_port())
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "run", str(plan), "--check", "--steps", "1",
+         "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
+         "--master-port", port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "check PASSED" in outs[0]
+    assert "node 1: its ranks finished" in outs[1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--nnodes", "3", "--master-addr", "h", "--master-port", "29500"],
+     "4 ranks, which 3 nodes cannot share evenly"),
+    (["--nnodes", "2"], "needs --master-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "29500"],
+     "--node-rank must be in 0..1"),
+    (["--node-rank", "1"], "go with --nnodes N"),
+])
+def test_bad_node_options_are_one_line_errors(extra, message, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "4",
+                 "--quiet", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["run", str(plan), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
