@@ -315,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument("--plot", metavar="DIR",
                    help="also draw memory.png (bytes per device by kind) and, for a "
-                   "pipeline, schedule.png (one step's timeline per rank) into DIR")
+                   "pipeline, schedule.png (one step's timeline per rank) and stages.png "
+                   "(each stage's time) into DIR")
     s.set_defaults(func=cmd_show)
 
     r = sub.add_parser("run", help="run a plan with torchrun, on this node or several")

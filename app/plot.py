@@ -3,6 +3,9 @@
 * ``memory.png``: predicted bytes per device by kind (parameters, gradients,
   optimizer states, saved activations, the backward's transient, ...) for each
   pipeline rank (one bar for a single-stage plan), against the device's memory.
+* ``stages.png`` (pipeline plans): each stage's predicted seconds per
+  micro-batch (forward, input-gradient and weight-gradient backward) and once
+  per step (gradient synchronisation, optimizer update), stacked.
 * ``schedule.png`` (pipeline plans): one training step as the cost model times
   it (:func:`costmodel.schedules.simulate` with the plan's per-stage seconds):
   a row per pipeline rank, a box per forward (F), backward (B, or I for the
@@ -117,6 +120,32 @@ def plot_schedule(plan: Plan, path: str) -> str:
     return path
 
 
+def plot_stage_times(plan: Plan, path: str) -> str:
+    plt = _pyplot()
+    pipe = plan.pipeline
+    assert pipe is not None
+    stages = sorted(pipe.stages, key=lambda st: st.index)
+    parts = (("forward_s", "forward"), ("backward_input_s", "backward (input gradients)"),
+             ("backward_weight_s", "backward (weight gradients)"),
+             ("grad_sync_s", "gradient sync, once a step"), ("update_s", "optimizer, once a step"))
+    labels = [f"stage {st.index}\n(rank {st.pp_rank})" for st in stages]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(stages) + 3), 4.5))
+    bottom = [0.0] * len(stages)
+    for key, name in parts:
+        heights = [float(st.predicted.get(key, 0.0)) * 1e3 for st in stages]
+        ax.bar(labels, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_ylabel("ms (a micro-batch's passes; the step's sync and update)")
+    ax.set_title(f"{plan.model['name']}: predicted time per stage, "
+                 f"{pipe.num_microbatches} micro-batches a step", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_plan(plan: Plan, out_dir: str) -> list[str]:
     """Draw the plan's pictures into ``out_dir`` (made if missing); their paths."""
     _pyplot()
@@ -124,4 +153,5 @@ def plot_plan(plan: Plan, out_dir: str) -> list[str]:
     paths = [plot_memory(plan, os.path.join(out_dir, "memory.png"))]
     if plan.pipeline is not None:
         paths.append(plot_schedule(plan, os.path.join(out_dir, "schedule.png")))
+        paths.append(plot_stage_times(plan, os.path.join(out_dir, "stages.png")))
     return paths

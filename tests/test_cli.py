@@ -227,7 +227,8 @@ def test_run_and_show_refuse_unreadable_placements(tmp_path, capsys):
 
 def test_show_plot_draws_memory_and_the_schedule_of_an_interleaved_pipeline(tmp_path, capsys):
     """`planner show PLAN --plot DIR` of a pp=4 interleaved plan writes memory.png
-    (a bar per pipeline rank) and schedule.png (one step's timeline)."""
+    (a bar per pipeline rank), schedule.png (one step's timeline) and stages.png
+    (each stage's time)."""
     from ir.zoo import GPTConfig, build_from_config
     from planner.api import pipeline_plan
 
@@ -239,7 +240,7 @@ def test_show_plot_draws_memory_and_the_schedule_of_an_interleaved_pipeline(tmp_
     p.save(str(path))
     assert main(["show", str(path), "--plot", str(tmp_path / "pics")]) == 0
     out = capsys.readouterr().out
-    for name in ("memory.png", "schedule.png"):
+    for name in ("memory.png", "schedule.png", "stages.png"):
         picture = tmp_path / "pics" / name
         assert f"wrote {picture}" in out
         assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

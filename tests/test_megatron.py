@@ -284,6 +284,8 @@ def test_compare_command_writes_table_json_and_chart(tmp_path, capsys):
     assert "vpp" not in text and "auto plan is" in text and "best Megatron plan" in text
     data = json.loads((tmp_path / "out" / "cmp.json").read_text())
     assert data["devices"] == 2
+    # the chart's title states the step compared
+    assert (data["global_batch"], data["seq_len"], data["precision"]) == (8, 32, "fp32")
     assert {r["megatron"]["sequence_parallel"] for r in data["plans"] if "megatron" in r} == {
         False, True}
     from app.cli import build_parser
