@@ -16,6 +16,8 @@ import torch
 from torch.export.graph_signature import ExportGraphSignature
 
 from ir.fast_trace import SynthesizedProgram
+from ir.graph import INPUT, OP, PARAM
+from ir.placements import parse_planned
 from ir.precision import Precision, compute_copy, get_precision
 from ir.trace import trace
 from planner.plan_format import Plan
@@ -73,7 +75,10 @@ def capture_program(model: torch.nn.Module, example_inputs: Any,
 
 
 def check_plan_fits_program(plan: Plan, program: CapturedProgram, model: torch.nn.Module) -> None:
-    """Refuse a ``plan`` made for another program than ``program`` (its fingerprint)."""
+    """Refuse a ``plan`` made for another program than ``program`` (its
+    fingerprint), one whose ``nodes`` leave out or add ops of the program (an
+    edited plan.json; an empty ``nodes`` follows DTensor instead), or one that
+    shards a tensor along a dimension it does not have."""
     fingerprint = program.graph.fingerprint()
     expected = plan.model.get("fingerprint")
     if expected != fingerprint:
@@ -81,6 +86,45 @@ def check_plan_fits_program(plan: Plan, program: CapturedProgram, model: torch.n
             f"plan was made for program {expected} but model "
             f"'{plan.model.get('source', type(model).__name__)}' with these inputs captures "
             f"as {fingerprint}; re-plan this model (same batch size and sequence length)")
+    graph = program.graph
+    if plan.nodes:
+        ops = [n.name for n in graph.nodes if n.kind == OP]
+        missing = [n for n in ops if n not in plan.nodes]
+        extra = sorted(set(plan.nodes) - set(ops))
+        if missing or extra:
+            name = missing[0] if missing else extra[0]
+            raise PlanMismatchError(
+                f"plan.json's nodes {'leave out' if missing else 'add'} node {name} "
+                f"({len(missing)} missing, {len(extra)} unknown) of the captured program; "
+                f"regenerate the plan with `planner plan`")
+    for where, placements, info in _planned_tensors(plan, graph):
+        for text in placements:
+            p = parse_planned(text)
+            dim = getattr(p, "dim", None)
+            if isinstance(dim, int) and not -len(info.shape) <= dim < len(info.shape):
+                raise PlanMismatchError(
+                    f"{where} has placement {text} but is a tensor of {len(info.shape)} "
+                    f"dimension(s) {list(info.shape)}; regenerate the plan with `planner plan`")
+
+
+def _planned_tensors(plan: Plan, graph: Any) -> list[tuple[str, list[str], Any]]:
+    """(where, placements, TensorInfo) of every placement ``plan`` gives a tensor
+    of ``graph``: parameters, inputs, and each op's inputs and outputs."""
+    out: list[tuple[str, list[str], Any]] = []
+    for n in graph.nodes:
+        if n.kind == PARAM and n.fqn in plan.parameters and n.outputs:
+            out.append((f"parameter {n.fqn}", plan.parameters[n.fqn], n.outputs[0]))
+        elif n.kind == INPUT and n.name in plan.inputs and n.outputs:
+            out.append((f"input {n.name}", plan.inputs[n.name], n.outputs[0]))
+        elif n.kind == OP and n.name in plan.nodes:
+            op = plan.nodes[n.name]
+            for i, (pl, info) in enumerate(zip(op.outputs, n.outputs)):
+                if pl is not None:
+                    out.append((f"node {n.name} output {i}", pl, info))
+            for i, (pl, info) in enumerate(zip(op.inputs, n.inputs)):
+                if pl is not None:
+                    out.append((f"node {n.name} input {i}", pl, info))
+    return out
 
 
 def _as_tuple(inputs: Any) -> tuple:

@@ -225,6 +225,30 @@ def test_run_and_show_refuse_unreadable_placements(tmp_path, capsys):
             assert message in err and len(err.splitlines()) == 1
 
 
+def test_run_refuses_a_shard_dim_the_tensor_lacks_and_a_deleted_node(tmp_path, capsys):
+    """Hand edits the placement grammar accepts but the program does not: S(99)
+    of a 2-D weight, and an op deleted from `nodes` (which used to pass --check,
+    running that op as DTensor chose). One line each, exit 2."""
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--mesh", "2",
+                 "--quiet", "-o", str(plan)]) == 0
+    good = json.loads(plan.read_text())
+    weight = next(iter(good["parameters"]))
+    gemm = next(k for k, v in good["nodes"].items() if v["op"] == "aten.addmm.default")
+    sharded = json.loads(plan.read_text())
+    sharded["parameters"][weight] = ["S(99)"]
+    deleted = json.loads(plan.read_text())
+    del deleted["nodes"][gemm]
+    for data, message in ((sharded, f"parameter {weight} has placement S(99) but is a tensor "
+                                    f"of 2 dimension(s)"),
+                          (deleted, f"leave out node {gemm}")):
+        plan.write_text(json.dumps(data))
+        capsys.readouterr()
+        assert main(["run", str(plan), "--steps", "1", "--check"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
+
+
 def test_show_plot_draws_memory_and_the_schedule_of_an_interleaved_pipeline(tmp_path, capsys):
     """`planner show PLAN --plot DIR` of a pp=4 interleaved plan writes memory.png
     (a bar per pipeline rank), schedule.png (one step's timeline) and stages.png
