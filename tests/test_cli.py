@@ -225,6 +225,7 @@ def test_run_and_show_refuse_unreadable_placements(tmp_path, capsys):
             assert message in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.multiprocess
 def test_run_refuses_a_shard_dim_the_tensor_lacks_and_a_deleted_node(tmp_path, capsys):
     """Hand edits the placement grammar accepts but the program does not: S(99)
     of a 2-D weight, and an op deleted from `nodes` (which used to pass --check,
@@ -278,6 +279,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multiprocess
 def test_a_plan_runs_over_two_loopback_nodes_and_passes_check(tmp_path):
     """`planner run --nnodes 2` on two "nodes" of this machine (two torchrun
     agents meeting at 127.0.0.1): the 2x2 plan's four ranks, two per node, pass
