@@ -164,15 +164,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     request = _plan_request(args)
     _output_folder(args.output)
     model, inputs = build_model(args.model, device="meta", **request.zoo_kwargs)
-    with warnings.catch_warnings(), _progress(not args.quiet) as progress:
-        warnings.simplefilter("default")
+    with warnings.catch_warnings(record=True) as caught, _progress(not args.quiet) as progress:
+        warnings.simplefilter("always")
         result = plan(model, args.cluster, example_inputs=inputs, request=request,
                       progress=progress)
+    for line in warning_summary(caught):
+        print(f"planner: warning: {line}", file=sys.stderr)
     print(format_plan(result))
     existed = os.path.exists(args.output)
     result.save(args.output)
     print(f"{'replaced' if existed else 'wrote'} {args.output}")
     return 0
+
+
+def warning_summary(caught: Sequence[warnings.WarningMessage]) -> list[str]:
+    """One line per kind of warning raised while planning: ops planned
+    replicated for want of a DTensor strategy, one line per op type with its
+    count of nodes; any other warning once, however often it was raised."""
+    from planner.strategies import ReplicateFallbackWarning
+
+    fallbacks: dict[str, int] = {}
+    others: dict[str, None] = {}
+    for w in caught:
+        text = str(w.message)
+        if issubclass(w.category, ReplicateFallbackWarning):
+            op = text.split(" ", 1)[0]
+            fallbacks[op] = fallbacks.get(op, 0) + 1
+        else:
+            others.setdefault(f"{w.category.__name__}: {text.splitlines()[0] if text else ''}")
+    lines = [f"{op} has no usable DTensor sharding strategy: its {n} node(s) are planned "
+             f"replicated" for op, n in sorted(fallbacks.items())]
+    return lines + list(others)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -37,6 +37,33 @@ def _placements(p: list[str]) -> str:
     return "[" + ", ".join(p) + "]"
 
 
+_NO_PARALLELISM = ("no parallelism: every device holds every tensor whole and computes "
+                   "the whole step (a bigger batch, or fewer devices, would use them)")
+
+
+def _step_line(plan: Plan) -> str:
+    """The step the plan was made for: batch x sequence (of the first input),
+    micro-batches, precision and optimizer."""
+    t = plan.training or {}
+    shapes = [s for s in t.get("input_shapes") or [] if s]
+    batch = t.get("global_batch") or (shapes[0][0] if shapes else None)
+    step = (f"batch {batch} x seq {shapes[0][1]}" if shapes and len(shapes[0]) > 1 and batch
+            else f"batch {batch}" if batch else "the example inputs")
+    if plan.pipeline is not None:
+        step += f" in {plan.pipeline.num_microbatches} micro-batches"
+    precision = t.get("precision") or t.get("dtype", "?")
+    return f"planned step: {step}, {precision}, {t.get('optimizer', 'adam')}"
+
+
+def _replicated_everywhere(plan: Plan) -> bool:
+    """More than one device, yet no pipeline and every parameter and input whole
+    on every device."""
+    if plan.world_size <= 1 or plan.pipeline is not None:
+        return False
+    whole = [*plan.parameters.values(), *plan.inputs.values()]
+    return all(p == "R" for pl in whole for p in pl)
+
+
 def format_plan(plan: Plan, verbose: bool = False) -> str:
     """Summary of a plan: mesh, predicted step, memory, parameter placements, reshards."""
     pred = plan.predicted
@@ -50,6 +77,8 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         f"communication {_seconds(pred['communication_s'])}, "
         f"resharding {_seconds(pred['resharding_s'])}"
         + (f"; the host issues its ops in {_seconds(pred['host_s'])}" if pred.get("host_s") else ""),
+        _step_line(plan),
+        *([_NO_PARALLELISM] if _replicated_everywhere(plan) else []),
         "activation checkpointing: " + (", ".join(plan.checkpoint) if plan.checkpoint else "none"),
         "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()),
         f"solver {plan.solver.solver}: {plan.solver.status}, objective "

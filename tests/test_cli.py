@@ -315,3 +315,50 @@ def test_bad_node_options_are_one_line_errors(extra, message, tmp_path, capsys):
     assert main(["run", str(plan), *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_warnings_while_planning_are_summarised_one_line_per_kind():
+    """Issue 28: hundreds of ReplicateFallbackWarning lines per plan. They come
+    out one line per op type, with its node count; other warnings once."""
+    import warnings
+
+    from app.cli import warning_summary
+    from planner.strategies import ReplicateFallbackWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in ("squeeze", "squeeze_1", "squeeze_2"):
+            warnings.warn(f"aten.squeeze.dims ({name}, module '') has no usable DTensor "
+                          f"sharding strategy (x); planning it replicated", ReplicateFallbackWarning)
+        warnings.warn("aten.foo.default (foo, module 'm') has no usable DTensor sharding "
+                      "strategy (y); planning it replicated", ReplicateFallbackWarning)
+        for _ in range(5):
+            warnings.warn("something else", UserWarning)
+    assert warning_summary(caught) == [
+        "aten.foo.default has no usable DTensor sharding strategy: its 1 node(s) are planned "
+        "replicated",
+        "aten.squeeze.dims has no usable DTensor sharding strategy: its 3 node(s) are planned "
+        "replicated",
+        "UserWarning: something else"]
+
+
+def test_the_summary_states_the_step_and_a_plan_without_parallelism(tmp_path):
+    """The summary names the step planned, and says so when nothing is split
+    over the devices (every parameter and input whole everywhere)."""
+    from ir import zoo
+    from planner.api import plan
+    from planner.plan_format import load_plan
+    from planner.report import format_plan
+
+    model, inputs = zoo.build("gpt-tiny", device="meta", batch_size=8)
+    p = plan(model, "local-cpu:2", example_inputs=inputs, mesh_shape=(2,))
+    text = format_plan(p)
+    assert "planned step: batch 8 x seq 32, fp32, adam" in text
+    assert "no parallelism" not in text  # the batch is split
+    path = tmp_path / "plan.json"
+    p.save(str(path))
+    data = json.loads(path.read_text())
+    for section in ("parameters", "inputs"):
+        data[section] = {k: ["R"] for k in data[section]}
+    path.write_text(json.dumps(data))
+    assert "no parallelism: every device holds every tensor whole" in format_plan(load_plan(path))
