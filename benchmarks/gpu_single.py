@@ -18,7 +18,9 @@ project need not be installed (this script puts the repository root on
    the time budget lasts (main cases first), ``planner run`` of the plan
    (:func:`codegen.launch.launch`, the function behind ``planner run``, with
    ``--optimizer adamw``): its own per-step times (median of the steps after the
-   first ``--run-warmup``) and peak memory as ``codegen.rank_main`` reports them.
+   first ``--run-warmup``) and peak memory as ``codegen.rank_main`` reports them;
+   with ``--check``, the main cases' ``planner run --check`` too (their first step
+   against one process in the same precision on the same GPU).
 4. A table of predicted against measured step time and peak memory, ratios
    predicted / measured, and ``OUT/gpu_single.json`` with the machine (GPU name,
    torch, CUDA, driver, git commit) and everything measured. A failing case or

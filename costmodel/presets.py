@@ -47,6 +47,7 @@ __all__ = [
     "A100_SXM4_80GB",
     "H100_SXM5_80GB",
     "H200_SXM5_141GB",
+    "H800_SXM5_80GB",
 ]
 
 GiB = 2**30
@@ -97,6 +98,10 @@ H100_SXM5_80GB = DeviceSpec(
 #: NVIDIA H200 SXM 141 GB: H100 compute with 141 GB HBM3e at 4.8 TB/s.
 H200_SXM5_141GB = replace(H100_SXM5_80GB, name="H200-SXM-141GB", memory=141 * GB, memory_bandwidth=4.8e12)
 
+#: NVIDIA H800 SXM5 80 GB (the export H100): H100 compute and memory; its NVLink
+#: is cut to 400 GB/s (see the preset).
+H800_SXM5_80GB = replace(H100_SXM5_80GB, name="H800-SXM5-80GB")
+
 
 # --- GPU presets ---------------------------------------------------------
 
@@ -122,6 +127,13 @@ def _h200(nodes: int) -> Cluster:
     # As DGX H100 (same NVLink and NICs) with H200 memory.
     intra, inter = _gpu_links(900 * GB, 8 * 400 * Gbps, 8, "infiniband", 5e-6)
     return Cluster(f"h200:{nodes}", nodes, 8, H200_SXM5_141GB, intra, inter, "nccl")
+
+
+def _h800(nodes: int) -> Cluster:
+    # 8 H800, NVLink 400 GB/s aggregate per GPU; 8 x 400 Gb/s NDR InfiniBand per node
+    # (the cluster DeepSeek-V3 was trained on: 2048 GPUs = h800:256).
+    intra, inter = _gpu_links(400 * GB, 8 * 400 * Gbps, 8, "infiniband", 5e-6)
+    return Cluster(f"h800:{nodes}", nodes, 8, H800_SXM5_80GB, intra, inter, "nccl")
 
 
 # --- this machine ----------------------------------------------------------
@@ -206,6 +218,7 @@ PRESETS: dict[str, Callable[[int], Cluster]] = {
     "dgx-a100-80g": _dgx_a100_80g,
     "dgx-h100": _dgx_h100,
     "h200": _h200,
+    "h800": _h800,
     "local-cpu": local_cpu_cluster,
 }
 

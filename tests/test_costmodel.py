@@ -417,6 +417,9 @@ def test_preset_figures():
     h200 = load_cluster("h200:3")
     assert h200.device.memory == 141 * 10**9 and h200.device.memory_bandwidth == 4.8e12
     assert h200.num_devices == 24 and h200.device.flops("bf16") == 989e12
+    h800 = load_cluster("h800:256")  # DeepSeek-V3's 2048 GPUs
+    assert h800.num_devices == 2048 and h800.device.flops("bf16") == 989e12
+    assert h800.intra_node.bandwidth == 200e9 and h800.inter_node.bandwidth == 50e9
     for name in PRESETS:
         cl = preset(name)
         assert cl.intra_node.latency < 1e-3 and cl.backend in ("nccl", "gloo")
