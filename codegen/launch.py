@@ -7,11 +7,10 @@ Runs ``python -m torch.distributed.run --standalone --nproc_per_node N -m
 codegen.rank_main PLAN.json ...`` with N the plan's world size (gloo for a CPU
 cluster's plan, NCCL for a GPU cluster's) and ``OMP_NUM_THREADS=1``.
 
-On several nodes, each node calls ``launch(..., nnodes=K, node_rank=R,
-master_addr=HOST, master_port=PORT)`` (``planner run --nnodes K --node-rank R
---master-addr HOST --master-port PORT``): torchrun's static rendezvous, world / K
-ranks per node, global rank 0 on node 0 (whose call returns the result; the
-others return their exit status).
+On several nodes, each node calls ``launch(..., nodes=Nodes(K, R, HOST, PORT))``
+(``planner run --nnodes K --node-rank R --master-addr HOST --master-port PORT``):
+torchrun's static rendezvous, world / K ranks per node, global rank 0 on node 0
+(whose call returns the result; the others return their exit status).
 """
 
 from __future__ import annotations
