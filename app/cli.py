@@ -164,8 +164,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     request = _plan_request(args)
     _output_folder(args.output)
     model, inputs = build_model(args.model, device="meta", **request.zoo_kwargs)
-    with warnings.catch_warnings(record=True) as caught, _progress(not args.quiet) as progress:
-        warnings.simplefilter("always")
+    with _gathered_warnings() as caught, _progress(not args.quiet) as progress:
         result = plan(model, args.cluster, example_inputs=inputs, request=request,
                       progress=progress)
     for line in warning_summary(caught):
@@ -175,6 +174,31 @@ def cmd_plan(args: argparse.Namespace) -> int:
     result.save(args.output)
     print(f"{'replaced' if existed else 'wrote'} {args.output}")
     return 0
+
+
+@contextlib.contextmanager
+def _gathered_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    """Gather the warnings this process raises (for :func:`warning_summary`).
+    A search worker forked meanwhile prints its own, once each, since what it
+    gathered would die with it."""
+    parent = os.getpid()
+    caught: list[warnings.WarningMessage] = []
+    said: set[str] = set()
+
+    def keep(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+             line: Any = None) -> None:
+        if os.getpid() == parent:
+            caught.append(warnings.WarningMessage(message, category, filename, lineno))
+            return
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        if text not in said:
+            said.add(text)
+            sys.stderr.write(text)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = keep
+        yield caught
 
 
 def warning_summary(caught: Sequence[warnings.WarningMessage]) -> list[str]:

@@ -362,3 +362,23 @@ def test_the_summary_states_the_step_and_a_plan_without_parallelism(tmp_path):
         data[section] = {k: ["R"] for k in data[section]}
     path.write_text(json.dumps(data))
     assert "no parallelism: every device holds every tensor whole" in format_plan(load_plan(path))
+
+
+def test_warnings_of_a_forked_search_worker_are_printed_not_lost(capfd):
+    """The search forks workers; what they warn cannot reach the parent's
+    summary, so they print it (once), while the parent gathers its own."""
+    import warnings
+
+    from app.cli import _gathered_warnings
+
+    with _gathered_warnings() as caught:
+        warnings.warn("in the parent", UserWarning)
+        pid = os.fork()
+        if pid == 0:  # the worker
+            for _ in range(3):
+                warnings.warn("in the worker", UserWarning)
+            os._exit(0)
+        os.waitpid(pid, 0)
+    assert [str(w.message) for w in caught] == ["in the parent"]
+    err = capfd.readouterr().err
+    assert err.count("UserWarning: in the worker") == 1 and "in the parent" not in err
