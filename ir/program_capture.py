@@ -10,11 +10,13 @@ planner's :class:`ir.graph.Graph`; :func:`ir.trace.trace` does both.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.export.graph_signature import (
@@ -54,7 +56,8 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
         TraceError: naming the module and the construct that failed in both.
     """
     args = as_tuple(example_inputs)
-    with warnings.catch_warnings(), fx_without_stack_traces(), fused_attention_layout():
+    with warnings.catch_warnings(), fx_without_stack_traces(), fused_attention_layout(), \
+            _quiet_fake_tensors():
         warnings.simplefilter("ignore")
         try:
             ep = torch.export.export(model, args, strict=False)
@@ -63,6 +66,12 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
                 gm = torch.fx.symbolic_trace(model)
                 ep = torch.export.export(gm, args, strict=False)
             except Exception as fx_err:  # noqa: BLE001
+                eager = _eager_error(model, args)
+                if eager is not None:  # not a capture problem: the step itself fails
+                    raise TraceError(
+                        f"{type(model).__name__}'s forward fails on the example inputs "
+                        f"({_shapes(args)}): '{_first_line(eager)}'; give inputs of the "
+                        f"shapes and dtypes the model takes") from eager
                 raise TraceError(
                     f"cannot capture {type(model).__name__}: torch.export failed with "
                     f"'{_first_line(export_err)}' and torch.fx.symbolic_trace failed with "
@@ -70,6 +79,36 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
                     f"from its forward() or wrap that part in a leaf module"
                 ) from fx_err
         return ep.run_decompositions(_export_decompositions())
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors() -> Iterator[None]:
+    """Keep torch's fake-tensor logger from printing the stack of every op
+    that fails while exporting: the failure is reported as one TraceError."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _eager_error(model: torch.nn.Module, args: tuple) -> Exception | None:
+    """The exception ``model(*args)`` raises when run as it is (no gradients),
+    or None when it runs: tells inputs the model cannot take from a forward
+    that cannot be captured."""
+    try:
+        with torch.no_grad():
+            model(*args)
+    except Exception as err:  # noqa: BLE001 - returned for the message
+        return err
+    return None
+
+
+def _shapes(args: tuple) -> str:
+    return ", ".join(f"{list(a.shape)} {str(a.dtype).replace('torch.', '')}"
+                     if isinstance(a, torch.Tensor) else type(a).__name__ for a in args)
 
 
 @dataclass

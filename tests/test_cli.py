@@ -382,3 +382,26 @@ def test_warnings_of_a_forked_search_worker_are_printed_not_lost(capfd):
     assert [str(w.message) for w in caught] == ["in the parent"]
     err = capfd.readouterr().err
     assert err.count("UserWarning: in the worker") == 1 and "in the parent" not in err
+
+
+def test_a_factory_whose_inputs_the_model_cannot_take_is_one_line(tmp_path, capfd):
+    """Inputs of the wrong shape used to print hundreds of lines of torch's
+    logs and advice about control flow; now one line names the inputs and the
+    model's own error."""
+    (tmp_path / "bad_inputs.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        def make():
+            model = nn.Sequential(nn.Linear(16, 8), nn.Flatten(0))
+            return model, (torch.randn(4, 15),)
+    """))
+    out = subprocess.run([sys.executable, "-m", "app.cli", "plan", "--model",
+                          "bad_inputs.py:make", "--cluster", "local-cpu:2", "--quiet",
+                          "-o", "plan.json"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2
+    err = out.stderr.strip().splitlines()
+    assert len(err) == 1, out.stderr
+    assert "Sequential's forward fails on the example inputs ([4, 15] float32)" in err[0]
+    assert "control flow" not in err[0]
