@@ -44,6 +44,23 @@ def _pyplot() -> Any:
     return plt
 
 
+def _stacked_bars(ax: Any, labels: list[str], series: list[tuple[str, list[float]]]) -> None:
+    """One bar per label, the ``(name, heights)`` series stacked in order, and
+    their legend beside the axes."""
+    bottom = [0.0] * len(labels)
+    for name, heights in series:
+        ax.bar(labels, heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def _save(plt: Any, fig: Any, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _rank_memory(plan: Plan) -> dict[str, dict[str, float]]:
     """Label -> {kind: bytes} of each device group the plan predicts for."""
     if plan.pipeline is None:
@@ -65,21 +82,14 @@ def plot_memory(plan: Plan, path: str) -> str:
     unit, scale = ("GiB", 2**30) if tallest >= 2**30 else ("MiB", 2**20)
     capacity = float(plan.cluster["device"]["memory"])
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(labels) + 3), 4.5))
-    bottom = [0.0] * len(labels)
-    for kind in kinds:
-        heights = [groups[g].get(kind, 0.0) / scale for g in labels]
-        ax.bar(labels, heights, bottom=bottom, label=kind)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+    _stacked_bars(ax, labels, [(kind, [groups[g].get(kind, 0.0) / scale for g in labels])
+                               for kind in kinds])
     if capacity <= 3 * tallest:  # the device's memory, where it does not flatten the bars
         ax.axhline(capacity / scale, color="black", linestyle="--", linewidth=1)
     ax.set_ylabel(f"{unit} per device")
     ax.set_title(f"{plan.model['name']}: predicted memory per device "
                  f"(the device has {capacity / 2**30:.0f} GiB)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_schedule(plan: Plan, path: str) -> str:
@@ -114,10 +124,7 @@ def plot_schedule(plan: Plan, path: str) -> str:
                  f"{pipe.num_microbatches} micro-batches: {result.step_time * 1e3:.1f} ms, "
                  f"bubble {result.bubble_fraction:.0%} (colour: stage; F forward, "
                  f"B/I backward, W weight gradient)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_stage_times(plan: Plan, path: str) -> str:
@@ -130,20 +137,13 @@ def plot_stage_times(plan: Plan, path: str) -> str:
              ("grad_sync_s", "gradient sync, once a step"), ("update_s", "optimizer, once a step"))
     labels = [f"stage {st.index}\n(rank {st.pp_rank})" for st in stages]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(stages) + 3), 4.5))
-    bottom = [0.0] * len(stages)
-    for key, name in parts:
-        heights = [float(st.predicted.get(key, 0.0)) * 1e3 for st in stages]
-        ax.bar(labels, heights, bottom=bottom, label=name)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+    _stacked_bars(ax, labels, [(name, [float(st.predicted.get(key, 0.0)) * 1e3
+                                       for st in stages]) for key, name in parts])
     ax.set_ylabel("ms (a micro-batch's passes; the step's sync and update)")
     ax.set_title(f"{plan.model['name']}: predicted time per stage, "
                  f"{pipe.num_microbatches} micro-batches a step", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_plan(plan: Plan, out_dir: str) -> list[str]:

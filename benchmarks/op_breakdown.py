@@ -38,8 +38,8 @@ if REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-#: model -> (batch, seq) of the one-GPU cases (as benchmarks.gpu_single)
-SHAPES = {"gpt2": (16, 1024), "gpt3-350m": (8, 2048)}
+from benchmarks.gpu_single import SHAPES  # noqa: E402  (the one-GPU cases' batch x seq)
+
 CATEGORIES = ("matmul", "attention", "norm", "loss", "optimizer", "copy", "embedding",
               "elementwise")
 _MATMUL = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation"}
