@@ -46,6 +46,7 @@ from codegen.node_runner import NodeRunner
 from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer
 from codegen.redistribution import plan_on_mesh
+from ir.exported_graph import tied_parameters
 from ir.precision import cast_float
 from ir.torch_compat import fake_store_type, register_fused_attention_sharding, tree_leaves
 from planner.plan_format import Plan
@@ -104,7 +105,8 @@ class PlanExecutor:
         self._calls = self._program_calls()
         self._last_use = self._last_uses(self._calls, self._kept_values())
         self._segments = checkpoint_segments(self.graph, self._calls, self._checkpoint_layers())
-        placed = self._inputs.place_state(self.ep, self._wants_placeholder)
+        placed = self._inputs.place_state(self.ep, self._wants_placeholder,
+                                          tied_parameters(model))
         self._params = placed.params
         self._placeholders = placed.placeholders
         self.user_input_names = placed.user_input_names

@@ -54,22 +54,33 @@ class InputPlacer:
         self.placed_as = placed_as
         self.local = local
 
-    def place_state(self, ep: Any, wants: Callable[[str], bool]) -> PlacedState:
+    def place_state(self, ep: Any, wants: Callable[[str], bool],
+                    tied: dict[str, str] | None = None) -> PlacedState:
         """Place the parameters, buffers and constants of program ``ep`` whose
-        placeholder name ``wants`` accepts; list every user input's name."""
+        placeholder name ``wants`` accepts; list every user input's name.
+
+        ``tied``: the model's tied parameter names -> their first name
+        (:func:`ir.exported_graph.tied_parameters`): a tied name's placeholder is
+        the first name's parameter itself, so both uses add to one gradient."""
         sig = ep.graph_signature
         self._refuse_unknown_parameters(sig)
+        tied = tied or {}
         placed = PlacedState()
+        aliases: list[tuple[str, str]] = []  # (placeholder, tied name)
+        placeholder_of: dict[str, str] = {}  # parameter FQN -> its placeholder
         for spec in sig.input_specs:
             name = spec.arg.name
             if spec.kind == InputKind.USER_INPUT:
                 placed.user_input_names.append(name)
             elif not wants(name):
                 continue
+            elif spec.kind == InputKind.PARAMETER and spec.target in tied:
+                aliases.append((name, spec.target))
             elif spec.kind == InputKind.PARAMETER:
                 param = self._parameter(name, spec.target, ep.state_dict)
                 placed.params[spec.target] = param
                 placed.placeholders[name] = param
+                placeholder_of[spec.target] = name
             elif spec.kind == InputKind.BUFFER:
                 placed.placeholders[name] = self._buffer(name, spec.target, ep)
             elif spec.kind == InputKind.CONSTANT_TENSOR:
@@ -77,6 +88,14 @@ class InputPlacer:
                 self.placed_as[name] = ["R"] * self.mesh.ndim
             else:
                 raise NotImplementedError(f"input kind {spec.kind.name} of {name} is not supported")
+        for name, fqn in aliases:
+            first = tied[fqn]
+            if first not in placed.params:
+                raise PlanMismatchError(
+                    f"parameter {fqn} is tied to {first}, which this part of the program "
+                    f"does not hold; a tied parameter must be used within one pipeline stage")
+            placed.placeholders[name] = placed.params[first]
+            self.placed_as[name] = self.placed_as[placeholder_of[first]]
         return placed
 
     def place_input(self, name: str, value: Any) -> Any:

@@ -5,6 +5,11 @@
 :class:`ir.program_capture.CapturedProgram`,
 :class:`ir.fast_program.SynthesizedProgram`) one :class:`ir.node.Node` with
 its shapes, forward FLOPs, bytes moved, parameters and module path.
+
+Tied parameters (one tensor under several names, such as GPT-2's embedding
+and LM head) are one parameter of the Graph: :func:`tied_parameters` names
+them, and the Graph keeps the first name's placeholder, its uses standing for
+every name's.
 """
 
 from __future__ import annotations
@@ -86,15 +91,52 @@ def _flops(fx_node: torch.fx.Node) -> float:
     return float(formula(*args, **kwargs, out_val=fx_node.meta.get("val")))
 
 
-def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "") -> Graph:
-    """Build a :class:`Graph` from a (decomposed) exported program."""
+def tied_parameters(model: torch.nn.Module) -> dict[str, str]:
+    """Every further name of a parameter the model holds under several names
+    -> its first name (the one ``named_parameters()`` gives); empty when none
+    is tied."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[fqn] = first[id(p)]
+        else:
+            first[id(p)] = fqn
+    return tied
+
+
+def _rewire_tied(ep: Any, params: dict[str, str], tied: dict[str, str]) -> set[str]:
+    """Point every use of a tied name's placeholder in ``ep``'s graph at the
+    first name's placeholder; return the tied names' placeholders."""
+    placeholder_of = {fqn: name for name, fqn in params.items()}
+    nodes = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    rewired: set[str] = set()
+    for name, fqn in params.items():
+        first = placeholder_of.get(tied.get(fqn, ""))
+        if first is not None and name in nodes:
+            nodes[name].replace_all_uses_with(nodes[first])
+            rewired.add(name)
+    return rewired
+
+
+def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
+                        tied: dict[str, str] | None = None) -> Graph:
+    """Build a :class:`Graph` from a (decomposed) exported program.
+
+    ``tied``: :func:`tied_parameters` of the model; the placeholder of a tied
+    name is left out of the Graph, and the program's ops that read it are
+    rewired, in ``ep`` itself, to read the first name's placeholder (so the
+    program the executor runs reads one parameter where the Graph plans one)."""
     sig = ep.graph_signature
     params = dict(sig.inputs_to_parameters)
     buffers = dict(sig.inputs_to_buffers)
+    renamed = _rewire_tied(ep, params, tied or {})
     nodes: list[Node] = []
     output_names: tuple[str, ...] = ()
     for fx_node in ep.graph.nodes:
         val = fx_node.meta.get("val")
+        if fx_node.name in renamed:
+            continue
         if fx_node.op == "placeholder":
             if fx_node.name in params:
                 kind, fqn = PARAM, params[fx_node.name]

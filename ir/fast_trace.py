@@ -56,7 +56,7 @@ import torch
 from torch import nn
 from torch.export.graph_signature import InputKind
 
-from ir.exported_graph import graph_from_exported
+from ir.exported_graph import graph_from_exported, tied_parameters
 from ir.fast_block_list import find_block_list, truncated
 from ir.fast_probe import (Layout, ProbeFacts, facts, input_records, node_record, structure,
                            suffix_steps)
@@ -132,7 +132,7 @@ def fast_trace(model: nn.Module, example_inputs: Any, *,
         program = replace(program, suffix_steps=dict(steps), probe=structure(short),
                           short_probe=short.ep, batch=_batch_of(args))
         _check_state(program, model)
-        graph = graph_from_exported(program, model_name=name)
+        graph = graph_from_exported(program, model_name=name, tied=tied_parameters(model))
     except Unsupported as err:
         log.debug("fast trace not used for %s: %s", name, err)
         return None
@@ -173,7 +173,7 @@ def rescaled_trace(model: nn.Module, example_inputs: Any, a: SynthesizedProgram,
                           suffix_steps=dict(a.suffix_steps), probe=a.probe,
                           short_probe=probe, batch=batch)
         _check_state(program, model)
-        graph = graph_from_exported(program, model_name=name)
+        graph = graph_from_exported(program, model_name=name, tied=tied_parameters(model))
     except (Unsupported, RescaleError) as err:
         log.debug("rescaled trace not used for %s: %s", name, err)
         return None

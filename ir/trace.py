@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ir.exported_graph import graph_from_exported
+from ir.exported_graph import graph_from_exported, tied_parameters
 from ir.fast_program import SynthesizedProgram
 from ir.fast_trace import fast_trace
 from ir.graph import Graph
@@ -48,4 +48,4 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
         if graph is not None:
             return graph
     ep = capture(model, example_inputs)
-    return graph_from_exported(ep, model_name=type(model).__name__)
+    return graph_from_exported(ep, model_name=type(model).__name__, tied=tied_parameters(model))
