@@ -434,6 +434,12 @@ class Cluster:
         """Total devices: num_nodes * devices_per_node."""
         return self.num_nodes * self.devices_per_node
 
+    @property
+    def device_type(self) -> str:
+        """The torch device type its ranks train on: ``"cpu"`` for a gloo
+        cluster (CPU ranks), ``"cuda"`` for an NCCL one."""
+        return "cpu" if self.backend == "gloo" else "cuda"
+
     def node_of(self, device_id: int) -> int:
         """Node index that holds ``device_id`` (row-major numbering)."""
         if not 0 <= device_id < self.num_devices:

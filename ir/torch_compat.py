@@ -21,7 +21,7 @@ __all__ = [
     "capture_decompositions", "decomposition_registry_size", "dispatcher_input_reshards",
     "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
     "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
-    "fake_tensor_mode_type", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
+    "fake_tensor_mode_type", "fake_tensor_on", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
     "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
     "op_strategy_functions", "register_fused_attention_sharding", "sharding_propagator",
     "single_dim_expansion", "strided_shard", "strided_shard_type",
@@ -206,6 +206,15 @@ def fake_tensor_mode_type() -> type:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode
+
+
+def fake_tensor_on(mode: Any, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fake tensor of ``mode`` with ``meta``'s shape, strides and dtype that
+    reports ``device``: torch code that branches on ``tensor.device.type`` takes
+    that device's path, and nothing is allocated. ``meta``: a meta tensor."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return FakeTensor(mode, meta, device)
 
 
 def single_dim_expansion() -> Any:

@@ -13,6 +13,7 @@ import torch
 from costmodel.cluster import Cluster
 from costmodel.presets import load_cluster
 from costmodel.schedules import canonical_schedule, default_stages_per_rank
+from ir.device_capture import on_device_type
 from ir.graph import Graph
 from ir.layers import PipelineLayer, block_count, manual_bounds
 from ir.precision import Precision, compute_copy
@@ -93,6 +94,7 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
                                 f"dimension: give a batch and sequence of at least one")
     chosen = resolve_precision(model, cluster, precision)
     model, example_inputs = compute_copy(model, tuple(example_inputs), chosen)
+    model, example_inputs = on_device_type(model, example_inputs, cluster.device_type)
     graph = trace(model, tuple(example_inputs), beside=_two_processes)
     if not graph.parameters:
         raise PlanningError(f"{type(model).__name__} has no parameters to shard")
