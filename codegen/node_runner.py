@@ -30,8 +30,8 @@ from codegen.placement_record import PlacementRecord
 from codegen.redistribution import (keep_layout, placements_of, reachable_target, redistribute,
                                     same_placements, unmask)
 from ir.placements import parse_placement, parse_placements, placement_str
-from ir.torch_compat import (dispatcher_input_reshards, is_assertion_op, is_mask_partial,
-                             tree_map)
+from ir.torch_compat import (SDPA, dispatcher_input_reshards, is_assertion_op,
+                             is_mask_partial, tree_map)
 from planner.plan_format import OpPlacement, Plan
 
 __all__ = ["DTensorResultError", "NodeRunner", "tensor_leaves"]
@@ -99,6 +99,25 @@ def _dtensor_input_choice(op: Any, args: tuple, kwargs: dict) -> dict[int, list[
     if reshards is None:
         return None
     return {id(arg): [placement_str(p) for p in placements] for arg, placements in reshards}
+
+
+def _attention_mask(args: tuple, kwargs: dict) -> Any:
+    """The ``attn_mask`` of a ``scaled_dot_product_attention`` call, or None."""
+    return kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+
+
+def _keep_gradient_placements(out: Any) -> None:
+    """Make the gradient reaching attention output ``out`` take ``out``'s own
+    placements. The CPU flash kernel's backward takes the mask as a keyword
+    argument, which DTensor does not redistribute: were the gradient to arrive
+    in other placements (a partial sum, say), DTensor would shard the backward
+    otherwise than the forward and hand the kernel a mask of the wrong shard."""
+    if not (isinstance(out, DTensor) and out.requires_grad):
+        return
+    mesh, placements = out.device_mesh, tuple(out.placements)
+    out.register_hook(lambda grad: grad if not isinstance(grad, DTensor)
+                      or tuple(grad.placements) == placements
+                      else grad.redistribute(mesh, placements))
 
 
 def _first_line(err: BaseException) -> str:
@@ -170,6 +189,8 @@ class NodeRunner:
             _check_output(node, out)
         except Exception as err:  # noqa: BLE001 - DTensor could not run it: replicate
             return self._fall_back(node, entry, args, kwargs, values, err)
+        if node.target is SDPA and _attention_mask(args, kwargs) is not None:
+            _keep_gradient_placements(out)
         return self._finish(node, entry, out, in_obs, constant=False)
 
     # ------------------------------------------------------------ the arguments
