@@ -22,9 +22,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ir.node import draws_random
 from planner.plan_format import load_plan, placement_error
 
 __all__ = ["LaunchError", "Nodes", "REPO_ROOT", "launch"]
@@ -108,7 +110,10 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
             one-line error where there is one, and ends with their output's tail).
     """
     plan_path = os.fspath(plan_path)
-    world = _runnable_world(load_plan(plan_path), plan_path, nproc)
+    plan = load_plan(plan_path)
+    world = _runnable_world(plan, plan_path, nproc)
+    if check:
+        _refuse_random_check(plan, plan_path)
     where = nodes.torchrun_args(world, plan_path) if nodes is not None else [
         "--standalone", f"--nproc_per_node={world}"]
     with tempfile.TemporaryDirectory(prefix="codegen-launch-") as tmp:
@@ -192,6 +197,22 @@ def _runnable_world(plan: Any, plan_path: str, nproc: int | None) -> int:
             f"plan {plan_path} is for a mesh of {world} devices {list(plan.mesh_shape)} "
             f"but nproc={nproc}; launch it with nproc={world} or re-plan for {nproc} devices")
     return world
+
+
+def _refuse_random_check(plan: Any, plan_path: str) -> None:
+    """Refuse ``--check`` (:class:`LaunchError`, a user error) for a program that
+    draws random numbers: the ranks draw other numbers than one process (each
+    its own shard of a dropout mask), so losses and gradients would differ by
+    chance, and no tolerance could tell that from a wrong plan."""
+    drawn = Counter(node.op for node in plan.nodes.values() if draws_random(node.op))
+    if drawn:
+        ops = ", ".join(f"{n} x {op}" for op, n in sorted(drawn.items()))
+        message = (f"plan {plan_path}: --check cannot compare this model with one process: "
+                   f"its program draws random numbers ({ops}), which a distributed run draws "
+                   f"differently; set its dropout to 0 for the check (for a Hugging Face "
+                   f"config: attn_pdrop, resid_pdrop, embd_pdrop or attention_dropout, "
+                   f"hidden_dropout) and re-plan, or run without --check")
+        raise LaunchError(message, first_line=message, user_error=True)
 
 
 def _rank_env(env: dict[str, str] | None) -> dict[str, str]:

@@ -516,6 +516,9 @@ def _summary(r: dict[str, Any], check: bool) -> str:
             f"{r['max_rel_grad_err']:.2e} ({r['worst_param']}) over "
             f"{r['num_params_checked']} params, placements "
             f"{'match' if r['observed_match'] else 'DIFFER'} the plan")
+        if r["missing_grads"]:
+            lines.append(f"  {len(r['missing_grads'])} parameter(s) got a gradient on one side "
+                         f"only (the run or the reference): {', '.join(r['missing_grads'][:5])}")
         for line in (r["placement_diffs"] + r["mismatches"])[:5]:
             lines.append(f"  {line}")
     return "\n".join(lines)

@@ -20,6 +20,21 @@ BUFFER = "buffer"
 INPUT = "input"
 OP = "op"
 
+# The ATen ops that draw from a random number generator (dropout's mask and the
+# like), by op packet name: a distributed run draws other numbers than one
+# process, so their results can only be compared where nothing is drawn.
+RANDOM_OPS = frozenset({
+    "native_dropout", "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint",
+    "randint_like", "randperm", "normal", "uniform", "multinomial", "exponential",
+    "geometric", "poisson", "cauchy", "log_normal", "random",
+})
+
+
+def draws_random(op: str) -> bool:
+    """Whether the ATen op ``op`` (``aten.native_dropout.default``) draws random numbers."""
+    parts = op.split(".")
+    return len(parts) >= 2 and parts[0] == "aten" and parts[1].rstrip("_") in RANDOM_OPS
+
 
 @dataclass(frozen=True)
 class TensorInfo:
