@@ -1,7 +1,8 @@
 """Model zoo shared by the CLI, the tests and the benchmarks.
 
 One readable file per family (nanoGPT style): :mod:`ir.zoo.gpt` (GPT-2/GPT-3),
-:mod:`ir.zoo.llama` (LLaMA 3), :mod:`ir.zoo.moe` (top-2 mixture of experts) and
+:mod:`ir.zoo.llama` (LLaMA 3), :mod:`ir.zoo.moe` (top-2 mixture of experts),
+:mod:`ir.zoo.deepseek` (DeepSeek-V3: latent attention, top-8 of 256 experts) and
 :mod:`ir.zoo.mlp`. Every model's ``forward(inputs, targets)`` returns the scalar
 training loss, so ``loss = model(*example_inputs)`` is one training step's forward.
 
@@ -23,14 +24,16 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ir.zoo import gpt, llama, mlp, moe
+from ir.zoo import deepseek, gpt, llama, mlp, moe
+from ir.zoo.deepseek import DeepSeek, DeepSeekConfig
 from ir.zoo.gpt import GPT, GPTConfig
 from ir.zoo.llama import Llama, LlamaConfig
 from ir.zoo.mlp import MLP, MLPConfig
 from ir.zoo.moe import MoEConfig, MoEGPT
 
 __all__ = [
-    "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig", "MoEConfig", "MoEGPT",
+    "DeepSeek", "DeepSeekConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig",
+    "MoEConfig", "MoEGPT",
     "UnknownModelError", "ExampleStepError", "build", "build_from_config", "config", "describe",
     "names",
 ]
@@ -88,6 +91,14 @@ _REGISTRY: dict[str, _Entry] = {
     "moe-8x": _Entry(MoEConfig(n_layer=32, n_embd=4096, n_head=32, n_expert=8,
                                expert_hidden=14336, vocab_size=32000, block_size=4096,
                                capacity_factor=1.25, group_size=512), 8, 2048),
+    # DeepSeek-V3 (DeepSeek-AI 2024), main model without multi-token prediction: 671B
+    # parameters, 37B active per token. Trained dropless; priced at capacity factor 1.25.
+    "deepseek-v3": _Entry(DeepSeekConfig(
+        n_layers=61, n_dense_layers=3, dim=7168, n_heads=128, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        ffn_dim=18432, n_routed_experts=256, n_shared_experts=1, moe_ffn_dim=2048, top_k=8,
+        routed_scaling_factor=2.5, capacity_factor=1.25, group_size=4096, vocab_size=129280,
+        max_seq_len=4096, rope_theta=10000.0, norm_eps=1e-6), 8, 4096),
     # ~134M parameters: 8 x Linear(4096, 4096).
     "mlp": _Entry(MLPConfig(d_in=1024, d_hidden=4096, d_out=1000, n_layers=8), 1024, None),
     # Tiny variants for CPU tests: forward + backward in milliseconds.
@@ -100,9 +111,18 @@ _REGISTRY: dict[str, _Entry] = {
                                  vocab_size=128, block_size=32, capacity_factor=2.0,
                                  group_size=64), 8, 32),
     "mlp-tiny": _Entry(MLPConfig(d_in=32, d_hidden=64, d_out=10, n_layers=3), 8, None),
+    # 1 dense + 2 MoE blocks, 8 experts top-3 + 1 shared; capacity factor 2 (some drops);
+    # value heads padded for the CPU flash kernel.
+    "deepseek-tiny": _Entry(DeepSeekConfig(
+        n_layers=3, n_dense_layers=1, dim=64, n_heads=4, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, ffn_dim=128,
+        n_routed_experts=8, n_shared_experts=1, moe_ffn_dim=32, top_k=3,
+        routed_scaling_factor=1.0, capacity_factor=2.0, group_size=64, vocab_size=128,
+        max_seq_len=32, rope_theta=10000.0, norm_eps=1e-6, init_std=0.02,
+        pad_value_heads=True), 8, 32),
 }
 
-TINY = ("gpt-tiny", "llama-tiny", "moe-tiny", "mlp-tiny")
+TINY = ("gpt-tiny", "llama-tiny", "moe-tiny", "mlp-tiny", "deepseek-tiny")
 
 
 def names() -> list[str]:
@@ -131,7 +151,7 @@ def describe(name: str) -> dict[str, Any]:
 
 def _family(cfg: Any) -> str:
     for cls, fam in ((GPTConfig, "gpt"), (LlamaConfig, "llama"), (MoEConfig, "moe"),
-                     (MLPConfig, "mlp")):
+                     (DeepSeekConfig, "deepseek"), (MLPConfig, "mlp")):
         if isinstance(cfg, cls):
             return fam
     raise TypeError(f"not a zoo config: {type(cfg).__name__}")
@@ -177,6 +197,8 @@ def build_from_config(cfg: Any, *, device: torch.device | str = "meta",
                 model, inputs = GPT(cfg), gpt.example_inputs(cfg, b, s, device=dev)
             elif fam == "llama":
                 model, inputs = Llama(cfg), llama.example_inputs(cfg, b, s, device=dev)
+            elif fam == "deepseek":
+                model, inputs = DeepSeek(cfg), deepseek.example_inputs(cfg, b, s, device=dev)
             else:
                 model, inputs = MoEGPT(cfg), moe.example_inputs(cfg, b, s, device=dev)
     if dtype != torch.float32:
