@@ -26,7 +26,8 @@ from ir.precision import compute_copy
 from ir.trace import trace
 from planner.api import plan
 from planner.request import PlanRequest, PlanningError, resolve_precision
-from planner.megatron import MegatronConfig, MegatronDoesNotFit, megatron_configs, megatron_plan
+from planner.megatron import (MegatronConfig, MegatronDoesNotFit, megatron_configs,
+                              megatron_plan, num_experts)
 from planner.plan_format import Plan
 from planner.report import format_bytes
 
@@ -53,7 +54,7 @@ def _metrics(p: Plan, cluster: Cluster, forward_flops: float, tokens: int) -> di
 
 
 def _megatron_fields(cfg: MegatronConfig) -> dict[str, Any]:
-    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "mbs": cfg.micro_batch_size,
+    return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "ep": cfg.ep, "mbs": cfg.micro_batch_size,
             "vpp": cfg.virtual_pipeline_model_parallel_size,
             "distributed_optimizer": cfg.use_distributed_optimizer,
             "sequence_parallel": cfg.sequence_parallel}
@@ -79,8 +80,9 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
         configs: the Megatron configurations to price (default:
             :func:`planner.megatron.megatron_configs` of the cluster, the batch
             and the number of pipeline layers, with ``micro_batch_sizes``,
-            ``virtual_stages`` and ``sequence_parallel``; ``pipeline=False``
-            keeps pp = 1 only).
+            ``virtual_stages`` and ``sequence_parallel``, and expert
+            parallelism for a model with experts; ``pipeline=False`` keeps
+            pp = 1 only).
         auto_options: extra keyword arguments of :func:`planner.api.plan` (for
             example ``pp``, ``schedules``, ``num_microbatches`` to restrict the
             automatic search).
@@ -88,7 +90,7 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             seconds; the rest are listed as skipped.
 
     Memory pruning: configurations are priced in grid order; when one does not
-    fit, the larger micro-batch sizes of the same tp/pp/dp/vpp/sp are listed as
+    fit, the larger micro-batch sizes of the same tp/pp/dp/ep/vpp/sp are listed as
     impossible without planning them (more activations never fit better).
 
     Returns a JSON-ready dict: model, cluster, ``plans`` sorted fastest first
@@ -112,7 +114,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
         configs = megatron_configs(cluster, global_batch, num_layers,
                                    micro_batch_sizes=micro_batch_sizes,
                                    virtual_stages=virtual_stages,
-                                   sequence_parallel=sequence_parallel)
+                                   sequence_parallel=sequence_parallel,
+                                   num_experts=num_experts(graph))
     request = PlanRequest(model_source=model_spec, time_limit_s=time_limit_s,
                           zoo_kwargs=zoo_kwargs, precision=chosen)
     with warnings.catch_warnings():
@@ -158,14 +161,14 @@ def _megatron_entries(model: torch.nn.Module, cluster: Cluster, inputs: tuple, g
                       request: PlanRequest, configs: Sequence[MegatronConfig],
                       deadline_s: float | None, say: Callable[[str], None]) -> list[Entry]:
     """Every Megatron configuration's plan, in grid order, or why it has none:
-    a larger micro-batch of a family (tp, pp, dp, vpp, optimizer, sp) that
+    a larger micro-batch of a family (tp, pp, dp, ep, vpp, optimizer, sp) that
     did not fit is pruned, and after ``deadline_s`` seconds the rest are skipped."""
     entries: list[Entry] = []
     cache: dict = {"graph": graph}
     start = time.perf_counter()
     too_big: set[tuple] = set()
     for k, cfg in enumerate(configs):
-        family = (cfg.tp, cfg.pp, cfg.dp, cfg.virtual_pipeline_model_parallel_size,
+        family = (cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.virtual_pipeline_model_parallel_size,
                   cfg.use_distributed_optimizer, cfg.sequence_parallel)
         if family in too_big:
             entries.append(Entry("megatron", cfg.label(), None,

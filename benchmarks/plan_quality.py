@@ -12,7 +12,8 @@ Cases:
 * GPT-3 on dgx-a100-80g up to 1024 GPUs (sequence 2048, bfloat16), batch as
   in Megatron-LM's scaling table (Narayanan et al. 2021).
 * llama3-8b and llama3-70b on dgx-h100, and the MoE model (``moe-8x``) on
-  dgx-h100 (bfloat16).
+  dgx-h100 (bfloat16); the Megatron grid of a model with experts includes
+  Megatron-Core's expert parallelism (``ep`` in a configuration's name).
 
 Every case records the auto plan, the best Megatron configuration and its
 runners-up, the ratio auto / best-Megatron throughput, the planning seconds of
@@ -53,7 +54,7 @@ from ir.precision import compute_copy, get_precision
 from ir.zoo import GPTConfig, build, build_from_config
 from ir.zoo import config as zoo_config
 from app.compare import compare
-from planner.megatron import MegatronConfig, megatron_configs
+from planner.megatron import MegatronConfig, megatron_configs, num_experts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "plan_quality.json")
@@ -135,18 +136,23 @@ def _cases() -> list[Case]:
     out.append(Case("llama3-70b-h100x64", "llama3-70b", "dgx-h100:8", 128, 2048, bf16,
                     _auto(128),
                     {"micro_batch_sizes": [1], "tp": [8], "pp": [4, 8]}))
+    # expert parallelism (ep 1 to 8 of the 8 experts) makes tp = 1 and 2 worth trying
     out.append(Case("moe-8x-h100x16", "moe-8x", "dgx-h100:2", 64, 2048, bf16,
                     _auto(64),
-                    {"micro_batch_sizes": [1], "tp": [4, 8], "pp": [1, 2, 4]}))
+                    {"micro_batch_sizes": [1], "tp": [1, 2, 4, 8], "pp": [1, 2, 4]}))
     return out
 
 
 def megatron_grid(cluster: Cluster, batch: int, num_layers: int,
-                  restrict: dict[str, Any]) -> list[MegatronConfig]:
+                  restrict: dict[str, Any], experts: int | None = None) -> list[MegatronConfig]:
+    """The Megatron grid of a case (``experts``: the model's expert count, for
+    expert parallelism), restricted as ``restrict`` says (``ep``: the
+    expert-parallel sizes tried)."""
     cfgs = megatron_configs(cluster, batch, num_layers,
                             micro_batch_sizes=restrict.get("micro_batch_sizes", (1, 2, 4)),
                             virtual_stages=restrict.get("virtual_stages", (None, 2)),
-                            sequence_parallel=restrict.get("sequence_parallel", (False, True)))
+                            sequence_parallel=restrict.get("sequence_parallel", (False, True)),
+                            num_experts=experts, expert_parallel=restrict.get("ep"))
     for key, attr in (("tp", "tp"), ("pp", "pp")):
         if key in restrict:
             cfgs = [c for c in cfgs if getattr(c, attr) in restrict[key]]
@@ -162,7 +168,8 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
     cluster = build_cluster(case.cluster)
     model, inputs = build_case_model(case)
     graph = trace(*compute_copy(model, inputs, get_precision(case.precision)))
-    configs = megatron_grid(cluster, case.batch, block_count(pipeline_layers(graph)), case.megatron)
+    configs = megatron_grid(cluster, case.batch, block_count(pipeline_layers(graph)), case.megatron,
+                            num_experts(graph))
     t0 = time.perf_counter()
     result = compare(case.model, cluster, model=model, inputs=inputs, time_limit_s=time_limit_s,
                      configs=configs, auto_options=case.auto,
@@ -175,6 +182,12 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
     auto = next(r for r in result["plans"] if r["name"] == "auto")
     manual = [r for r in result["plans"] if r["name"] == "megatron"]
     best = next((r for r in manual if "step_time_s" in r), None)
+    # with expert parallelism in the grid, also the best configuration without it
+    with_ep = any(r["megatron"]["ep"] > 1 for r in manual)
+    best_dense = next((r for r in manual if "step_time_s" in r and r["megatron"]["ep"] == 1),
+                      None)
+    keys = ("config", "step_time_s", "tokens_per_s", "mfu", "memory_bytes_per_device",
+            "planning_s")
     return {
         "case": case.name, "commit": commit, "model": case.model, "cluster": cluster.name,
         "devices": cluster.num_devices, "global_batch": case.batch, "seq_len": case.seq,
@@ -185,9 +198,9 @@ def run_case(case: Case, time_limit_s: float, megatron_deadline_s: float,
                        "megatron_deadline_s": megatron_deadline_s},
         "auto": {k: auto.get(k) for k in ("config", "step_time_s", "tokens_per_s", "mfu",
                                          "memory_bytes_per_device", "planning_s", "error")},
-        "best_megatron": best and {k: best.get(k) for k in (
-            "config", "step_time_s", "tokens_per_s", "mfu", "memory_bytes_per_device",
-            "planning_s")},
+        "best_megatron": best and {k: best.get(k) for k in keys},
+        **({"best_megatron_without_ep": best_dense and {k: best_dense.get(k) for k in keys}}
+           if with_ep else {}),
         "runners_up": result["runners_up"],
         "auto_over_best_megatron": result["auto_speedup_over_best_megatron"],
         "megatron_configs": {
@@ -227,6 +240,17 @@ def markdown(results: dict[str, Any]) -> str:
             f"{auto.get('planning_s') or 0:.0f} / {r['megatron_configs']['planning_s']:.0f} | "
             f"{restricted} |")
     lines.append("")
+    for r in results["cases"]:
+        if r.get("auto_note"):
+            lines += [f"{r['case']}: {r['auto_note']}.", ""]
+        if "best_megatron_without_ep" in r:
+            dense = r["best_megatron_without_ep"] or {}
+            lines.append(f"{r['case']}: the grid includes expert parallelism (ep); the best "
+                         f"Megatron configuration without it is "
+                         f"{dense.get('config', 'none (nothing fits)')}"
+                         + (f", {_fmt_rate(dense.get('tokens_per_s'))} tokens/s." if dense
+                            else "."))
+            lines.append("")
     lines.append(f"Predicted by the cost model (`python -m benchmarks.plan_quality`); "
                  f"ILP limit {results.get('ilp_time_limit_s')} s per solve, planned on "
                  f"{results['machine']['cpus']} CPU cores. auto / Megatron > 1: the "

@@ -32,13 +32,24 @@ their own layer counts, the others splitting the rest evenly.
 Gradients: with the distributed optimizer they are reduce-scattered once per
 step (ZeRO-1); without it Megatron's DDP accumulates them over the
 micro-batches and all-reduces them once per step.
+
+``expert_model_parallel_size`` (Megatron-Core's expert parallelism with expert
+tensor parallel size 1, :mod:`planner.megatron_layout`) splits the expert
+weights on their expert dimension over ep ranks of the dp x tp ones. Their
+gradients then reduce over the expert-data-parallel ranks only: the cost
+model all-reduces a parameter's gradient over a mesh axis only where the
+parameter is replicated, and the expert weights are ``S(0)`` on the
+expert-parallel axes. The distributed optimizer shards each parameter's
+optimizer states over the data-parallel ranks holding it (dp for dense
+weights, dp x tp / ep for expert weights): the plans count exactly that
+(:func:`_zero1_correction`), whatever the stage mesh's ZeRO-1 axis is.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 from torch.distributed.tensor.placement_types import Replicate
@@ -48,7 +59,7 @@ from costmodel.presets import load_cluster
 from costmodel.memory import training_state_bytes
 from costmodel.strategy_cost import local_numel
 from costmodel.schedules import ScheduleBook
-from ir.graph import PARAM, Graph
+from ir.graph import PARAM, Graph, TensorInfo
 from ir.layers import block_count, manual_bounds
 from ir.precision import compute_copy
 from ir.trace import trace
@@ -56,14 +67,14 @@ from planner.assembly import build_plan, model_record, training_record
 from planner.finalists import ExactPipeline, assemble
 from planner.inter_op import PipelineCandidate, StageMeshOption, stage_mesh_options
 from planner.intra_op import FixedPlacementError, MemoryInfeasibleError, solve_intra_op
-from planner.megatron_layout import MegatronConfig, megatron_layout
+from planner.megatron_layout import MegatronConfig, expert_weights, megatron_layout, num_experts
 from planner.pipeline import p2p_seconds, simulate_step, stage_in_flight
 from planner.plan_format import Plan
 from planner.request import PlanningError, default_memory_budget, resolve_precision
 from planner.search_context import SearchContext, global_batch_of
 
 __all__ = ["MegatronConfig", "MegatronDoesNotFit", "megatron_configs", "megatron_layout",
-           "megatron_plan"]
+           "megatron_plan", "num_experts"]
 
 _PAD_HINT = (" (Megatron pads the vocabulary to a multiple of 128 x tp: "
              "--make-vocab-size-divisible-by)")
@@ -78,7 +89,9 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
                      micro_batch_sizes: Sequence[int] = (1, 2, 4),
                      virtual_stages: Sequence[int | None] = (None, 2),
                      sequence_parallel: Sequence[bool] = (False, True),
-                     use_distributed_optimizer: bool = True) -> list[MegatronConfig]:
+                     use_distributed_optimizer: bool = True,
+                     num_experts: int | None = None,
+                     expert_parallel: Sequence[int] | None = None) -> list[MegatronConfig]:
     """The configurations a Megatron practitioner would try on ``cluster``.
 
     * tensor parallel: powers of two up to a node (and dividing the cluster);
@@ -95,7 +108,12 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
       micro-batches are a multiple of pp;
     * sequence parallelism: each of ``sequence_parallel`` where tp > 1 (with
       tp = 1 the configuration is listed once, without it, as Megatron turns
-      it off there).
+      it off there);
+    * expert parallelism (only for a model with experts: ``num_experts``, see
+      :func:`planner.megatron_layout.num_experts`): ep = 1 and every ep > 1
+      that divides the dp x tp ranks of a stage and the expert count and is a
+      multiple or a divisor of tp (:class:`MegatronConfig`), or those of
+      ``expert_parallel`` (ep = 1 included only when listed there).
 
     Pruning, to keep the grid small (each pipeline configuration costs one
     ILP per stage): the powers of two above, the micro-batch sizes given
@@ -104,17 +122,19 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
     :class:`MegatronDoesNotFit` (and :func:`app.compare.compare` then skips
     the larger micro-batch sizes of the same tp/pp/dp/vpp/sp).
 
-    Order: pp, then tp, then micro-batch size, then v, ascending, then
-    sequence parallelism in the order of ``sequence_parallel`` (off first by
-    default).
+    Order: pp, then tp, then micro-batch size, then v, then ep, ascending,
+    then sequence parallelism in the order of ``sequence_parallel`` (off
+    first by default).
     """
 
     n, dpn = cluster.num_devices, cluster.devices_per_node
     out: list[MegatronConfig] = []
 
     def add(tp: int, dp: int, pp: int = 1, v: int | None = None, mbs: int | None = None) -> None:
-        for sp in dict.fromkeys(bool(s) and tp > 1 for s in sequence_parallel):
-            out.append(MegatronConfig(tp, dp, use_distributed_optimizer, pp, v, mbs, sp))
+        for ep in _expert_parallel_sizes(tp, dp, num_experts, expert_parallel):
+            for sp in dict.fromkeys(bool(s) and tp > 1 for s in sequence_parallel):
+                out.append(MegatronConfig(tp, dp, use_distributed_optimizer, pp, v, mbs, sp,
+                                          expert_model_parallel_size=ep))
 
     tps = []
     tp = 1
@@ -150,39 +170,76 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
     return out
 
 
-def _state_floor(graph: Graph, cfg: MegatronConfig, optimizer: str, precision: str) -> float:
-    """A lower bound on parameter-state bytes of the fullest device: every
-    parameter split tp x pp ways (the fullest stage holds at least the average),
-    optimizer states also over dp under the distributed optimizer."""
+def _expert_parallel_sizes(tp: int, dp: int, experts: int | None,
+                           wanted: Sequence[int] | None) -> list[int]:
+    """The ep values of the grid for one (tp, dp): 1 and the ep > 1 that divide
+    dp x tp and ``experts`` and nest with tp (only 1 without experts), kept
+    to those in ``wanted`` when given; ascending."""
+    if not experts:
+        return [1]
+    eps = [e for e in range(1, dp * tp + 1)
+           if (dp * tp) % e == 0 and experts % e == 0 and (e % tp == 0 or tp % e == 0)]
+    return eps if wanted is None else [e for e in eps if e in set(wanted)]
 
-    total = 0.0
-    for t in graph.parameters.values():
-        s = training_state_bytes(int(t.numel), precision=precision, optimizer=optimizer)
-        opt = s["optimizer"] / (cfg.dp if cfg.use_distributed_optimizer else 1)
-        total += s["params"] + s["grads"] + opt
-    return total / (cfg.tp * cfg.pp)
+
+def _zero1_shards(fqn: str, cfg: MegatronConfig, experts: Collection[str]) -> int:
+    """Ranks Megatron's distributed optimizer splits the optimizer states of
+    parameter ``fqn`` over: the data-parallel ranks holding the same part of
+    it, dp for a dense weight and dp x tp / ep for an expert weight
+    (Megatron-Core's expert-data-parallel group); 1 without it."""
+    if not cfg.use_distributed_optimizer:
+        return 1
+    return cfg.expert_data_parallel_size if fqn in experts else cfg.dp
 
 
-def _optimizer_bytes(graph: Graph, layout: dict[str, tuple], mesh_shape: tuple[int, ...],
-                     optimizer: str, precision: str) -> float:
-    """Optimizer-state bytes per device of ``graph``'s parameters under ``layout``."""
+def _optimizer_state_bytes(info: TensorInfo, placements: tuple, mesh_shape: tuple[int, ...],
+                           shards: int, optimizer: str, precision: Any) -> float:
+    """Optimizer-state bytes one device holds of a parameter placed as
+    ``placements``, its states split over ``shards`` ranks (ZeRO-1), counted
+    as the cost model counts them (:class:`costmodel.strategy_cost.IntraOpCost`)."""
+    numel = int(math.ceil(local_numel(info, placements, mesh_shape)))
+    return float(training_state_bytes(numel, precision=precision, optimizer=optimizer,
+                                      zero_stage=1 if shards > 1 else 0,
+                                      dp_size=shards)["optimizer"])
 
+
+def _zero1_correction(graph: Graph, layout: dict[str, tuple], cfg: MegatronConfig,
+                      experts: Collection[str], modelled_shards: int, optimizer: str,
+                      precision: Any) -> float:
+    """Bytes per device that turn the optimizer states the cost model counts
+    for ``graph``'s parameters (split over ``modelled_shards`` ranks: the
+    stage mesh's ZeRO axis 0, or 1 without ZeRO) into those of Megatron's
+    distributed optimizer (:func:`_zero1_shards`); negative when the cost
+    model counts more. The stage ILPs get the memory budget less this and
+    their results' optimizer bytes plus it, so they fit exactly."""
     total = 0.0
     for n in graph.nodes:
         if n.kind == PARAM:
-            numel = local_numel(n.output, layout.get(n.fqn, (Replicate(),) * len(mesh_shape)),
-                                mesh_shape)
-            total += training_state_bytes(int(math.ceil(numel)), precision=precision,
-                                          optimizer=optimizer)["optimizer"]
+            p = layout[n.fqn]
+            exact = _optimizer_state_bytes(n.output, p, cfg.mesh_shape,
+                                           _zero1_shards(n.fqn, cfg, experts), optimizer,
+                                           precision)
+            total += exact - _optimizer_state_bytes(n.output, p, cfg.mesh_shape,
+                                                    modelled_shards, optimizer, precision)
     return total
 
 
-def _zero1_saving(graph: Graph, cfg: MegatronConfig, layout: dict[str, tuple],
-                  optimizer: str, precision: str) -> float:
-    """Bytes per device the distributed optimizer saves (ZeRO-1 over dp)."""
-    if not cfg.use_distributed_optimizer or cfg.dp == 1:
-        return 0.0
-    return _optimizer_bytes(graph, layout, cfg.mesh_shape, optimizer, precision) * (1 - 1 / cfg.dp)
+def _state_floor(graph: Graph, layout: dict[str, tuple], cfg: MegatronConfig,
+                 experts: Collection[str], optimizer: str, precision: Any) -> float:
+    """A lower bound on parameter-state bytes of the fullest device: every
+    parameter as the layout places it, split over pp (the fullest stage holds
+    at least the average), optimizer states as the distributed optimizer
+    splits them."""
+    total = 0.0
+    for n in graph.nodes:
+        if n.kind == PARAM:
+            p = layout[n.fqn]
+            numel = int(math.ceil(local_numel(n.output, p, cfg.mesh_shape)))
+            s = training_state_bytes(numel, precision=precision, optimizer=optimizer)
+            total += s["params"] + s["grads"] + _optimizer_state_bytes(
+                n.output, p, cfg.mesh_shape, _zero1_shards(n.fqn, cfg, experts), optimizer,
+                precision)
+    return total / cfg.pp
 
 
 def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronConfig, *,
@@ -203,10 +260,21 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     schedule simulation, exactly as :func:`planner.api.pipeline_plan` with
     ``fixed=megatron_layout(...)`` and a uniform ``layer_split`` (without its
     inter-op DP, whose cut Megatron does not use). The distributed optimizer
-    divides the optimizer states by dp (ZeRO-1): a pipeline's stage ILPs
-    count that and reduce the gradients once per step (stage meshes with
-    ``zero_stage=1``); a single stage of the whole batch has the ILP's memory
-    budget grown by what it saves, so activations may use it.
+    splits each parameter's optimizer states over the data-parallel ranks
+    holding it (ZeRO-1; :func:`_zero1_shards`): a pipeline's stage ILPs
+    reduce the gradients on the stage mesh's axis 0 once per step (stage
+    meshes with ``zero_stage=1``), and every ILP gets the memory budget less
+    what the cost model's count of the optimizer states misses (a single
+    stage of the whole batch: grown by what ZeRO-1 saves, so activations
+    may use it), its result's optimizer bytes corrected by as much.
+
+    With expert parallelism where the dense weights are replicated on two
+    mesh axes (ep a multiple of tp and dp x tp / ep > 1: mesh
+    (dp x tp / ep, ep / tp, tp)), the cost model reduces their gradients on
+    axis 0 once per step but on the ep / tp axis in each micro-batch's
+    backward (it reduces once per step on axis 0 only), and updates their
+    optimizer states split over axis 0 only: the step time is an upper bound
+    by that much. The memory is exact.
 
     Args:
         graph: the traced whole-batch program, if already traced.
@@ -234,31 +302,32 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     cache["graph"] = graph
     dtype = chosen
     budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
-    floor = _state_floor(graph, cfg, optimizer, dtype)
+    layout = megatron_layout(graph, cfg)
+    experts = set(expert_weights(graph))
+    floor = _state_floor(graph, layout, cfg, experts, optimizer, dtype)
     if floor > budget:
         raise MegatronDoesNotFit(
             f"{cfg.label()} needs at least {floor / 2**30:.1f} GiB per device for parameter "
             f"states alone, more than the {budget / 2**30:.1f} GiB available")
 
     m = cfg.num_microbatches(global_batch_of(example_inputs))
-    layout = megatron_layout(graph, cfg)
     training = training_record(dtype, optimizer, example_inputs, zoo_kwargs,
                                manual={"kind": "megatron", **asdict(cfg)})
     info = model_record(model, graph, model_source)
     if cfg.pp > 1 or m > 1:  # a pipeline, or gradient accumulation
-        return _pipeline_plan(model, cluster, cfg, example_inputs, graph, layout, m, dtype,
-                              optimizer, budget, time_limit_s, cache, info, training)
-    saving = _zero1_saving(graph, cfg, layout, optimizer, dtype)
+        return _pipeline_plan(model, cluster, cfg, example_inputs, graph, layout, experts, m,
+                              dtype, optimizer, budget, time_limit_s, cache, info, training)
+    # the ILP counts whole optimizer states; the distributed optimizer splits them
+    correction = _zero1_correction(graph, layout, cfg, experts, 1, optimizer, dtype)
     try:
         result = solve_intra_op(graph, cluster, cfg.mesh_shape, dtype=dtype,
                                 time_limit_s=time_limit_s, fixed=layout, optimizer=optimizer,
-                                memory_budget=budget + saving, recompute=cfg.recompute)
+                                memory_budget=budget - correction, recompute=cfg.recompute)
     except FixedPlacementError as err:
         raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}") from err
     except MemoryInfeasibleError as err:
         raise MegatronDoesNotFit(f"{cfg.label()} does not fit: {err}") from None
-    if cfg.use_distributed_optimizer and cfg.dp > 1:
-        result.memory["optimizer"] /= cfg.dp  # ZeRO-1 over data parallel
+    result.memory["optimizer"] = result.memory.get("optimizer", 0.0) + correction
     total = sum(result.memory.values())
     if total > budget * (1 + 1e-9):
         raise MegatronDoesNotFit(f"{cfg.label()} needs {total / 2**30:.1f} GiB per device, more "
@@ -267,11 +336,12 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
 
 
 def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs: tuple,
-                   graph: Graph, layout: dict[str, tuple], m: int, dtype: str, optimizer: str,
-                   budget: float, time_limit_s: float, cache: dict, info: dict,
-                   training: dict) -> Plan:
+                   graph: Graph, layout: dict[str, tuple], experts: Collection[str], m: int,
+                   dtype: str, optimizer: str, budget: float, time_limit_s: float, cache: dict,
+                   info: dict, training: dict) -> Plan:
     """A Megatron pipeline: uniform layer split, fixed layout, 1F1B / interleaved
-    (with pp = 1: one stage accumulating the gradients of its micro-batches)."""
+    (with pp = 1: one stage accumulating the gradients of its micro-batches;
+    or ``cfg.pipeline_schedule``)."""
 
     options = stage_mesh_options(cluster, cfg.pp)
     if not options:
@@ -283,7 +353,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     zero = 1 if cfg.use_distributed_optimizer and cfg.dp > 1 else 0
     mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node,
                            zero_stage=zero, reduce_once=not zero and cfg.dp > 1)
-    key = ("ctx", cfg.dp, cfg.tp, cfg.sequence_parallel, budget, time_limit_s, optimizer)
+    # what the layout (fixed in the context) depends on, and the context's settings
+    key = ("ctx", cfg.dp, cfg.tp, cfg.ep, cfg.sequence_parallel, budget, time_limit_s, optimizer)
     ctx = cache.get(key)
     if ctx is None:
         ctx = cache[key] = SearchContext(model, example_inputs, cluster, dtype=dtype,
@@ -302,14 +373,19 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         raise PlanningError(f"{cfg.label()}: torch's {cfg.schedule} schedule rejects pp={cfg.pp} "
                             f"with {m} micro-batches: {err}") from None
     results, times = [], []
+    modelled = cfg.mesh_shape[0] if zero else 1  # the stage mesh's ZeRO-1 axis
     for s, (a, b) in enumerate(bounds):
+        correction = _zero1_correction(ctx.stage_graph(prog, a, b), layout, cfg, experts,
+                                       modelled, optimizer, dtype)
         try:
-            r = ctx.solve_stage(prog, a, b, mesh, budget / v, copies[s], cfg.recompute)
+            r = ctx.solve_stage(prog, a, b, mesh, budget / v - correction, copies[s],
+                                cfg.recompute)
         except FixedPlacementError as err:
             raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}"
                                 ) from err
         except MemoryInfeasibleError as err:
             raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
+        r.memory["optimizer"] = r.memory.get("optimizer", 0.0) + correction
         results.append(r)
         t = ctx.times_of(r, mesh)
         times.append(t)

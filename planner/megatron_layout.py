@@ -7,21 +7,50 @@ branch opens, row parallel where it closes into the residual stream,
 vocabulary parallel embedding and head) and gives the placements that layout
 fixes on the (dp, tp) stage mesh. :mod:`planner.megatron` plans and prices
 configurations; the intra-op solver reads the layout for its warm starts.
+
+Expert parallelism follows Megatron-Core with expert tensor parallel size 1:
+the ``expert_model_parallel_size`` (ep) ranks of an expert-parallel group are
+carved out of the dp x tp ranks of a stage (tp varying fastest, then ep, as
+Megatron-Core numbers them), the batched expert weights (``[E, ...]``
+parameters read by ``bmm``, e.g. ``moe.w_in`` of :mod:`ir.zoo.moe`) are split
+on their expert dimension over them and replicated over the remaining
+dp x tp / ep expert-data-parallel ranks. The stage mesh then factors dp or tp
+so that the ep group is a set of trailing mesh axes
+(:attr:`MegatronConfig.mesh_axes`); the token dispatch and combine show up
+as all-to-all reshards of the activations the ILP places.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from costmodel.schedule_specs import canonical_schedule, schedule_spec
 from ir.graph import INPUT, OP, PARAM, Graph
 from planner.request import PlanningError
 
-__all__ = ["MegatronConfig", "megatron_layout"]
+__all__ = ["MegatronConfig", "MeshAxis", "expert_weights", "megatron_layout", "num_experts"]
 
 _MATMULS = {"aten.mm.default", "aten.addmm.default"}
+# batched matmuls whose [E, ...] parameter operand is a stack of expert weights
+_BATCHED_MATMULS = {"aten.bmm.default", "aten.baddbmm.default"}
 _SEQ_DIM = 1  # of the [batch, seq, hidden] activations sequence parallelism splits
+
+
+class MeshAxis(NamedTuple):
+    """One axis of a Megatron stage mesh.
+
+    ``size``: ranks along it; ``parallel``: ``"dp"`` or ``"tp"``, the Megatron
+    group it is a factor of (dense weights are replicated along the dp axes
+    and split along the tp axes); ``expert``: whether it is part of the
+    expert-parallel group (expert weights are split along it)."""
+
+    size: int
+    parallel: str
+    expert: bool
 
 
 @dataclass(frozen=True)
@@ -41,6 +70,18 @@ class MegatronConfig:
     decides) or ``"full"`` (every layer recomputed in backward).
     ``decoder_first_pipeline_num_layers`` / ``decoder_last_pipeline_num_layers``
     (pp > 1, no virtual stages): layers of the first / last stage.
+    ``expert_model_parallel_size`` (ep, Megatron-Core's
+    ``--expert-model-parallel-size`` with ``--expert-tensor-parallel-size 1``):
+    ranks of one expert-parallel group, carved out of the dp x tp ranks; it
+    must divide dp x tp and be a multiple or a divisor of tp (so that the
+    stage mesh factors it: :attr:`mesh_axes`). ``pipeline_schedule``: None
+    for Megatron's own (1F1B, interleaved 1F1B with virtual stages), or a
+    schedule name of :mod:`costmodel.schedule_specs` to price the same
+    configuration under another schedule (DeepSeek-V3's ``dualpipev``:
+    :mod:`planner.deepseek_layout`). ``pipeline_model_parallel_layout``
+    (Megatron-Core's ``--pipeline-model-parallel-layout``, given as counts):
+    layers of each of the pp x stages-per-rank model chunks, in pipeline
+    order, for splits the even split and first/last counts cannot express.
     """
 
     tensor_model_parallel_size: int
@@ -53,6 +94,9 @@ class MegatronConfig:
     recompute_granularity: str | None = None
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
+    expert_model_parallel_size: int = 1
+    pipeline_schedule: str | None = None
+    pipeline_model_parallel_layout: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "data_parallel_size",
@@ -81,6 +125,60 @@ class MegatronConfig:
                                     f"virtual pipeline stages")
             if n < 1:
                 raise PlanningError(f"{name} must be at least 1, got {n}")
+        self._check_experts()
+        self._check_schedule()
+
+    def _check_experts(self) -> None:
+        """ep must split the dp x tp ranks into groups the stage mesh can factor.
+
+        Raises:
+            PlanningError (a ValueError): it does not.
+        """
+        ep, tp, dp = self.expert_model_parallel_size, self.tp, self.dp
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise PlanningError(f"expert_model_parallel_size must be an integer >= 1, got {ep!r}")
+        if (dp * tp) % ep:
+            raise PlanningError(
+                f"expert_model_parallel_size={ep} must divide data_parallel_size x "
+                f"tensor_model_parallel_size = {dp * tp} (the expert-parallel groups are carved "
+                f"out of the data- and tensor-parallel ranks)")
+        if ep % tp and tp % ep:
+            raise PlanningError(
+                f"expert_model_parallel_size={ep} must be a multiple or a divisor of "
+                f"tensor_model_parallel_size={tp}: with expert tensor parallel size 1 an "
+                f"expert-parallel group then holds whole tensor-parallel groups or lies inside "
+                f"one, which a device mesh can express")
+
+    def _check_schedule(self) -> None:
+        """``pipeline_schedule`` and ``pipeline_model_parallel_layout`` fit the pipeline.
+
+        Raises:
+            PlanningError: they do not.
+        """
+        name = self.pipeline_schedule
+        if name is not None:
+            try:
+                spec = schedule_spec(canonical_schedule(name))
+                spec.stages_per_rank(self.virtual_pipeline_model_parallel_size)
+            except ValueError as err:
+                raise PlanningError(f"pipeline_schedule={name!r}: {err}") from None
+            if self.pp < 2:
+                raise PlanningError(f"pipeline_schedule={name!r} needs "
+                                    f"pipeline_model_parallel_size >= 2, got {self.pp}")
+        layout = self.pipeline_model_parallel_layout
+        if layout is None:
+            return
+        if self.decoder_first_pipeline_num_layers is not None or \
+                self.decoder_last_pipeline_num_layers is not None:
+            raise PlanningError("pipeline_model_parallel_layout already gives every stage's "
+                                "layers: drop decoder_first/last_pipeline_num_layers")
+        layout = tuple(int(n) for n in layout)
+        object.__setattr__(self, "pipeline_model_parallel_layout", layout)  # lists too
+        chunks = self.pp * self.stages_per_rank
+        if len(layout) != chunks or any(n < 1 for n in layout):
+            raise PlanningError(f"pipeline_model_parallel_layout={tuple(layout)} must give "
+                                f"{chunks} model chunks (pp x stages per rank) at least one "
+                                f"layer each")
 
     @property
     def recompute(self) -> bool | None:
@@ -101,7 +199,20 @@ class MegatronConfig:
         return self.pipeline_model_parallel_size
 
     @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks of a stage holding the same experts: dp x tp / ep (expert
+        tensor parallel size 1); expert gradients are reduced over them."""
+        return self.dp * self.tp // self.ep
+
+    @property
     def stages_per_rank(self) -> int:
+        if self.pipeline_schedule is not None:
+            return schedule_spec(canonical_schedule(self.pipeline_schedule)).stages_per_rank(
+                self.virtual_pipeline_model_parallel_size)
         return self.virtual_pipeline_model_parallel_size or 1
 
     @property
@@ -111,15 +222,36 @@ class MegatronConfig:
     @property
     def schedule(self) -> str:
         """The pipeline schedule Megatron runs (1F1B of one stage without a
-        pipeline: gradient accumulation when there are several micro-batches)."""
+        pipeline: gradient accumulation when there are several micro-batches),
+        or ``pipeline_schedule`` (its canonical name) when given."""
+        if self.pipeline_schedule is not None:
+            return canonical_schedule(self.pipeline_schedule)
         return "interleaved_1f1b" if self.virtual_pipeline_model_parallel_size else "1f1b"
 
     @property
+    def mesh_axes(self) -> tuple[MeshAxis, ...]:
+        """The axes of one stage's mesh, outermost first, size-1 axes dropped (at
+        least one axis): (dp, tp) without expert parallelism; with ep a
+        multiple of tp, (dp x tp / ep, ep / tp, tp), the last two the
+        expert-parallel group; with ep dividing tp, (dp, tp / ep, ep), the
+        last one the expert-parallel group. Ranks are numbered row-major, so
+        an expert-parallel group is ep consecutive ranks, as in Megatron-Core."""
+        dp, tp, ep = self.dp, self.tp, self.ep
+        if ep == 1:
+            axes = [MeshAxis(dp, "dp", False), MeshAxis(tp, "tp", False)]
+        elif ep % tp == 0:
+            axes = [MeshAxis(dp * tp // ep, "dp", False), MeshAxis(ep // tp, "dp", True),
+                    MeshAxis(tp, "tp", True)]
+        else:
+            axes = [MeshAxis(dp, "dp", False), MeshAxis(tp // ep, "tp", False),
+                    MeshAxis(ep, "tp", True)]
+        return tuple(a for a in axes if a.size > 1) or (MeshAxis(1, "dp", False),)
+
+    @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """Mesh of one stage: (data parallel, tensor parallel), size-1 axes dropped
-        (at least one axis)."""
-        shape = tuple(d for d in (self.data_parallel_size, self.tensor_model_parallel_size) if d > 1)
-        return shape or (1,)
+        """Mesh of one stage: the sizes of :attr:`mesh_axes` ((dp, tp) without
+        expert parallelism, size-1 axes dropped, at least one axis)."""
+        return tuple(a.size for a in self.mesh_axes)
 
     def num_microbatches(self, global_batch: int) -> int:
         """Micro-batches per step: ``global_batch / (micro_batch_size * dp)``.
@@ -150,6 +282,12 @@ class MegatronConfig:
         Raises:
             PlanningError: the layers do not split that way.
         """
+        layout = self.pipeline_model_parallel_layout
+        if layout is not None:
+            if sum(layout) != num_layers:
+                raise PlanningError(f"{self.label()}: the layout places {sum(layout)} layers, "
+                                    f"the model has {num_layers}")
+            return [int(n) for n in layout]
         chunks = self.pp * self.stages_per_rank
         first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
         ends = [n for n in (first, last) if n is not None]
@@ -163,12 +301,19 @@ class MegatronConfig:
             [last] if last is not None else [])
 
     def label(self) -> str:
-        """Megatron terms, e.g. ``tp=2 pp=4 dp=8 mbs=1 vpp=2 sp``."""
+        """Megatron terms, e.g. ``tp=2 pp=4 dp=8 ep=8 mbs=1 vpp=2 sp`` (``ep``
+        only when > 1, so labels without expert parallelism stay as they were)."""
         out = f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        if self.ep > 1:
+            out += f" ep={self.ep}"
         if self.micro_batch_size is not None:
             out += f" mbs={self.micro_batch_size}"
         if self.virtual_pipeline_model_parallel_size:
             out += f" vpp={self.virtual_pipeline_model_parallel_size}"
+        if self.pipeline_schedule is not None:
+            out += f" {self.schedule}"
+        if self.pipeline_model_parallel_layout is not None:
+            out += f" layout={','.join(map(str, self.pipeline_model_parallel_layout))}"
         if self.sequence_parallel:
             out += " sp"
         if not self.use_distributed_optimizer and self.dp > 1:
@@ -246,6 +391,31 @@ def _classify_linears(graph: Graph) -> dict[str, str]:
     return kinds
 
 
+def expert_weights(graph: Graph) -> dict[str, int]:
+    """Expert weight FQN -> its number of experts: the parameters of at least
+    3 dimensions that a batched matmul (``bmm``) reads, directly or through
+    views, as a stack of per-expert matrices whose dimension 0 is the
+    expert (``moe.w_in`` [E, h, f] and ``moe.w_out`` [E, f, h] of
+    :mod:`ir.zoo.moe`)."""
+    users = graph.users()
+    out: dict[str, int] = {}
+    for p in graph.nodes:
+        if p.kind != PARAM or len(p.output.shape) < 3:
+            continue
+        if any(graph[u].target in _BATCHED_MATMULS
+               for v in _views_of(graph, p.name, users) for u in users[v]):
+            out[p.fqn] = int(p.output.shape[0])
+    return out
+
+
+def num_experts(graph: Graph) -> int | None:
+    """Experts per MoE layer of ``graph`` (the greatest common divisor of the
+    expert counts of :func:`expert_weights`, which an expert-parallel size
+    must divide), or None for a model without experts."""
+    counts = set(expert_weights(graph).values())
+    return math.gcd(*counts) if counts else None
+
+
 def _sequence_parallel_nodes(graph: Graph, linears: dict[str, str]) -> list[str]:
     """Op nodes (by name) holding the activations between the tensor-parallel
     blocks of each layer, the ones Megatron's sequence parallelism splits:
@@ -275,24 +445,55 @@ def _sequence_parallel_nodes(graph: Graph, linears: dict[str, str]) -> list[str]
     return out
 
 
+def _expert_layout(graph: Graph, cfg: MegatronConfig) -> dict[str, tuple[Placement, ...]]:
+    """Expert weight FQN -> placements: ``S(0)`` (the expert dimension) on the
+    expert-parallel axes of ``cfg.mesh_axes``, replicated on the others (all
+    replicated without expert parallelism, as Megatron-Core with expert tensor
+    parallel size 1).
+
+    Raises:
+        PlanningError: ep > 1 and the model has no expert weights, or ep does
+            not divide an expert count.
+    """
+    ep = cfg.expert_model_parallel_size
+    weights = expert_weights(graph)
+    if ep > 1 and not weights:
+        raise PlanningError(f"{cfg.label()}: expert_model_parallel_size={ep} but the model has "
+                            f"no expert weights ([E, ...] parameters read by a batched "
+                            f"matmul); use expert_model_parallel_size=1")
+    bad = sorted(f for f, e in weights.items() if e % ep)
+    if bad:
+        raise PlanningError(f"{cfg.label()}: expert_model_parallel_size={ep} does not divide "
+                            f"the {weights[bad[0]]} experts of {bad[0]}"
+                            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                            + "; choose an ep that divides the expert count")
+    placements = tuple(Shard(0) if a.expert else Replicate() for a in cfg.mesh_axes)
+    return {f: placements for f in weights}
+
+
 def megatron_layout(graph: Graph, cfg: MegatronConfig) -> dict[str, tuple[Placement, ...]]:
-    """Fixed placements (FQN, input or op node name -> one placement per mesh axis).
+    """Fixed placements (FQN, input or op node name -> one placement per axis of
+    ``cfg.mesh_axes``): dense parameters replicated on the dp axes and split
+    on the tp axes as Megatron splits them, expert weights split on their
+    expert dimension over the expert-parallel axes and replicated on the
+    others, the inputs' batch split over the dp axes.
 
     Raises:
         PlanningError: ``cfg.sequence_parallel`` and tp does not divide the
-            sequence length, or the model has no activations it could split.
+            sequence length, or the model has no activations it could split;
+            ``cfg.expert_model_parallel_size`` > 1 and the model has no
+            expert weights, or ep does not divide their expert count.
     """
-    dp, tp = cfg.data_parallel_size, cfg.tensor_model_parallel_size
+    tp = cfg.tensor_model_parallel_size
+    axes = cfg.mesh_axes
 
     def on_mesh(dp_p: Placement, tp_p: Placement) -> tuple[Placement, ...]:
-        out = []
-        if dp > 1:
-            out.append(dp_p)
-        if tp > 1:
-            out.append(tp_p)
-        return tuple(out) or (Replicate(),)
+        if axes[0].size == 1:  # one device: nothing to split
+            return (Replicate(),)
+        return tuple(dp_p if a.parallel == "dp" else tp_p for a in axes)
 
     r = Replicate()
+    experts = _expert_layout(graph, cfg)
     linears = _classify_linears(graph)
     layout: dict[str, tuple[Placement, ...]] = {}
     users = graph.users()
@@ -309,7 +510,9 @@ def megatron_layout(graph: Graph, cfg: MegatronConfig) -> dict[str, tuple[Placem
             layout[n.name] = on_mesh(Shard(0), r)
         elif n.kind == PARAM:
             kind = linears.get(n.fqn)
-            if kind == "column":
+            if n.fqn in experts:
+                layout[n.fqn] = experts[n.fqn]
+            elif kind == "column":
                 layout[n.fqn] = on_mesh(r, Shard(0))
             elif kind == "row":
                 layout[n.fqn] = on_mesh(r, Shard(1))
