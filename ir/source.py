@@ -1,4 +1,5 @@
-"""Resolve a model spec (zoo name, ``file.py:factory`` or ``package.module:factory``).
+"""Resolve a model spec (zoo name, ``file.py:factory``, ``package.module:factory``
+or ``hf:CONFIG``, a Hugging Face causal LM: :mod:`ir.hf`).
 
 A user factory is a zero-argument callable returning ``(model, example_inputs)``.
 It is called under ``torch.device(device)`` after ``torch.manual_seed(seed)``, so a
@@ -17,8 +18,26 @@ from typing import Any
 import torch
 
 
+#: The prefix of a Hugging Face model spec (:mod:`ir.hf`).
+HF_PREFIX = "hf:"
+
+
 class ModelSourceError(ValueError):
     """The model spec names nothing that can be built."""
+
+
+def _build_hf(spec: str, device: str, step: dict[str, Any]) -> tuple[torch.nn.Module, tuple]:
+    """A Hugging Face causal LM (:func:`ir.hf.build`) on ``device``."""
+    from ir import hf
+
+    unknown = sorted(set(step) - {"batch_size", "seq_len"})
+    if unknown:
+        raise ModelSourceError(f"hf: models take no {', '.join(unknown)}")
+    try:
+        with torch.device(device):
+            return hf.build(spec, **step)
+    except hf.HFModelError as err:
+        raise ModelSourceError(str(err)) from None
 
 
 def _load_factory(spec: str):
@@ -67,6 +86,8 @@ def build_model(spec: str, *, device: str = "meta", seed: int = 0, **zoo_kwargs:
     from ir import zoo
 
     torch.manual_seed(seed)
+    if spec.startswith(HF_PREFIX):
+        return _build_hf(spec[len(HF_PREFIX):], device, zoo_kwargs)
     if ":" not in spec and spec.endswith(".py"):
         raise ModelSourceError(f"model file {spec} needs the factory to call: {spec}:make_model "
                                f"(a function returning (model, example_inputs))")

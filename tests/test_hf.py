@@ -1,0 +1,112 @@
+"""Hugging Face causal LMs (``--model hf:...``): built from a config, planned as
+the CPU ranks capture them, tied weights as one parameter, dropout refused by
+the check with its reason, and a tied GPT-2 run checked on two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="Hugging Face transformers is not installed "
+                    "(pip install '.[hf]')")
+
+from codegen.launch import LaunchError, launch  # noqa: E402
+from ir.device_capture import on_device_type  # noqa: E402
+from ir.exported_graph import tied_parameters  # noqa: E402
+from ir.source import ModelSourceError, build_model  # noqa: E402
+from ir.trace import trace  # noqa: E402
+from planner.api import plan  # noqa: E402
+from planner.request import PlanRequest  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ("num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+         "num_key_value_heads=2,vocab_size=256")
+GPT2 = "hf:gpt2,n_layer=2,n_embd=64,n_head=4,vocab_size=256,n_positions=64"
+NO_DROPOUT = ",resid_pdrop=0,embd_pdrop=0,attn_pdrop=0"
+
+
+def test_a_config_field_list_builds_the_model_and_its_step():
+    model, (ids, labels) = build_model(f"hf:llama,{SMALL}", device="meta", seq_len=16)
+    assert type(model.hf).__name__ == "LlamaForCausalLM"
+    assert model.hf.config.num_hidden_layers == 2 and model.hf.config.hidden_size == 64
+    assert ids.shape == labels.shape == (8, 16) and ids.dtype == torch.int64
+
+
+def test_a_config_json_folder_builds_the_model(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2", **{k: int(v) for k, v in
+                                     (f.split("=") for f in SMALL.split(","))}
+                         ).save_pretrained(tmp_path)
+    model, (ids, _) = build_model(f"hf:{tmp_path}", device="meta", batch_size=2, seq_len=8)
+    assert type(model.hf).__name__ == "Qwen2ForCausalLM" and ids.shape == (2, 8)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("hf:no-such-type", "unknown model type 'no-such-type'"),
+    ("hf:llama,hidden_size", "'hidden_size' is not FIELD=VALUE"),
+    ("hf:/nowhere/config.json", "no config file /nowhere/config.json"),
+])
+def test_a_bad_spec_is_one_line_naming_what_is_wrong(spec, words):
+    with pytest.raises(ModelSourceError) as err:
+        build_model(spec, device="meta")
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_sequence_longer_than_the_config_allows_is_refused():
+    with pytest.raises(ModelSourceError, match="longer than the config's 64 positions"):
+        build_model(GPT2, device="meta", seq_len=128)
+
+
+def test_tied_embedding_and_head_are_one_parameter_of_the_program():
+    model, inputs = build_model(GPT2 + NO_DROPOUT, device="meta", seq_len=16)
+    assert tied_parameters(model) == {"hf.lm_head.weight": "hf.transformer.wte.weight"}
+    graph = trace(model, inputs)
+    assert "hf.transformer.wte.weight" in graph.parameters
+    assert "hf.lm_head.weight" not in graph.parameters
+    readers = [n for n in graph.nodes if "hf.transformer.wte.weight" in n.params]
+    assert len(readers) == 2 and "aten.embedding.default" in {n.target for n in readers}
+
+
+def test_a_cpu_plan_captures_the_program_cpu_ranks_capture():
+    """Mixtral's experts count tokens in float32 on the CPU and int32 elsewhere
+    (meta included): the plan for CPU ranks must capture the CPU's program."""
+    spec = f"hf:mixtral,{SMALL},num_local_experts=4"
+    meta_model, meta_inputs = build_model(spec, device="meta", seq_len=16)
+    planned = trace(*on_device_type(meta_model, meta_inputs, "cpu"))
+    ran = trace(*build_model(spec, device="cpu", seq_len=16))
+    assert planned.fingerprint() == ran.fingerprint()
+    assert trace(meta_model, meta_inputs).fingerprint() != ran.fingerprint()
+
+
+def test_check_refuses_a_model_with_dropout_before_starting_ranks(tmp_path):
+    model, inputs = build_model(GPT2, device="meta", seq_len=16)
+    result = plan(model, "local-cpu:2", example_inputs=inputs,
+                  request=PlanRequest(model_source=GPT2, mesh_shape=(2,), pipeline=False,
+                                      zoo_kwargs={"seq_len": 16}))
+    path = tmp_path / "plan.json"
+    result.save(str(path))
+    with pytest.raises(LaunchError) as err:
+        launch(path, check=True)
+    message = str(err.value)
+    assert err.value.user_error and "native_dropout" in message and "dropout to 0" in message
+
+
+@pytest.mark.multiprocess
+def test_tied_gpt2_plans_and_passes_the_check_on_two_ranks(tmp_path):
+    spec = GPT2 + NO_DROPOUT
+    plan_path = tmp_path / "plan.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "app.cli"]
+    subprocess.run(cli + ["plan", "--model", spec, "--cluster", "local-cpu:2", "--mesh", "2",
+                          "--seq-len", "16", "--quiet", "-o", str(plan_path)],
+                   check=True, cwd=REPO, env=env, capture_output=True, text=True)
+    assert "hf.lm_head.weight" not in json.loads(plan_path.read_text())["parameters"]
+    result = launch(plan_path, check=True, cwd=REPO)
+    assert result["passed"], result
+    assert not result["missing_grads"] and result["num_params_checked"] == 28
