@@ -18,7 +18,9 @@ all_reduce     min(ring 2(n-1)/n B/bw + 2(n-1) a,                    the tensor
                tree 2 ceil(log2 n) (a + B/bw))
 all_gather     (n-1)/n B/bw + (n-1) a                                the gathered tensor
 reduce_scatter (n-1)/n B/bw + (n-1) a                                the unsharded input
-all_to_all     (n-1)/n B/bw + (n-1) a                                bytes per device
+all_to_all     (n-1)/n B/bw + (n-1) a; over nodes of g devices:      bytes per device
+               max((g-1)/n B/bw_node + (g-1) a_node,
+                   (n-g)/n B/bw_net + (n-g) a_net)
 broadcast      min(pipelined ring B/bw + (n-1) a,                    the tensor
                binomial tree ceil(log2 n) (a + B/bw))
 p2p            B/bw + a                                              the message
@@ -107,9 +109,25 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> fl
     if n == 1 or nbytes == 0:
         return 0.0
     flat = _flat_time(kind, nbytes, n, link)
-    if link.local is None or kind in ("all_to_all", "p2p") or n % link.local[1]:
+    if link.local is None or kind == "p2p" or n % link.local[1]:
         return flat
+    if kind == "all_to_all":
+        return _two_link_all_to_all_time(nbytes, n, link)
     return min(flat, _hierarchical_time(kind, nbytes, n, link))
+
+
+def _two_link_all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """All-to-all of ``nbytes`` per device over ``n`` devices, g of them in each
+    node: a device's shares for the g - 1 peers of its node go over the in-node
+    link and those for the n - g others over its network share, both at once
+    (expert parallelism's token dispatch across nodes)."""
+    local, g = link.local
+    inner = dataclasses.replace(link, local=None)
+    a_local, bw_local = local.alpha_beta("all_to_all")
+    a_net, bw_net = inner.alpha_beta("all_to_all")
+    in_node = (g - 1) / n * nbytes / bw_local + (g - 1) * a_local
+    across = (n - g) / n * nbytes / bw_net + (n - g) * a_net
+    return max(in_node, across)
 
 
 def _hierarchical_time(kind: str, nbytes: float, n: int, link: Link) -> float:

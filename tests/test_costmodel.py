@@ -597,6 +597,26 @@ def test_axis_spanning_nodes_goes_hierarchical_where_cheaper():
     assert links[0] == inter and links[1] == intra
 
 
+def test_all_to_all_across_nodes_sends_node_peers_shares_over_nvlink():
+    """Expert parallelism over 2 nodes of 8: 7 of a device's 15 shares stay in
+    its node; its network share carries the other 8 meanwhile."""
+    from costmodel.collectives import axis_links, collective_time
+    from costmodel.presets import preset
+
+    cluster = preset("h800", 2)
+    (link,) = axis_links(cluster, (16,))
+    intra, inter = cluster.intra_node, cluster.inter_node
+    nbytes = 64e6
+    in_node = collective_time("all_to_all", nbytes * 8 / 16, 8, intra)
+    across = 8 / 16 * nbytes / inter.bandwidth + 8 * inter.latency
+    flat = collective_time("all_to_all", nbytes, 16, inter)
+    assert collective_time("all_to_all", nbytes, 16, link) == pytest.approx(max(in_node, across))
+    assert across > in_node and max(in_node, across) < flat
+    # all in one node: the in-node link only
+    assert collective_time("all_to_all", nbytes, 8, intra) == pytest.approx(
+        7 / 8 * nbytes / intra.bandwidth + 7 * intra.latency)
+
+
 def test_efficiency_curve_by_problem_size():
     from costmodel.cluster import DeviceSpec
     from costmodel.compute import matmul_efficiency, op_time
