@@ -47,7 +47,7 @@ from costmodel.schedule_specs import schedule_spec
 from ir.placements import parse_placements, placement_str
 from ir.precision import cast_float
 from ir.repeated_blocks import find_layers
-from ir.torch_compat import is_strided_shard
+from ir.torch_compat import from_local_with_grad_placements, is_strided_shard
 from planner.plan_format import Plan, StagePlan
 
 __all__ = ["PipelineRuntime", "StageExecutor", "StageModule", "local_shape", "split_microbatch",
@@ -411,8 +411,8 @@ class StageModule(nn.Module):
         grads = list(placements)
         grads[self.zero_axis] = Partial()
         shape, stride = self._shapes[fqn]
-        return DTensor.from_local(local, self.executor.mesh, placements, run_check=False,
-                                  shape=shape, stride=stride, grad_placements=grads)
+        return from_local_with_grad_placements(local, self.executor.mesh, placements,
+                                               shape=shape, stride=stride, grad_placements=grads)
 
     def forward(self, *args: torch.Tensor) -> Any:
         return self.executor.run_stage(*args)

@@ -21,7 +21,7 @@ __all__ = [
     "capture_decompositions", "decomposition_registry_size", "dispatcher_input_reshards",
     "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
     "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
-    "fake_tensor_mode_type", "fake_tensor_on", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
+    "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
     "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
     "op_strategy_functions", "register_fused_attention_sharding", "sharding_propagator",
     "single_dim_expansion", "strided_shard", "strided_shard_type",
@@ -293,6 +293,48 @@ def autograd_redistribute(value: Any, mesh: Any, placements: tuple) -> Any:
     dt = value.dtype
     cfg = {"op_dtype": dt, "out_dtype": dt, "backward_options": {"op_dtype": dt, "out_dtype": dt}}
     return Redistribute.apply(value, mesh, placements, False, cfg)
+
+
+def from_local_with_grad_placements(local: torch.Tensor, mesh: Any, placements: Any, *,
+                                    shape: Any, stride: Any, grad_placements: Any) -> Any:
+    """``DTensor.from_local(local, mesh, placements)`` whose gradient leaves as
+    the local shard of ``grad_placements`` (for example a partial sum, which
+    FSDP2 then reduce-scatters) instead of being redistributed to
+    ``placements``. torch 2.12 takes ``grad_placements`` itself; on torch
+    2.11 a function of the same forward and backward does it."""
+    import inspect
+
+    from torch.distributed.tensor import DTensor
+
+    if "grad_placements" in inspect.signature(DTensor.from_local).parameters:
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride, grad_placements=grad_placements)
+    return _FromLocalGradPlacements.apply(local, mesh, tuple(placements), shape, stride,
+                                          tuple(grad_placements))
+
+
+class _FromLocalGradPlacements(torch.autograd.Function):
+    """``DTensor.from_local`` with ``grad_placements``, for torch 2.11."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, mesh: Any, placements: tuple, shape: Any,
+                stride: Any, grad_placements: tuple) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        ctx.mesh, ctx.grad_placements = mesh, grad_placements
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec
+        from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+        if isinstance(grad, DTensor):
+            target = DTensorSpec(ctx.mesh, ctx.grad_placements, tensor_meta=grad._spec.tensor_meta)
+            grad = redistribute_local_tensor(grad._local_tensor, grad._spec, target)
+        return grad, None, None, None, None, None
 
 
 def dispatcher_input_reshards(op: Any, args: tuple, kwargs: dict) -> list[tuple[Any, tuple]] | None:
