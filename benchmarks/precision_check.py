@@ -27,7 +27,7 @@ row really is the parallelism it names:
   sequences per data-parallel rank, 1F1B, the layers split evenly
   (:func:`planner.megatron.megatron_plan`). Without the distributed
   optimizer: its ZeRO-1 stages are priced by the planner but the pipeline
-  runtime runs only ZeRO-0 and ZeRO-3 stages.
+  runtime runs only ZeRO-0, ZeRO-2 and ZeRO-3 stages.
 * ``zero3``: one stage on mesh (N,) with ZeRO-3 (FSDP2 ``fully_shard`` over
   the mesh, its ``MixedPrecisionPolicy`` all-gathering bf16 parameters and
   reduce-scattering fp32 gradients), accumulating the gradients of 2

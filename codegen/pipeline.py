@@ -15,8 +15,8 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
   ranks of consecutive stages correspond by position, so local shards line up.
 * :class:`StageModule` is the ``nn.Module`` a ``PipelineStage`` wraps: it owns
   the stage's parameters under their model FQNs (so the schedule, FSDP2 and the
-  optimizer see them) and, for ``zero_stage == 3``, is sharded with FSDP2
-  ``fully_shard`` over the stage-mesh axis ``zero_axis``.
+  optimizer see them) and, for ``zero_stage`` 2 or 3, is sharded with FSDP2
+  ``fully_shard`` over the stage-mesh axis ``zero_axis`` (:func:`_fully_shard_stage`).
 * :class:`PipelineRuntime` builds the stages (``torch.distributed.pipelining.
   PipelineStage``, static shapes) and the plan's schedule class
   (``costmodel.schedule_specs.SCHEDULE_SPECS``), and runs one step on the
@@ -44,6 +44,7 @@ from codegen.executor import PlanExecutor
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.redistribution import redistribute
 from costmodel.schedule_specs import schedule_spec
+from costmodel.strategy_cost import FSDP_STAGES
 from ir.placements import parse_placements, placement_str
 from ir.precision import cast_float
 from ir.repeated_blocks import find_layers
@@ -341,11 +342,30 @@ def _mixed_precision_policy(plan: Plan) -> Any:
     return MixedPrecisionPolicy(param_dtype=p.compute_dtype, reduce_dtype=p.reduce_dtype)
 
 
+def _fully_shard_stage(module: nn.Module, st: StagePlan, plan: Plan, mesh: DeviceMesh) -> None:
+    """Shard ``module`` (one stage, one FSDP2 unit) with ``fully_shard`` over
+    ``mesh`` (its 1-D ``zero_axis``) for the stage's ZeRO stage: optimizer
+    states, gradients and master parameters sharded at both 2 and 3. ZeRO-2
+    passes ``reshard_after_forward=False`` (the parameters all-gathered once,
+    kept from forward to backward); ZeRO-3 leaves FSDP2's default, which for
+    a root module (a stage module always is one) is the same: torch's
+    pipeline stage also keeps them unsharded between micro-batches, so both
+    all-gather the parameters once and reduce-scatter the gradients once per
+    step. Same precision policy and gradient reduction for both."""
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = {"reshard_after_forward": False} if st.zero_stage == 2 else {}
+    fully_shard(module, mesh=mesh, mp_policy=_mixed_precision_policy(plan), **reshard)
+    # The local gradients are partial sums: reduce-scatter their sum.
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+
 class StageModule(nn.Module):
     """The ``nn.Module`` of one stage: its parameters under their model FQNs, and a
     forward that runs the :class:`StageExecutor`.
 
-    With ``zero_axis`` (ZeRO-3), every parameter must be replicated on that
+    With ``zero_axis`` (ZeRO-2 or ZeRO-3), every parameter must be replicated on that
     stage-mesh axis; the module then holds it without that axis (a plain tensor
     on a 1-D stage mesh, else a DTensor on the other axes) for FSDP2 to shard,
     and each forward views FSDP's unsharded parameter as the planned DTensor on
@@ -382,7 +402,7 @@ class StageModule(nn.Module):
         if mesh.ndim == 1:
             return None
         if len(names) != mesh.ndim - 1:
-            raise PipelinePlanError("ZeRO-3 on a multi-axis stage mesh needs named mesh axes")
+            raise PipelinePlanError("FSDP2 ZeRO on a multi-axis stage mesh needs named mesh axes")
         return mesh[names[0]] if len(names) == 1 else mesh[tuple(names)]
 
     def _owned(self, fqn: str, param: nn.Parameter) -> nn.Parameter:
@@ -391,8 +411,8 @@ class StageModule(nn.Module):
         placements = self._placements[fqn]
         if not placements[self.zero_axis].is_replicate():
             raise PipelinePlanError(
-                f"ZeRO-3 over stage-mesh axis {self.zero_axis} needs parameter {fqn} replicated "
-                f"on it, the plan places it {[placement_str(p) for p in placements]}")
+                f"FSDP2 ZeRO over stage-mesh axis {self.zero_axis} needs parameter {fqn} "
+                f"replicated on it, the plan places it {[placement_str(p) for p in placements]}")
         local = param.to_local().detach().clone()
         sub = self._other_axes_mesh()
         if sub is None:
@@ -483,7 +503,6 @@ class PipelineRuntime:
         Needs an initialised default process group of ``plan.world_size`` ranks.
         """
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         validate_pipeline_plan(plan)
         pipe = plan.pipeline
@@ -504,19 +523,17 @@ class PipelineRuntime:
         modules, stages, zero = [], [], []
         for st in mine:
             executor = StageExecutor(plan, st, model, microbatch, stage_mesh, program=program)
-            module = StageModule(executor, zero_axis=st.zero_axis if st.zero_stage == 3 else None)
-            if st.zero_stage == 3:
-                fully_shard(module, mesh=stage_mesh[names[st.zero_axis]] if len(names) > 1
-                            else stage_mesh, mp_policy=_mixed_precision_policy(plan))
-                # The local gradients are partial sums: reduce-scatter their sum.
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+            fsdp = st.zero_stage in FSDP_STAGES
+            module = StageModule(executor, zero_axis=st.zero_axis if fsdp else None)
+            if fsdp:
+                _fully_shard_stage(module, st, plan, stage_mesh[names[st.zero_axis]]
+                                   if len(names) > 1 else stage_mesh)
             stages.append(_Stage(
                 module, st.index, len(pipe.stages), device,
                 input_args=executor.example_inputs(microbatch),
                 output_args=executor.example_outputs(), group=world.get_group("pp")))
             modules.append(module)
-            zero.append(st.zero_stage == 3)
+            zero.append(fsdp)
         arg = stages[0] if spec.single_stage else stages
         sched = spec.torch_type(arg, n_microbatches=m, loss_fn=_stage_loss, scale_grads=True)
         runtime = cls(plan=plan, world_mesh=world, stage_mesh=stage_mesh, pp_rank=pp_rank,
@@ -548,7 +565,7 @@ class PipelineRuntime:
         return [m.executor for m in self.modules]
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """(FQN, parameter) of every stage this rank runs (FSDP-sharded under ZeRO-3)."""
+        """(FQN, parameter) of every stage this rank runs (FSDP-sharded under ZeRO-2/3)."""
         return [item for m in self.modules for item in m.named_parameters()]
 
     def step(self, global_inputs: Sequence[Any]) -> list[torch.Tensor] | None:

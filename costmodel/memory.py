@@ -20,7 +20,9 @@ backward). ZeRO (Rajbhandari et al., SC'20) shards these over a data-parallel
 group of N: stage 1 the optimizer states, stage 2 also the gradients, stage 3
 also the parameters; under stage 3 (FSDP2) each parameter is all-gathered whole
 in the compute dtype for the step and its gradient is whole in the compute
-dtype until it is reduce-scattered. Sharded parts use ``ceil(Psi / N)``
+dtype until it is reduce-scattered. FSDP2 runs stage 2 too
+(``reshard_after_forward=False``) and stores the parameters sharded there as
+well: its layout is stage 3's (``params_sharded``). Sharded parts use ``ceil(Psi / N)``
 parameters per device (FSDP pads). (The ZeRO paper's own example keeps fp16
 gradients: 16 bytes/Psi at stage 0.)
 
@@ -69,6 +71,7 @@ def training_state_bytes(
     optimizer: str = "adam",
     zero_stage: int = 0,
     dp_size: int = 1,
+    params_sharded: bool | None = None,
 ) -> dict[str, int]:
     """Bytes per device for parameters, gradients and optimizer states.
 
@@ -85,6 +88,12 @@ def training_state_bytes(
             dtype for the step, gradients whole in the compute dtype until
             reduce-scattered).
         dp_size: data-parallel (ZeRO) group size N.
+        params_sharded: whether the master parameters are stored sharded over
+            ``dp_size`` and gathered whole in the compute dtype for the step;
+            None: at stage 3 only, as the ZeRO paper has it. FSDP2's stage 2
+            (``reshard_after_forward=False``) passes True: it shards the master
+            parameters as stage 3 does and only keeps the gathered copy from
+            forward to backward, so it allocates what stage 3 does.
 
     Returns:
         ``{"params", "grads", "optimizer", "total"}`` in bytes per device
@@ -104,8 +113,10 @@ def training_state_bytes(
     master, compute = p.master_bytes, p.compute_dtype.itemsize
     shard = math.ceil(num_params / dp_size)  # parameters per device when sharded
     sharded = dp_size > 1
-    params = master * (shard if zero_stage >= 3 else num_params)
-    if p.mixed or (zero_stage >= 3 and sharded):  # the whole compute-dtype copy the step reads
+    if params_sharded is None:
+        params_sharded = zero_stage >= 3
+    params = master * (shard if params_sharded else num_params)
+    if p.mixed or (params_sharded and sharded):  # the whole compute-dtype copy the step reads
         params += compute * num_params
     grads = master * (shard if zero_stage >= 2 else num_params)
     if zero_stage >= 2 and sharded:  # whole until reduce-scattered

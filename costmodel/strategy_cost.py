@@ -34,7 +34,8 @@ from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
 from ir.precision import get_precision
 from ir.strategy import Placements, Strategy, is_shard
 
-__all__ = ["CostBreakdown", "IntraOpCost", "NodePrices", "ZERO_STAGES", "local_numel"]
+__all__ = ["CostBreakdown", "FSDP_STAGES", "IntraOpCost", "NodePrices", "ZERO_STAGES",
+           "local_numel"]
 
 
 def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int],
@@ -48,7 +49,12 @@ def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: S
 
 
 # ZeRO stages the cost model prices (IntraOpCost's zero_stage).
-ZERO_STAGES = (0, 1, 3)
+ZERO_STAGES = (0, 1, 2, 3)
+
+# ZeRO stages a pipeline stage runs with FSDP2 ``fully_shard`` of its whole
+# module over mesh axis 0 (codegen.pipeline): FSDP2 stores the parameters
+# sharded at both, so the stage's parameters must be replicated on that axis.
+FSDP_STAGES = (2, 3)
 
 
 @dataclass
@@ -100,11 +106,27 @@ class IntraOpCost:
           on it wait for the end of the step, are reduce-scattered once and
           the updated parameters all-gathered once (Megatron's distributed
           optimizer);
-        * 3: FSDP2 with the whole stage as one unit: parameters, gradients and
-          optimizer states sharded over axis 0; the parameters are all-gathered
-          at the first forward and kept until the last backward (torch's
-          pipeline stage does not reshard between micro-batches), the
-          gradient sums reduce-scattered once per step.
+        * 2: FSDP2 ``fully_shard(reshard_after_forward=False)`` with the whole
+          stage as one unit: optimizer states and gradients sharded over axis
+          0, the parameters not re-sharded between forward and backward. FSDP2
+          stores the fp32 master parameters sharded too, all-gathers them
+          whole in the compute dtype at the first forward and keeps them until
+          the last backward (torch's pipeline stage asks FSDP2 not to reshard
+          after a backward that is not the step's last); the gradient sums
+          are reduce-scattered once per step;
+        * 3: FSDP2 ``fully_shard`` (default resharding) with the whole stage as
+          one unit: parameters, gradients and optimizer states sharded over
+          axis 0. The stage module is FSDP2's root, which FSDP2 does not
+          reshard after forward, so it runs, and is priced, as ZeRO-2: one
+          all-gather of the parameters and one reduce-scatter of the
+          gradient sums per step (measured under torch 2.13's 1F1B and GPipe
+          schedules; resharding after forward would all-gather again in every
+          micro-batch's forward and in the first backward, and free nothing
+          at the step's peak, where the stage's parameters are whole for the
+          backward).
+
+        The properties these differ by (:attr:`state_shards`,
+        :attr:`params_sharded`, :attr:`step_sync_ranks`) set the prices.
 
         ``reduce_once`` (with ``zero_stage`` 0): whole states, but the gradient
         sums on axis 0 accumulate over the micro-batches and are all-reduced
@@ -117,6 +139,9 @@ class IntraOpCost:
         self.zero_stage = zero_stage
         # ranks the parameter states are sharded over (mesh axis 0 under ZeRO)
         self.state_shards = int(mesh_shape[0]) if zero_stage else 1
+        # whether the master parameters are stored sharded over axis 0 (FSDP2),
+        # gathered whole in the compute dtype for the step
+        self.params_sharded = zero_stage in FSDP_STAGES
         # ranks whose gradient sums on mesh axis 0 wait for the end of the step
         self.step_sync_ranks = int(mesh_shape[0]) if zero_stage or reduce_once else 1
         # micro-batches whose saved activations are alive at once (pipeline in-flight)
@@ -382,11 +407,13 @@ class IntraOpCost:
         autograd keeps for some op's backward (:mod:`costmodel.saved_tensors`).
 
         With n ranks on mesh axis 0: under ZeRO-1 the optimizer states count
-        ``1/n``; under ZeRO-3 (FSDP2 with the whole stage as one unit)
-        parameters, gradients and optimizer states are kept 1/n each, and on
-        top the stage's parameters are all-gathered whole for the step and its
-        gradients stay whole until they are reduce-scattered: params and grads
-        count ``1 + 1/n`` times, optimizer states ``1/n``.
+        ``1/n``; under ZeRO-2 and ZeRO-3 (FSDP2 with the whole stage as one
+        unit, :attr:`params_sharded`) parameters, gradients and optimizer
+        states are kept 1/n each, and on top the stage's parameters are
+        all-gathered whole for the step and its gradients stay whole until
+        they are reduce-scattered: params and grads count ``1 + 1/n`` times,
+        optimizer states ``1/n`` (in fp32; see
+        :func:`costmodel.memory.training_state_bytes` for the dtypes).
         """
         if node.kind == PARAM:
             numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
@@ -394,7 +421,8 @@ class IntraOpCost:
             # ZeRO shards the states over axis 0, where the parameter is replicated
             state = training_state_bytes(int(math.ceil(numel)), precision=self.precision,
                                          optimizer=self.optimizer,
-                                         zero_stage=self.zero_stage if n > 1 else 0, dp_size=n)
+                                         zero_stage=self.zero_stage if n > 1 else 0, dp_size=n,
+                                         params_sharded=self.params_sharded)
             return {k: float(v) for k, v in state.items() if k != "total"}
         if node.kind == INPUT:
             return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)

@@ -134,7 +134,7 @@ def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
         return None
     out = [int(z) for z in zero_stages]
     if not out or any(z not in SEARCH_ZERO_STAGES for z in out):
-        raise PlanningError(f"ZeRO stages must be 0 (none) or 3 (FSDP2), got "
+        raise PlanningError(f"ZeRO stages must be 0 (none), 2 or 3 (FSDP2), got "
                             f"{list(zero_stages)}")
     return out
 
@@ -211,8 +211,8 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
     variants, accumulating_variants = zero_variants(ctx, [ranked, accumulating], opts)
     # the fastest few as ranked after refining and as first priced (a refined
     # profile can move a cut the exact solve liked better), the best single
-    # stage, the best ZeRO-3 variants, and the best single stages accumulating
-    # micro-batches (with and without ZeRO-3; apart, so that they take no
+    # stage, the best FSDP2 ZeRO variants, and the best single stages accumulating
+    # micro-batches (with and without FSDP2 ZeRO; apart, so that they take no
     # pipeline's place): candidates are priced from layer profiles, the exact
     # solve decides
     finalists = list({(c.label(), tuple(c.split.bounds)): c for c in
@@ -252,8 +252,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         stage_mesh: logical mesh of every stage, e.g. ``(2,)`` or ``(1, 2)``.
         schedule: a schedule name (``1f1b``, ``gpipe``, ``interleaved_1f1b``, ...).
         num_microbatches: micro-batches per step (must divide the batch).
-        zero_stage: 0, or 3 to shard each stage's parameters, gradients and
-            optimizer states with FSDP2 over its first mesh axis.
+        zero_stage: 0; 2 to shard each stage's gradients and optimizer states
+            with FSDP2 over its first mesh axis, its parameters not resharded
+            between forward and backward; or 3 to shard the parameters too.
         layer_split: layers per stage, in stage order (default: the inter-op DP's cut):
             repeated blocks, the ops before the first (embeddings) joining the first
             stage and those after the last (head and loss) the last stage.

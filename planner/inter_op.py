@@ -223,9 +223,9 @@ class StageMeshOption:
     shape: tuple[int, ...]
     num_nodes: int
     devices_per_node: int
-    # ZeRO over mesh axis 0 (see costmodel.strategy_cost.IntraOpCost): 0, 3 (FSDP2,
-    # parameters replicated on axis 0) or 1 (Megatron's distributed optimizer,
-    # priced for its baselines only)
+    # ZeRO over mesh axis 0 (see costmodel.strategy_cost.IntraOpCost): 0, 2 or 3
+    # (FSDP2, parameters replicated on axis 0) or 1 (Megatron's distributed
+    # optimizer, priced for its baselines only)
     zero_stage: int = 0
     # with zero_stage 0: the gradients on axis 0 all-reduced once per step, not
     # per micro-batch (Megatron's DDP; priced for its baselines only)

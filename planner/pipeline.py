@@ -17,6 +17,7 @@ from typing import Sequence
 from costmodel.cluster import Cluster
 from costmodel.schedule_specs import canonical_schedule, default_stages_per_rank, schedule_spec
 from costmodel.schedules import ScheduleBook, simulate
+from costmodel.strategy_cost import FSDP_STAGES
 from planner.inter_op import (NO_PIPELINE, SEARCH_SCHEDULES, PipelineCandidate, StageMeshOption,
                               StageTimes, config_label, in_flight, split_layers,
                               stage_mesh_options)
@@ -94,9 +95,24 @@ def _accumulation_options(global_batch: int, limit: int) -> list[int]:
     return out
 
 
-# ZeRO stages the search tries for pipeline stages: none, and FSDP2 (ZeRO-3)
-# over stage mesh axis 0.
-SEARCH_ZERO_STAGES = (0, 3)
+# ZeRO stages the search tries for pipeline stages: none, and FSDP2 over stage
+# mesh axis 0 as ZeRO-2 (optimizer states and gradients sharded, parameters not
+# re-sharded between forward and backward) or ZeRO-3 (parameters sharded too).
+SEARCH_ZERO_STAGES = (0, 2, 3)
+
+
+def fsdp_stage(zero_stages: Sequence[int]) -> int | None:
+    """The FSDP2 ZeRO stage (2 or 3) the search gives stages, of those
+    ``zero_stages`` allows; None if it allows neither.
+
+    With one FSDP2 unit per pipeline stage the two run alike (the stage module
+    is FSDP2's root, never resharded after forward, and torch's pipeline
+    keeps it unsharded between micro-batches) and are priced alike
+    (:class:`costmodel.strategy_cost.IntraOpCost`), so the search prices the
+    variant once, under 3 where it is allowed (the plans it made before
+    ZeRO-2 was a choice stay byte for byte the same), else under 2."""
+    allowed = [z for z in FSDP_STAGES if z in zero_stages]
+    return max(allowed) if allowed else None
 
 
 @dataclass
@@ -127,8 +143,8 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     batch, then the pipelines, then one stage accumulating the gradients of
     several micro-batches (:func:`accumulates`; last, so that the profiles
     they make change no other price). The stage meshes are without ZeRO
-    where ``opts`` allows it (:func:`zero_variants` adds ZeRO-3 for the
-    leading candidates), else with the ZeRO stage it names (on meshes whose
+    where ``opts`` allows it (:func:`zero_variants` adds FSDP2 ZeRO for the
+    leading candidates), else with the ZeRO stage it names (:func:`fsdp_stage`; on meshes whose
     axis 0 has more than one rank). Pipelines of more stages than the
     program has layers are left out before any program is made for them
     (llama3-8b's 32 layers: 29 configurations, which under earlier
@@ -137,7 +153,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
     zeros = opts.zero_choices
-    zero = 0 if 0 in zeros else zeros[0]
+    zero = 0 if 0 in zeros else (fsdp_stage(zeros) or zeros[0])
     num_layers = len(ctx.program(1).layers)
     out, accumulating = [], []
     for pp in pps:
@@ -199,11 +215,12 @@ def _zero3_estimate(c: PipelineCandidate) -> float:
 
 def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
-    """For each group of ranked candidates, the ZeRO-3 variants of its
+    """For each group of ranked candidates, the FSDP2 ZeRO variants (stage
+    :func:`fsdp_stage`: 3, or 2 where only it is allowed) of its
     :data:`ZERO_CANDIDATES` pipelines (without ZeRO, stage mesh with more than
-    one rank on axis 0) that ZeRO-3 promises most (:func:`_zero3_estimate`),
+    one rank on axis 0) that ZeRO promises most (:func:`_zero3_estimate`),
     priced, best first; none unless
-    ``opts`` allows both ZeRO stages. The groups are priced together
+    ``opts`` allows 0 and an FSDP2 stage. The groups are priced together
     (:func:`planner.search_phases.price_all`; in their order within each
     pricing scope, as if one after the other).
 
@@ -215,9 +232,10 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     parameter states on any axis, so ZeRO-3 mostly changes how fast a
     configuration is, not whether it fits."""
     zeros = opts.zero_choices
-    if not (0 in zeros and 3 in zeros):
+    zero = fsdp_stage(zeros)
+    if not (0 in zeros and zero):
         return [[] for _ in groups]
-    per_group = [[(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=3),
+    per_group = [[(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
                    c.schedule, c.num_microbatches)
                   for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
                                    and not c.mesh.zero_stage and c.mesh.shape[0] > 1),
@@ -225,7 +243,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                  for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (
-        f"ZeRO-3 variant {k + 1}/{len(configs)}: {config_label(*config)}"), traced=True)
+        f"ZeRO-{zero} variant {k + 1}/{len(configs)}: {config_label(*config)}"), traced=True)
     out, start = [], 0
     for group in per_group:
         variants = [c for c in priced[start:start + len(group)] if c is not None]

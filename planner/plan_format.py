@@ -135,7 +135,13 @@ class StagePlan:
         zero_stage: 0 (parameters as placed), 3 (parameters, gradients and
             optimizer states sharded by FSDP2 ``fully_shard`` over the stage's
             data-parallel axis ``zero_axis``, gradients reduce-scattered once
-            per step) or 1 (optimizer states sharded over ``zero_axis``:
+            per step), 2 (optimizer states and gradients sharded over
+            ``zero_axis``, parameters not re-sharded between forward and
+            backward: FSDP2 ``fully_shard(reshard_after_forward=False)``,
+            which stores the master parameters sharded too, all-gathers them
+            once per step and reduce-scatters the gradients once per step;
+            with one FSDP2 unit per stage it runs and is priced as 3) or 1
+            (optimizer states sharded over ``zero_axis``:
             Megatron's distributed optimizer, in Megatron baselines only; the
             runtime does not run it).
         predicted: per micro-batch ``forward_s``, ``backward_input_s``,

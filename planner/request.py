@@ -49,7 +49,10 @@ class PlanRequest:
             so that the runner builds the same shapes).
         pipeline: also search pipeline plans (ignored with ``mesh_shape``).
         pp, schedules, num_microbatches: restrict the pipeline search.
-        zero_stages: ZeRO stages of pipeline stages to try (0 and/or 3).
+        zero_stages: ZeRO stages of pipeline stages to try: 0 (none), 2 (FSDP2
+            over the stage mesh's first axis without resharding after forward:
+            optimizer states and gradients sharded), 3 (FSDP2, parameters
+            sharded too); None: all three.
         precision: a training precision name (:mod:`ir.precision`) or a
             :class:`Precision`; None: :func:`default_precision`.
         recompute: None: the search checkpoints where that is fastest; True:

@@ -19,7 +19,7 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links
 from costmodel.resharding import ReshardPricer
 from costmodel.schedules import ScheduleBook
-from costmodel.strategy_cost import IntraOpCost
+from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost
 from ir.graph import PARAM, Graph
 from ir.subgraph import subgraph
 from planner.inter_op import LayerProfile, StageMeshOption, StageTimes, mesh_family, stage_times
@@ -185,7 +185,7 @@ class SearchContext:
         strategies = build_strategies(sub, mesh.shape,
                                       self._strategy_cache.setdefault(mesh.shape, {}),
                                       self._expansions)
-        if mesh.zero_stage == 3:  # FSDP2 shards parameters that are replicated on axis 0
+        if mesh.zero_stage in FSDP_STAGES:  # FSDP2 shards parameters replicated on axis 0
             strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
                 ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],
                 ns.fallback) for ns in strategies]
