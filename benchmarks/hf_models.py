@@ -53,7 +53,7 @@ def run_model(spec: str, ranks: int, workdir: str) -> dict[str, Any]:
         result = plan(model, f"local-cpu:{ranks}", example_inputs=inputs, model_source=spec,
                       zoo_kwargs={"seq_len": SEQ_LEN})
     row.update(plan_s=round(time.perf_counter() - t0, 1), mesh=list(result.mesh_shape),
-               predicted_step_s=result.predicted.get("step_s"),
+               predicted_step_s=result.predicted.get("step_time_s"),
                plan_warnings=sorted({str(w.message).splitlines()[0][:160] for w in caught}))
     path = os.path.join(workdir, "plan.json")
     result.save(path)
@@ -67,7 +67,8 @@ def run_model(spec: str, ranks: int, workdir: str) -> dict[str, Any]:
                loss_rel_err=r.get("loss_rel_err"), max_rel_grad_err=r.get("max_rel_grad_err"),
                num_params_checked=r.get("num_params_checked"),
                missing_grads=r.get("missing_grads"), observed_match=r.get("observed_match"),
-               fallback_ops=r.get("fallback_ops"), step_s=(r.get("step_times_s") or [None])[-1])
+               fallback_ops=r.get("fallback_ops"), step_s=(r.get("step_times_s") or [None])[-1],
+               loadavg=os.getloadavg()[0])
     return row
 
 
