@@ -80,10 +80,12 @@ def test_pp2_data_parallel_stages(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_pp2_zero3_stages(tmp_path):
+def test_pp2_zero2_stages(tmp_path):
+    """Two ZeRO-2 stages (FSDP2 without resharding after forward); ZeRO-3 stages
+    run in the one-stage test below and in tests/test_precision_run.py."""
     plan = pipeline_test_plan(pp=2, stage_mesh=(2,), schedule="1f1b", num_microbatches=2,
-                              zero_stage=3, megatron=(1, 2))
-    assert all(st.zero_stage == 3 and st.zero_axis == 0 for st in plan.pipeline.stages)
+                              zero_stage=2, megatron=(1, 2))
+    assert all(st.zero_stage == 2 and st.zero_axis == 0 for st in plan.pipeline.stages)
     _run(plan, tmp_path)
 
 

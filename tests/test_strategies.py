@@ -102,10 +102,11 @@ def test_expansions_that_came_back_pickled_from_a_forked_search_give_the_same_st
     assert len(fresh) == len(again)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "deepseek-tiny"])
 def test_zoo_transformers_have_a_dtensor_strategy_for_every_op(name):
-    """Every op of the small transformers, fused attention and llama's
-    concatenations included, has a usable DTensor strategy in every precision
+    """Every op of the small transformers, fused attention, llama's
+    concatenations and DeepSeek's routing (sort, scatter, gather) included, has
+    a usable DTensor strategy in every precision
     (a torch release that moves an op to another strategy table would
     otherwise plan it replicated, silently but for a warning)."""
     import warnings

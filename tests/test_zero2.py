@@ -1,4 +1,4 @@
-"""ZeRO-2 pipeline stages: priced, searched and run (FSDP2 without resharding after forward).
+"""ZeRO-2 pipeline stages: priced and searched (run: tests/test_pipeline_run.py's pp2 stages).
 
 ZeRO-2 shards a stage's optimizer states and gradients over the stage mesh's
 data-parallel axis and keeps its parameters unsharded from forward to
@@ -99,25 +99,3 @@ def test_plan_with_zero_stages_2_records_zero2_stages_and_refuses_bad_stages():
     for bad in ([1], [4], []):
         with pytest.raises(PlanningError, match=r"ZeRO stages must be 0 \(none\), 2 or 3"):
             plan(model, "local-cpu:4", zero_stages=bad, **kwargs)
-
-
-@pytest.mark.multiprocess
-def test_zero2_single_stage_of_gpt_tiny_runs_on_4_ranks(tmp_path):
-    """pp=1, stage mesh (4,), ZeRO-2 (FSDP2 without resharding after forward),
-    2 micro-batches accumulated: one step matches the one-process reference."""
-    from codegen.launch import launch
-    from planner.api import pipeline_plan
-    from planner.megatron import MegatronConfig, megatron_layout
-
-    model, inputs = build_model("gpt-tiny", device="meta")
-    fixed = megatron_layout(trace(model, inputs), MegatronConfig(1, 4))  # replicated params
-    p = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=1, stage_mesh=(4,),
-                      schedule="1f1b", num_microbatches=2, zero_stage=2, fixed=fixed,
-                      model_source="gpt-tiny", time_limit_s=5.0)
-    assert [(st.zero_stage, st.zero_axis) for st in p.pipeline.stages] == [(2, 0)]
-    path = tmp_path / "plan.json"
-    p.save(path)
-    result = launch(path, nproc=4, steps=1, check=True, timeout_s=120)
-    assert result["passed"], result.get("output")
-    assert result["observed_match"] and not result["missing_grads"]
-    assert result["pipeline"]["pp"] == 1

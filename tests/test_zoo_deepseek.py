@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,26 +195,6 @@ def test_tiny_exports_with_the_closed_form_flops(tiny_graph):
     targets = {n.target for n in g.nodes}
     assert "aten.nonzero.default" not in targets
     assert "aten.gather.default" in targets  # dispatch moves tokens: no one-hot matmuls
-
-
-def test_tiny_has_a_dtensor_strategy_for_every_op(tiny_graph):
-    """As tests/test_strategies.py asks of the other zoo transformers: the
-    routing's sort, scatter and gather ops included, in every precision."""
-    from ir.precision import compute_copy, get_precision
-    from planner.strategies import ReplicateFallbackWarning, build_strategies
-
-    for precision in ("fp32", "bf16-mixed"):
-        if precision == "fp32":
-            graph = tiny_graph
-        else:
-            graph = ir.trace(*compute_copy(*zoo.build("deepseek-tiny"),
-                                           get_precision(precision)))
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            build_strategies(graph, (2, 2))
-        fallbacks = [str(w.message) for w in caught
-                     if issubclass(w.category, ReplicateFallbackWarning)]
-        assert fallbacks == [], (precision, fallbacks[:3])
 
 
 def test_tiny_plans_on_four_cpu_ranks():
