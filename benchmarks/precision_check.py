@@ -3,8 +3,9 @@
     python -m benchmarks.precision_check                     # the whole grid (~30 launches)
     python -m benchmarks.precision_check --models gpt-tiny --worlds 2 --configs tp pp2
 
-For every model of (gpt-tiny, llama-tiny, moe-tiny), world size of (2, 4) and
-parallel configuration below, makes a plan with ``precision="bf16-mixed"``,
+For every model of (gpt-tiny, llama-tiny, moe-tiny; deepseek-tiny on request),
+world size of (2, 4) and parallel configuration below, makes a plan with
+``precision="bf16-mixed"``,
 saves it and runs it with ``codegen.launch.launch(path, steps=2, check=True)``
 (torchrun, gloo, ``OMP_NUM_THREADS=1``): step 1's loss and every parameter
 gradient against a one-process run in the same precision
@@ -34,6 +35,12 @@ row really is the parallelism it names:
   micro-batches (:func:`planner.api.pipeline_plan` with ``pp=1``,
   ``zero_stage=3`` and the data-parallel layout fixed): the single-stage
   ZeRO-3 path of the planner's search.
+* ``zero2``: the same with ZeRO-2 (FSDP2 without resharding after forward).
+* ``ep`` (models with experts): Megatron-Core ``tp=1 dp=N`` with
+  ``expert_model_parallel_size=N``: each rank holds E/N experts, tokens moved
+  to them and back by all-to-all.
+* ``eptp`` (models with experts, 4 ranks): ``tp=2 dp=2`` with ``ep=2``: the
+  expert-parallel group inside the tensor-parallel ranks' product.
 
 Every case is guarded: a planning or launch failure is recorded (its first
 error line) and the grid goes on. Writes ``benchmarks/results/precision_check.json``
@@ -62,7 +69,10 @@ from benchmarks.common import load_average, machine_block, write_results, wrote_
 RESULTS = os.path.join(HERE, "results")
 MODELS = ("gpt-tiny", "llama-tiny", "moe-tiny")
 WORLDS = (2, 4)
-CONFIGS = ("dp", "tp", "2d", "pp2", "zero3")
+CONFIGS = ("dp", "tp", "2d", "pp2", "zero3", "zero2", "ep", "eptp")
+# configurations only models with experts have, and those models
+EXPERT_CONFIGS = ("ep", "eptp")
+EXPERT_MODELS = ("moe-tiny", "deepseek-tiny")
 PRECISION = "bf16-mixed"
 
 
@@ -96,11 +106,18 @@ def make_plan(model_name: str, world: int, config: str, *, precision: str = PREC
         # pipeline runtime (codegen.pipeline_validation.validate_pipeline_plan): plain dp stages
         return megatron(MegatronConfig(1, world // 2, use_distributed_optimizer=False,
                                        pipeline_model_parallel_size=2, micro_batch_size=2))
-    if config == "zero3":
+    if config in ("zero3", "zero2"):
+        zero = int(config[-1])
         fixed = megatron_layout(trace(model, inputs), MegatronConfig(1, world))
         p = pipeline_plan(model, cluster, pp=1, stage_mesh=(world,), schedule="1f1b",
-                          num_microbatches=2, zero_stage=3, fixed=fixed, **common)
-        return p, f"pipeline_plan pp=1 stage mesh ({world},) zero_stage=3, 2 micro-batches"
+                          num_microbatches=2, zero_stage=zero, fixed=fixed, **common)
+        return p, f"pipeline_plan pp=1 stage mesh ({world},) zero_stage={zero}, 2 micro-batches"
+    if config == "ep":
+        return megatron(MegatronConfig(1, world, expert_model_parallel_size=world))
+    if config == "eptp":
+        if world < 4 or world % 2:
+            raise ValueError(f"eptp needs 4 or more ranks (tp=2, ep=2), got {world}")
+        return megatron(MegatronConfig(2, world // 2, expert_model_parallel_size=2))
     raise ValueError(f"unknown configuration {config!r}; choose from {', '.join(CONFIGS)}")
 
 
@@ -120,17 +137,17 @@ def _first_line(err: BaseException) -> str:
 
 
 def run_case(model_name: str, world: int, config: str, *, steps: int, workdir: str,
-             timeout_s: float) -> dict[str, Any]:
+             timeout_s: float, precision: str = PRECISION) -> dict[str, Any]:
     """Plan and run one cell; never raises (a failure is recorded in the row)."""
     from codegen.launch import LaunchError, launch
 
     row: dict[str, Any] = {"model": model_name, "world": world, "config": config,
-                           "precision": PRECISION, "passed": False}
+                           "precision": precision, "passed": False}
     t0 = time.perf_counter()
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            p, how = make_plan(model_name, world, config)
+            p, how = make_plan(model_name, world, config, precision=precision)
     except Exception as err:  # noqa: BLE001 - recorded, the grid goes on
         row.update(stage="plan", error=_first_line(err), traceback=traceback.format_exc()[-2000:],
                    plan_s=time.perf_counter() - t0)
@@ -200,6 +217,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _applies(model_name: str, world: int, config: str) -> bool:
+    """Whether the grid has this cell: expert parallelism only for models with
+    experts, ep x tp only on 4 or more ranks."""
+    if config in EXPERT_CONFIGS and model_name not in EXPERT_MODELS:
+        return False
+    return config != "eptp" or world >= 4
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
@@ -207,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per launch")
+    ap.add_argument("--precision", default=PRECISION,
+                    help="training precision of every plan (fp32 isolates bf16 rounding)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "precision_check.json"))
     args = ap.parse_args(argv)
 
@@ -217,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         for model_name in args.models:
             for world in args.worlds:
                 for config in args.configs:
+                    if not _applies(model_name, world, config):
+                        continue
                     row = run_case(model_name, world, config, steps=args.steps, workdir=tmp,
-                                   timeout_s=args.timeout_s)
+                                   timeout_s=args.timeout_s, precision=args.precision)
                     rows.append(row)
                     status = "passed" if row["passed"] else f"FAILED ({row.get('error', '')[:150]})"
                     print(f"{model_name} N={world} {config}: {status}", flush=True)
@@ -227,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     worst = max(errs, key=lambda e: e[0]) if errs else None
     result = {
         "machine": machine_block(load_before, after=True),
-        "precision": PRECISION,
+        "precision": args.precision,
         "steps": args.steps,
         "rtol": passing[0]["rtol"] if passing else None,
         "num_cases": len(rows),

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import gc
 import math
+import warnings
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
@@ -14,6 +15,7 @@ from costmodel.cluster import Cluster
 from costmodel.presets import load_cluster
 from costmodel.schedules import canonical_schedule, default_stages_per_rank
 from ir.device_capture import on_device_type
+from ir.exported_graph import tied_parameters
 from ir.graph import Graph
 from ir.layers import PipelineLayer, block_count, manual_bounds
 from ir.precision import Precision, compute_copy
@@ -191,6 +193,21 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
                         lambda r, c: build_plan(r, c, info, training))
 
 
+def _pipeline_sizes(pp: Sequence[int] | None, model: torch.nn.Module) -> Sequence[int] | None:
+    """The pipeline sizes to search: ``pp`` (None: all), or only 1 (no pipeline)
+    for a model with tied parameters, which the pipeline runtime cannot split
+    over stages (GPT-2's embedding and head would be one tensor in the first
+    and the last stage), said in a warning."""
+    tied = tied_parameters(model)
+    if not tied or (pp is not None and list(pp) == [1]):
+        return pp
+    name, first = next(iter(tied.items()))
+    warnings.warn(f"no pipeline plans: parameter {name} is tied to {first}, and a pipeline "
+                  f"stage cannot share a parameter with another; single-stage plans only",
+                  stacklevel=3)
+    return [1]
+
+
 def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                  example_inputs: tuple, graph: Graph, dtype: Precision, budget: float,
                  progress: Callable[[str], None] | None,
@@ -200,7 +217,7 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=req.optimizer,
                         budget=budget, time_limit_s=req.time_limit_s, progress=progress,
                         whole_batch_graph=graph)
-    opts = SearchOptions(pp=req.pp, schedules=req.schedules,
+    opts = SearchOptions(pp=_pipeline_sizes(req.pp, model), schedules=req.schedules,
                          num_microbatches=req.num_microbatches,
                          zero_stages=_check_zero_stages(req.zero_stages))
     priced = search(ctx, opts)
@@ -269,6 +286,11 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         model, cluster, example_inputs, req.memory_budget, req.precision)
     stage_mesh = check_mesh(stage_mesh)
     _check_zero_stages([zero_stage])
+    tied = tied_parameters(model)
+    if pp > 1 and tied:
+        name, first = next(iter(tied.items()))
+        raise PlanningError(f"parameter {name} is tied to {first}, and a pipeline stage cannot "
+                            f"share a parameter with another: plan pp=1, or untie them")
     if pp * math.prod(stage_mesh) != cluster.num_devices:
         raise PlanningError(
             f"pp={pp} x stage mesh {'x'.join(map(str, stage_mesh))} is "

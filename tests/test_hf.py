@@ -69,6 +69,23 @@ def test_tied_embedding_and_head_are_one_parameter_of_the_program():
     assert len(readers) == 2 and "aten.embedding.default" in {n.target for n in readers}
 
 
+def test_full_size_gpt2_has_124m_parameters_with_its_tied_head_counted_once():
+    model, inputs = build_model("hf:gpt2", device="meta", batch_size=1, seq_len=128)
+    graph = trace(model, inputs)
+    assert sum(info.numel for info in graph.parameters.values()) == 124_439_808
+
+
+def test_a_pipeline_of_a_tied_model_is_refused_in_one_line():
+    from planner.api import pipeline_plan
+    from planner.request import PlanningError
+
+    model, inputs = build_model(GPT2 + NO_DROPOUT, device="meta", seq_len=16)
+    with pytest.raises(PlanningError, match="hf.lm_head.weight is tied to "
+                       "hf.transformer.wte.weight.*plan pp=1"):
+        pipeline_plan(model, "local-cpu:2", example_inputs=inputs, pp=2, stage_mesh=(1,),
+                      schedule="1f1b", num_microbatches=2)
+
+
 def test_a_cpu_plan_captures_the_program_cpu_ranks_capture():
     """Mixtral's experts count tokens in float32 on the CPU and int32 elsewhere
     (meta included): the plan for CPU ranks must capture the CPU's program."""
