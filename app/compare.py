@@ -19,11 +19,10 @@ import torch
 
 from costmodel.cluster import Cluster
 from costmodel.presets import load_cluster
-from ir.device_capture import on_device_type
+from ir.device_capture import planned_copy
 from ir.graph import Graph
 from ir.layers import block_count, pipeline_layers
 from ir.source import build_model
-from ir.precision import compute_copy
 from ir.trace import trace
 from planner.api import plan
 from planner.request import PlanRequest, PlanningError, resolve_precision
@@ -107,8 +106,7 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
         model, inputs = build_model(model_spec, device="meta", **zoo_kwargs)
     inputs = tuple(inputs)
     chosen = resolve_precision(model, cluster, precision)
-    graph = graph or trace(*on_device_type(*compute_copy(model, inputs, chosen),
-                                           cluster.device_type))
+    graph = graph or trace(*planned_copy(model, inputs, chosen, cluster.device_type))
     tokens = int(inputs[0].numel()) if isinstance(inputs[0], torch.Tensor) else 0
     global_batch = int(inputs[0].shape[0]) if isinstance(inputs[0], torch.Tensor) else None
     if configs is None:

@@ -23,9 +23,18 @@ from typing import Any, Sequence
 
 import torch
 
+from ir.precision import Precision, compute_copy
 from ir.torch_compat import fake_tensor_mode_type, fake_tensor_on, tree_map
 
-__all__ = ["on_device_type"]
+__all__ = ["on_device_type", "planned_copy"]
+
+
+def planned_copy(model: torch.nn.Module, example_inputs: Sequence[Any], precision: Precision,
+                 device_type: str) -> tuple[torch.nn.Module, tuple]:
+    """The model and inputs the planner captures: floating tensors in the
+    precision's compute dtype (:func:`ir.precision.compute_copy`), seen on
+    the cluster's ``device_type`` (:func:`on_device_type`); ``model`` unchanged."""
+    return on_device_type(*compute_copy(model, tuple(example_inputs), precision), device_type)
 
 
 def on_device_type(model: torch.nn.Module, example_inputs: Sequence[Any],

@@ -14,11 +14,11 @@ import torch
 from costmodel.cluster import Cluster
 from costmodel.presets import load_cluster
 from costmodel.schedules import canonical_schedule, default_stages_per_rank
-from ir.device_capture import on_device_type
+from ir.device_capture import planned_copy
 from ir.exported_graph import tied_parameters
 from ir.graph import Graph
 from ir.layers import PipelineLayer, block_count, manual_bounds
-from ir.precision import Precision, compute_copy
+from ir.precision import Precision
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
 from planner.finalists import assemble, solve_exact, solve_finalists, split_far_finalists
@@ -83,8 +83,8 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
              memory_budget: float | None, precision: str | Precision | None = None
              ) -> tuple[torch.nn.Module, Cluster, tuple, Graph, Precision, float]:
     """The model and inputs as the step runs them (floating tensors in the
-    precision's compute dtype: :func:`ir.precision.compute_copy`, the caller's
-    model untouched), the cluster, the captured program, the precision
+    precision's compute dtype, on the cluster's device type:
+    :func:`ir.device_capture.planned_copy`, the caller's model untouched), the cluster, the captured program, the precision
     and the memory budget (bytes per device)."""
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
@@ -95,8 +95,7 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
             raise PlanningError(f"example input {i} has shape {list(t.shape)}, with an empty "
                                 f"dimension: give a batch and sequence of at least one")
     chosen = resolve_precision(model, cluster, precision)
-    model, example_inputs = compute_copy(model, tuple(example_inputs), chosen)
-    model, example_inputs = on_device_type(model, example_inputs, cluster.device_type)
+    model, example_inputs = planned_copy(model, example_inputs, chosen, cluster.device_type)
     graph = trace(model, tuple(example_inputs), beside=_two_processes)
     if not graph.parameters:
         raise PlanningError(f"{type(model).__name__} has no parameters to shard")
@@ -198,14 +197,22 @@ def _pipeline_sizes(pp: Sequence[int] | None, model: torch.nn.Module) -> Sequenc
     for a model with tied parameters, which the pipeline runtime cannot split
     over stages (GPT-2's embedding and head would be one tensor in the first
     and the last stage), said in a warning."""
-    tied = tied_parameters(model)
-    if not tied or (pp is not None and list(pp) == [1]):
+    why = _unpipelinable(model)
+    if why is None or (pp is not None and list(pp) == [1]):
         return pp
-    name, first = next(iter(tied.items()))
-    warnings.warn(f"no pipeline plans: parameter {name} is tied to {first}, and a pipeline "
-                  f"stage cannot share a parameter with another; single-stage plans only",
-                  stacklevel=3)
+    warnings.warn(f"no pipeline plans: {why}; single-stage plans only", stacklevel=3)
     return [1]
+
+
+def _unpipelinable(model: torch.nn.Module) -> str | None:
+    """Why the pipeline runtime cannot run ``model`` over several stages (a
+    tied parameter, which a stage cannot share), or None."""
+    tied = tied_parameters(model)
+    if not tied:
+        return None
+    name, first = next(iter(tied.items()))
+    return (f"parameter {name} is tied to {first}, and a pipeline stage cannot share a "
+            f"parameter with another")
 
 
 def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
@@ -286,11 +293,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         model, cluster, example_inputs, req.memory_budget, req.precision)
     stage_mesh = check_mesh(stage_mesh)
     _check_zero_stages([zero_stage])
-    tied = tied_parameters(model)
-    if pp > 1 and tied:
-        name, first = next(iter(tied.items()))
-        raise PlanningError(f"parameter {name} is tied to {first}, and a pipeline stage cannot "
-                            f"share a parameter with another: plan pp=1, or untie them")
+    why = _unpipelinable(model) if pp > 1 else None
+    if why is not None:
+        raise PlanningError(f"{why}: plan pp=1, or untie them")
     if pp * math.prod(stage_mesh) != cluster.num_devices:
         raise PlanningError(
             f"pp={pp} x stage mesh {'x'.join(map(str, stage_mesh))} is "

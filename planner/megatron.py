@@ -58,10 +58,9 @@ from costmodel.presets import load_cluster
 from costmodel.memory import training_state_bytes
 from costmodel.strategy_cost import local_numel
 from costmodel.schedules import ScheduleBook
-from ir.device_capture import on_device_type
+from ir.device_capture import planned_copy
 from ir.graph import PARAM, Graph, TensorInfo
 from ir.layers import block_count, manual_bounds
-from ir.precision import compute_copy
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
 from planner.finalists import ExactPipeline, assemble
@@ -296,8 +295,7 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     example_inputs = tuple(example_inputs)
     cache = {} if cache is None else cache
     chosen = resolve_precision(model, cluster, precision)
-    model, example_inputs = on_device_type(*compute_copy(model, example_inputs, chosen),
-                                           cluster.device_type)
+    model, example_inputs = planned_copy(model, example_inputs, chosen, cluster.device_type)
     if graph is None:
         graph = cache.get("graph") or trace(model, example_inputs)
     cache["graph"] = graph
