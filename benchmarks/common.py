@@ -103,6 +103,19 @@ def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def check_fields(result: dict[str, Any]) -> dict[str, Any]:
+    """What a benchmark row records of a ``codegen.launch.launch(..., check=True)``
+    result: the verdict, the loss and gradient errors against one process, the
+    placements check, the step times (seconds; ``step_s`` the last, the first
+    being a warm-up) and the ops that ran replicated."""
+    times = result.get("step_times_s") or []
+    keys = ("loss", "reference_loss", "loss_rel_err", "max_loss_rel_err", "max_rel_grad_err",
+            "worst_param", "num_params_checked", "missing_grads", "observed_match", "rtol",
+            "fallback_ops", "returncode")
+    return {"passed": bool(result.get("passed")), **{k: result.get(k) for k in keys},
+            "step_times_s": times, "step_s": times[-1] if times else None}
+
+
 def read_results(path: str) -> dict[str, Any]:
     """The results a script wrote to ``path`` before (an empty dict when there
     are none), so that a run of some cases keeps the others."""

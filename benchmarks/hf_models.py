@@ -22,7 +22,7 @@ import time
 import warnings
 from typing import Any
 
-from benchmarks.common import git_commit, machine_info, write_results
+from benchmarks.common import check_fields, git_commit, machine_info, write_results
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 _DECODER = ("num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
@@ -63,12 +63,8 @@ def run_model(spec: str, ranks: int, workdir: str) -> dict[str, Any]:
     except LaunchError as err:
         row.update(error=str(err).splitlines()[0], run_s=round(time.perf_counter() - t1, 1))
         return row
-    row.update(passed=bool(r.get("passed")), run_s=round(time.perf_counter() - t1, 1),
-               loss_rel_err=r.get("loss_rel_err"), max_rel_grad_err=r.get("max_rel_grad_err"),
-               num_params_checked=r.get("num_params_checked"),
-               missing_grads=r.get("missing_grads"), observed_match=r.get("observed_match"),
-               fallback_ops=r.get("fallback_ops"), step_s=(r.get("step_times_s") or [None])[-1],
-               loadavg=os.getloadavg()[0])
+    row.update(run_s=round(time.perf_counter() - t1, 1), loadavg=os.getloadavg()[0],
+               **check_fields(r))
     return row
 
 

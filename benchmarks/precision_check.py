@@ -64,7 +64,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
+from benchmarks.common import (check_fields, load_average, machine_block,  # noqa: E402
+                               write_results, wrote_message)
 
 RESULTS = os.path.join(HERE, "results")
 MODELS = ("gpt-tiny", "llama-tiny", "moe-tiny")
@@ -166,16 +167,7 @@ def run_case(model_name: str, world: int, config: str, *, steps: int, workdir: s
     except Exception as err:  # noqa: BLE001
         row.update(stage="run", error=_first_line(err), run_s=time.perf_counter() - t1)
         return row
-    times = r.get("step_times_s") or []
-    row.update(
-        passed=bool(r.get("passed")), run_s=time.perf_counter() - t1,
-        loss=r.get("loss"), reference_loss=r.get("reference_loss"),
-        loss_rel_err=r.get("loss_rel_err"), max_loss_rel_err=r.get("max_loss_rel_err"),
-        max_rel_grad_err=r.get("max_rel_grad_err"), worst_param=r.get("worst_param"),
-        num_params_checked=r.get("num_params_checked"), missing_grads=r.get("missing_grads"),
-        observed_match=r.get("observed_match"), rtol=r.get("rtol"),
-        step_times_s=times, step_s=times[-1] if times else None,
-        fallback_ops=r.get("fallback_ops"), returncode=r.get("returncode"))
+    row.update(run_s=time.perf_counter() - t1, **check_fields(r))
     if not row["passed"]:
         row["stage"] = "check"
         row["error"] = _check_failure(r)
