@@ -342,9 +342,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev)")
     p.add_argument("--microbatches", help="micro-batch counts to try, e.g. 4,8 (default: "
                    "micro-batches of 1, 4 and 16 sequences)")
-    p.add_argument("--zero", help="ZeRO stages of pipeline stages to try: 0 (none), 2 (FSDP2 "
-                   "over the stage mesh's first axis, no resharding after forward), 3 (FSDP2); "
-                   "default 0,2,3")
+    p.add_argument("--zero", help="ZeRO stages of pipeline stages to try: 0 (none), 1 "
+                   "(optimizer states sharded over the stage mesh's first axis), 2 (FSDP2 over "
+                   "it, no resharding after forward), 3 (FSDP2); default 0,1,2,3, of which the "
+                   "search prices the stage holding the least memory for the precision")
     p.add_argument("--no-pipeline", action="store_true", help="plan a single stage only")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")

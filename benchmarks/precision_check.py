@@ -26,9 +26,8 @@ row really is the parallelism it names:
   and 2-D placements with one trivial axis.
 * ``pp2``: Megatron ``pp=2`` with ``tp=1 dp=N/2``, micro-batches of 2
   sequences per data-parallel rank, 1F1B, the layers split evenly
-  (:func:`planner.megatron.megatron_plan`). Without the distributed
-  optimizer: its ZeRO-1 stages are priced by the planner but the pipeline
-  runtime runs only ZeRO-0, ZeRO-2 and ZeRO-3 stages.
+  (:func:`planner.megatron.megatron_plan`), with Megatron's distributed
+  optimizer: ZeRO-1 stages (:mod:`codegen.zero1`).
 * ``zero3``: one stage on mesh (N,) with ZeRO-3 (FSDP2 ``fully_shard`` over
   the mesh, its ``MixedPrecisionPolicy`` all-gathering bf16 parameters and
   reduce-scattering fp32 gradients), accumulating the gradients of 2
@@ -36,6 +35,8 @@ row really is the parallelism it names:
   ``zero_stage=3`` and the data-parallel layout fixed): the single-stage
   ZeRO-3 path of the planner's search.
 * ``zero2``: the same with ZeRO-2 (FSDP2 without resharding after forward).
+* ``zero1``: the same with ZeRO-1 (optimizer states sharded over the mesh,
+  gradients reduce-scattered and parameters all-gathered once per step).
 * ``ep`` (models with experts): Megatron-Core ``tp=1 dp=N`` with
   ``expert_model_parallel_size=N``: each rank holds E/N experts, tokens moved
   to them and back by all-to-all.
@@ -70,7 +71,7 @@ from benchmarks.common import (check_fields, load_average, machine_block,  # noq
 RESULTS = os.path.join(HERE, "results")
 MODELS = ("gpt-tiny", "llama-tiny", "moe-tiny")
 WORLDS = (2, 4)
-CONFIGS = ("dp", "tp", "2d", "pp2", "zero3", "zero2", "ep", "eptp")
+CONFIGS = ("dp", "tp", "2d", "pp2", "zero3", "zero2", "zero1", "ep", "eptp")
 # configurations only models with experts have, and those models
 EXPERT_CONFIGS = ("ep", "eptp")
 EXPERT_MODELS = ("moe-tiny", "deepseek-tiny")
@@ -103,11 +104,9 @@ def make_plan(model_name: str, world: int, config: str, *, precision: str = PREC
         return (plan(model, cluster, mesh_shape=(1, world), **common),
                 f"auto ILP on mesh (1, {world})")
     if config == "pp2":
-        # the distributed optimizer (ZeRO-1 stages) is priced but not run by the
-        # pipeline runtime (codegen.pipeline_validation.validate_pipeline_plan): plain dp stages
-        return megatron(MegatronConfig(1, world // 2, use_distributed_optimizer=False,
-                                       pipeline_model_parallel_size=2, micro_batch_size=2))
-    if config in ("zero3", "zero2"):
+        return megatron(MegatronConfig(1, world // 2, pipeline_model_parallel_size=2,
+                                       micro_batch_size=2))
+    if config in ("zero3", "zero2", "zero1"):
         zero = int(config[-1])
         fixed = megatron_layout(trace(model, inputs), MegatronConfig(1, world))
         p = pipeline_plan(model, cluster, pp=1, stage_mesh=(world,), schedule="1f1b",

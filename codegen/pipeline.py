@@ -17,6 +17,9 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
   the stage's parameters under their model FQNs (so the schedule, FSDP2 and the
   optimizer see them) and, for ``zero_stage`` 2 or 3, is sharded with FSDP2
   ``fully_shard`` over the stage-mesh axis ``zero_axis`` (:func:`_fully_shard_stage`).
+  A ZeRO-1 stage keeps its parameters as placed; its optimizer
+  (:class:`codegen.zero1.ShardedStateOptimizer`, from
+  :meth:`PipelineRuntime.make_optimizer`) shards their states over ``zero_axis``.
 * :class:`PipelineRuntime` builds the stages (``torch.distributed.pipelining.
   PipelineStage``, static shapes) and the plan's schedule class
   (``costmodel.schedule_specs.SCHEDULE_SPECS``), and runs one step on the
@@ -29,7 +32,7 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -43,6 +46,7 @@ from codegen.capture import CapturedProgram, PlanMismatchError, capture_program
 from codegen.executor import PlanExecutor
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.redistribution import redistribute
+from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer
 from costmodel.schedule_specs import schedule_spec
 from costmodel.strategy_cost import FSDP_STAGES
 from ir.placements import parse_placements, placement_str
@@ -493,7 +497,6 @@ class PipelineRuntime:
     stages: list[Any]
     schedule: Any
     num_microbatches: int
-    zero: list[bool] = field(default_factory=list)
 
     @classmethod
     def build(cls, plan: Plan, model: nn.Module, global_inputs: Sequence[Any],
@@ -520,7 +523,7 @@ class PipelineRuntime:
                                     f"{int(microbatch[0].shape[0])}")
         program = capture_program(model, microbatch, plan.precision)
         mine = [st for st in pipe.stages if st.pp_rank == pp_rank]
-        modules, stages, zero = [], [], []
+        modules, stages = [], []
         for st in mine:
             executor = StageExecutor(plan, st, model, microbatch, stage_mesh, program=program)
             fsdp = st.zero_stage in FSDP_STAGES
@@ -533,12 +536,11 @@ class PipelineRuntime:
                 input_args=executor.example_inputs(microbatch),
                 output_args=executor.example_outputs(), group=world.get_group("pp")))
             modules.append(module)
-            zero.append(fsdp)
         arg = stages[0] if spec.single_stage else stages
         sched = spec.torch_type(arg, n_microbatches=m, loss_fn=_stage_loss, scale_grads=True)
         runtime = cls(plan=plan, world_mesh=world, stage_mesh=stage_mesh, pp_rank=pp_rank,
                       stage_plans=mine, modules=modules, stages=stages, schedule=sched,
-                      num_microbatches=m, zero=zero)
+                      num_microbatches=m)
         runtime._check_torch_placement()
         return runtime
 
@@ -580,11 +582,25 @@ class PipelineRuntime:
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return losses
 
+    def make_optimizer(self, make: MakeOptimizer) -> OptimizerGroup:
+        """The optimizer of this rank's stages: torch's (``make`` builds it over a
+        list of tensors) over the parameters of stages without ZeRO or with
+        FSDP2's (ZeRO-2/3), and a :class:`codegen.zero1.ShardedStateOptimizer`
+        around it for each ZeRO-1 stage, which reduces that stage's gradients
+        itself in its ``step``."""
+        plain = [p for module, st in zip(self.modules, self.stage_plans) if st.zero_stage != 1
+                 for p in module.parameters()]
+        zero1 = [ShardedStateOptimizer(module.parameters(), self.stage_mesh, st.zero_axis, make)
+                 for module, st in zip(self.modules, self.stage_plans) if st.zero_stage == 1]
+        return OptimizerGroup(([make(plain)] if plain else []) + zero1)
+
     def sync_grads(self) -> int:
-        """Redistribute gradients to their parameter's placement; returns how many moved."""
+        """Redistribute gradients to their parameter's placement in stages
+        without ZeRO (FSDP2 reduces ZeRO-2/3 stages' gradients in the backward,
+        the ZeRO-1 optimizer its stage's in its step); returns how many moved."""
         moved = 0
-        for module, zero in zip(self.modules, self.zero):
-            if zero:
+        for module, st in zip(self.modules, self.stage_plans):
+            if st.zero_stage:
                 continue
             for p in module.parameters():
                 if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from costmodel.schedule_specs import schedule_spec
-from costmodel.strategy_cost import FSDP_STAGES
+from costmodel.strategy_cost import ZERO_STAGES
 from planner.plan_format import Plan
 
 __all__ = ["PipelinePlanError", "validate_pipeline_plan"]
@@ -67,10 +67,11 @@ def validate_pipeline_plan(plan: Plan) -> None:
         if list(st.ranks) != list(range(want * size, (want + 1) * size)):
             raise PipelinePlanError(f"stage {i} ranks {st.ranks} are not row {want} of the world "
                                     f"mesh {list(plan.mesh_shape)}")
-        if st.zero_stage not in (0,) + FSDP_STAGES:
+        if st.zero_stage not in ZERO_STAGES:
             raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage}; this runtime "
-                                    f"runs 0 (as placed), 2 or 3 (FSDP2)")
-        if st.zero_stage in FSDP_STAGES and not (isinstance(st.zero_axis, int)
+                                    f"runs 0 (as placed), 1 (sharded optimizer states), "
+                                    f"2 or 3 (FSDP2)")
+        if st.zero_stage and not (isinstance(st.zero_axis, int)
                                                  and 0 <= st.zero_axis < len(shape)):
             raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage} but zero_axis "
                                     f"{st.zero_axis!r} is not an axis of the {len(shape)}-D "

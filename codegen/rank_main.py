@@ -421,7 +421,7 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
     with _building(caught, PipelinePlanError):
         runtime = PipelineRuntime.build(plan, model, inputs, device)
     del model
-    opt = make_optimizer([p for _, p in runtime.named_parameters()], args.optimizer, args.lr)
+    opt = runtime.make_optimizer(lambda params: make_optimizer(params, args.optimizer, args.lr))
     setup_s = time.perf_counter() - t_setup
 
     ref = _reference(args, plan, rank, device)

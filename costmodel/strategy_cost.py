@@ -406,8 +406,8 @@ class IntraOpCost:
         parameter); a user input its local batch; an op the outputs that
         autograd keeps for some op's backward (:mod:`costmodel.saved_tensors`).
 
-        With n ranks on mesh axis 0: under ZeRO-1 the optimizer states count
-        ``1/n``; under ZeRO-2 and ZeRO-3 (FSDP2 with the whole stage as one
+        With n ranks on mesh axis 0, for a parameter replicated on it: under
+        ZeRO-1 the optimizer states count ``1/n``; under ZeRO-2 and ZeRO-3 (FSDP2 with the whole stage as one
         unit, :attr:`params_sharded`) parameters, gradients and optimizer
         states are kept 1/n each, and on top the stage's parameters are
         all-gathered whole for the step and its gradients stay whole until
@@ -417,8 +417,9 @@ class IntraOpCost:
         """
         if node.kind == PARAM:
             numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
-            n = self.state_shards
-            # ZeRO shards the states over axis 0, where the parameter is replicated
+            # ZeRO shards the states over axis 0 where the parameter is replicated;
+            # a parameter sharded there already holds the states of its shard alone
+            n = self.state_shards if isinstance(s.outputs[0][0], Replicate) else 1
             state = training_state_bytes(int(math.ceil(numel)), precision=self.precision,
                                          optimizer=self.optimizer,
                                          zero_stage=self.zero_stage if n > 1 else 0, dp_size=n,

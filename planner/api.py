@@ -135,8 +135,8 @@ def _check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
         return None
     out = [int(z) for z in zero_stages]
     if not out or any(z not in SEARCH_ZERO_STAGES for z in out):
-        raise PlanningError(f"ZeRO stages must be 0 (none), 2 or 3 (FSDP2), got "
-                            f"{list(zero_stages)}")
+        raise PlanningError(f"ZeRO stages must be 0 (none), 1 (sharded optimizer states), "
+                            f"2 or 3 (FSDP2), got {list(zero_stages)}")
     return out
 
 
@@ -276,9 +276,11 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
         stage_mesh: logical mesh of every stage, e.g. ``(2,)`` or ``(1, 2)``.
         schedule: a schedule name (``1f1b``, ``gpipe``, ``interleaved_1f1b``, ...).
         num_microbatches: micro-batches per step (must divide the batch).
-        zero_stage: 0; 2 to shard each stage's gradients and optimizer states
-            with FSDP2 over its first mesh axis, its parameters not resharded
-            between forward and backward; or 3 to shard the parameters too.
+        zero_stage: 0; 1 to shard each stage's optimizer states over its
+            first mesh axis (:mod:`codegen.zero1`); 2 to shard its gradients
+            and optimizer states with FSDP2 over that axis, its parameters
+            not resharded between forward and backward; or 3 to shard the
+            parameters too.
         layer_split: layers per stage, in stage order (default: the inter-op DP's cut):
             repeated blocks, the ops before the first (embeddings) joining the first
             stage and those after the last (head and loss) the last stage.

@@ -61,6 +61,7 @@ from costmodel.schedules import ScheduleBook
 from ir.device_capture import planned_copy
 from ir.graph import PARAM, Graph, TensorInfo
 from ir.layers import block_count, manual_bounds
+from ir.strategy import is_replicate
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
 from planner.finalists import ExactPipeline, assemble
@@ -218,8 +219,10 @@ def _zero1_correction(graph: Graph, layout: dict[str, tuple], cfg: MegatronConfi
             exact = _optimizer_state_bytes(n.output, p, cfg.mesh_shape,
                                            _zero1_shards(n.fqn, cfg, experts), optimizer,
                                            precision)
-            total += exact - _optimizer_state_bytes(n.output, p, cfg.mesh_shape,
-                                                    modelled_shards, optimizer, precision)
+            # the cost model splits over axis 0 only the states it replicates
+            modelled = modelled_shards if is_replicate(p[0]) else 1
+            total += exact - _optimizer_state_bytes(n.output, p, cfg.mesh_shape, modelled,
+                                                    optimizer, precision)
     return total
 
 

@@ -17,7 +17,8 @@ from typing import Sequence
 from costmodel.cluster import Cluster
 from costmodel.schedule_specs import canonical_schedule, default_stages_per_rank, schedule_spec
 from costmodel.schedules import ScheduleBook, simulate
-from costmodel.strategy_cost import FSDP_STAGES
+from costmodel.memory import training_state_bytes
+from costmodel.strategy_cost import FSDP_STAGES, ZERO_STAGES
 from planner.inter_op import (NO_PIPELINE, SEARCH_SCHEDULES, PipelineCandidate, StageMeshOption,
                               StageTimes, config_label, in_flight, split_layers,
                               stage_mesh_options)
@@ -95,24 +96,44 @@ def _accumulation_options(global_batch: int, limit: int) -> list[int]:
     return out
 
 
-# ZeRO stages the search tries for pipeline stages: none, and FSDP2 over stage
-# mesh axis 0 as ZeRO-2 (optimizer states and gradients sharded, parameters not
-# re-sharded between forward and backward) or ZeRO-3 (parameters sharded too).
-SEARCH_ZERO_STAGES = (0, 2, 3)
+# ZeRO stages the search tries for pipeline stages: none; ZeRO-1 (optimizer
+# states sharded over stage mesh axis 0, codegen.zero1); FSDP2 over axis 0 as
+# ZeRO-2 (optimizer states and gradients sharded, parameters not re-sharded
+# between forward and backward) or ZeRO-3 (parameters sharded too).
+SEARCH_ZERO_STAGES = (0, 1, 2, 3)
+
+# Parameters of the probe zero_stage() weighs the stages' state bytes with
+# (bytes per parameter are the same at any count).
+_STATE_PROBE = 1 << 20
 
 
-def fsdp_stage(zero_stages: Sequence[int]) -> int | None:
-    """The FSDP2 ZeRO stage (2 or 3) the search gives stages, of those
-    ``zero_stages`` allows; None if it allows neither.
+def zero_stage(zero_stages: Sequence[int], precision: str, optimizer: str,
+               ranks: int) -> int | None:
+    """The ZeRO stage (1, 2 or 3) the search gives stages whose mesh axis 0 has
+    ``ranks`` ranks, of those ``zero_stages`` allows; None if it allows none.
 
-    With one FSDP2 unit per pipeline stage the two run alike (the stage module
-    is FSDP2's root, never resharded after forward, and torch's pipeline
-    keeps it unsharded between micro-batches) and are priced alike
-    (:class:`costmodel.strategy_cost.IntraOpCost`), so the search prices the
-    variant once, under 3 where it is allowed (the plans it made before
-    ZeRO-2 was a choice stay byte for byte the same), else under 2."""
-    allowed = [z for z in FSDP_STAGES if z in zero_stages]
-    return max(allowed) if allowed else None
+    All three reduce the gradients and gather the parameters once per step,
+    with the same collectives, and are priced alike
+    (:class:`costmodel.strategy_cost.IntraOpCost`). They differ in the state
+    bytes a device holds (:func:`costmodel.memory.training_state_bytes`), so
+    the search prices the one that holds the least: under bf16-mixed FSDP2's
+    stages (the fp32 master parameters sharded, a whole bf16 copy gathered),
+    under fp32 and bf16 ZeRO-1 (FSDP2 keeps the gathered whole parameters
+    and gradients besides their shards). Ties go to the higher stage: with
+    one FSDP2 unit per pipeline stage ZeRO-2 and ZeRO-3 run alike (the stage
+    module is FSDP2's root, never resharded after forward, and torch's
+    pipeline keeps it unsharded between micro-batches), and plans made
+    before ZeRO-2 was a choice stay byte for byte the same under 3."""
+    allowed = [z for z in ZERO_STAGES if z and z in zero_stages]
+    if not allowed:
+        return None
+
+    def held(z: int) -> int:
+        return training_state_bytes(_STATE_PROBE, precision=precision, optimizer=optimizer,
+                                    zero_stage=z, dp_size=max(int(ranks), 2),
+                                    params_sharded=z in FSDP_STAGES)["total"]
+
+    return min(allowed, key=lambda z: (held(z), -z))
 
 
 @dataclass
@@ -144,7 +165,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     several micro-batches (:func:`accumulates`; last, so that the profiles
     they make change no other price). The stage meshes are without ZeRO
     where ``opts`` allows it (:func:`zero_variants` adds FSDP2 ZeRO for the
-    leading candidates), else with the ZeRO stage it names (:func:`fsdp_stage`; on meshes whose
+    leading candidates), else with the ZeRO stage it names (:func:`zero_stage`; on meshes whose
     axis 0 has more than one rank). Pipelines of more stages than the
     program has layers are left out before any program is made for them
     (llama3-8b's 32 layers: 29 configurations, which under earlier
@@ -153,7 +174,6 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
     zeros = opts.zero_choices
-    zero = 0 if 0 in zeros else (fsdp_stage(zeros) or zeros[0])
     num_layers = len(ctx.program(1).layers)
     out, accumulating = [], []
     for pp in pps:
@@ -165,6 +185,8 @@ def configurations(ctx: SearchContext, opts: SearchOptions
         for mesh in meshes:
             if pp == 1:  # one stage: the whole batch at once, no schedule (no ZeRO)
                 out.append((1, 1, mesh, NO_PIPELINE, 1))
+            zero = 0 if 0 in zeros else zero_stage(zeros, ctx.dtype, ctx.optimizer,
+                                                   mesh.shape[0])
             if zero and mesh.shape[0] == 1:
                 continue
             mesh = dataclasses.replace(mesh, zero_stage=zero)
@@ -215,35 +237,39 @@ def _zero3_estimate(c: PipelineCandidate) -> float:
 
 def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
-    """For each group of ranked candidates, the FSDP2 ZeRO variants (stage
-    :func:`fsdp_stage`: 3, or 2 where only it is allowed) of its
-    :data:`ZERO_CANDIDATES` pipelines (without ZeRO, stage mesh with more than
-    one rank on axis 0) that ZeRO promises most (:func:`_zero3_estimate`),
-    priced, best first; none unless
-    ``opts`` allows 0 and an FSDP2 stage. The groups are priced together
+    """For each group of ranked candidates, the ZeRO variants (stage
+    :func:`zero_stage` of their mesh: the one holding the least state bytes
+    for the precision) of its :data:`ZERO_CANDIDATES` pipelines (without
+    ZeRO, stage mesh with more than one rank on axis 0) that ZeRO promises
+    most (:func:`_zero3_estimate`), priced, best first; none unless ``opts``
+    allows 0 and a ZeRO stage. The groups are priced together
     (:func:`planner.search_phases.price_all`; in their order within each
     pricing scope, as if one after the other).
 
-    ZeRO-3 keeps the parameters replicated on axis 0, shards their states
-    there and synchronises gradients once per step instead of in every
-    micro-batch (:class:`planner.intra_op.IntraOpCost`). Its layer
-    profiles are ILPs of their own (a mesh family of its own). Only the
-    leading configurations are tried: the ILP without ZeRO may already shard
-    parameter states on any axis, so ZeRO-3 mostly changes how fast a
-    configuration is, not whether it fits."""
+    ZeRO shards the parameters' states over axis 0 and synchronises
+    gradients once per step instead of in every micro-batch
+    (:class:`planner.intra_op.IntraOpCost`). Its layer profiles are ILPs of
+    their own (a mesh family of its own). Only the leading configurations
+    are tried: the ILP without ZeRO may already shard parameter states on any
+    axis, so ZeRO mostly changes how fast a configuration is, not whether it
+    fits."""
     zeros = opts.zero_choices
-    zero = fsdp_stage(zeros)
-    if not (0 in zeros and zero):
+    if 0 not in zeros or zero_stage(zeros, ctx.dtype, ctx.optimizer, 2) is None:
         return [[] for _ in groups]
-    per_group = [[(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
-                   c.schedule, c.num_microbatches)
-                  for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
-                                   and not c.mesh.zero_stage and c.mesh.shape[0] > 1),
-                                  key=_zero3_estimate)[:ZERO_CANDIDATES]]
+
+    def variant(c: PipelineCandidate) -> tuple:
+        zero = zero_stage(zeros, ctx.dtype, ctx.optimizer, c.mesh.shape[0])
+        return (c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
+                c.schedule, c.num_microbatches)
+
+    per_group = [[variant(c) for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
+                                              and not c.mesh.zero_stage and c.mesh.shape[0] > 1),
+                                             key=_zero3_estimate)[:ZERO_CANDIDATES]]
                  for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (
-        f"ZeRO-{zero} variant {k + 1}/{len(configs)}: {config_label(*config)}"), traced=True)
+        f"ZeRO-{config[2].zero_stage} variant {k + 1}/{len(configs)}: {config_label(*config)}"),
+        traced=True)
     out, start = [], 0
     for group in per_group:
         variants = [c for c in priced[start:start + len(group)] if c is not None]

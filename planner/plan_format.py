@@ -141,9 +141,10 @@ class StagePlan:
             which stores the master parameters sharded too, all-gathers them
             once per step and reduce-scatters the gradients once per step;
             with one FSDP2 unit per stage it runs and is priced as 3) or 1
-            (optimizer states sharded over ``zero_axis``:
-            Megatron's distributed optimizer, in Megatron baselines only; the
-            runtime does not run it).
+            (optimizer states sharded over ``zero_axis``, parameters and
+            gradients whole, gradients reduce-scattered and parameters
+            all-gathered once per step: Megatron's distributed optimizer,
+            run by :class:`codegen.zero1.ShardedStateOptimizer`).
         predicted: per micro-batch ``forward_s``, ``backward_input_s``,
             ``backward_weight_s``; per step ``grad_sync_s`` and ``update_s``
             (optimizer update and parameter casts); and

@@ -49,10 +49,12 @@ class PlanRequest:
             so that the runner builds the same shapes).
         pipeline: also search pipeline plans (ignored with ``mesh_shape``).
         pp, schedules, num_microbatches: restrict the pipeline search.
-        zero_stages: ZeRO stages of pipeline stages to try: 0 (none), 2 (FSDP2
-            over the stage mesh's first axis without resharding after forward:
-            optimizer states and gradients sharded), 3 (FSDP2, parameters
-            sharded too); None: all three.
+        zero_stages: ZeRO stages of pipeline stages to try: 0 (none), 1
+            (optimizer states sharded over the stage mesh's first axis), 2
+            (FSDP2 over it without resharding after forward: optimizer states
+            and gradients sharded), 3 (FSDP2, parameters sharded too); None:
+            all four. Of the stages above 0 the search prices the one holding
+            the least memory for the precision (:func:`planner.pipeline.zero_stage`).
         precision: a training precision name (:mod:`ir.precision`) or a
             :class:`Precision`; None: :func:`default_precision`.
         recompute: None: the search checkpoints where that is fastest; True:

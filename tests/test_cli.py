@@ -42,7 +42,7 @@ def test_plan_with_pipeline_options_writes_a_pipeline_plan(tmp_path, capsys):
     (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--schedule", "zigzag"],
      "unknown pipeline schedule"),
     (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--pp", "two"], "--pp"),
-    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--zero", "1"],
+    (["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--zero", "4"],
      "ZeRO stages must be 0"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, message, capsys, tmp_path, monkeypatch):

@@ -96,6 +96,6 @@ def test_plan_with_zero_stages_2_records_zero2_stages_and_refuses_bad_stages():
     p = plan(model, "local-cpu:4", zero_stages=[2], **kwargs)
     assert {(st.zero_stage, st.zero_axis) for st in p.pipeline.stages} == {(2, 0)}
     assert all(p.parameters[fqn][0] == "R" for fqn in p.parameters)  # FSDP2 shards axis 0
-    for bad in ([1], [4], []):
-        with pytest.raises(PlanningError, match=r"ZeRO stages must be 0 \(none\), 2 or 3"):
+    for bad in ([4], [-1], []):
+        with pytest.raises(PlanningError, match=r"ZeRO stages must be 0 \(none\), 1 "):
             plan(model, "local-cpu:4", zero_stages=bad, **kwargs)
