@@ -269,7 +269,11 @@ def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> d
         # the stage plans price one micro-batch and the step's optimizer update
         "compute_s": sum(m * (parts[s].predicted["compute_s"] - exact.times[s].update_s)
                          + exact.times[s].update_s for s in mine),
-        "communication_s": m * sum(parts[s].predicted["communication_s"] for s in mine),
+        # per micro-batch collectives; the once-per-step ones are grad_sync_s
+        "communication_s": m * sum(parts[s].predicted["communication_s"]
+                                   - ctx.step_collectives_of(exact.results[s],
+                                                             exact.candidate.mesh)
+                                   for s in mine),
         "resharding_s": m * sum(parts[s].predicted["resharding_s"] for s in mine),
         "bubble_s": exact.bubble_s,
         "p2p_s": sum(exact.p2p),

@@ -103,6 +103,16 @@ class StageTimes:
 ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
+def step_collectives(result: IntraOpResult, cost: IntraOpCost) -> float:
+    """Seconds of the collectives in ``result``'s communication that run once
+    per step, not per micro-batch: ZeRO's (or ``reduce_once``'s) reduction of
+    the parameters' gradients and gathering of the parameters over mesh axis
+    0, as the ILP priced them (:meth:`IntraOpCost.state_collectives`, without
+    the stage's one per-message latency)."""
+    return sum(cost.state_collectives(n, result.chosen[n.name])
+               for n in result.graph.nodes if n.kind == PARAM)
+
+
 def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str,
                 zero_stage: int = 0, pricer: ReshardPricer | None = None,
                 cost: IntraOpCost | None = None, reduce_once: bool = False) -> StageTimes:

@@ -22,7 +22,8 @@ from costmodel.schedules import ScheduleBook
 from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost
 from ir.graph import PARAM, Graph
 from ir.subgraph import subgraph
-from planner.inter_op import LayerProfile, StageMeshOption, StageTimes, mesh_family, stage_times
+from planner.inter_op import (LayerProfile, StageMeshOption, StageTimes, mesh_family, stage_times,
+                              step_collectives)
 from planner.intra_op import (IntraOpResult, PreparedIntraOp, prepare_intra_op, restrict,
                               solve_prepared)
 from planner.ilp import InfeasibleError
@@ -267,6 +268,13 @@ class SearchContext:
         return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
                            mesh.zero_stage, pricer=self.pricer(mesh), cost=cost,
                            reduce_once=mesh.reduce_once)
+
+    def step_collectives_of(self, result: IntraOpResult, mesh: StageMeshOption) -> float:
+        """:func:`planner.inter_op.step_collectives` of a stage solved on ``mesh``."""
+        cost = IntraOpCost(result.graph, mesh.cluster(self.cluster), result.mesh_shape,
+                           self.dtype, self.optimizer, zero_stage=mesh.zero_stage,
+                           pricer=self.pricer(mesh), reduce_once=mesh.reduce_once)
+        return step_collectives(result, cost)
 
     def stage_graph(self, prog: MicrobatchProgram, first: int, end: int) -> Graph:
         """The sub-graph of layers ``first .. end - 1``, made once per program."""

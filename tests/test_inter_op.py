@@ -249,7 +249,8 @@ def test_zero3_stages_count_sharded_states_and_sync_gradients_once_per_step():
     locally over the micro-batches and synchronised once per step: one
     reduce-scatter and one all-gather of the stage's parameters (on a ring,
     the time of one all-reduce of them), where the plain stage all-reduces
-    them in every micro-batch's backward."""
+    them in every micro-batch's backward. The plan's predicted communication
+    counts the per-micro-batch collectives m times and ZeRO's sync once."""
     from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model("gpt-tiny")
@@ -269,6 +270,10 @@ def test_zero3_stages_count_sharded_states_and_sync_gradients_once_per_step():
             collective_time("all_reduce", a["params"], 2, link), rel=1e-9)
         assert zero3.predicted["backward_input_s"] < plain.predicted["backward_input_s"]
     assert plans[1].predicted["step_time_s"] < plans[0].predicted["step_time_s"]
+    # data-parallel stages: ZeRO-3's one collective is the step's sync, counted
+    # once in grad_sync_s, not in each micro-batch's communication
+    zero3 = plans[1].predicted
+    assert zero3["communication_s"] == pytest.approx(0.0, abs=1e-12) and zero3["grad_sync_s"] > 0
 
 
 def test_plan_searches_zero3_stages_and_keeps_them_when_faster():
