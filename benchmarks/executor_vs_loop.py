@@ -7,7 +7,8 @@ For each model and precision: a plan for one device (``planner.plan(mesh_shape=(
 run by :class:`codegen.executor.PlanExecutor` (what ``planner run`` runs on each
 rank: the captured program, the plan's checkpointing and precision), against
 :class:`benchmarks.plain_loop.PlainLoop` (the model's own forward, the same
-precision, the plan's checkpointed layers). Both train with AdamW (foreach),
+precision, the plan's checkpointed layers; one case plans with every layer
+checkpointed, ``recompute=True``). Both train with AdamW (foreach),
 gradients set to None after each step, in this one process (a gloo group of one
 rank), on one thread. Their steps alternate (``--rounds`` rounds of ``--steps``
 steps each, after warm-up) so that load elsewhere on the machine falls on both
@@ -33,10 +34,13 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 DEFAULT_OUT = os.path.join(HERE, "results", "executor_vs_loop.json")
-#: (zoo name, batch size, sequence length, precisions) measured by default (bf16 runs
-#: emulated on this CPU, ~10x slower: the bigger model is measured in fp32 only).
-CASES = [("gpt-tiny", 8, 32, ("fp32", "bf16-mixed")), ("llama-tiny", 8, 32, ("fp32", "bf16-mixed")),
-         ("gpt2-small-4l", 4, 128, ("fp32",))]
+#: (zoo name, batch size, sequence length, precisions, recompute) measured by default
+#: (bf16 runs emulated on this CPU, ~10x slower: the bigger model is measured in fp32
+#: only). ``recompute``: the planner's choice (None), or every layer checkpointed (True).
+CASES = [("gpt-tiny", 8, 32, ("fp32", "bf16-mixed"), None),
+         ("llama-tiny", 8, 32, ("fp32", "bf16-mixed"), None),
+         ("llama-tiny", 8, 32, ("fp32",), True),
+         ("gpt2-small-4l", 4, 128, ("fp32",), None)]
 
 
 def _model(name: str, batch: int, seq: int, device: str) -> tuple[Any, tuple]:
@@ -49,13 +53,13 @@ def _model(name: str, batch: int, seq: int, device: str) -> tuple[Any, tuple]:
     return zoo.build(name, batch_size=batch, seq_len=seq, device=device)
 
 
-def _plan(name: str, batch: int, seq: int, precision: str) -> Any:
+def _plan(name: str, batch: int, seq: int, precision: str, recompute: bool | None) -> Any:
     """The one-device plan (made before the process group exists: the planner forks)."""
     from planner.api import plan
 
     meta_model, meta_inputs = _model(name, batch, seq, "meta")
     return plan(meta_model, "local-cpu:1", example_inputs=meta_inputs, mesh_shape=(1,),
-                precision=precision, time_limit_s=10)
+                precision=precision, recompute=recompute, time_limit_s=10)
 
 
 def _one_case(name: str, batch: int, seq: int, precision: str, p: Any,
@@ -117,22 +121,22 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     cases = CASES[:1] if args.quick else CASES
-    plans: dict[tuple[str, str], Any] = {}
-    for name, batch, seq, own in cases:
+    plans: dict[tuple[str, str, bool | None], Any] = {}
+    for name, batch, seq, own, recompute in cases:
         for precision in args.precisions or own:
             try:
-                plans[name, precision] = _plan(name, batch, seq, precision)
+                plans[name, precision, recompute] = _plan(name, batch, seq, precision, recompute)
             except Exception as err:  # noqa: BLE001 - recorded below
-                plans[name, precision] = err
+                plans[name, precision, recompute] = err
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("gloo", rank=0, world_size=1)
     results = []
     try:
-        for name, batch, seq, own in cases:
+        for name, batch, seq, own, recompute in cases:
             for precision in args.precisions or own:
                 try:
-                    made = plans[name, precision]
+                    made = plans[name, precision, recompute]
                     if isinstance(made, Exception):
                         raise made
                     r = _one_case(name, batch, seq, precision, made, args)

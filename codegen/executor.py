@@ -19,6 +19,13 @@ op at a time on DTensors (:mod:`codegen.node_runner`):
 * layers the plan checkpoints run under ``torch.utils.checkpoint``
   (:mod:`codegen.checkpointed_layers`).
 
+On a mesh of one device every placement is the whole tensor: the first forward
+is interpreted (and recorded) as above, later ones (unless every step records)
+run the program as Python code on plain tensors (:meth:`PlanExecutor._compile`),
+each op called through the public torch function that dispatches its aten
+overload where one does (:func:`codegen.node_runner.public_binding`),
+checkpointed layers as submodules under ``torch.utils.checkpoint``.
+
 Nodes the plan does not list run in *follow DTensor* mode: no redistribution, only
 recording (:mod:`codegen.placement_record`). Running a plan that lists only
 parameter and input placements therefore records what DTensor does by itself;
@@ -31,10 +38,11 @@ Placement strings are the plan's (:mod:`ir.placements`): ``R``, ``S(d)``, ``P``
 
 from __future__ import annotations
 
-import functools
+import operator
 from typing import Any, Iterator, Sequence
 
 import torch
+import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
@@ -42,7 +50,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from codegen.capture import (CapturedProgram, PlanMismatchError, capture_program,
                              check_plan_fits_program)
 from codegen.checkpointed_layers import checkpoint_segments, run_checkpointed
-from codegen.node_runner import NodeRunner
+from codegen.node_runner import NodeRunner, public_binding
 from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer
 from codegen.redistribution import plan_on_mesh
@@ -102,6 +110,10 @@ class PlanExecutor:
         self._inputs = InputPlacer(self.plan, mesh, self.record.placeholder_placements,
                                    local=self.local)
         self._forwards = 0
+        # one device: the program as Python code (made by the first forward) and
+        # its placeholders' names, in argument order
+        self._compiled: torch.fx.GraphModule | None = None
+        self._compiled_inputs: list[str] = []
         self._calls = self._program_calls()
         self._last_use = self._last_uses(self._calls, self._kept_values())
         self._segments = checkpoint_segments(self.graph, self._calls, self._checkpoint_layers())
@@ -179,23 +191,41 @@ class PlanExecutor:
         env: dict[str, Any] = {}
         for name, value in zip(self.user_input_names, flat_inputs):
             env[name] = self._inputs.place_input(name, value)
-        if self.local and not self._segments and not self.record.recording:
+        if self._compiled is not None and not self.record.recording:
             self._forwards += 1
             return self._user_outputs(self._compiled(*[
-                env[n.name] if n.name in env else self._placeholder_value(n.name)
-                for n in self._compiled.graph.nodes if n.op == "placeholder"]))
+                env[name] if name in env else self._placeholder_value(name)
+                for name in self._compiled_inputs]))
         self._execute(env)
+        if self.local and self._compiled is None and not self.record_every_step:
+            # made in the recording forward, whose time is a warm-up's anyway
+            self._compiled = self._compile()
+            self._compiled_inputs = [n.name for n in self._compiled.graph.nodes
+                                     if n.op == "placeholder"]
         out = next(n for n in self.ep.graph.nodes if n.op == "output")
         outputs = torch.fx.node.map_arg(out.args[0], lambda n: env[n.name])
         return self._user_outputs(outputs)
 
-    @functools.cached_property
-    def _compiled(self) -> torch.fx.GraphModule:
+    def _compile(self) -> torch.fx.GraphModule:
         """The captured program as Python code (``torch.fx.GraphModule``): on one
-        device, after the recording forward and without checkpointed layers, it
-        runs the same ops in the same order as :meth:`_execute` without
-        interpreting each node."""
-        return torch.fx.GraphModule(torch.nn.Module(), self.ep.graph)
+        device, after the recording forward, it runs the same ops in the same
+        order as :meth:`_execute` without interpreting each node. A checkpointed
+        layer is one submodule run under ``torch.utils.checkpoint`` (as
+        :func:`codegen.checkpointed_layers.run_checkpointed` runs it). Each op is
+        called through the public function that dispatches its overload where
+        one does (:func:`codegen.node_runner.public_binding`)."""
+        root, graph = torch.nn.Module(), torch.fx.Graph()
+        copied: dict[torch.fx.Node, torch.fx.Node] = {}
+        segment_of = {n.name: first for first, seg in self._segments.items() for n in seg}
+        memo: dict[Any, Any] = {}
+        for node in self.ep.graph.nodes:
+            first = segment_of.get(node.name)
+            if first is None:
+                copied[node] = graph.node_copy(node, copied.__getitem__)
+            elif first == node.name:
+                _call_segment(graph, root, self._segments[first], copied, memo)
+        _bind_publicly(graph, memo)
+        return torch.fx.GraphModule(root, graph)
 
     def _begin_forward(self) -> None:
         """Reset the per-forward records (recording only on the first forward)."""
@@ -265,6 +295,65 @@ class PlanExecutor:
         this: the result, fed back, makes every reshard explicit.
         """
         return self.record.recorded_plan(self.plan, self.graph)
+
+
+class _CheckpointedLayer(torch.nn.Module):
+    """A checkpointed layer's program (its external values in, the values read
+    after it out, as a tuple) run under non-reentrant ``torch.utils.checkpoint``
+    without early stop, as :func:`codegen.checkpointed_layers.run_checkpointed`
+    runs it."""
+
+    def __init__(self, program: torch.fx.GraphModule):
+        super().__init__()
+        self.program = program
+
+    def forward(self, *values: Any) -> tuple:
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(self.program, *values, use_reentrant=False)
+
+
+def _call_segment(graph: torch.fx.Graph, root: torch.nn.Module, segment: Sequence[torch.fx.Node],
+                  copied: dict[torch.fx.Node, torch.fx.Node], memo: dict[Any, Any]) -> None:
+    """Append to ``graph`` a call of checkpointed layer ``segment`` (its op
+    nodes), a new submodule of ``root``, on the copies of the values it reads;
+    the values read after it are copied as the items of the call's result."""
+    program, external, outputs = _segment_program(segment, memo)
+    name = f"checkpointed_{len(list(root.children()))}"
+    root.add_module(name, _CheckpointedLayer(program))
+    call = graph.call_module(name, tuple(copied[v] for v in external))
+    for i, out in enumerate(outputs):
+        copied[out] = graph.call_function(operator.getitem, (call, i))
+        copied[out].meta.update(out.meta)
+
+
+def _segment_program(segment: Sequence[torch.fx.Node], memo: dict[Any, Any]
+                     ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[torch.fx.Node]]:
+    """The op nodes of ``segment`` as a program of their own, each op called as
+    :func:`_bind_publicly` binds it. Returns it, the values it reads from
+    outside (its inputs, in first use order) and those read after it (its
+    outputs, a tuple)."""
+    inside = set(segment)
+    external = list(dict.fromkeys(a for n in segment for a in n.all_input_nodes
+                                  if a not in inside))
+    outputs = [n for n in segment if any(u not in inside for u in n.users)]
+    graph = torch.fx.Graph()
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    for value in external:
+        copied[value] = graph.placeholder(value.name)
+        copied[value].meta.update(value.meta)
+    for node in segment:
+        copied[node] = graph.node_copy(node, copied.__getitem__)
+    graph.output(tuple(copied[n] for n in outputs))
+    _bind_publicly(graph, memo)
+    return torch.fx.GraphModule(torch.nn.Module(), graph), external, outputs
+
+
+def _bind_publicly(graph: torch.fx.Graph, memo: dict[Any, Any]) -> None:
+    """Call each aten op of ``graph`` through the public function that
+    dispatches its overload, where one does (:func:`codegen.node_runner.public_binding`)."""
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.target = public_binding(node, memo) or node.target
 
 
 def record_plan(plan: Plan, model: torch.nn.Module, example_inputs: Any) -> Plan:

@@ -13,13 +13,20 @@
   wrapped back as ``Replicate``) with a warning that names the op.
 
 What it sees goes into a :class:`codegen.placement_record.PlacementRecord`.
+
+On a mesh of one device the program runs on plain tensors, and
+:func:`public_binding` finds, for an op node, the public Python function
+(``torch.mm``, ``Tensor.view``...) that dispatches exactly the node's aten
+overload: calling it skips the boxed call of ``torch.ops.aten.*`` overloads,
+which parses every argument against the op's schema in Python.
 """
 
 from __future__ import annotations
 
 import operator
+import types
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -31,10 +38,10 @@ from codegen.redistribution import (keep_layout, placements_of, reachable_target
                                     same_placements, unmask)
 from ir.placements import parse_placement, parse_placements, placement_str
 from ir.torch_compat import (SDPA, dispatcher_input_reshards, is_assertion_op,
-                             is_mask_partial, tree_map)
+                             is_mask_partial, op_overload_name, tree_leaves, tree_map)
 from planner.plan_format import OpPlacement, Plan
 
-__all__ = ["DTensorResultError", "NodeRunner", "tensor_leaves"]
+__all__ = ["DTensorResultError", "NodeRunner", "public_binding", "tensor_leaves"]
 
 
 class DTensorResultError(RuntimeError):
@@ -118,6 +125,116 @@ def _keep_gradient_placements(out: Any) -> None:
     out.register_hook(lambda grad: grad if not isinstance(grad, DTensor)
                       or tuple(grad.placements) == placements
                       else grad.redistribute(mesh, placements))
+
+
+def public_binding(node: torch.fx.Node, memo: dict[Any, Callable | None]) -> Callable | None:
+    """A public torch function that dispatches exactly op ``node``'s aten overload.
+
+    Candidates are the builtins of the same name in ``torch`` and
+    ``torch.nn.functional`` and the ``Tensor`` method. Python's argument parser
+    picks an overload from the arguments' types, so a candidate is taken only
+    when tracing it (``make_fx``, on meta tensors of the node's argument
+    shapes) dispatches the same aten ops with the same arguments as tracing
+    the node's own overload. Returns None when no candidate does, for ops
+    without tensor arguments (factories) and for random ops.
+
+    ``memo`` maps an op and its arguments' types to the answer, so the layers
+    of a repeated block are traced once.
+    """
+    op_name = op_overload_name(node.target)
+    if op_name is None or torch.Tag.nondeterministic_seeded in node.target.tags:
+        return None
+    args = _meta_arguments(node)
+    if args is None:
+        return None
+    key = (node.target, _type_signature(args))
+    if key not in memo:
+        name = op_name[0].split("::")[-1]
+        memo[key] = next((fn for fn in _candidates(name)
+                          if _same_dispatch(node.target, fn, args)), None)
+    return memo[key]
+
+
+def _candidates(name: str) -> list[Callable]:
+    """Public C++ bindings named ``name``: ``torch.<name>``,
+    ``torch.nn.functional.<name>`` (builtins only: their Python functions take
+    other arguments) and the ``Tensor.<name>`` method."""
+    found = [getattr(torch, name, None), getattr(torch.nn.functional, name, None)]
+    fns = [f for f in found if isinstance(f, types.BuiltinFunctionType)]
+    method = getattr(torch.Tensor, name, None)
+    if isinstance(method, types.MethodDescriptorType):
+        fns.append(method)
+    return fns
+
+
+class _NoMeta(Exception):
+    """An argument of the node has no value a meta tensor can stand for."""
+
+
+def _meta_of(arg: torch.fx.Node) -> Any:
+    """A meta tensor of argument ``arg``'s shape, strides and dtype (its
+    ``meta["val"]``); the value itself for a Python number."""
+    val = arg.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        try:
+            return torch.empty_strided(tuple(int(d) for d in val.shape),
+                                       tuple(int(d) for d in val.stride()),
+                                       dtype=val.dtype, device="meta")
+        except (TypeError, RuntimeError) as err:  # symbolic sizes
+            raise _NoMeta from err
+    if isinstance(val, (bool, int, float)):
+        return val
+    raise _NoMeta
+
+
+def _meta_arguments(node: torch.fx.Node) -> tuple[tuple, dict] | None:
+    """``node``'s (args, kwargs) with meta tensors for its argument nodes; None
+    when one has no known value or no argument is a tensor."""
+    try:
+        args = torch.fx.node.map_arg((node.args, node.kwargs), _meta_of)
+    except _NoMeta:
+        return None
+    if not any(isinstance(v, torch.Tensor) for v in tree_leaves(args)):
+        return None
+    return args
+
+
+def _type_signature(value: Any) -> Any:
+    """What Python's argument parser reads of ``value`` to pick an overload:
+    the nesting, the types, and of a tensor its dtype and whether it is 0-D."""
+    if isinstance(value, (list, tuple)):
+        return type(value), tuple(_type_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _type_signature(v)) for k, v in value.items())
+    if isinstance(value, torch.Tensor):
+        return torch.Tensor, value.dtype, value.dim() == 0
+    return type(value)
+
+
+def _same_dispatch(op: Any, fn: Callable, args: tuple[tuple, dict]) -> bool:
+    """Whether ``fn`` and ``op`` on meta arguments ``args`` dispatch the same ops."""
+    try:
+        return _dispatched(fn, args) == _dispatched(op, args)
+    except Exception:  # noqa: BLE001 - the candidate does not take these arguments
+        return False
+
+
+def _dispatched(fn: Callable, args: tuple[tuple, dict]) -> list[tuple]:
+    """The aten ops ``fn(*args[0], **args[1])`` dispatches, with their
+    arguments (graph values as positions), traced by ``make_fx``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def call(*tensors: torch.Tensor) -> Any:
+        it = iter(tensors)
+        a, kw = tree_map(lambda v: next(it) if isinstance(v, torch.Tensor) else v, args)
+        return fn(*a, **kw)
+
+    tensors = [v for v in tree_leaves(args) if isinstance(v, torch.Tensor)]
+    traced = make_fx(call)(*tensors).graph
+    position = {n: i for i, n in enumerate(traced.nodes)}
+    as_positions = lambda v: torch.fx.node.map_arg(v, lambda n: position[n])  # noqa: E731
+    return [(n.op, n.target, as_positions(n.args), as_positions(n.kwargs))
+            for n in traced.nodes if n.op != "placeholder"]
 
 
 def _first_line(err: BaseException) -> str:
