@@ -344,8 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "micro-batches of 1, 4 and 16 sequences)")
     p.add_argument("--zero", help="ZeRO stages of pipeline stages to try: 0 (none), 1 "
                    "(optimizer states sharded over the stage mesh's first axis), 2 (FSDP2 over "
-                   "it, no resharding after forward), 3 (FSDP2); default 0,1,2,3, of which the "
-                   "search prices the stage holding the least memory for the precision")
+                   "it, no resharding after forward), 3 (FSDP2); default 0,1,2,3")
     p.add_argument("--no-pipeline", action="store_true", help="plan a single stage only")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")

@@ -93,7 +93,7 @@ class IntraOpCost:
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
                  optimizer: str = "adam", activation_copies: float = 1.0,
                  pricer: ReshardPricer | None = None, zero_stage: int = 0,
-                 reduce_once: bool = False):
+                 reduce_once: bool = False, step_share: float = 1.0):
         """``pricer``: a :class:`ReshardPricer` of this mesh and cluster to share
         (its prices are memoised, so graphs priced on the same mesh one after
         another reuse them); a new one when None. ``zero_stage``: how the
@@ -132,7 +132,18 @@ class IntraOpCost:
         sums on axis 0 accumulate over the micro-batches and are all-reduced
         once per step (Megatron's DDP; torch DDP under ``no_sync``), priced as
         the reduce-scatter and all-gather a ring all-reduce is made of.
+
+        ``step_share``: what the once-per-step seconds of a parameter node
+        (the optimizer update and casts, ZeRO's collectives) weigh against
+        one micro-batch's seconds in the intra-op ILP's objective, ``1/m``
+        for a stage that runs ``m`` micro-batches a step: the objective is
+        then the stage's step over ``m``, and a layout that saves one
+        gradient sync per step by gathering parameters in every micro-batch
+        pays for all ``m`` gathers. The prices themselves stay in seconds.
         """
+        if not 0.0 < step_share <= 1.0:
+            raise ValueError(f"step_share must be in (0, 1], got {step_share!r}")
+        self.step_share = float(step_share)
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
         self.graph = graph

@@ -21,7 +21,8 @@ from ir.layers import PipelineLayer, block_count, manual_bounds
 from ir.precision import Precision
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
-from planner.finalists import assemble, solve_exact, solve_finalists, split_far_finalists
+from planner.finalists import (assemble, fastest, solve_exact, solve_finalists,
+                               split_far_finalists)
 from planner.forked import run_beside
 from planner.inter_op import stage_mesh_options
 from planner.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
@@ -257,7 +258,7 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
         least = min(too_big, key=lambda e: e.least_bytes) if too_big else None
         raise PlanningError((str(least) if least else "no plan fits in memory")
                             + " (no pipeline of its layers fits either)")
-    winner = min(exact, key=lambda e: e.step_time_s)
+    winner = fastest(exact)
     if winner.candidate.schedule == NO_PIPELINE:
         return build(winner.results[0], cluster)
     return assemble(winner, ctx, build)

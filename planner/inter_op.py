@@ -165,7 +165,9 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
                     sync += g
                 else:
                     b += g
-    recompute = result.solution.objective_s - (f + b + w + sync + zero_priced + update)
+    # the objective weighs the once-per-step seconds by step_share (IntraOpCost)
+    recompute = result.solution.objective_s - (f + b + w + sync
+                                               + result.step_share * (zero_priced + update))
     b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
     # a pass takes at least the host's time to issue its ops (costmodel.compute)
     host_f, host_b = host_seconds(graph, cluster.device)

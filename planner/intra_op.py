@@ -44,6 +44,8 @@ class IntraOpResult:
     time_limit_s: float
     memory: dict[str, float]  # bytes per device by kind (params, grads, optimizer, activations)
     checkpointed: list[str] = field(default_factory=list)  # layers recomputed in backward
+    # the weight of once-per-step seconds in the objective (IntraOpCost.step_share)
+    step_share: float = 1.0
 
 
 def _distinct(specs: list[int]) -> tuple[list[int], list[int]]:
@@ -123,7 +125,9 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
     node_costs, node_memory = [], []
     for group in members:
         ns, n = strategies[group[0]], len(group)
-        node_costs.append([n * (c + cost.backward_collectives(ns.node, s)) for c, s in
+        # a parameter's prices are once per step (IntraOpCost.step_share)
+        w = n * (cost.step_share if ns.node.kind == PARAM else 1.0)
+        node_costs.append([w * (c + cost.backward_collectives(ns.node, s)) for c, s in
                            zip(cost.compute_each(ns.node, ns.strategies), ns.strategies)])
         node_memory.append([n * cost.memory(ns.node, s) for s in ns.strategies])
     loop_costs = [[0.0] * len(c) for c in node_costs]
@@ -441,10 +445,11 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                      activation_copies: float = 1.0,
                      strategies: list[NodeStrategies] | None = None,
                      pricer: ReshardPricer | None = None,
-                     zero_stage: int = 0, reduce_once: bool = False) -> PreparedIntraOp:
+                     zero_stage: int = 0, reduce_once: bool = False,
+                     step_share: float = 1.0) -> PreparedIntraOp:
     """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
     several budgets can be solved without pricing again. ``pricer``,
-    ``zero_stage``, ``reduce_once``: see :class:`IntraOpCost`."""
+    ``zero_stage``, ``reduce_once``, ``step_share``: see :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
         strategies = build_strategies(graph, mesh_shape)
@@ -460,7 +465,7 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer,
-                       zero_stage, reduce_once)
+                       zero_stage, reduce_once, step_share)
     return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
                            float(activation_copies))
 
@@ -541,10 +546,13 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     chosen = {ns.node.name: ns.strategies[i] for ns, i in zip(strategies, choice)}
     breakdown = CostBreakdown()
     memory: dict[str, float] = {}
+    once = 0.0  # once-per-step seconds, weighed by step_share in the objective
     for ns, i in zip(strategies, choice):
         prices = cost.prices(ns.node, ns.strategies[i])
         breakdown.compute_s += prices.compute_s
         breakdown.communication_s += prices.collectives_s
+        if ns.node.kind == PARAM:
+            once += prices.compute_s + prices.collectives_s
         for k, v in prices.memory.items():
             memory[k] = memory.get(k, 0.0) + v * (activation_copies if k == "activations" else 1)
     for u, v, m in problem.edges:
@@ -566,6 +574,8 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
             layer = freed * again / (1.0 - again) if again < 1.0 else 0.0
             memory["activations"] += kept - freed - layer
             memory["recomputed_layer"] = memory.get("recomputed_layer", 0.0) + layer
-    assert math.isclose(breakdown.total_s, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (breakdown, solution.objective_s, solution.status, checkpointed)
+    weighed = breakdown.total_s - (1.0 - cost.step_share) * once
+    assert math.isclose(weighed, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (
+        breakdown, solution.objective_s, solution.status, checkpointed)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
-                         memory, checkpointed)
+                         memory, checkpointed, cost.step_share)

@@ -18,7 +18,7 @@ from costmodel.cluster import Cluster
 from costmodel.schedule_specs import canonical_schedule, default_stages_per_rank, schedule_spec
 from costmodel.schedules import ScheduleBook, simulate
 from costmodel.memory import training_state_bytes
-from costmodel.strategy_cost import FSDP_STAGES, ZERO_STAGES
+from costmodel.strategy_cost import FSDP_STAGES
 from planner.inter_op import (NO_PIPELINE, SEARCH_SCHEDULES, PipelineCandidate, StageMeshOption,
                               StageTimes, config_label, in_flight, split_layers,
                               stage_mesh_options)
@@ -63,23 +63,31 @@ def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes
 
 
 def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
-                        limit: int) -> list[int]:
+                        limit: int, stage_devices: int = 1) -> list[int]:
     """Micro-batch counts tried, fewest first: the batch split into
-    micro-batches of 1, 4, 16, ... sequences, at most ``limit`` of them,
-    where the count is a multiple of pp, and of the fewest torch's schedule
-    accepts where that is more (DualPipeV: 2pp). Micro-batches of one
-    sequence (Megatron's usual size) keep the bubble and the in-flight
-    activations smallest: with counts pp, 2pp and 4pp instead, gpt3-175b
-    on 1024 A100s chose 516.10 s/step where pp=16 with 1536 micro-batches
-    gives 277.74, and llama3-8b on 64 H100s 71.10 where pp=2 with 256
-    gives 58.25."""
+    micro-batches of 1, 4, 16, ... sequences, at most ``limit`` of them, and
+    into micro-batches of one sequence per device of the stage mesh
+    (``stage_devices``: Megatron's micro-batch of one sequence per
+    data-parallel rank, which a stage can split by batch alone), where the
+    count is a multiple of pp, and of the fewest torch's schedule accepts
+    where that is more (DualPipeV: 2pp). Micro-batches of one sequence keep
+    the bubble and the in-flight activations smallest: with counts pp, 2pp
+    and 4pp instead, gpt3-175b on 1024 A100s chose 516.10 s/step where
+    pp=16 with 1536 micro-batches gives 277.74, and llama3-8b on 64 H100s
+    71.10 where pp=2 with 256 gives 58.25."""
     first = max(pp, schedule_spec(schedule).min_microbatches(pp, v))
+
+    def fits(size: int) -> bool:
+        return global_batch % size == 0 and (global_batch // size) % first == 0
+
     counts = []
     size = 1  # sequences per micro-batch
     while global_batch // size >= first and len(counts) < limit:
-        if global_batch % size == 0 and (global_batch // size) % first == 0:
+        if fits(size):
             counts.append(global_batch // size)
         size *= 4
+    if stage_devices > 1 and fits(stage_devices) and global_batch // stage_devices not in counts:
+        counts.append(global_batch // stage_devices)
     return sorted(counts)
 
 
@@ -102,38 +110,47 @@ def _accumulation_options(global_batch: int, limit: int) -> list[int]:
 # between forward and backward) or ZeRO-3 (parameters sharded too).
 SEARCH_ZERO_STAGES = (0, 1, 2, 3)
 
-# Parameters of the probe zero_stage() weighs the stages' state bytes with
+# Parameters of the probe zero_stages_priced() weighs the stages' state bytes with
 # (bytes per parameter are the same at any count).
 _STATE_PROBE = 1 << 20
 
 
-def zero_stage(zero_stages: Sequence[int], precision: str, optimizer: str,
-               ranks: int) -> int | None:
-    """The ZeRO stage (1, 2 or 3) the search gives stages whose mesh axis 0 has
-    ``ranks`` ranks, of those ``zero_stages`` allows; None if it allows none.
+def zero_stages_priced(zero_stages: Sequence[int], precision: str, optimizer: str,
+                       ranks: int) -> list[int]:
+    """The ZeRO stages (1, 2 or 3) the search prices for stages whose mesh
+    axis 0 has ``ranks`` ranks, of those ``zero_stages`` allows, the one
+    holding the least state bytes first; empty if it allows none.
 
     All three reduce the gradients and gather the parameters once per step,
     with the same collectives, and are priced alike
-    (:class:`costmodel.strategy_cost.IntraOpCost`). They differ in the state
-    bytes a device holds (:func:`costmodel.memory.training_state_bytes`), so
-    the search prices the one that holds the least: under bf16-mixed FSDP2's
-    stages (the fp32 master parameters sharded, a whole bf16 copy gathered),
-    under fp32 and bf16 ZeRO-1 (FSDP2 keeps the gathered whole parameters
-    and gradients besides their shards). Ties go to the higher stage: with
-    one FSDP2 unit per pipeline stage ZeRO-2 and ZeRO-3 run alike (the stage
-    module is FSDP2's root, never resharded after forward, and torch's
-    pipeline keeps it unsharded between micro-batches), and plans made
-    before ZeRO-2 was a choice stay byte for byte the same under 3."""
-    allowed = [z for z in ZERO_STAGES if z and z in zero_stages]
-    if not allowed:
-        return None
+    (:class:`costmodel.strategy_cost.IntraOpCost`). They differ in two ways:
+
+    * the state bytes a device holds
+      (:func:`costmodel.memory.training_state_bytes`): under bf16-mixed
+      FSDP2's stages hold less (the fp32 master parameters sharded, a whole
+      bf16 copy gathered); under fp32 and bf16 ZeRO-1 does (FSDP2 keeps the
+      gathered whole parameters and gradients besides their shards);
+    * FSDP2's stages need every parameter replicated on axis 0; ZeRO-1 takes
+      parameters sharded there too (expert weights under expert
+      parallelism on the data-parallel axis, as Megatron-Core and DeepSeek
+      run it), keeping the states of their own shard.
+
+    So ZeRO-1 alone is priced where it holds no more than FSDP2, and both
+    where FSDP2 holds less. Of FSDP2's two stages one is priced, 3 where
+    allowed: with one FSDP2 unit per pipeline stage ZeRO-2 and ZeRO-3 run
+    alike (the stage module is FSDP2's root, never resharded after forward,
+    and torch's pipeline keeps it unsharded between micro-batches), and
+    plans made before ZeRO-2 was a choice stay byte for byte the same."""
+    fsdp = max((z for z in FSDP_STAGES if z in zero_stages), default=None)
+    if 1 not in zero_stages or fsdp is None:
+        return [z for z in (fsdp, 1 if 1 in zero_stages else None) if z is not None]
 
     def held(z: int) -> int:
         return training_state_bytes(_STATE_PROBE, precision=precision, optimizer=optimizer,
                                     zero_stage=z, dp_size=max(int(ranks), 2),
                                     params_sharded=z in FSDP_STAGES)["total"]
 
-    return min(allowed, key=lambda z: (held(z), -z))
+    return [1] if held(1) <= held(fsdp) else [fsdp, 1]
 
 
 @dataclass
@@ -182,27 +199,29 @@ def configurations(ctx: SearchContext, opts: SearchOptions
             want = tuple(opts.stage_mesh)
             meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
                       for mo in meshes[:1] if mo.size == math.prod(want)]
-        for mesh in meshes:
+        for whole in meshes:
             if pp == 1:  # one stage: the whole batch at once, no schedule (no ZeRO)
-                out.append((1, 1, mesh, NO_PIPELINE, 1))
-            zero = 0 if 0 in zeros else zero_stage(zeros, ctx.dtype, ctx.optimizer,
-                                                   mesh.shape[0])
-            if zero and mesh.shape[0] == 1:
-                continue
-            mesh = dataclasses.replace(mesh, zero_stage=zero)
-            if pp == 1:  # or micro-batches with their gradients accumulated (1F1B of one stage)
-                ms = list(opts.num_microbatches) if opts.num_microbatches else \
-                    _accumulation_options(ctx.global_batch, opts.microbatch_options)
-                if "1f1b" in schedules:
-                    accumulating.extend((1, 1, mesh, "1f1b", m) for m in ms if m > 1)
-                continue
-            for schedule in schedules:
-                v = default_stages_per_rank(schedule)
-                if pp * v > num_layers:
+                out.append((1, 1, whole, NO_PIPELINE, 1))
+            stages = [0] if 0 in zeros else zero_stages_priced(zeros, ctx.dtype, ctx.optimizer,
+                                                                whole.shape[0])
+            for zero in stages:
+                if zero and whole.shape[0] == 1:
                     continue
-                ms = list(opts.num_microbatches) if opts.num_microbatches else \
-                    _microbatch_options(ctx.global_batch, pp, v, schedule, opts.microbatch_options)
-                out.extend((pp, v, mesh, schedule, m) for m in ms)
+                mesh = dataclasses.replace(whole, zero_stage=zero)
+                if pp == 1:  # or micro-batches with their gradients accumulated (1F1B of one stage)
+                    ms = list(opts.num_microbatches) if opts.num_microbatches else \
+                        _accumulation_options(ctx.global_batch, opts.microbatch_options)
+                    if "1f1b" in schedules:
+                        accumulating.extend((1, 1, mesh, "1f1b", m) for m in ms if m > 1)
+                    continue
+                for schedule in schedules:
+                    v = default_stages_per_rank(schedule)
+                    if pp * v > num_layers:
+                        continue
+                    ms = list(opts.num_microbatches) if opts.num_microbatches else \
+                        _microbatch_options(ctx.global_batch, pp, v, schedule,
+                                            opts.microbatch_options, mesh.size)
+                    out.extend((pp, v, mesh, schedule, m) for m in ms)
     return out + accumulating
 
 
@@ -237,9 +256,9 @@ def _zero3_estimate(c: PipelineCandidate) -> float:
 
 def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
-    """For each group of ranked candidates, the ZeRO variants (stage
-    :func:`zero_stage` of their mesh: the one holding the least state bytes
-    for the precision) of its :data:`ZERO_CANDIDATES` pipelines (without
+    """For each group of ranked candidates, the ZeRO variants (each stage
+    :func:`zero_stages_priced` gives for their mesh) of its
+    :data:`ZERO_CANDIDATES` pipelines (without
     ZeRO, stage mesh with more than one rank on axis 0) that ZeRO promises
     most (:func:`_zero3_estimate`), priced, best first; none unless ``opts``
     allows 0 and a ZeRO stage. The groups are priced together
@@ -254,17 +273,17 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     axis, so ZeRO mostly changes how fast a configuration is, not whether it
     fits."""
     zeros = opts.zero_choices
-    if 0 not in zeros or zero_stage(zeros, ctx.dtype, ctx.optimizer, 2) is None:
+    if 0 not in zeros or not zero_stages_priced(zeros, ctx.dtype, ctx.optimizer, 2):
         return [[] for _ in groups]
 
-    def variant(c: PipelineCandidate) -> tuple:
-        zero = zero_stage(zeros, ctx.dtype, ctx.optimizer, c.mesh.shape[0])
-        return (c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
-                c.schedule, c.num_microbatches)
+    def variants(c: PipelineCandidate) -> list[tuple]:
+        return [(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
+                 c.schedule, c.num_microbatches)
+                for zero in zero_stages_priced(zeros, ctx.dtype, ctx.optimizer, c.mesh.shape[0])]
 
-    per_group = [[variant(c) for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
-                                              and not c.mesh.zero_stage and c.mesh.shape[0] > 1),
-                                             key=_zero3_estimate)[:ZERO_CANDIDATES]]
+    per_group = [[v for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
+                                     and not c.mesh.zero_stage and c.mesh.shape[0] > 1),
+                                    key=_zero3_estimate)[:ZERO_CANDIDATES] for v in variants(c)]
                  for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (

@@ -53,8 +53,8 @@ class PlanRequest:
             (optimizer states sharded over the stage mesh's first axis), 2
             (FSDP2 over it without resharding after forward: optimizer states
             and gradients sharded), 3 (FSDP2, parameters sharded too); None:
-            all four. Of the stages above 0 the search prices the one holding
-            the least memory for the precision (:func:`planner.pipeline.zero_stage`).
+            all four (which of them the search prices:
+            :func:`planner.pipeline.zero_stages_priced`).
         precision: a training precision name (:mod:`ir.precision`) or a
             :class:`Precision`; None: :func:`default_precision`.
         recompute: None: the search checkpoints where that is fastest; True:

@@ -194,7 +194,14 @@ class SearchContext:
                                 optimizer=self.optimizer, fixed=self.fixed or None,
                                 activation_copies=copies, strategies=strategies,
                                 pricer=self.pricer(mesh), zero_stage=mesh.zero_stage,
-                                reduce_once=mesh.reduce_once)
+                                reduce_once=mesh.reduce_once,
+                                step_share=self.step_share(prog))
+
+    def step_share(self, prog: MicrobatchProgram) -> float:
+        """The weight of once-per-step seconds against one micro-batch's in the
+        ILPs of ``prog``'s stages (:class:`IntraOpCost`): one over the
+        micro-batches of a step."""
+        return prog.microbatch_size / self.global_batch
 
     def pricer(self, mesh: StageMeshOption) -> ReshardPricer:
         """The resharding pricer every problem on ``mesh`` shares."""
@@ -411,7 +418,8 @@ class SearchContext:
         prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
                                     dtype=self.dtype, optimizer=self.optimizer,
                                     strategies=strategies, pricer=self.pricer(mesh),
-                                    zero_stage=mesh.zero_stage, reduce_once=mesh.reduce_once)
+                                    zero_stage=mesh.zero_stage, reduce_once=mesh.reduce_once,
+                                    step_share=self.step_share(prog))
         points = []
         for chosen, weight in zip(ref.assignments, ref.weights):
             level = restrict(prepared, [

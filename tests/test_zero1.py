@@ -21,7 +21,7 @@ from ir.graph import PARAM
 from ir.source import build_model
 from ir.strategy import Strategy
 from ir.trace import trace
-from planner.pipeline import zero_stage
+from planner.pipeline import zero_stages_priced
 from planner.request import PlanningError
 
 
@@ -36,17 +36,19 @@ def test_slices_are_cut_as_dtensor_shards_a_dimension(size, parts):
         assert torch.equal(whole.narrow(0, start, length), local[rank])
 
 
-def test_search_prices_the_zero_stage_that_holds_least_for_the_precision():
+def test_search_prices_zero1_and_fsdp2_where_neither_dominates():
     """Under bf16-mixed FSDP2 (ZeRO-3) holds less than ZeRO-1 (the fp32
-    master parameters sharded, not whole); under fp32 and bf16 ZeRO-1 does
-    (FSDP2 keeps the gathered parameters and the whole gradients besides
-    their shards). Restricted choices are kept; ZeRO-2 and 3 tie, to 3."""
-    assert zero_stage((0, 1, 2, 3), "bf16-mixed", "adam", 4) == 3
-    assert zero_stage((0, 1, 2, 3), "fp32", "adam", 4) == 1
-    assert zero_stage((0, 1, 2, 3), "bf16", "adam", 8) == 1
-    assert zero_stage((1,), "bf16-mixed", "adam", 4) == 1
-    assert zero_stage((0, 2), "fp32", "adam", 4) == 2
-    assert zero_stage((0,), "fp32", "adam", 4) is None
+    master parameters sharded, not whole), but ZeRO-1 takes parameters
+    sharded on the ZeRO axis (experts), so both are priced, least memory
+    first; under fp32 and bf16 ZeRO-1 holds less (FSDP2 keeps the gathered
+    parameters and whole gradients besides their shards) and is priced
+    alone. Restricted choices are kept; ZeRO-2 and 3 tie, to 3."""
+    assert zero_stages_priced((0, 1, 2, 3), "bf16-mixed", "adam", 4) == [3, 1]
+    assert zero_stages_priced((0, 1, 2, 3), "fp32", "adam", 4) == [1]
+    assert zero_stages_priced((0, 1, 2, 3), "bf16", "adam", 8) == [1]
+    assert zero_stages_priced((1,), "bf16-mixed", "adam", 4) == [1]
+    assert zero_stages_priced((0, 2), "fp32", "adam", 4) == [2]
+    assert zero_stages_priced((0,), "fp32", "adam", 4) == []
 
 
 def test_zero1_prices_sharded_states_only_for_parameters_replicated_on_axis_0():
@@ -68,7 +70,8 @@ def test_zero1_prices_sharded_states_only_for_parameters_replicated_on_axis_0():
 
 def test_plan_picks_zero1_in_fp32_and_zero3_in_bf16_mixed():
     """gpt-tiny, pp=2 x 2, 4 micro-batches: ZeRO beats per-micro-batch
-    all-reduces; the stage it takes is the one holding least memory."""
+    all-reduces; with parameters all replicated on the ZeRO axis the stage
+    it takes is the one holding least memory."""
     from planner.api import plan
 
     model, inputs = build_model("gpt-tiny")
