@@ -68,8 +68,9 @@ def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
     micro-batches of 1, 4, 16, ... sequences, at most ``limit`` of them, and
     into micro-batches of one sequence per device of the stage mesh
     (``stage_devices``: Megatron's micro-batch of one sequence per
-    data-parallel rank, which a stage can split by batch alone), where the
-    count is a multiple of pp, and of the fewest torch's schedule accepts
+    data-parallel rank, which a stage can split by batch alone) where that
+    size lies between those (no larger than the largest of the ``limit``
+    sizes), where the count is a multiple of pp, and of the fewest torch's schedule accepts
     where that is more (DualPipeV: 2pp). Micro-batches of one sequence keep
     the bubble and the in-flight activations smallest: with counts pp, 2pp
     and 4pp instead, gpt3-175b on 1024 A100s chose 516.10 s/step where
@@ -86,7 +87,9 @@ def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
         if fits(size):
             counts.append(global_batch // size)
         size *= 4
-    if stage_devices > 1 and fits(stage_devices) and global_batch // stage_devices not in counts:
+    largest = 4 ** (limit - 1)
+    if (1 < stage_devices <= largest and fits(stage_devices)
+            and global_batch // stage_devices not in counts):
         counts.append(global_batch // stage_devices)
     return sorted(counts)
 

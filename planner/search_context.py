@@ -150,7 +150,7 @@ class SearchContext:
         was forked from. The profiles lose their priced problems (too big to
         send; remade if they are extended)."""
         profiles = {k: p for k, p in self._profiles.items()
-                    if pricing_scope(k[1], k[2]) in scopes}
+                    if pricing_scope(k[1], k[2], self.global_batch) in scopes}
         references = {k: refs for k, refs in self._reference.items()  # see _reference_key
                       if k[1:] in scopes}
         for prof in [*profiles.values(), *(p for refs in references.values() for p in refs)]:
@@ -311,7 +311,8 @@ class SearchContext:
         if prof is not None and (len(prof.points) >= levels or prof.exhausted):
             return prof
         if prof is None or prof.mesh is None:  # re-price a reference if one carries over
-            for ref in self._reference.setdefault(_reference_key(prog, layer, mesh), []):
+            scope = _reference_key(prog, layer, mesh, self.global_batch)
+            for ref in self._reference.setdefault(scope, []):
                 repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None and len(ref.points) < levels and not ref.exhausted:
                     self._extend(ref, levels)
@@ -322,7 +323,7 @@ class SearchContext:
             # the first of its family here, or no reference's placements divide
             # this program's shapes: ILPs of its own, a new reference
             prof = self._profiles[key] = self._own_profile(prog, layer, mesh)
-            self._reference[_reference_key(prog, layer, mesh)].append(prof)
+            self._reference[scope].append(prof)
         self._extend(prof, levels)
         return prof
 
@@ -365,7 +366,8 @@ class SearchContext:
         key = _profile_key(prog, layer, prof.mesh)
         old = self._profiles.get(key)
         self._profiles[key] = prof
-        refs = self._reference.setdefault(_reference_key(prog, layer, prof.mesh), [])
+        refs = self._reference.setdefault(
+            _reference_key(prog, layer, prof.mesh, self.global_batch), [])
         if old is not None and old.mesh is not None:
             refs[:] = [prof if r is old else r for r in refs]
         else:
@@ -438,21 +440,33 @@ def _profile_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> 
     return prog.signatures[layer], mesh.key, prog.microbatch_size
 
 
-def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
+def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption,
+                   global_batch: int) -> tuple:
     """The layer kind (its first layer's index, the same at every micro-batch
     size) and the :func:`pricing_scope` whose references carry over to it."""
     return (prog.signatures.index(prog.signatures[layer]),
-            *pricing_scope(mesh.key, prog.microbatch_size))
+            *pricing_scope(mesh.key, prog.microbatch_size, global_batch))
 
 
-def pricing_scope(mesh_key: tuple, microbatch_size: int) -> tuple:
+def pricing_scope(mesh_key: tuple, microbatch_size: int, global_batch: int) -> tuple:
     """Where the placements of layer profiles carry over (re-priced) to the
     stage mesh with :attr:`StageMeshOption.key` ``mesh_key`` at this
-    micro-batch size: its mesh family (:func:`mesh_family`), and at size 1
-    the mesh itself (its shape; None at other sizes): torch specialises
-    size-1 dimensions into another program, where placements chosen at other
-    sizes or on other meshes re-price far from the ILP's own (alpa-gpt3-15b,
-    pp=8 x 4 with 512 micro-batches: 60.0 s re-priced, 30.7 s by its own ILP).
+    micro-batch size: its mesh family (:func:`mesh_family`); whether the
+    micro-batch is the whole batch; and at size 1 the mesh itself (its
+    shape, last; None at other sizes).
+
+    * Size 1: torch specialises size-1 dimensions into another program,
+      where placements chosen at other sizes or on other meshes re-price far
+      from the ILP's own (alpa-gpt3-15b, pp=8 x 4 with 512 micro-batches:
+      60.0 s re-priced, 30.7 s by its own ILP).
+    * The whole batch is one stage on every device: its mesh's first axis is
+      larger than any pipeline stage's, and placements that size forced
+      re-price far from a smaller mesh's own. moe-8x on 16 GPUs: 8 experts
+      do not split over 16 data-parallel ranks, and those placements priced
+      a block on an 8-rank stage at 27.7 ms, where its own ILP shards the
+      experts over the 8 ranks (pp=2: 1.6 s a step re-priced, 1.10 s own).
+
     Configurations of different scopes share no profile, so they may be
     priced in any order, in either process of a search."""
-    return (*mesh_family(mesh_key), mesh_key[0] if microbatch_size == 1 else None)
+    return (*mesh_family(mesh_key), microbatch_size == global_batch,
+            mesh_key[0] if microbatch_size == 1 else None)

@@ -66,7 +66,7 @@ class _Pricing:
     def scope(self, k: int) -> tuple:
         """The :func:`pricing_scope` of configuration ``k``."""
         mesh, m = self.configs[k][2], self.configs[k][4]
-        return pricing_scope(mesh.key, self.ctx.global_batch // m)
+        return pricing_scope(mesh.key, self.ctx.global_batch // m, self.ctx.global_batch)
 
     def microbatch_counts(self) -> list[int]:
         """The micro-batch counts that divide the batch, in configuration order."""

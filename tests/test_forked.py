@@ -409,7 +409,8 @@ def test_a_forked_process_sends_back_the_strategies_its_parent_lacks():
     child._in_forked_child()
     child.profile(prog, 0, small)  # nothing new: all of it inherited
     child.profile(prog, 0, big)
-    scopes = {search_context.pricing_scope(m.key, prog.microbatch_size) for m in (small, big)}
+    scopes = {search_context.pricing_scope(m.key, prog.microbatch_size, parent.global_batch)
+              for m in (small, big)}
     sent = child.scope_caches(scopes)
     assert sent["strategies"].get(small.shape, {}) == {}
     assert sent["strategies"][big.shape] == child._strategy_cache[big.shape]
