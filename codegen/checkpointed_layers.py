@@ -18,7 +18,7 @@ from codegen.capture import PlanMismatchError
 from codegen.placement_record import PlacementRecord
 from ir.repeated_blocks import find_layers
 
-__all__ = ["checkpoint_segments", "run_checkpointed"]
+__all__ = ["checkpoint_segments", "checkpointed", "run_checkpointed", "segment_boundary"]
 
 
 def checkpoint_segments(graph: Any, calls: Sequence[torch.fx.Node],
@@ -42,16 +42,33 @@ def checkpoint_segments(graph: Any, calls: Sequence[torch.fx.Node],
     return segments
 
 
+def segment_boundary(segment: Sequence[torch.fx.Node]
+                     ) -> tuple[list[torch.fx.Node], list[torch.fx.Node]]:
+    """The values ``segment`` reads from outside it (in first-use order) and
+    its nodes whose values are read after it."""
+    inside = set(segment)
+    external = list(dict.fromkeys(a for n in segment for a in n.all_input_nodes
+                                  if a not in inside))
+    outputs = [n for n in segment if any(u not in inside for u in n.users)]
+    return external, outputs
+
+
+def checkpointed(fn: Callable[..., Any], *values: Any) -> Any:
+    """``fn(*values)`` under non-reentrant ``torch.utils.checkpoint``: its
+    activations are not kept, and backward re-runs it."""
+    # Early stop would abort the recomputation with an exception mid-layer, which
+    # the per-node DTensor fallback must not mistake for a sharding failure.
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        return torch.utils.checkpoint.checkpoint(fn, *values, use_reentrant=False)
+
+
 def run_checkpointed(segment: list[torch.fx.Node], env: dict[str, Any],
                      run_node: Callable[[torch.fx.Node, dict[str, Any]], Any],
                      record: PlacementRecord, last_use: dict[str, list[str]]) -> None:
     """Run ``segment`` with ``run_node`` under ``torch.utils.checkpoint``: its
     outputs go into ``env``, and the values read for the last time inside it
     (``last_use``: node name -> values) leave ``env``."""
-    inside = {n.name for n in segment}
-    external = list(dict.fromkeys(a.name for n in segment for a in n.all_input_nodes
-                                  if a.name not in inside))
-    outputs = [n.name for n in segment if any(u.name not in inside for u in n.users)]
+    external, outputs = ([n.name for n in nodes] for nodes in segment_boundary(segment))
     first_run = [True]
 
     def run(*values: Any) -> tuple:
@@ -64,12 +81,7 @@ def run_checkpointed(segment: list[torch.fx.Node], env: dict[str, Any],
                 local[n.name] = run_node(n, local)
         return tuple(local[o] for o in outputs)
 
-    # Early stop would abort the recomputation with an exception mid-layer, which
-    # the per-node DTensor fallback must not mistake for a sharding failure.
-    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        results = torch.utils.checkpoint.checkpoint(run, *[env[e] for e in external],
-                                                    use_reentrant=False)
-    env.update(zip(outputs, results))
+    env.update(zip(outputs, checkpointed(run, *[env[e] for e in external])))
     for n in segment:
         for name in last_use.get(n.name, ()):
             env.pop(name, None)

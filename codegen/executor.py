@@ -42,14 +42,14 @@ import operator
 from typing import Any, Iterator, Sequence
 
 import torch
-import torch.utils.checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.export.graph_signature import InputKind, OutputKind
 
 from codegen.capture import (CapturedProgram, PlanMismatchError, capture_program,
                              check_plan_fits_program)
-from codegen.checkpointed_layers import checkpoint_segments, run_checkpointed
+from codegen.checkpointed_layers import (checkpoint_segments, checkpointed, run_checkpointed,
+                                         segment_boundary)
 from codegen.node_runner import NodeRunner, public_binding
 from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer
@@ -299,17 +299,15 @@ class PlanExecutor:
 
 class _CheckpointedLayer(torch.nn.Module):
     """A checkpointed layer's program (its external values in, the values read
-    after it out, as a tuple) run under non-reentrant ``torch.utils.checkpoint``
-    without early stop, as :func:`codegen.checkpointed_layers.run_checkpointed`
-    runs it."""
+    after it out, as a tuple) run as :func:`codegen.checkpointed_layers.run_checkpointed`
+    runs it (:func:`codegen.checkpointed_layers.checkpointed`)."""
 
     def __init__(self, program: torch.fx.GraphModule):
         super().__init__()
         self.program = program
 
     def forward(self, *values: Any) -> tuple:
-        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-            return torch.utils.checkpoint.checkpoint(self.program, *values, use_reentrant=False)
+        return checkpointed(self.program, *values)
 
 
 def _call_segment(graph: torch.fx.Graph, root: torch.nn.Module, segment: Sequence[torch.fx.Node],
@@ -332,10 +330,7 @@ def _segment_program(segment: Sequence[torch.fx.Node], memo: dict[Any, Any]
     :func:`_bind_publicly` binds it. Returns it, the values it reads from
     outside (its inputs, in first use order) and those read after it (its
     outputs, a tuple)."""
-    inside = set(segment)
-    external = list(dict.fromkeys(a for n in segment for a in n.all_input_nodes
-                                  if a not in inside))
-    outputs = [n for n in segment if any(u not in inside for u in n.users)]
+    external, outputs = segment_boundary(segment)
     graph = torch.fx.Graph()
     copied: dict[torch.fx.Node, torch.fx.Node] = {}
     for value in external:
