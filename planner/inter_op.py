@@ -135,13 +135,12 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer,
                            zero_stage=zero_stage, pricer=pricer, reduce_once=reduce_once)
     f = b = w = sync = update = weight_sync = 0.0
-    zero_priced = zero_bytes = 0.0  # ZeRO's collectives as the ILP priced them; their bytes
+    zero_bytes = 0.0  # bytes of the parameters ZeRO's collectives move
     for n in graph.nodes:
         s = chosen[n.name]
         if n.kind == INPUT:
             f += cost.prices(n, s).compute_s
         if n.kind == PARAM:
-            zero_priced += cost.state_collectives(n, s)
             zero_bytes += cost.zero_bytes(n, s)
             update += cost.prices(n, s).compute_s  # optimizer update and casts, once a step
         if n.kind != OP:
@@ -166,8 +165,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
                 else:
                     b += g
     # the objective weighs the once-per-step seconds by step_share (IntraOpCost)
-    recompute = result.solution.objective_s - (f + b + w + sync
-                                               + result.step_share * (zero_priced + update))
+    once = step_collectives(result, cost) + update
+    recompute = result.solution.objective_s - (f + b + w + sync + result.step_share * once)
     b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
     # a pass takes at least the host's time to issue its ops (costmodel.compute)
     host_f, host_b = host_seconds(graph, cluster.device)

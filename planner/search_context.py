@@ -273,15 +273,18 @@ class SearchContext:
         """:func:`stage_times` of a stage on ``mesh`` (with its ZeRO stage);
         ``cost``: the one ``result`` was solved with, to share."""
         return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
-                           mesh.zero_stage, pricer=self.pricer(mesh), cost=cost,
-                           reduce_once=mesh.reduce_once)
+                           cost=cost or self._stage_cost(result, mesh))
 
     def step_collectives_of(self, result: IntraOpResult, mesh: StageMeshOption) -> float:
         """:func:`planner.inter_op.step_collectives` of a stage solved on ``mesh``."""
-        cost = IntraOpCost(result.graph, mesh.cluster(self.cluster), result.mesh_shape,
+        return step_collectives(result, self._stage_cost(result, mesh))
+
+    def _stage_cost(self, result: IntraOpResult, mesh: StageMeshOption) -> IntraOpCost:
+        """An :class:`IntraOpCost` pricing ``result``'s graph as its stage on
+        ``mesh`` is priced (its ZeRO stage, gradient reduction and pricer)."""
+        return IntraOpCost(result.graph, mesh.cluster(self.cluster), result.mesh_shape,
                            self.dtype, self.optimizer, zero_stage=mesh.zero_stage,
                            pricer=self.pricer(mesh), reduce_once=mesh.reduce_once)
-        return step_collectives(result, cost)
 
     def stage_graph(self, prog: MicrobatchProgram, first: int, end: int) -> Graph:
         """The sub-graph of layers ``first .. end - 1``, made once per program."""
