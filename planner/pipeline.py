@@ -70,8 +70,8 @@ def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
     (``stage_devices``: Megatron's micro-batch of one sequence per
     data-parallel rank, which a stage can split by batch alone) where that
     size lies between those (no larger than the largest of the ``limit``
-    sizes), where the count is a multiple of pp, and of the fewest torch's schedule accepts
-    where that is more (DualPipeV: 2pp). Micro-batches of one sequence keep
+    sizes), where the count is a multiple of pp, and of the fewest torch's
+    schedule accepts where that is more (DualPipeV: 2pp). Micro-batches of one sequence keep
     the bubble and the in-flight activations smallest: with counts pp, 2pp
     and 4pp instead, gpt3-175b on 1024 A100s chose 516.10 s/step where
     pp=16 with 1536 micro-batches gives 277.74, and llama3-8b on 64 H100s
@@ -184,9 +184,9 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     batch, then the pipelines, then one stage accumulating the gradients of
     several micro-batches (:func:`accumulates`; last, so that the profiles
     they make change no other price). The stage meshes are without ZeRO
-    where ``opts`` allows it (:func:`zero_variants` adds FSDP2 ZeRO for the
-    leading candidates), else with the ZeRO stage it names (:func:`zero_stage`; on meshes whose
-    axis 0 has more than one rank). Pipelines of more stages than the
+    where ``opts`` allows it (:func:`zero_variants` adds ZeRO for the
+    leading candidates), else with each ZeRO stage :func:`zero_stages_priced`
+    gives (on meshes whose axis 0 has more than one rank). Pipelines of more stages than the
     program has layers are left out before any program is made for them
     (llama3-8b's 32 layers: 29 configurations, which under earlier
     micro-batch options alone asked for a capture at size 1, 2.7 s)."""
