@@ -27,27 +27,22 @@ from costmodel.schedule_types import OpTuple, ScheduleOp
 
 __all__ = ["DependencyOrder", "dependency_order"]
 
-# The kind part of an action's duration code (see DependencyOrder.codes).
+# The kind part of an action's duration code (see DependencyOrder.steps).
 _KIND_CODE = {"F": 0, "B": 1, "I": 2, "W": 3}
 
 
 @dataclass(frozen=True)
 class DependencyOrder:
     """Every rank's actions in one order in which each comes after its
-    rank's earlier actions and after the actions it waits for, column-wise
-    (lists indexed by position in the order; timing walks them together):
-    at position ``k`` the action ``ops[k]`` of rank ``ranks[k]``; ``codes[k]``
-    = kind code (F 0, B 1, I 2, W 3) * stages + stage, which picks its
-    duration; it waits for the actions at positions ``first[k]`` and
-    ``second[k]`` (-1: none), each plus the p2p latency of stage boundary
-    ``first_boundary[k]`` / ``second_boundary[k]`` (-1: same rank, none)."""
+    rank's earlier actions and after the actions it waits for. At position
+    ``k`` the action ``ops[k]``, and ``steps[k]`` = (rank, duration code,
+    first, first boundary, second, second boundary): the code = kind code
+    (F 0, B 1, I 2, W 3) * stages + stage picks its duration; it waits for
+    the actions at positions ``first`` and ``second`` (-1: none), each plus
+    the p2p latency of that stage boundary (-1: same rank, none). One tuple
+    per position, which the timing pass unpacks in one step."""
 
-    ranks: list[int]
-    codes: list[int]
-    first: list[int]
-    first_boundary: list[int]
-    second: list[int]
-    second_boundary: list[int]
+    steps: list[tuple[int, int, int, int, int, int]]
     ops: list[OpTuple]
 
 
@@ -60,7 +55,7 @@ def dependency_order(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, int
     (that stage's B or I), a W after its I. Timing is then one pass over it.
     Raises ``ValueError`` (naming schedule ``name``) when the orders deadlock
     or an action repeats."""
-    out = DependencyOrder([], [], [], [], [], [], [])
+    out = DependencyOrder([], [])
     reached = _place_actions(orders, s2r, out)
     _raise_if_deadlocked(orders, reached, name)
     return out
@@ -74,16 +69,11 @@ def _cross_rank_boundaries(s2r: dict[int, int]) -> list[int]:
     return [s if s + 1 < S and s2r[s + 1] != s2r[s] else -1 for s in range(S)]
 
 
-def _placement_tables(orders: dict[int, Sequence[ScheduleOp]], S: int
-                      ) -> tuple[int, dict[str, list[int]]]:
-    """How :func:`_place_actions` names the actions of ``orders`` (``S``
-    stages) and keeps where each was placed: actions are ints,
-    ``stage * M + micro-batch`` (``M``, returned: one more than the largest
-    micro-batch index), and their positions are lists per kind, -1 until
-    placed (F, gradient G = B or I, I, and B and W to catch repeats): a
-    search orders schedules of ~150k actions (gpt3-175b, m = 1536)."""
-    M = 1 + max((op[2] for o in orders.values() for op in o), default=0)
-    return M, {kind: [-1] * (S * M) for kind in "FGIBW"}
+# The slots of _place_actions' position table: forward, gradient (B or I,
+# what the previous stage waits for), I (what a W waits for), and B and W
+# (only to catch repeats); and the slots each kind of action fills.
+_F, _G, _I, _B, _W = range(5)
+_FILLS = {"F": (_F,), "B": (_G, _B), "I": (_G, _I), "W": (_W,)}
 
 
 def _place_actions(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, int],
@@ -92,15 +82,21 @@ def _place_actions(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, int],
     in turn walks its order until an action waits for one not yet placed;
     placing that one wakes the rank again. Returns per rank how many of its
     actions were placed (fewer than it has: it deadlocked). Raises
-    ``ValueError`` when an action repeats."""
+    ``ValueError`` when an action repeats.
+
+    Actions are ints, ``stage * M + micro-batch`` (``M``: one more than the
+    largest micro-batch index), and their positions one flat list, ``slot *
+    N + action`` (``N = stages * M``, slots :data:`_F` ... :data:`_W`), -1
+    until placed: a search orders schedules of ~400k actions (DeepSeek-V3,
+    zbv, pp=16, m=4096)."""
     S = len(s2r)
-    M, placed = _placement_tables(orders, S)
-    pos_f, pos_g, pos_i = placed["F"], placed["G"], placed["I"]
+    M = 1 + max((op[2] for o in orders.values() for op in o), default=0)
+    N = S * M
+    placed = [-1] * (5 * N)
+    g_at, i_at = _G * N, _I * N
     cross_next = _cross_rank_boundaries(s2r)
-    waiting: dict[tuple[str, int], list[int]] = {}
-    ranks, codes, first, first_b, second, second_b, ops = (
-        out.ranks, out.codes, out.first, out.first_boundary, out.second,
-        out.second_boundary, out.ops)
+    waiting: dict[int, list[int]] = {}  # a table index -> the ranks waiting for it
+    steps, ops = out.steps, out.ops
     ptr = {r: 0 for r in orders}
     ready = deque(sorted(orders))
     queued = set(orders)
@@ -118,45 +114,41 @@ def _place_actions(orders: dict[int, Sequence[ScheduleOp]], s2r: dict[int, int],
                 if s == 0:
                     a1 = b1 = -1
                 else:
-                    a1, b1 = pos_f[at - M], cross_next[s - 1]
+                    a1, b1 = placed[at - M], cross_next[s - 1]
                     if a1 < 0:
-                        waiting.setdefault(("F", at - M), []).append(r)
+                        waiting.setdefault(at - M, []).append(r)
                         break
             elif kind == "W":
-                a1, b1 = pos_i[at], -1
+                a1, b1 = placed[i_at + at], -1
                 if a1 < 0:
-                    waiting.setdefault(("I", at), []).append(r)
+                    waiting.setdefault(i_at + at, []).append(r)
                     break
             else:  # B or I: after its F and the gradient from the next stage
-                a1, b1 = pos_f[at], -1
+                a1, b1 = placed[at], -1
                 if a1 < 0:
-                    waiting.setdefault(("F", at), []).append(r)
+                    waiting.setdefault(at, []).append(r)
                     break
                 if s < S - 1:
-                    a2, b2 = pos_g[at + M], cross_next[s]
+                    a2, b2 = placed[g_at + at + M], cross_next[s]
                     if a2 < 0:
-                        waiting.setdefault(("G", at + M), []).append(r)
+                        waiting.setdefault(g_at + at + M, []).append(r)
                         break
             p += 1
-            k = len(ranks)
-            ranks.append(r)
-            codes.append(_KIND_CODE[kind] * S + s)
-            first.append(a1)
-            first_b.append(b1)
-            second.append(a2)
-            second_b.append(b2)
+            k = len(steps)
+            steps.append((r, _KIND_CODE[kind] * S + s, a1, b1, a2, b2))
             ops.append(op)
-            done = (kind, "G") if kind in ("B", "I") else (kind,)
-            for key in done:
-                where = placed[key]
-                if where[at] >= 0:
+            for slot in _FILLS[kind]:
+                key = slot * N + at
+                if placed[key] >= 0:
                     raise ValueError(f"rank {r}: action {ScheduleOp._make(op)} appears "
                                      f"twice in torch's order")
-                where[at] = k
-                for other in waiting.pop((key, at), ()):
-                    if other not in queued:
-                        queued.add(other)
-                        ready.append(other)
+                placed[key] = k
+                woken = waiting.pop(key, None)
+                if woken is not None:
+                    for other in woken:
+                        if other not in queued:
+                            queued.add(other)
+                            ready.append(other)
         ptr[r] = p
     return ptr
 

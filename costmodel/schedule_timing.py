@@ -213,17 +213,17 @@ def _simulate_order(order: DependencyOrder, orders: dict[int, Sequence[ScheduleO
     pp = len(orders)
     v = len(s2r) // pp
     # seconds by duration code (kind * stages + stage, kinds F B I W as in
-    # DependencyOrder.codes); p2p seconds by boundary, the last entry 0.0
+    # DependencyOrder.steps); p2p seconds by boundary, the last entry 0.0
     # for "no boundary" (-1)
     duration = [*fs, *(b + w for b, w in zip(bs, ws)), *bs, *ws]
     delay = [*lat, 0.0]
-    ends = [0.0] * len(order.ranks)
-    starts = [0.0] * len(order.ranks)
+    ends: list[float] = []
+    end_at = ends.append
+    starts: list[float] = []
+    start_at = starts.append if with_timeline else None
     free_at = [0.0] * pp
     busy = [0.0] * pp
-    for k, (r, code, a1, b1, a2, b2) in enumerate(zip(
-            order.ranks, order.codes, order.first, order.first_boundary, order.second,
-            order.second_boundary)):
+    for r, code, a1, b1, a2, b2 in order.steps:
         start = free_at[r]
         if a1 >= 0:
             t = ends[a1] + delay[b1]
@@ -234,14 +234,17 @@ def _simulate_order(order: DependencyOrder, orders: dict[int, Sequence[ScheduleO
                 if t > start:
                     start = t
         end = start + duration[code]
-        starts[k] = start
-        ends[k] = free_at[r] = end
+        end_at(end)
+        if start_at is not None:
+            start_at(start)
+        free_at[r] = end
         busy[r] += end - start
-    timeline = [TimedAction(r, str(op), op.kind, op.stage, op.microbatch, starts[k], ends[k],
-                            op.overlap_group)
-                for k, (r, op) in enumerate(zip(order.ranks, map(ScheduleOp._make, order.ops)))
+    timeline = [TimedAction(step[0], str(op), op.kind, op.stage, op.microbatch, starts[k],
+                            ends[k], op.overlap_group)
+                for k, (step, op) in enumerate(zip(order.steps, map(ScheduleOp._make, order.ops)))
                 ] if with_timeline else []
-    step_time = max(ends, default=0.0)
+    # a rank's actions end in order, so its last ends latest
+    step_time = max(free_at, default=0.0)
     idle = [step_time - x for x in busy]
     ideal = max(busy) if busy else 0.0
     bubble_ratio = (step_time - ideal) / ideal if ideal > 0 else 0.0

@@ -29,10 +29,10 @@ The order is always torch's own; nothing here re-derives a schedule.
   actions around each rank's compute actions (and costs 15-30x the rest). The
   compute actions of ``pipeline_order[rank]`` (F, B, I, W, OVERLAP_F_B), which
   are those of ``pipeline_order_with_comms[rank]`` in the same order (the
-  tests check it), are the order used, and
-  torch's inferred ``stage_index_to_group_rank`` gives the stage placement
-  (loop style ``s % pp``; V style for zbv/dualpipev: the
-  :class:`costmodel.schedule_specs.ScheduleSpec` placement, tests check).
+  tests check it), are the order used, and the stage placement is the
+  :class:`costmodel.schedule_specs.ScheduleSpec` placement (loop style
+  ``s % pp``; V style for zbv/dualpipev), which is what torch's
+  ``_validate_schedule`` infers from the order (tests check).
 
 * A custom schedule written as torch's compute-only CSV (what
   ``_PipelineScheduleRuntime._load_csv`` accepts) is read by
@@ -111,12 +111,6 @@ class _StubStage:
         self.is_last = stage_index == num_stages - 1
 
 
-def _torch_ops(action) -> list:
-    if action.sub_actions is not None:
-        return list(action.sub_actions)
-    return [action]
-
-
 def _stub_stages(name: str, pp: int, v: int) -> list[_StubStage]:
     """Rank 0's stand-in stages of a multi-stage schedule (loop or V placement)."""
     num_stages = pp * v
@@ -124,30 +118,57 @@ def _stub_stages(name: str, pp: int, v: int) -> list[_StubStage]:
             for s in SCHEDULE_SPECS[name].rank_stages(pp, 0, v)]
 
 
-def _compute_only(cls: type) -> type:
+def _compute_only(cls: type, stage_to_rank: dict[int, int]) -> type:
     """``cls`` (a ``_PipelineScheduleRuntime``) without the lowering of its
-    compute order to communication actions: the stage mapping is still
-    validated and set. The lowering only inserts actions (UNSHARD/RESHARD,
-    REDUCE_GRAD, SEND/RECV) around each rank's compute actions, in their order
-    (``tests/test_schedules.py`` checks the orders agree), and at pp=64,
-    m=256 it took 3.5-7 s of a 0.1-0.5 s construction."""
-    def validate_only(self, actions, format="compute_only"):
-        self._validate_and_set_stage_mapping(actions)
+    compute order to communication actions, its stages placed by
+    ``stage_to_rank`` (the schedule's :class:`costmodel.schedule_specs.ScheduleSpec`
+    placement, which is what torch's ``_validate_schedule`` infers from the
+    order: ``tests/test_schedule_specs.py`` checks it). The lowering only
+    inserts actions (UNSHARD/RESHARD, REDUCE_GRAD, SEND/RECV) around each
+    rank's compute actions, in their order (``tests/test_schedules.py``
+    checks the orders agree), and at pp=64, m=256 it took 3.5-7 s of a
+    0.1-0.5 s construction; the inference walks every action once more."""
+    def placed_only(self, actions, format="compute_only"):
+        self.stage_index_to_group_rank = dict(stage_to_rank)
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.stage_index_to_group_rank
 
-    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": validate_only})
+    return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": placed_only})
 
 
-def _compute_ops(actions) -> tuple[OpTuple, ...]:
+def _compute_kinds(tsched: Any) -> tuple[dict[int, str], int]:
+    """Torch's compute action types by ``id``: the kind letter of F, B, I and
+    W, and the ``id`` of OVERLAP_F_B (a pair whose sub-actions are those).
+    By ``id``, because an Enum member hashes in Python code, and the lookup
+    runs once per action (~400k for zbv at pp=16, m=4096)."""
+    kinds = {id(t): t.value for t in (tsched.FORWARD, tsched.FULL_BACKWARD,
+                                      tsched.BACKWARD_INPUT, tsched.BACKWARD_WEIGHT)}
+    return kinds, id(tsched.OVERLAP_F_B)
+
+
+def _compute_ops(actions, tsched: Any) -> tuple[OpTuple, ...]:
     """A rank's torch actions (``_Action`` or None) as its compute order: the
     compute actions in turn, OVERLAP_F_B flattened into its sub-actions
-    (carrying the position of the pair as their overlap group)."""
+    (carrying the position of the pair among the compute actions as their
+    overlap group)."""
+    kinds, overlap = _compute_kinds(tsched)
     ops: list[OpTuple] = []
-    compute = [a for a in actions if a is not None and a.is_compute_op]
-    for pos, action in enumerate(compute):
-        group = pos if action.sub_actions is not None else None
-        for a in _torch_ops(action):
-            ops.append((a.computation_type.value, int(a.stage_index), int(a.microbatch_index),
-                        group))
+    append = ops.append
+    pos = 0  # position among the compute actions
+    for action in actions:
+        if action is None:
+            continue
+        stage, ctype, mb, subs = action
+        kind = kinds.get(id(ctype))
+        if kind is not None and subs is None:
+            append((kind, stage, mb, None))
+        elif kind is not None or id(ctype) == overlap:
+            for sub in subs:
+                append((kinds[id(sub.computation_type)], sub.stage_index,
+                        sub.microbatch_index, pos))
+        else:
+            continue
+        pos += 1
     return tuple(ops)
 
 
@@ -192,10 +213,10 @@ def orders_from_torch(name: str, pp: int, m: int, v: int) -> TorchOrders:
                 orders[rank] = tuple(stage.calls)
         return orders, spec.stage_to_rank(pp, v)
 
-    sched = _compute_only(cls)(_stub_stages(name, pp, v), n_microbatches=m)
-    stage_to_rank = {int(s): int(r) for s, r in sched.stage_index_to_group_rank.items()}
+    stage_to_rank = spec.stage_to_rank(pp, v)
+    sched = _compute_only(cls, stage_to_rank)(_stub_stages(name, pp, v), n_microbatches=m)
     for rank in range(pp):
-        orders[rank] = _compute_ops(sched.pipeline_order[rank])
+        orders[rank] = _compute_ops(sched.pipeline_order[rank], tsched)
     return orders, stage_to_rank
 
 
@@ -214,6 +235,7 @@ def load_csv_orders(
     """
     import csv
 
+    import torch.distributed.pipelining.schedules as tsched
     from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
     actions: dict[int, list] = {}
@@ -224,6 +246,6 @@ def load_csv_orders(
         s2r = _validate_schedule(actions, pp, num_stages, num_microbatches)
     except AssertionError as exc:
         raise ValueError(f"invalid schedule CSV {path}: {exc}") from exc
-    orders = {rank: [ScheduleOp._make(op) for op in _compute_ops(actions[rank])]
+    orders = {rank: [ScheduleOp._make(op) for op in _compute_ops(actions[rank], tsched)]
               for rank in range(pp)}
     return orders, {int(s): int(r) for s, r in s2r.items()}

@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch.distributed.pipelining.schedules as tsched
 from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
 from costmodel.schedule_specs import (SCHEDULE_SPECS, SCHEDULES, canonical_schedule,
                                       default_stages_per_rank, schedule_spec)
 from costmodel.schedules import ScheduleBook, rank_orders
+
+# torch's action type of each kind of a compute order
+_KIND_TYPES = {"F": tsched.FORWARD, "B": tsched.FULL_BACKWARD, "I": tsched.BACKWARD_INPUT,
+               "W": tsched.BACKWARD_WEIGHT}
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
@@ -48,8 +53,12 @@ def test_stage_to_rank_is_torchs_placement(name, pp):
     or V (rank r runs r and 2pp - 1 - r)."""
     spec = SCHEDULE_SPECS[name]
     m = spec.min_microbatches(pp) * 2
-    _, s2r = rank_orders(name, pp, m, book=ScheduleBook())
+    orders, s2r = rank_orders(name, pp, m, book=ScheduleBook())
     assert spec.stage_to_rank(pp) == s2r
+    # what torch infers from the order itself
+    actions = {r: [_Action(op.stage, _KIND_TYPES[op.kind], op.microbatch) for op in order]
+               for r, order in orders.items()}
+    assert _validate_schedule(actions, pp, pp * spec.default_stages_per_rank, m) == s2r
     v = spec.default_stages_per_rank
     if spec.style == "v":
         assert all(s2r[r] == r and s2r[2 * pp - 1 - r] == r for r in range(pp))
