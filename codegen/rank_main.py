@@ -435,7 +435,7 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
         grad_reductions = runtime.sync_grads()
         if step == 0 and args.check:
             grads = runtime.full_grads()
-        opt.step()
+        grad_reductions += opt.step()  # a ZeRO-1 stage reduces its gradients here
         opt.zero_grad(set_to_none=True)
         if not mb_losses:
             return None

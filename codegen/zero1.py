@@ -151,9 +151,15 @@ class OptimizerGroup:
     def __init__(self, optimizers: Sequence[object]):
         self.optimizers = list(optimizers)
 
-    def step(self) -> None:
+    def step(self) -> int:
+        """Step every optimizer; returns how many gradients the ZeRO-1 ones
+        reduced in their step (torch's own optimizers report none)."""
+        reduced = 0
         for opt in self.optimizers:
-            opt.step()
+            count = opt.step()
+            if isinstance(opt, ShardedStateOptimizer):
+                reduced += count
+        return reduced
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:

@@ -83,6 +83,8 @@ def test_pp2_data_parallel_zero1_stages(tmp_path):
     assert all(st.zero_stage == 1 and st.zero_axis == 0 for st in plan.pipeline.stages)
     result = _run(plan, tmp_path, steps=3, optimizer="adamw", lr=1e-2)
     assert result["losses"][2] < result["losses"][0]
+    # every gradient is a partial sum over the data-parallel ranks, reduced in the ZeRO-1 step
+    assert result["grad_reductions"] == result["num_params_checked"]
 
 
 @pytest.mark.multiprocess
