@@ -136,22 +136,24 @@ def _compute_only(cls: type, stage_to_rank: dict[int, int]) -> type:
     return type(cls.__name__, (cls,), {"_prepare_schedule_with_comms": placed_only})
 
 
-def _compute_kinds(tsched: Any) -> tuple[dict[int, str], int]:
+def _compute_kinds() -> tuple[dict[int, str], int]:
     """Torch's compute action types by ``id``: the kind letter of F, B, I and
     W, and the ``id`` of OVERLAP_F_B (a pair whose sub-actions are those).
     By ``id``, because an Enum member hashes in Python code, and the lookup
     runs once per action (~400k for zbv at pp=16, m=4096)."""
+    import torch.distributed.pipelining.schedules as tsched
+
     kinds = {id(t): t.value for t in (tsched.FORWARD, tsched.FULL_BACKWARD,
                                       tsched.BACKWARD_INPUT, tsched.BACKWARD_WEIGHT)}
     return kinds, id(tsched.OVERLAP_F_B)
 
 
-def _compute_ops(actions, tsched: Any) -> tuple[OpTuple, ...]:
+def _compute_ops(actions) -> tuple[OpTuple, ...]:
     """A rank's torch actions (``_Action`` or None) as its compute order: the
     compute actions in turn, OVERLAP_F_B flattened into its sub-actions
     (carrying the position of the pair among the compute actions as their
     overlap group)."""
-    kinds, overlap = _compute_kinds(tsched)
+    kinds, overlap = _compute_kinds()
     ops: list[OpTuple] = []
     append = ops.append
     pos = 0  # position among the compute actions
@@ -216,7 +218,7 @@ def orders_from_torch(name: str, pp: int, m: int, v: int) -> TorchOrders:
     stage_to_rank = spec.stage_to_rank(pp, v)
     sched = _compute_only(cls, stage_to_rank)(_stub_stages(name, pp, v), n_microbatches=m)
     for rank in range(pp):
-        orders[rank] = _compute_ops(sched.pipeline_order[rank], tsched)
+        orders[rank] = _compute_ops(sched.pipeline_order[rank])
     return orders, stage_to_rank
 
 
@@ -235,7 +237,6 @@ def load_csv_orders(
     """
     import csv
 
-    import torch.distributed.pipelining.schedules as tsched
     from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
     actions: dict[int, list] = {}
@@ -246,6 +247,6 @@ def load_csv_orders(
         s2r = _validate_schedule(actions, pp, num_stages, num_microbatches)
     except AssertionError as exc:
         raise ValueError(f"invalid schedule CSV {path}: {exc}") from exc
-    orders = {rank: [ScheduleOp._make(op) for op in _compute_ops(actions[rank], tsched)]
+    orders = {rank: [ScheduleOp._make(op) for op in _compute_ops(actions[rank])]
               for rank in range(pp)}
     return orders, {int(s): int(r) for s, r in s2r.items()}
