@@ -55,7 +55,7 @@ def _auto(model: Any, inputs: tuple, repeats: int) -> dict[str, Any]:
     (every repeat must give the same step, or the plan is not deterministic)."""
     from planner.api import plan
 
-    runs, steps, out = [], set(), {}
+    runs, steps = [], set()
     for _ in range(repeats):
         probes = {"cpu_speed_probe_s": round(cpu_speed_probe(), 3),
                   "cpu_pair_probe_s": round(cpu_pair_probe(), 3)}
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lifted-budget-gib", type=float, default=1024.0)
     ap.add_argument("--out", default=os.path.join(RESULTS, "deepseek_v3.json"))
     args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
     warnings.simplefilter("ignore")
     commit = git_commit()
     model, inputs = build_model("deepseek-v3", device="meta", batch_size=args.batch,
