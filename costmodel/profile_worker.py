@@ -460,9 +460,9 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Leave without the interpreter's teardown: the process group is destroyed
-    # and rank 0's result written by now, and a rank once aborted at exit in a
-    # loaded `make test` ("terminate called without an active exception", a
-    # native thread torn down while still joinable), failing a finished profile.
+    # and rank 0's result written by now, and tearing down a native thread that
+    # is still joinable aborts the process ("terminate called without an
+    # active exception"), which would fail a profile that has finished.
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -419,11 +419,11 @@ class IntraOpCost:
 
         With n ranks on mesh axis 0, for a parameter replicated on it: under
         ZeRO-1 the optimizer states count ``1/n``; under ZeRO-2 and ZeRO-3
-        (FSDP2 with the whole stage as one unit, :attr:`params_sharded`) parameters, gradients and optimizer
-        states are kept 1/n each, and on top the stage's parameters are
-        all-gathered whole for the step and its gradients stay whole until
-        they are reduce-scattered: params and grads count ``1 + 1/n`` times,
-        optimizer states ``1/n`` (in fp32; see
+        (FSDP2 with the whole stage as one unit, :attr:`params_sharded`)
+        parameters, gradients and optimizer states are kept 1/n each, and on
+        top the stage's parameters are all-gathered whole for the step and its
+        gradients stay whole until they are reduce-scattered: params and grads
+        count ``1 + 1/n`` times, optimizer states ``1/n`` (in fp32; see
         :func:`costmodel.memory.training_state_bytes` for the dtypes).
         """
         if node.kind == PARAM:
