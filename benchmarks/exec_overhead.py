@@ -41,7 +41,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
-from codegen.launch import LaunchError, _end_group, _tail, launch  # noqa: E402
+from codegen.launch import LaunchError, end_group, _tail, launch  # noqa: E402
 from costmodel.presets import load_cluster  # noqa: E402
 from ir.source import build_model  # noqa: E402
 from planner.megatron import MegatronConfig, megatron_plan  # noqa: E402
@@ -64,10 +64,10 @@ def run_handwritten(model: str, batch_size: int, world: int, steps: int, check: 
         try:
             stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _end_group(proc)
+            end_group(proc)
             raise LaunchError(f"handwritten_tp on {world} ranks did not finish in {timeout_s:.0f} s") from None
         except BaseException:
-            _end_group(proc)
+            end_group(proc)
             raise
         if not os.path.exists(out):
             raise LaunchError(f"handwritten_tp on {world} ranks exited with {proc.returncode} and no result:\n"

@@ -18,6 +18,7 @@ from torch.export.graph_signature import ExportGraphSignature
 from ir.fast_trace import SynthesizedProgram
 from ir.graph import INPUT, OP, PARAM
 from ir.placements import parse_planned
+from ir.device_capture import planned_copy
 from ir.precision import Precision, compute_copy, get_precision
 from ir.trace import trace
 from planner.plan_format import Plan
@@ -51,7 +52,8 @@ class CapturedProgram:
 
 
 def capture_program(model: torch.nn.Module, example_inputs: Any,
-                    precision: Precision | str = "fp32") -> CapturedProgram:
+                    precision: Precision | str = "fp32",
+                    device: torch.device | None = None) -> CapturedProgram:
     """Capture ``model(*example_inputs)`` exactly as the planner did
     (:func:`ir.trace.trace` of :func:`ir.precision.compute_copy`: floating
     tensors in the precision's compute dtype): a model of many identical
@@ -60,9 +62,19 @@ def capture_program(model: torch.nn.Module, example_inputs: Any,
     make for a model of many blocks), any other with the full
     ``torch.export`` capture. The program's state is ``model``'s own
     parameters and buffers (the master copies; the executor casts them for
-    each forward)."""
-    captured_model, inputs = compute_copy(model, _as_tuple(example_inputs),
-                                          get_precision(precision))
+    each forward).
+
+    A model on meta is captured as the planner captured it for ``device``'s
+    kind (:func:`ir.device_capture.planned_copy`: fake CPU tensors for CPU
+    ranks), and tensors the program creates on meta are created on ``device``
+    instead when it runs."""
+    on_meta = any(t.is_meta for t in model.parameters())
+    if on_meta and device is not None:
+        captured_model, inputs = planned_copy(model, _as_tuple(example_inputs),
+                                              get_precision(precision), device.type)
+    else:
+        captured_model, inputs = compute_copy(model, _as_tuple(example_inputs),
+                                              get_precision(precision))
     graph = trace(captured_model, inputs)
     program = graph.exported
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -71,7 +83,18 @@ def capture_program(model: torch.nn.Module, example_inputs: Any,
     elif captured_model is not model:  # captured on a meta copy: run on the model's tensors
         program = WrittenOutProgram(program.graph, program.graph_signature, state,
                                     dict(program.constants))
+    if on_meta and device is not None:
+        _create_on(program.graph, device)
     return CapturedProgram(program, graph)
+
+
+def _create_on(graph: torch.fx.Graph, device: torch.device) -> None:
+    """Make the ops of ``graph`` that create tensors on meta (``device=`` of
+    ``arange``, ``full``, ...) create them on ``device``."""
+    for node in graph.nodes:
+        where = node.kwargs.get("device")
+        if node.op == "call_function" and isinstance(where, torch.device) and where.type == "meta":
+            node.update_kwarg("device", device)
 
 
 def check_plan_fits_program(plan: Plan, program: CapturedProgram, model: torch.nn.Module) -> None:

@@ -52,7 +52,7 @@ from codegen.checkpointed_layers import (checkpoint_segments, checkpointed, run_
                                          segment_boundary)
 from codegen.node_runner import NodeRunner, public_binding
 from codegen.placement_record import PlacementRecord
-from codegen.program_inputs import InputPlacer
+from codegen.program_inputs import InputPlacer, Materialize
 from codegen.redistribution import plan_on_mesh
 from ir.exported_graph import tied_parameters
 from ir.precision import cast_float
@@ -75,6 +75,8 @@ class PlanExecutor:
         program: the model already captured with these inputs (see
             :func:`codegen.capture.capture_program`), to share one capture
             between executors.
+        materialize: the whole value of a state tensor ``model`` holds on meta
+            (:class:`codegen.program_inputs.InputPlacer`); this rank keeps its shard.
 
     Subclasses run part of the program (a pipeline stage, ``codegen.pipeline``)
     by overriding :meth:`_program_calls`, :meth:`_kept_values`,
@@ -90,7 +92,8 @@ class PlanExecutor:
 
     def __init__(self, plan: Plan, model: torch.nn.Module, example_inputs: Any,
                  mesh: DeviceMesh, *, record_every_step: bool = False,
-                 program: CapturedProgram | None = None):
+                 program: CapturedProgram | None = None,
+                 materialize: Materialize | None = None):
         self.plan = plan
         self.mesh = mesh
         self.record_every_step = record_every_step
@@ -102,13 +105,14 @@ class PlanExecutor:
         self.precision = plan.precision
         register_fused_attention_sharding()
         if program is None:
-            program = capture_program(model, example_inputs, self.precision)
+            program = capture_program(model, example_inputs, self.precision,
+                                      torch.device(mesh.device_type))
         check_plan_fits_program(plan, program, model)
         self.ep, self.graph = program.ep, program.graph
         self.record = PlacementRecord()
         self._runner = NodeRunner(self.plan, mesh, self.record, local=self.local)
         self._inputs = InputPlacer(self.plan, mesh, self.record.placeholder_placements,
-                                   local=self.local)
+                                   local=self.local, materialize=materialize)
         self._forwards = 0
         # one device: the program as Python code (made by the first forward) and
         # its placeholders' names, in argument order

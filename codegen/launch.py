@@ -29,7 +29,8 @@ from typing import Any, Sequence
 from ir.node import draws_random
 from planner.plan_format import load_plan, placement_error
 
-__all__ = ["LaunchError", "Nodes", "REPO_ROOT", "launch"]
+__all__ = ["LaunchError", "Nodes", "REPO_ROOT", "cpu_fallback_note", "end_group",
+           "first_error_line", "launch", "rank_env"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,7 +51,7 @@ class LaunchError(RuntimeError):
         self.user_error = user_error
 
 
-def _end_group(proc: subprocess.Popen) -> None:
+def end_group(proc: subprocess.Popen) -> None:
     """Terminate the launched torchrun and its ranks (their own process group)."""
     for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
         try:
@@ -71,10 +72,22 @@ def _tail(text: str, lines: int = 40) -> str:
 _ERROR_RE = re.compile(r"\[rank \d+\] error: (.*?)(?=\[rank \d+\] error: |$)", re.M)
 
 
-def _first_error_line(text: str) -> str | None:
+def first_error_line(text: str) -> str | None:
     """The first rank's one-line error (ranks' lines may be interleaved)."""
     m = _ERROR_RE.search(text)
     return m.group(1).strip() if m else None
+
+
+def cpu_fallback_note(plan: Any, plan_path: str) -> str | None:
+    """One line saying that a GPU plan's ranks will run on this machine's CPU
+    (it has no CUDA), or None where they run where the plan says."""
+    import torch
+
+    if plan.cluster.get("backend") == "gloo" or torch.cuda.is_available():
+        return None
+    return (f"plan {plan_path} is for {plan.cluster.get('name', 'a GPU cluster')}, but this "
+            f"machine has no CUDA device: its {plan.world_size} ranks run on the CPU with gloo "
+            f"(to try the plan, not to time it)")
 
 
 def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int = 1,
@@ -128,7 +141,7 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         if record is not None:
             cmd += ["--record", os.path.abspath(os.fspath(record))]
         cmd += list(extra_args)
-        returncode, stdout, stderr = _run_ranks(cmd, cwd, _rank_env(env), timeout_s,
+        returncode, stdout, stderr = _run_ranks(cmd, cwd, rank_env(env), timeout_s,
                                                 plan_path, world)
         if nodes is not None and nodes.node_rank != 0:
             return _node_status(nodes.node_rank, returncode, stdout, stderr, plan_path, world)
@@ -172,7 +185,7 @@ def _node_status(node_rank: int, returncode: int, stdout: str, stderr: str, plan
     result); a :class:`LaunchError` when they failed."""
     if returncode != 0:
         output = stdout + stderr
-        first = _first_error_line(output)
+        first = first_error_line(output)
         head = first or f"node {node_rank}'s ranks exited with status {returncode}"
         raise LaunchError(f"{head}\n--- output tail ({plan_path}, {world} ranks, node "
                           f"{node_rank}) ---\n{_tail(output)}", first_line=first)
@@ -215,7 +228,7 @@ def _refuse_random_check(plan: Any, plan_path: str) -> None:
         raise LaunchError(message, first_line=message, user_error=True)
 
 
-def _rank_env(env: dict[str, str] | None) -> dict[str, str]:
+def rank_env(env: dict[str, str] | None) -> dict[str, str]:
     """The ranks' environment: this one, one OpenMP thread, the repo root on
     ``PYTHONPATH``, then ``env``."""
     run_env = dict(os.environ)
@@ -240,12 +253,12 @@ def _run_ranks(cmd: list[str], cwd: str | os.PathLike | None, run_env: dict[str,
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _end_group(proc)
+        end_group(proc)
         stdout, stderr = proc.communicate()
         raise LaunchError(f"plan {plan_path} did not finish within {timeout_s:.0f} s on "
                           f"{world} ranks; output tail:\n{_tail(stdout + stderr)}") from None
     except BaseException:
-        _end_group(proc)
+        end_group(proc)
         raise
     return proc.returncode, stdout, stderr
 
@@ -265,7 +278,7 @@ def _read_result(result_path: str, returncode: int, stdout: str, stderr: str,
         result["returncode"] = returncode
         result["output"] = _tail(stdout, 20)
         return result
-    first = _first_error_line(output)
+    first = first_error_line(output)
     head = first or f"ranks exited with status {returncode} and no result"
     raise LaunchError(f"{head}\n--- output tail ({where}) ---\n{_tail(output)}",
                       first_line=first)

@@ -44,6 +44,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from codegen.capture import CapturedProgram, PlanMismatchError, capture_program
 from codegen.executor import PlanExecutor
+from codegen.program_inputs import Materialize
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.redistribution import redistribute
 from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer
@@ -123,6 +124,8 @@ class StageExecutor(PlanExecutor):
             plan was made for (only used to capture when ``program`` is None).
         mesh: the stage's sub-mesh (shape ``plan.pipeline.stage_mesh``).
         program: the shared capture (:func:`codegen.capture.capture_program`).
+        materialize: the whole value of a state tensor held on meta
+            (:class:`codegen.program_inputs.InputPlacer`).
 
     Attributes:
         param_value: called with a parameter FQN at every forward to get the
@@ -132,11 +135,11 @@ class StageExecutor(PlanExecutor):
 
     def __init__(self, plan: Plan, stage: StagePlan, model: nn.Module, example_inputs: Any,
                  mesh: DeviceMesh, *, program: CapturedProgram | None = None,
-                 record_every_step: bool = False):
+                 record_every_step: bool = False, materialize: Materialize | None = None):
         self.stage = stage
         self.param_value: Callable[[str], Any] | None = None
         super().__init__(plan, model, example_inputs, mesh, program=program,
-                         record_every_step=record_every_step)
+                         record_every_step=record_every_step, materialize=materialize)
         self.stage = self.plan.pipeline.stages[stage.index]  # as the stage mesh reads it
         sig = self.ep.graph_signature
         self._param_fqn = {n: f for n, f in sig.inputs_to_parameters.items() if n in self._placeholders}
@@ -164,6 +167,14 @@ class StageExecutor(PlanExecutor):
         if any(s.kind.name == "BUFFER_MUTATION" for s in sig.output_specs):
             raise PipelinePlanError("the model updates buffers in forward (e.g. BatchNorm "
                                     "statistics); pipeline stages do not support that yet")
+
+    def drop_own_parameters(self) -> None:
+        """Let go of this executor's parameter DTensors: their owner (an FSDP2
+        :class:`StageModule`) gives every forward its values through
+        :attr:`param_value`, and holds only their shards between steps."""
+        for name in self._param_fqn:
+            self._placeholders[name] = None
+        self._params.clear()
 
     # ---- which part of the program
     def _runs_locally(self) -> bool:
@@ -388,6 +399,8 @@ class StageModule(nn.Module):
             self._shapes[fqn] = (param.shape, param.stride())
             self._register(fqn, self._owned(fqn, param))
         executor.param_value = self._param_value
+        if zero_axis is not None:
+            executor.drop_own_parameters()
 
     def _register(self, fqn: str, param: nn.Parameter) -> None:
         owner: nn.Module = self
@@ -417,7 +430,7 @@ class StageModule(nn.Module):
             raise PipelinePlanError(
                 f"FSDP2 ZeRO over stage-mesh axis {self.zero_axis} needs parameter {fqn} "
                 f"replicated on it, the plan places it {[placement_str(p) for p in placements]}")
-        local = param.to_local().detach().clone()
+        local = param.to_local().detach()  # FSDP2 copies out its shard; the executor lets go
         sub = self._other_axes_mesh()
         if sub is None:
             return nn.Parameter(local, requires_grad=param.requires_grad)
@@ -500,10 +513,14 @@ class PipelineRuntime:
 
     @classmethod
     def build(cls, plan: Plan, model: nn.Module, global_inputs: Sequence[Any],
-              device: torch.device) -> "PipelineRuntime":
+              device: torch.device, *, materialize: Materialize | None = None
+              ) -> "PipelineRuntime":
         """Make this rank's stages from ``model`` (the global-batch build) and its inputs.
 
         Needs an initialised default process group of ``plan.world_size`` ranks.
+        ``model`` may be on meta with ``materialize`` giving its tensors' values
+        (:class:`codegen.program_inputs.InputPlacer`): each rank then holds only
+        its stages' parameters, and of those its shards.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -521,11 +538,12 @@ class PipelineRuntime:
             raise PipelinePlanError(f"the plan's micro-batch is {mb_size} but the model's batch "
                                     f"{int(global_inputs[0].shape[0])} / {m} micro-batches gives "
                                     f"{int(microbatch[0].shape[0])}")
-        program = capture_program(model, microbatch, plan.precision)
+        program = capture_program(model, microbatch, plan.precision, device)
         mine = [st for st in pipe.stages if st.pp_rank == pp_rank]
         modules, stages = [], []
         for st in mine:
-            executor = StageExecutor(plan, st, model, microbatch, stage_mesh, program=program)
+            executor = StageExecutor(plan, st, model, microbatch, stage_mesh, program=program,
+                                     materialize=materialize)
             fsdp = st.zero_stage in FSDP_STAGES
             module = StageModule(executor, zero_axis=st.zero_axis if fsdp else None)
             if fsdp:

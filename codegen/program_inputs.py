@@ -24,7 +24,10 @@ from ir.placements import parse_placements
 from ir.precision import cast_float
 from planner.plan_format import Plan
 
-__all__ = ["InputPlacer", "PlacedState"]
+__all__ = ["InputPlacer", "Materialize", "PlacedState"]
+
+#: (FQN, meta tensor) -> the tensor's whole value on this rank's device.
+Materialize = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -44,15 +47,20 @@ class InputPlacer:
         mesh: the DeviceMesh.
         placed_as: placeholder name -> placements, filled with what each input is given.
         local: the mesh has one device: inputs stay plain tensors.
+        materialize: gives the whole value, on this rank's device, of a state
+            tensor the program holds on the meta device (a model built on meta:
+            :mod:`codegen.deferred_init`), called with its FQN and the meta
+            tensor, one tensor at a time; this rank keeps only its shard.
     """
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, placed_as: dict[str, list[str]], *,
-                 local: bool):
+                 local: bool, materialize: Materialize | None = None):
         self.plan = plan
         self.mesh = mesh
         self.precision = plan.precision
         self.placed_as = placed_as
         self.local = local
+        self.materialize = materialize
 
     def place_state(self, ep: Any, wants: Callable[[str], bool],
                     tied: dict[str, str] | None = None) -> PlacedState:
@@ -125,17 +133,18 @@ class InputPlacer:
     def _parameter(self, name: str, fqn: str, state: dict[str, Any]) -> torch.nn.Parameter:
         """Parameter ``fqn`` in the master dtype, distributed as planned."""
         placements = self._planned(fqn)
-        value = cast_float(state[fqn], self.precision.master_dtype)
+        requires_grad = state[fqn].requires_grad
+        value = cast_float(self._real(fqn, state[fqn]), self.precision.master_dtype)
         dt = value.detach() if self.local else distribute_tensor(
             value.detach(), self.mesh, parse_placements(placements), src_data_rank=None)
         self.placed_as[name] = placements
-        return torch.nn.Parameter(dt, requires_grad=value.requires_grad)
+        return torch.nn.Parameter(dt, requires_grad=requires_grad)
 
     def _buffer(self, name: str, fqn: str, ep: Any) -> Any:
         """Buffer ``fqn`` in the compute dtype: distributed where the plan places
         it, else a constant, replicated."""
         state = ep.state_dict
-        value = cast_float(state[fqn] if fqn in state else ep.constants[fqn],
+        value = cast_float(self._real(fqn, state[fqn] if fqn in state else ep.constants[fqn]),
                            self.precision.compute_dtype)
         if fqn in self.plan.parameters and not self.local:
             placements = self.plan.parameters[fqn]
@@ -144,6 +153,15 @@ class InputPlacer:
                                      src_data_rank=None)
         self.placed_as[name] = ["R"] * self.mesh.ndim
         return value
+
+    def _real(self, fqn: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` itself, or its whole value from :attr:`materialize` where it is on meta."""
+        if not value.is_meta:
+            return value
+        if self.materialize is None:
+            raise PlanMismatchError(f"{fqn} is on the meta device and has no values; build the "
+                                    f"model on a real device, or parallelize it with an initializer")
+        return self.materialize(fqn, value)
 
     def _planned(self, fqn: str) -> list[str]:
         """The plan's placements of parameter ``fqn`` (replicated, with a warning, if none)."""

@@ -39,6 +39,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from codegen.parallel_model import runtime_device
+
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_PLAN, EXIT_MISMATCH = 0, 1, 2, 3
 
 
@@ -129,27 +131,6 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK if int(verdict.item()) == 0 else EXIT_CHECK_FAILED
     finally:
         dist.destroy_process_group()
-
-
-def runtime_device(cluster: dict[str, Any], local_rank: int) -> tuple[str, torch.device]:
-    """The process-group backend and the device this rank trains on, as the
-    plan's ``cluster`` says: a gloo cluster (CPU ranks) runs on the CPU even where
-    CUDA is present; an NCCL one on GPU ``local_rank``, or on the CPU with gloo
-    where this machine has no CUDA (to try a GPU plan on a laptop).
-
-    Raises:
-        ValueError: an NCCL plan on a machine with fewer CUDA devices than the
-            ranks started on it.
-    """
-    if cluster.get("backend") == "gloo" or not torch.cuda.is_available():
-        return "gloo", torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise ValueError(
-            f"the plan is for {cluster.get('name', 'a GPU cluster')} (one GPU a rank), but this "
-            f"machine has {count} CUDA device(s) for local rank {local_rank}; start at most "
-            f"{count} rank(s) per node, or plan for a CPU cluster (local-cpu:N)")
-    return "nccl", torch.device("cuda", local_rank)
 
 
 def _refuse(args: argparse.Namespace, rank: int, code: int, message: str) -> int:

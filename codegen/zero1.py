@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from codegen.redistribution import redistribute
 
-__all__ = ["OptimizerGroup", "ShardedStateOptimizer", "slice_bounds"]
+__all__ = ["OptimizerGroup", "ShardedStateOptimizer", "StateShards", "slice_bounds"]
 
 #: Builds torch's optimizer over a list of tensors (``codegen.reference.make_optimizer``).
 MakeOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
@@ -48,10 +49,14 @@ def slice_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(size, start + step) - start
 
 
-def _shard_dim(shape: Sequence[int], parts: int) -> int:
+def _shard_dim(shape: Sequence[int], parts: int, taken: set[int]) -> int | None:
     """The dimension a parameter's slices are cut along: the first at least
-    ``parts`` long (every rank gets some), else 0."""
-    return next((d for d, n in enumerate(shape) if n >= parts), 0)
+    ``parts`` long (every rank gets some) that no other mesh axis shards
+    (``taken``), so that the slice is a plain DTensor shard of the parameter;
+    else the first such dimension of any length; None where every dimension
+    is taken (the parameter's states then stay whole)."""
+    free = [d for d in range(len(shape)) if d not in taken]
+    return next((d for d in free if shape[d] >= parts), free[0] if free else None)
 
 
 @dataclass
@@ -62,19 +67,21 @@ class _ShardedParam:
     local: torch.Tensor  # the parameter's local tensor (whole on the ZeRO axis)
     dim: int  # the dimension the slices are cut along
     slice: nn.Parameter  # aliases this rank's slice of ``local``; what the optimizer steps
+    placements: tuple[Placement, ...]  # the slice's as a shard of the whole parameter
 
 
-class ShardedStateOptimizer:
-    """ZeRO-1 over stage-mesh axis ``zero_axis`` of the parameters ``params``
-    (DTensors on ``mesh``): see the module docstring. ``make`` builds torch's
-    optimizer (called at most twice: for the slices, and for the parameters
-    the plan shards on the ZeRO axis itself)."""
+class StateShards:
+    """ZeRO-1's slices of one stage's parameters over stage-mesh axis
+    ``zero_axis`` (see the module docstring): what an optimizer steps instead
+    of the parameters (:meth:`tensors`), the gradient reduce-scatter into the
+    slices (:meth:`reduce_grads`) and the all-gather of the updated slices
+    (:meth:`gather_params`)."""
 
-    def __init__(self, params: Iterable[nn.Parameter], mesh: DeviceMesh, zero_axis: int,
-                 make: MakeOptimizer):
+    def __init__(self, params: Iterable[nn.Parameter], mesh: DeviceMesh, zero_axis: int):
         names = mesh.mesh_dim_names
         if mesh.ndim > 1 and not names:
             raise ValueError("ZeRO-1 on a multi-axis stage mesh needs named mesh axes")
+        self.mesh = mesh
         self.axis_mesh = mesh[names[zero_axis]] if mesh.ndim > 1 else mesh
         self.zero_axis = zero_axis
         self.parts = self.axis_mesh.size()
@@ -83,18 +90,33 @@ class ShardedStateOptimizer:
         self.sharded: list[_ShardedParam] = []
         self.whole: list[nn.Parameter] = []
         for p in self.params:
-            if not (isinstance(p, DTensor) and p.placements[zero_axis].is_replicate()
-                    and p.dim() > 0):
+            dim = None
+            if isinstance(p, DTensor) and p.placements[zero_axis].is_replicate() and p.dim() > 0:
+                taken = {q.dim for i, q in enumerate(p.placements)
+                         if i != zero_axis and isinstance(q, Shard)}
+                dim = _shard_dim(p.to_local().shape, self.parts, taken)
+            if dim is None:
                 self.whole.append(p)
                 continue
             with torch.no_grad():
                 local = p.to_local()  # the local tensor itself, not an autograd view
-            dim = _shard_dim(local.shape, self.parts)
             start, length = slice_bounds(local.shape[dim], self.parts, coordinate)
             piece = nn.Parameter(local.narrow(dim, start, length), requires_grad=False)
-            self.sharded.append(_ShardedParam(p, local, dim, piece))
-        self.optimizers = [make(group) for group in ([s.slice for s in self.sharded], self.whole)
-                           if group]
+            placements = list(p.placements)
+            placements[zero_axis] = Shard(dim)
+            self.sharded.append(_ShardedParam(p, local, dim, piece, tuple(placements)))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What an optimizer steps: every slice, then the parameters kept whole."""
+        return [s.slice for s in self.sharded] + self.whole
+
+    def stepped(self) -> dict[int, tuple[torch.Tensor, tuple[Placement, ...] | None]]:
+        """``id(parameter)`` -> (the tensor the optimizer steps for it, that
+        tensor's placements as a shard of the parameter on the stage mesh; None
+        for a parameter stepped whole)."""
+        out = {id(s.param): (s.slice, s.placements) for s in self.sharded}
+        out.update({id(p): (p, None) for p in self.whole})
+        return out
 
     def _reduce_scatter(self, entry: _ShardedParam) -> torch.Tensor:
         """This rank's slice of the parameter's gradient, summed over the ZeRO axis."""
@@ -113,36 +135,63 @@ class ShardedStateOptimizer:
                                f"{tuple(entry.slice.shape)}")
         return piece.to(entry.slice.dtype)
 
-    def _all_gather(self, entry: _ShardedParam) -> None:
-        """Write every rank's updated slice back into the whole local parameter."""
-        local = entry.local
-        sliced = DTensor.from_local(entry.slice.detach(), self.axis_mesh, [Shard(entry.dim)],
-                                    run_check=False, shape=local.shape, stride=local.stride())
-        local.copy_(sliced.redistribute(self.axis_mesh, [Replicate()]).to_local())
-
     @torch.no_grad()
-    def step(self) -> int:
-        """Reduce-scatter, update, all-gather; returns how many gradients were reduced."""
+    def reduce_grads(self) -> int:
+        """Reduce-scatter each sliced parameter's gradient into its slice's
+        ``grad`` (the parameter's own is dropped) and bring the gradients of the
+        parameters kept whole to their placements; returns how many moved."""
         reduced = 0
         for entry in self.sharded:
-            entry.slice.grad = None if entry.param.grad is None else self._reduce_scatter(entry)
-            reduced += entry.slice.grad is not None
+            if entry.param.grad is not None:
+                entry.slice.grad = self._reduce_scatter(entry)
+                entry.param.grad = None
+                reduced += 1
         for p in self.whole:
             if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
                 p.grad = redistribute(p.grad, p.device_mesh, p.placements)
                 reduced += 1
+        return reduced
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Write every rank's updated slice back into the whole local parameters."""
+        for entry in self.sharded:
+            local = entry.local
+            sliced = DTensor.from_local(entry.slice.detach(), self.axis_mesh, [Shard(entry.dim)],
+                                        run_check=False, shape=local.shape, stride=local.stride())
+            local.copy_(sliced.redistribute(self.axis_mesh, [Replicate()]).to_local())
+
+    def zero_grad(self) -> None:
+        for entry in self.sharded:
+            entry.slice.grad = None
+        for p in self.params:
+            p.grad = None
+
+
+class ShardedStateOptimizer:
+    """ZeRO-1 over stage-mesh axis ``zero_axis`` of the parameters ``params``
+    (DTensors on ``mesh``): see the module docstring. ``make`` builds torch's
+    optimizer over :meth:`StateShards.tensors`."""
+
+    def __init__(self, params: Iterable[nn.Parameter], mesh: DeviceMesh, zero_axis: int,
+                 make: MakeOptimizer):
+        self.shards = StateShards(params, mesh, zero_axis)
+        tensors = self.shards.tensors()
+        self.optimizers = [make(tensors)] if tensors else []
+
+    @torch.no_grad()
+    def step(self) -> int:
+        """Reduce-scatter, update, all-gather; returns how many gradients were reduced."""
+        reduced = self.shards.reduce_grads()
         for opt in self.optimizers:
             opt.step()
-        for entry in self.sharded:
-            if entry.slice.grad is not None:
-                self._all_gather(entry)
+        self.shards.gather_params()
         return reduced
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
-        for p in self.params:
-            p.grad = None
+        self.shards.zero_grad()
 
 
 class OptimizerGroup:
