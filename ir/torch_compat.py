@@ -421,3 +421,60 @@ def op_overload_name(obj: Any) -> tuple[str, str] | None:
     if isinstance(obj, OpOverload):
         return obj._schema.name, obj._overloadname
     return None
+
+
+def local_shape_and_global_offset(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(shape, offset)`` of the block of the full tensor a DTensor ``value``
+    holds on this rank: its local shape and the full tensor's index of its
+    first element, per dim (torch's ``compute_local_shape_and_global_offset``,
+    read from the rank's mesh coordinate; what DCP reads a shard with). Exact
+    for ``Shard`` and ``Replicate`` placements only: a strided shard's rows
+    are no one block."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(value.shape, value.device_mesh,
+                                                 value.placements)
+
+
+def dispatch_mode_type() -> type:
+    """torch's ``TorchDispatchMode`` (``torch.utils._python_dispatch``): while
+    a subclass is entered, its ``__torch_dispatch__`` sees every ATen op below
+    autograd (factory ops included), and runs the op itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """``(leaves, spec)`` of a pytree (``torch.utils._pytree.tree_flatten``)."""
+    from torch.utils._pytree import tree_flatten as flatten
+
+    return flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec: Any) -> Any:
+    """The pytree of ``spec`` holding ``leaves`` (``torch.utils._pytree.tree_unflatten``)."""
+    from torch.utils._pytree import tree_unflatten as unflatten
+
+    return unflatten(leaves, spec)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """An integer naming the storage ``tensor`` views, the same for every
+    tensor sharing it (a ``Parameter`` and the tensor it wraps, ``.data``,
+    views), meta tensors included: the address of its C++ ``StorageImpl``,
+    unique while the storage is alive."""
+    return tensor.untyped_storage()._cdata
+
+
+def written_arguments(op: Any) -> tuple[tuple[int, str, bool], ...]:
+    """The arguments ATen op ``op`` writes (``Tensor(a!)`` in its schema:
+    in-place ``self``, ``out=``), each as ``(position, name, keyword only)``."""
+    return tuple((i, a.name, a.kwarg_only) for i, a in enumerate(op._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+def takes_generator(op: Any) -> bool:
+    """Whether ATen op ``op``'s schema has a ``Generator?`` argument (it draws
+    random numbers)."""
+    return any(a.name == "generator" for a in op._schema.arguments)
