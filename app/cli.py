@@ -1,4 +1,4 @@
-"""The ``planner`` command: ``plan``, ``show`` and ``run``.
+"""The ``planner`` command: ``plan``, ``show``, ``run``, ``train``, ``compare`` and ``profile``.
 
 Every user error (unknown model or preset, bad mesh, wrong plan version, model
 mismatch) prints one line starting with ``planner: error:`` and exits with 2.
@@ -67,7 +67,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
                                          PlanError]
     try:
         from codegen.capture import PlanMismatchError
-        errors.append(PlanMismatchError)
+        from codegen.parallel_model import BatchShapeError
+        from training import checkpoint, hf_checkpoint
+        from training.data import DataError
+        errors += [PlanMismatchError, BatchShapeError, DataError, checkpoint.CheckpointError,
+                   hf_checkpoint.CheckpointError]
     except ImportError:
         pass
     return tuple(errors)
@@ -248,9 +252,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     from planner.plan_format import load_plan
 
     plan = load_plan(args.plan)  # validates before any process starts
-    from codegen.launch import launch
+    from codegen.launch import LaunchError, cpu_fallback_note, launch
 
-    from codegen.launch import LaunchError
+    note = cpu_fallback_note(plan, args.plan)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
 
     try:
         result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check,
@@ -265,6 +271,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     print(result.get("output", "").rstrip())  # rank 0's summary
     return 0 if result.get("passed", True) else 1
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from training.config import TrainConfig
+    from training.launch import train
+
+    from planner.request import PlanningError
+
+    if args.max_restarts < 0:
+        raise PlanningError("--max-restarts must be 0 or more")
+    outcome = train(TrainConfig.from_args(args), nodes=_nodes(args),
+                    max_restarts=args.max_restarts)
+    if outcome.returncode == 0:
+        if args.result_json:
+            print(f"wrote {args.result_json}")
+        return 0
+    what = outcome.error or f"the ranks exited with status {outcome.returncode}"
+    print(f"planner: error: {what} (the ranks' output: {outcome.log_path})", file=sys.stderr)
+    return EXIT_USAGE if outcome.bad_input else 1
 
 
 def _nodes(args: argparse.Namespace) -> Any:
@@ -326,6 +351,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_nodes(p: argparse.ArgumentParser) -> None:
+    """The flags of a job over several nodes (:func:`_nodes`)."""
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the plan's ranks are spread over, evenly; run the same "
+                   "command on each node with its own --node-rank")
+    p.add_argument("--node-rank", type=int, default=0, help="this node, 0..nnodes-1")
+    p.add_argument("--master-addr", help="node 0's host name or address (with --nnodes)")
+    p.add_argument("--master-port", type=int, help="a free TCP port on node 0 (with --nnodes)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -371,13 +406,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=2, help="training steps to run")
     r.add_argument("--check", action="store_true",
                    help="compare loss and gradients with a single-process run")
-    r.add_argument("--nnodes", type=int, default=1,
-                   help="nodes the plan's ranks are spread over, evenly; run the same "
-                   "command on each node with its own --node-rank")
-    r.add_argument("--node-rank", type=int, default=0, help="this node, 0..nnodes-1")
-    r.add_argument("--master-addr", help="node 0's host name or address (with --nnodes)")
-    r.add_argument("--master-port", type=int, help="a free TCP port on node 0 (with --nnodes)")
+    _add_nodes(r)
     r.set_defaults(func=cmd_run)
+
+    t = sub.add_parser("train", help="train a model with a plan: data, LR schedule, "
+                       "checkpoints, resume, export (torchrun, on this node or several)")
+    from training.config import add_train_arguments
+
+    add_train_arguments(t)
+    t.add_argument("--max-restarts", type=int, default=0,
+                   help="after a rank fails, restart all ranks this many times; they resume "
+                   "from the newest finished checkpoint in --checkpoint-dir")
+    _add_nodes(t)
+    t.set_defaults(func=cmd_train)
 
     c = sub.add_parser("compare", help="automatic plan vs every Megatron configuration")
     c.add_argument("--model", required=True, help="zoo name or path.py:factory")

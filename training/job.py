@@ -1,0 +1,350 @@
+"""The rank program of ``planner train``: a training job on a plan.
+
+    torchrun --nproc_per_node N [--max-restarts R] -m training.job PLAN.json \\
+        --data train.bin --steps 200 [--lr --warmup --grad-clip --checkpoint-dir DIR ...]
+
+Every rank builds its part of the plan (:func:`codegen.parallel_model.parallelize`:
+the model on meta, only this rank's shards allocated), takes its first weights
+from the model's own initialisation, a checkpoint or a Hugging Face folder, and
+trains: the batch of step ``k`` is a function of ``k`` (:mod:`training.data`),
+so a resumed job sees the data an uninterrupted one would. Checkpoints are DCP
+saves (:mod:`training.checkpoint`); after a failure torchrun restarts the ranks
+(``--max-restarts``) and they resume from the newest finished save by
+themselves. Rank 0 logs (:mod:`training.progress_log`), exports and writes the
+result JSON, with every rank's peak memory.
+
+What the job needs is checked first (:func:`prepare`, also run by the command
+line before it starts any rank): bad input is one line and exit status 2.
+
+Test hook: ``PLANNER_TRAIN_FAULT=RANK:STEP`` makes rank RANK kill itself
+(SIGKILL) when it reaches step STEP in the job's first attempt, to show a crash
+and the resume after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from training.config import TrainConfig, add_train_arguments
+
+__all__ = ["JobInputs", "main", "prepare", "run"]
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+FAULT_ENV = "PLANNER_TRAIN_FAULT"
+
+
+@dataclass
+class JobInputs:
+    """What :func:`prepare` found: the plan, the data, where the weights come from."""
+
+    plan: Any  # planner.plan_format.Plan
+    batches: Callable[[int], tuple]  # step -> the global batch
+    tokens_per_step: int
+    shapes: dict[str, list[int]]  # every parameter's FQN -> global shape
+    init_hf: str | None  # a Hugging Face folder to read the first weights from
+    init_checkpoint: Any  # training.checkpoint.SavedCheckpoint of the first weights
+    resume_from: Any  # SavedCheckpoint to continue from (weights, optimizer, step)
+
+
+def _bad_input_errors() -> tuple[type[BaseException], ...]:
+    from codegen.capture import PlanMismatchError
+    from codegen.parallel_model import BatchShapeError
+    from ir.source import ModelSourceError
+    from planner.plan_format import PlanError
+    from training import checkpoint, hf_checkpoint
+    from training.data import DataError
+
+    return (DataError, checkpoint.CheckpointError, hf_checkpoint.CheckpointError,
+            BatchShapeError, ModelSourceError, PlanError, PlanMismatchError)
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """The number of token ids the model embeds (its first embedding's rows)."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return int(module.num_embeddings)
+    return None
+
+
+def _token_batches(config: TrainConfig, plan: Any, model: nn.Module, inputs: tuple) -> Any:
+    """The token file of ``--data`` as the plan's (tokens, targets) batches."""
+    from training.data import DataError, TokenFile
+
+    specs = [(list(t.shape), t.dtype) for t in inputs if isinstance(t, torch.Tensor)]
+    if (len(inputs) != 2 or len(specs) != 2 or specs[0] != specs[1]
+            or specs[0][1] != torch.int64 or len(specs[0][0]) != 2):
+        given = ", ".join(f"{s} {d}" for s, d in specs) or "no tensors"
+        raise DataError(f"--data {config.data} gives (tokens, targets) batches of int64 "
+                        f"[batch, sequence], but the plan's model takes {given}; give "
+                        f"--data FILE.py:FUNCTION returning the batch of a step")
+    batch_size, seq_len = specs[0][0]
+    targets = "same" if plan.model["source"].startswith("hf:") else "shifted"
+    return TokenFile(config.data, batch_size=batch_size, seq_len=seq_len,
+                     dtype=config.data_dtype, vocab_size=_vocab_size(model), targets=targets)
+
+
+def _example_batches(inputs: tuple) -> Callable[[int], tuple]:
+    """Without ``--data``: the factory's example batch at every step."""
+    return lambda step: inputs
+
+
+def _initial_weights(config: TrainConfig, plan: Any, shapes: dict[str, list[int]]
+                     ) -> tuple[str | None, Any]:
+    """(Hugging Face folder, DCP save) the first weights come from; (None, None)
+    for the model's own initialisation."""
+    from training import checkpoint
+    from training.hf_checkpoint import is_hf_folder
+
+    source = plan.model["source"]
+    path = config.init
+    if path is None and source.startswith("hf:") and is_hf_folder(source[3:]):
+        return source[3:], None  # fine-tuning the folder the model was planned from
+    if path is None:
+        return None, None
+    if is_hf_folder(path):
+        return path, None
+    saved = checkpoint.find_checkpoint(path)
+    checkpoint.check_compatible(saved, shapes)
+    return None, saved
+
+
+def _resume_point(config: TrainConfig, shapes: dict[str, list[int]], restarted: bool) -> Any:
+    """The save to continue from: the newest finished one in the checkpoint
+    directory with ``--resume`` (which must exist) or after torchrun restarted
+    the job (if any)."""
+    from training import checkpoint
+
+    if not (config.resume or restarted):
+        return None
+    if config.checkpoint_dir is None:
+        raise checkpoint.CheckpointError("--resume needs --checkpoint-dir, the directory the "
+                                         "job saved to")
+    if not config.resume and not checkpoint.newest_complete(config.checkpoint_dir)[0]:
+        return None  # restarted before its first save: start again
+    saved = checkpoint.find_checkpoint(config.checkpoint_dir)
+    checkpoint.check_compatible(saved, shapes)
+    return saved
+
+
+def _check_config(config: TrainConfig) -> None:
+    from training.data import DataError
+
+    for name in ("steps", "log_every"):
+        if getattr(config, name) < 1:
+            raise DataError(f"--{name.replace('_', '-')} must be at least 1")
+    if config.save_every is not None and (config.save_every < 1 or not config.checkpoint_dir):
+        raise DataError("--save-every needs --checkpoint-dir and a value of at least 1")
+    if config.grad_clip is not None and config.grad_clip <= 0:
+        raise DataError("--grad-clip must be positive")
+
+
+def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
+    """Check everything the job needs before any model is built: the plan, the
+    data (length, token ids within the vocabulary, batch shapes), the first
+    weights and the checkpoint to resume, the export folder. Raises one of
+    :func:`_bad_input_errors` with a one-line message."""
+    from codegen.reference import zoo_kwargs
+    from ir.source import build_model
+    from planner.plan_format import load_plan
+    from training.data import load_user_batches
+    from training.hf_checkpoint import check_export_target
+
+    _check_config(config)
+    plan = load_plan(config.plan)
+    model, inputs = build_model(plan.model["source"], device="meta", seed=0,
+                                **zoo_kwargs(plan.training))
+    shapes = {fqn: list(p.shape) for fqn, p in model.named_parameters()}
+    if config.data is None:
+        batches = _example_batches(inputs)
+    elif ":" in os.path.basename(config.data) or config.data.endswith(".py"):
+        batches = load_user_batches(config.data)
+    else:
+        batches = _token_batches(config, plan, model, inputs).batch
+    tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor)
+                   and not t.is_floating_point()), 0)
+    if config.export:
+        check_export_target(config.export)
+    init_hf, init_checkpoint = _initial_weights(config, plan, shapes)
+    resume_from = _resume_point(config, shapes, restarted)
+    return JobInputs(plan, batches, tokens, shapes, init_hf, init_checkpoint, resume_from)
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_bytes(device: torch.device) -> tuple[int, str]:
+    """This rank's peak memory, in bytes: CUDA's peak allocation, or on CPU
+    ranks the process's peak resident set (``ru_maxrss``, KiB on Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
+
+
+def _fault_step(rank: int, restart_count: int) -> int | None:
+    """The step at which this rank kills itself (the test hook), or None."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec or restart_count:
+        return None
+    fault_rank, _, step = spec.partition(":")
+    return int(step) if int(fault_rank) == rank else None
+
+
+def _make_optimizer(config: TrainConfig, model: Any) -> torch.optim.Optimizer:
+    if config.optimizer == "sgd":
+        return model.optimizer(torch.optim.SGD, lr=config.lr, weight_decay=config.weight_decay)
+    return model.optimizer(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def _model_flops(model: Any) -> float:
+    """Model FLOPs of one training step: 3x the captured forward's (the
+    backward computes two products per forward one), the MFU convention."""
+    return 3.0 * model.forward_flops()
+
+
+def _peak_flops(plan: Any) -> float | None:
+    """The cluster's peak FLOP/s in the plan's compute dtype, all devices."""
+    peak = plan.cluster.get("device", {}).get("peak_flops", {})
+    per_device = peak.get(plan.precision.compute_dtype_name) or peak.get("float32")
+    return per_device * plan.world_size if per_device else None
+
+
+def run(config: TrainConfig) -> int:
+    """Train as ``config`` says, on this rank (under torchrun); the exit status."""
+    from codegen.parallel_model import parallelize
+    from training import checkpoint
+    from training.hf_checkpoint import export_hf, export_plain, load_hf_weights
+    from training.lr_schedule import warmup_cosine
+    from training.progress_log import TrainingLog
+
+    rank = int(os.environ.get("RANK", "0"))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    baseline = _rss_bytes()
+    job = prepare(config, restarted=restarts > 0)
+    plan = job.plan
+    loading = job.init_hf or job.init_checkpoint or job.resume_from
+    model = parallelize(plan, init="empty" if loading else "fresh")
+    opt = _make_optimizer(config, model)
+    schedule = warmup_cosine(opt, warmup_steps=config.warmup, total_steps=config.steps,
+                             min_lr_ratio=config.min_lr_ratio)
+    start = 0
+    if job.resume_from is not None:
+        checkpoint.load(job.resume_from, model, opt)
+        schedule.load_state_dict(job.resume_from.meta["scheduler"])
+        start = job.resume_from.step
+    elif job.init_checkpoint is not None:
+        checkpoint.load(job.init_checkpoint, model, None)
+    elif job.init_hf is not None:
+        load_hf_weights(job.init_hf, model.state_dict())
+    fault = _fault_step(rank, restarts)
+    losses: list[dict[str, float]] = []
+    saved_at = job.resume_from.step if job.resume_from is not None else None
+
+    def save(done: int) -> None:
+        nonlocal saved_at
+        checkpoint.save(config.checkpoint_dir, done, model, opt, {
+            "scheduler": schedule.state_dict(), "model": plan.model["source"],
+            "plan": os.path.abspath(config.plan), "mesh": list(plan.mesh_shape)})
+        saved_at = done
+
+    with TrainingLog(config.log if rank == 0 else None, log_every=config.log_every,
+                     total_steps=config.steps, start_step=start,
+                     tokens_per_step=job.tokens_per_step, flops_per_step=_model_flops(model),
+                     peak_flops=_peak_flops(plan), console=rank == 0) as log:
+        for step in range(start, config.steps):
+            if step == fault:
+                os.kill(os.getpid(), signal.SIGKILL)
+            batch = job.batches(step)
+            t0 = time.perf_counter()
+            loss = model.step(*batch)
+            norm = model.clip_grad_norm_(config.grad_clip) if config.grad_clip else None
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            schedule.step()
+            opt.zero_grad(set_to_none=True)
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            log.log(step, loss, lr, time.perf_counter() - t0, grad_norm=norm)
+            losses.append({"step": step, "loss": loss})
+            if config.save_every and (step + 1) % config.save_every == 0:
+                save(step + 1)
+    if config.checkpoint_dir and saved_at != config.steps and start < config.steps:
+        save(config.steps)
+    if config.export:
+        tensors = model.full_tensors()
+        if rank == 0:
+            source = plan.model["source"]
+            if source.startswith("hf:"):
+                export_hf(config.export, tensors, config_source=source[3:])
+            else:
+                export_plain(config.export, tensors)
+        else:
+            for _ in tensors:
+                pass
+    peak, kind = _peak_bytes(model.device)
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rank": rank, "peak_bytes": peak, "baseline_bytes": baseline,
+                                   "peak_kind": kind})
+    if rank == 0 and config.result_json:
+        _write_result(config, plan, losses, start, restarts, ranks, job)
+    return EXIT_OK
+
+
+def _write_result(config: TrainConfig, plan: Any, losses: list[dict[str, float]], start: int,
+                  restarts: int, ranks: list[Any], job: JobInputs) -> None:
+    import json
+
+    memory = plan.predicted.get("memory_bytes_per_device", {})
+    result = {
+        "plan": os.path.abspath(config.plan), "model": plan.model["source"],
+        "mesh": list(plan.mesh_shape), "world_size": plan.world_size,
+        "start_step": start, "final_step": config.steps, "steps_run": len(losses),
+        "final_loss": losses[-1]["loss"] if losses else None, "losses": losses,
+        "restarts": restarts,
+        "resumed_from": job.resume_from.path if job.resume_from is not None else None,
+        "predicted_peak_bytes_per_device": memory.get("peak"),
+        "predicted_total_bytes_per_device": memory.get("total"),
+        "ranks": ranks, "config": config.as_dict(),
+    }
+    tmp = config.result_json + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, config.result_json)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.job",
+                                description="One rank of `planner train` (started by torchrun).")
+    add_train_arguments(p)
+    config = TrainConfig.from_args(p.parse_args(argv))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return run(config)
+    except _bad_input_errors() as err:
+        print(f"[rank {rank}] error: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except Exception as err:  # noqa: BLE001 - one line for the launcher, the traceback after it
+        text = str(err).strip().splitlines()
+        print(f"[rank {rank}] error: {type(err).__name__}: {text[0] if text else ''}",
+              file=sys.stderr, flush=True)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
