@@ -48,7 +48,8 @@ from codegen.reference import loss_of
 from codegen.zero1 import StateShards
 from planner.plan_format import Plan, load_plan
 
-__all__ = ["BatchShapeError", "ParallelModel", "parallelize", "runtime_device"]
+__all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "check_batch", "parallelize",
+           "runtime_device"]
 
 #: How the parameters get their first values: ``"fresh"`` (the model's own
 #: initialisation, exactly as one process builds it) or ``"empty"`` (allocated
@@ -92,11 +93,27 @@ def _ensure_process_group(plan: Plan) -> torch.device:
         if "RANK" not in os.environ:
             raise RuntimeError(f"parallelize needs torchrun's environment: start the script with "
                                f"torchrun --nproc_per_node {plan.world_size}")
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **_restart_store())
     if dist.get_world_size() != plan.world_size:
         raise PlanMismatchError(f"the plan is for {plan.world_size} devices (mesh "
                                 f"{list(plan.mesh_shape)}) but {dist.get_world_size()} ranks run")
     return device
+
+
+def _restart_store() -> dict[str, Any]:
+    """``init_process_group`` arguments for ranks torchrun restarted after a
+    failure: its agent's store under a prefix of their own attempt, since the
+    store still holds the addresses the failed attempt's ranks published (gloo
+    would connect to those dead ranks). Nothing for a first attempt."""
+    from datetime import timedelta
+
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"attempt_{attempt}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _as_tuple(inputs: Any) -> tuple:
@@ -122,11 +139,37 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
 
 
 @dataclass(frozen=True)
-class _InputSpec:
+class InputSpec:
     """The shape and dtype of one tensor input the plan was made for."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+    @classmethod
+    def of(cls, value: Any) -> "InputSpec | None":
+        """The spec of an example input (None for a value that is not a tensor)."""
+        if not isinstance(value, torch.Tensor):
+            return None
+        return cls(tuple(int(d) for d in value.shape), value.dtype)
+
+
+def check_batch(batch: Sequence[Any], specs: Sequence[InputSpec | None]) -> None:
+    """Refuse (:class:`BatchShapeError`, one line) a batch whose inputs differ in
+    number, shape or dtype from ``specs`` (the plan's example inputs, in order)."""
+    if len(batch) != len(specs):
+        raise BatchShapeError(f"the plan's model takes {len(specs)} inputs, the batch has "
+                              f"{len(batch)}; give the model's inputs in the plan's order")
+    for i, (value, spec) in enumerate(zip(batch, specs)):
+        if spec is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise BatchShapeError(f"batch input {i} is a {type(value).__name__}, the plan "
+                                  f"takes a tensor of shape {list(spec.shape)}")
+        if tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
+            raise BatchShapeError(
+                f"batch input {i} is {list(value.shape)} {value.dtype}, the plan was made "
+                f"for {list(spec.shape)} {spec.dtype}; give batches of the planned shape or "
+                f"re-plan with --batch-size/--seq-len")
 
 
 class ParallelModel:
@@ -145,8 +188,7 @@ class ParallelModel:
         self.rank = dist.get_rank()
         self._executor = executor
         self._pipeline = pipeline
-        self._inputs = [_InputSpec(tuple(int(d) for d in t.shape), t.dtype)
-                        if isinstance(t, torch.Tensor) else None for t in example_inputs]
+        self._inputs = [InputSpec.of(t) for t in example_inputs]
         self._zero1: list[StateShards] = []
         if pipeline is not None:
             for module, st in zip(pipeline.modules, pipeline.stage_plans):
@@ -190,20 +232,7 @@ class ParallelModel:
     def check_batch(self, batch: Sequence[Any]) -> None:
         """Refuse (:class:`BatchShapeError`) a batch of other shapes or dtypes
         than the plan's inputs."""
-        if len(batch) != len(self._inputs):
-            raise BatchShapeError(f"the plan's model takes {len(self._inputs)} inputs, the batch "
-                                  f"has {len(batch)}")
-        for i, (value, spec) in enumerate(zip(batch, self._inputs)):
-            if spec is None:
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise BatchShapeError(f"batch input {i} is a {type(value).__name__}, the plan "
-                                      f"takes a tensor of shape {list(spec.shape)}")
-            if tuple(value.shape) != spec.shape or value.dtype != spec.dtype:
-                raise BatchShapeError(
-                    f"batch input {i} is {list(value.shape)} {value.dtype}, the plan was made "
-                    f"for {list(spec.shape)} {spec.dtype}; give batches of the planned shape or "
-                    f"re-plan with --batch-size/--seq-len")
+        check_batch(batch, self._inputs)
 
     def step(self, *batch: Any) -> float:
         """Forward and backward of one global batch (every rank passes the same

@@ -8,8 +8,8 @@ step ``k`` sees exactly the batches an uninterrupted job would have seen:
 * :func:`load_user_batches`: a user function ``name(step) -> batch`` named as
   ``path/to/file.py:name`` or ``package.module:name``.
 
-:func:`check_batch` compares a batch with the plan's inputs before any training
-work; :func:`write_token_file` and :func:`bytes_to_tokens` make token files.
+:func:`write_token_file` and :func:`bytes_to_tokens` make token files; a batch
+is checked against the plan's inputs by :func:`codegen.parallel_model.check_batch`.
 Every :class:`DataError` message is one line: what is wrong, then what to do.
 """
 
@@ -236,44 +236,6 @@ def load_user_batches(spec: str) -> Callable[[int], tuple]:
     batch.__name__ = getattr(fn, "__name__", attr)
     batch.__doc__ = getattr(fn, "__doc__", None)
     return batch
-
-
-def _as_torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """``torch.int64``, ``"torch.int64"`` or ``"int64"`` as a ``torch.dtype``."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise ValueError(f"'{dtype}' is not a torch dtype")
-    return found
-
-
-def _describe(shape: Sequence[int], dtype: torch.dtype) -> str:
-    """``int64 [8, 128]``."""
-    return f"{str(dtype).removeprefix('torch.')} [{', '.join(str(int(d)) for d in shape)}]"
-
-
-def check_batch(batch: Any, expected: Sequence[tuple[Sequence[int], torch.dtype | str]]) -> None:
-    """Check a batch against the plan's inputs: one ``(shape, dtype)`` per position.
-
-    ``batch`` is a tuple/list of tensors or one tensor. Raises DataError (one line)
-    naming the first position whose count, shape or dtype differs, with the
-    expected and the given shape/dtype.
-    """
-    given = (batch,) if isinstance(batch, torch.Tensor) else tuple(batch)
-    if len(given) != len(expected):
-        raise DataError(f"batch has {len(given)} input(s), the plan expects {len(expected)}; "
-                        f"make the batch function return the model's inputs in the plan's order")
-    for position, (value, (shape, dtype)) in enumerate(zip(given, expected)):
-        want = _describe(shape, _as_torch_dtype(dtype))
-        if not isinstance(value, torch.Tensor):
-            raise DataError(f"batch input {position} is a {type(value).__name__}, the plan "
-                            f"expects a tensor {want}; return tensors from the batch function")
-        have = _describe(value.shape, value.dtype)
-        if have != want:
-            raise DataError(f"batch input {position} is {have}, the plan expects {want}; make "
-                            f"the batch match the plan (or plan again with this batch's "
-                            f"--batch-size/--seq-len)")
 
 
 def write_token_file(path: str | os.PathLike, tokens: Any, dtype: str = "uint16") -> int:

@@ -157,6 +157,7 @@ def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
     from codegen.reference import zoo_kwargs
     from ir.source import build_model
     from planner.plan_format import load_plan
+    from codegen.parallel_model import InputSpec, check_batch
     from training.data import load_user_batches
     from training.hf_checkpoint import check_export_target
 
@@ -171,6 +172,7 @@ def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
         batches = load_user_batches(config.data)
     else:
         batches = _token_batches(config, plan, model, inputs).batch
+    check_batch(batches(0), [InputSpec.of(t) for t in inputs])
     tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor)
                    and not t.is_floating_point()), 0)
     if config.export:
