@@ -53,7 +53,7 @@ __all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "check_batch", "para
 
 #: How the parameters get their first values: ``"fresh"`` (the model's own
 #: initialisation, exactly as one process builds it) or ``"empty"`` (allocated
-#: only, for a checkpoint to fill).
+#: only, for a checkpoint to fill). Buffers are always the model's own.
 INITS = ("fresh", "empty")
 
 
@@ -131,11 +131,17 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
         return build_model(plan.model["source"], device="meta", seed=0,
                            **zoo_kwargs(plan.training))
 
-    if init == "empty":
-        model, inputs = build()
-        return model, inputs, lambda fqn, t: torch.empty(t.shape, dtype=t.dtype, device=device)
     (model, inputs), record = record_build(build, device)
-    return model, inputs, lambda fqn, t: record.materialize(t)
+    parameters = {id(p) for p in model.parameters()}
+
+    def materialize(fqn: str, t: torch.Tensor) -> torch.Tensor:
+        # buffers (rotary frequencies, masks) are the model's own either way: a
+        # checkpoint holds the parameters
+        if init == "empty" and id(t) in parameters:
+            return torch.empty(t.shape, dtype=t.dtype, device=device)
+        return record.materialize(t)
+
+    return model, inputs, materialize
 
 
 @dataclass(frozen=True)

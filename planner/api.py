@@ -216,6 +216,26 @@ def _unpipelinable(model: torch.nn.Module) -> str | None:
             f"parameter with another")
 
 
+def _no_pipeline_reason(ctx: SearchContext, opts: SearchOptions) -> str:
+    """Why the search could build no pipeline of the sizes ``opts.pp`` asks for."""
+    from planner.inter_op import SEARCH_SCHEDULES
+
+    layers = len(ctx.program(1).layers)
+    sizes = ",".join(map(str, opts.pp))
+    wanted = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
+    fewest = min(min(opts.pp) * default_stages_per_rank(s) for s in wanted)
+    if fewest > layers:
+        return (f"no pipeline with pp={sizes}: the model has {layers} pipeline layer(s) (its "
+                f"blocks, and the ops before and after them), fewer than the {fewest} stages "
+                f"that pp x stages per rank of "
+                f"{', '.join(wanted)} needs; ask for fewer stages (--pp), a schedule of one "
+                f"stage per rank (--schedule 1f1b), or no pipeline (--pp 1)")
+    return (f"no pipeline with pp={sizes} and schedule(s) {', '.join(wanted)} fits this "
+            f"cluster and batch (the devices must split evenly into pp stage meshes and the "
+            f"batch into the schedule's micro-batches); change --pp, --schedule or "
+            f"--microbatches")
+
+
 def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                  example_inputs: tuple, graph: Graph, dtype: Precision, budget: float,
                  progress: Callable[[str], None] | None,
@@ -229,6 +249,11 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                          num_microbatches=req.num_microbatches,
                          zero_stages=_check_zero_stages(req.zero_stages))
     priced = search(ctx, opts)
+    pipelines_only = req.pp is not None and 1 not in req.pp
+    if pipelines_only:  # --pp without 1: a pipeline, or a reason why there is none
+        priced = [c for c in priced if c.pp in req.pp]
+        if not priced:
+            raise PlanningError(_no_pipeline_reason(ctx, opts))
     first = [c for c in priced if not accumulates(c)]
     accumulating = [c for c in priced if accumulates(c)]
     ranked = refine(ctx, first)
@@ -250,6 +275,10 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
     exact = [e for e in solve_finalists(ctx, close) if e is not None]
     if not exact and far:
         exact = [e for e in solve_finalists(ctx, far) if e is not None]
+    if not exact and pipelines_only:
+        raise PlanningError(f"no pipeline with pp={','.join(map(str, req.pp))} fits in memory "
+                            f"or runs under torch's schedules; add pp 1 (--pp 1,{req.pp[0]}) to "
+                            f"allow a single stage, or give the devices more memory")
     if not exact:  # the layer profiles are coarse: try every single stage exactly
         best, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
                                            dtype, req.time_limit_s, budget, req.optimizer)

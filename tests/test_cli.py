@@ -405,3 +405,14 @@ def test_a_factory_whose_inputs_the_model_cannot_take_is_one_line(tmp_path, capf
     assert len(err) == 1, out.stderr
     assert "Sequential's forward fails on the example inputs ([4, 15] float32)" in err[0]
     assert "control flow" not in err[0]
+
+
+def test_a_pipeline_asked_for_but_impossible_is_refused_with_the_reason(tmp_path, capsys):
+    """``--pp 4 --schedule interleaved_1f1b`` of gpt-tiny (4 pipeline layers, 8
+    stages wanted) is refused in one line, not answered with a single stage."""
+    out = tmp_path / "p.json"
+    code = main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--pp", "4",
+                 "--schedule", "interleaved_1f1b", "-o", str(out), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and not out.exists()
+    assert len(err) == 1 and "4 pipeline layer(s)" in err[0] and "8 stages" in err[0], err

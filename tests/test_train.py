@@ -182,3 +182,63 @@ def test_bad_input_is_one_line_and_touches_nothing(plans, tokens, tmp_path, caps
     assert "is of another model" in _refused(
         capsys, [plan, "--data", tokens, "--checkpoint-dir", str(ck), "--resume"])
     assert sorted(os.listdir(ck)) == ["step_00000002", "step_00000004"]
+
+
+@pytest.mark.multiprocess
+def test_readme_training_loop_runs(plans, tokens, tmp_path):
+    """The README's own training loop (``# train_loop.py``) trains a 2x2 plan on
+    4 ranks and saves a DCP checkpoint of the model by its FQNs."""
+    import shutil
+    import subprocess
+    import sys
+
+    from codegen.launch import rank_env
+    from tests.test_readme import _readme_file
+
+    (tmp_path / "train_loop.py").write_text(_readme_file("train_loop.py"))
+    shutil.copy(plans["2x2"], tmp_path / "plan.json")
+    shutil.copy(tokens, tmp_path / "train.bin")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=4", "train_loop.py"], cwd=tmp_path, env=rank_env(None),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 5 and losses[-1] < losses[0]
+    assert (tmp_path / "my_checkpoint" / ".metadata").exists()
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_folder_trains_and_exports_for_from_pretrained(tokens, tmp_path):
+    """A tiny Qwen2 saved with ``save_pretrained``, planned as ``hf:FOLDER`` on a
+    2x2 mesh, starts from its own weights (step 0's loss is one process's) and
+    its ``--export`` loads with ``from_pretrained`` to one process's logits."""
+    transformers = pytest.importorskip("transformers")
+    from training.data import TokenFile
+    from training.single_process import train_one_process
+
+    config = transformers.AutoConfig.for_model(
+        "qwen2", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    source = transformers.AutoModelForCausalLM.from_config(config)
+    folder = str(tmp_path / "qwen")
+    source.save_pretrained(folder)
+    plan = str(tmp_path / "hf.json")
+    assert planner(["plan", "--model", f"hf:{folder}", "--cluster", "local-cpu:4", "--mesh",
+                    "2x2", "--seq-len", "16", "-o", plan, "--quiet"]) == 0
+    export = str(tmp_path / "export")
+    _, result = _train([plan, "--data", tokens, "--steps", "2", "--lr", "1e-3", "--export",
+                        export, "--result-json", str(tmp_path / "r.json")])
+    data = TokenFile(tokens, batch_size=8, seq_len=16, targets="same")
+    tokens0, labels0 = data.batch(0)
+    with torch.no_grad():
+        first = float(source(input_ids=tokens0, labels=labels0).loss)
+    assert result["losses"][0]["loss"] == pytest.approx(first, rel=1e-5)
+    ref = train_one_process(load_plan(plan), data.batch, steps=2, lr=1e-3,
+                            start_state={f"hf.{k}": v for k, v in source.state_dict().items()})
+    source.load_state_dict({k[len("hf."):]: v for k, v in ref.state.items()}, strict=False)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export)
+    with torch.no_grad():
+        want, got = source(input_ids=tokens0).logits, exported(input_ids=tokens0).logits
+    assert relative_error(got, want) < 1e-5

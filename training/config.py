@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["TrainConfig", "add_train_arguments"]
+__all__ = ["CONFIG_ENV", "TrainConfig", "add_train_arguments"]
+
+#: The environment variable ``planner train`` hands the ranks their config in (JSON).
+CONFIG_ENV = "PLANNER_TRAIN_CONFIG"
 
 
 @dataclass(frozen=True)
@@ -36,23 +39,16 @@ class TrainConfig:
     export: str | None = None  # one consolidated safetensors state dict at the end
     result_json: str | None = None
 
-    def to_argv(self) -> list[str]:
-        """The rank program's arguments for this config."""
-        argv = [self.plan]
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "plan" or value is None or value is False or value == f.default:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            argv += [flag] if value is True else [flag, str(value)]
-        return argv
-
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:

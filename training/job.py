@@ -3,6 +3,9 @@
     torchrun --nproc_per_node N [--max-restarts R] -m training.job PLAN.json \\
         --data train.bin --steps 200 [--lr --warmup --grad-clip --checkpoint-dir DIR ...]
 
+(``planner train`` passes the settings in the environment instead, as JSON in
+``PLANNER_TRAIN_CONFIG``: torchrun would read ``--log`` as its own ``--log-dir``.)
+
 Every rank builds its part of the plan (:func:`codegen.parallel_model.parallelize`:
 the model on meta, only this rank's shards allocated), takes its first weights
 from the model's own initialisation, a checkpoint or a Hugging Face folder, and
@@ -24,6 +27,7 @@ and the resume after it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import signal
@@ -36,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from training.config import TrainConfig, add_train_arguments
+from training.config import CONFIG_ENV, TrainConfig, add_train_arguments
 
 __all__ = ["JobInputs", "main", "prepare", "run"]
 
@@ -307,8 +311,6 @@ def run(config: TrainConfig) -> int:
 
 def _write_result(config: TrainConfig, plan: Any, losses: list[dict[str, float]], start: int,
                   restarts: int, ranks: list[Any], job: JobInputs) -> None:
-    import json
-
     memory = plan.predicted.get("memory_bytes_per_device", {})
     result = {
         "plan": os.path.abspath(config.plan), "model": plan.model["source"],
@@ -331,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.job",
                                 description="One rank of `planner train` (started by torchrun).")
     add_train_arguments(p)
-    config = TrainConfig.from_args(p.parse_args(argv))
+    given = os.environ.get(CONFIG_ENV)
+    if given and not (argv if argv is not None else sys.argv[1:]):
+        config = TrainConfig.from_dict(json.loads(given))  # from `planner train`
+    else:
+        config = TrainConfig.from_args(p.parse_args(argv))
     rank = int(os.environ.get("RANK", "0"))
     try:
         return run(config)

@@ -9,6 +9,7 @@ bar on a terminal). A failure is reported in one line with the log's path.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from codegen.launch import Nodes, cpu_fallback_note, end_group, first_error_line, rank_env
-from training.config import TrainConfig
+from training.config import CONFIG_ENV, TrainConfig
 
 __all__ = ["TrainOutcome", "train"]
 
@@ -117,9 +118,12 @@ def train(config: TrainConfig, *, nodes: Nodes | None = None, max_restarts: int 
     note = cpu_fallback_note(job.plan, config.plan)
     if note:
         print(f"note: {note}", file=out, flush=True)
+    # the config goes to the ranks in the environment: torchrun's own parser would
+    # take some of the job's flags (--log) for abbreviations of its options
     cmd = [sys.executable, "-m", "torch.distributed.run",
            *_torchrun_args(job.plan.world_size, nodes, max_restarts, config.plan),
-           "-m", "training.job", *config.to_argv()]
+           "-m", "training.job"]
+    env = {**(env or {}), CONFIG_ENV: json.dumps(config.as_dict())}
     log_path = _log_path(config)
     text: list[str] = []
     with open(log_path, "a") as log, _Progress(out) as progress:
