@@ -252,8 +252,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from planner.plan_format import load_plan
 
     plan = load_plan(args.plan)  # validates before any process starts
-    from codegen.launch import LaunchError, cpu_fallback_note, launch
+    from codegen.launch import LaunchError, cpu_fallback_note, launch, runnable_world
 
+    try:
+        runnable_world(plan, args.plan, None)
+    except LaunchError as err:
+        print(f"planner: error: {err.first_line or err}", file=sys.stderr)
+        return EXIT_USAGE
     note = cpu_fallback_note(plan, args.plan)
     if note:
         print(f"note: {note}", file=sys.stderr)
@@ -274,15 +279,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from codegen.launch import LaunchError
+    from planner.request import PlanningError
     from training.config import TrainConfig
     from training.launch import train
 
-    from planner.request import PlanningError
-
     if args.max_restarts < 0:
         raise PlanningError("--max-restarts must be 0 or more")
-    outcome = train(TrainConfig.from_args(args), nodes=_nodes(args),
-                    max_restarts=args.max_restarts)
+    try:
+        outcome = train(TrainConfig.from_args(args), nodes=_nodes(args),
+                        max_restarts=args.max_restarts)
+    except LaunchError as err:
+        if not err.user_error:
+            raise
+        print(f"planner: error: {err.first_line}", file=sys.stderr)
+        return EXIT_USAGE
     if outcome.returncode == 0:
         if args.result_json:
             print(f"wrote {args.result_json}")

@@ -30,7 +30,7 @@ from ir.node import draws_random
 from planner.plan_format import load_plan, placement_error
 
 __all__ = ["LaunchError", "Nodes", "REPO_ROOT", "cpu_fallback_note", "end_group",
-           "first_error_line", "launch", "rank_env"]
+           "first_error_line", "launch", "rank_env", "runnable_world"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,7 +124,7 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
     """
     plan_path = os.fspath(plan_path)
     plan = load_plan(plan_path)
-    world = _runnable_world(plan, plan_path, nproc)
+    world = runnable_world(plan, plan_path, nproc)
     if check:
         _refuse_random_check(plan, plan_path)
     where = nodes.torchrun_args(world, plan_path) if nodes is not None else [
@@ -192,7 +192,7 @@ def _node_status(node_rank: int, returncode: int, stdout: str, stderr: str, plan
     return {"node_rank": node_rank, "returncode": returncode, "output": _tail(stdout, 20)}
 
 
-def _runnable_world(plan: Any, plan_path: str, nproc: int | None) -> int:
+def runnable_world(plan: Any, plan_path: str, nproc: int | None) -> int:
     """The plan's world size, after refusing (:class:`LaunchError`) a plan this
     runtime cannot run or ``nproc`` ranks cannot run, before any rank starts."""
     wrong = placement_error(plan)

@@ -132,6 +132,7 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
                            **zoo_kwargs(plan.training))
 
     (model, inputs), record = record_build(build, device)
+    release_freed_memory(device)
     parameters = {id(p) for p in model.parameters()}
 
     def materialize(fqn: str, t: torch.Tensor) -> torch.Tensor:
@@ -139,9 +140,35 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
         # checkpoint holds the parameters
         if init == "empty" and id(t) in parameters:
             return torch.empty(t.shape, dtype=t.dtype, device=device)
+        if device.type == "cpu" and t.numel() * t.element_size() >= _TRIM_AFTER_BYTES:
+            release_freed_memory(device)  # the previous whole tensor, now cut to its shard
         return record.materialize(t)
 
     return model, inputs, materialize
+
+
+#: Whole tensors of at least this many bytes are followed by a trim of the host heap.
+_TRIM_AFTER_BYTES = 1 << 20
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Give memory that was freed back to the system: on CPU ranks glibc's
+    heap (``malloc_trim``; it otherwise keeps what the whole tensors cut into
+    shards occupied, up to a few hundred MB a rank), on CUDA the caching
+    allocator's unused blocks. Elsewhere (another C library) nothing."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)
 
 
 @dataclass(frozen=True)
@@ -472,6 +499,7 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
 
         runtime = PipelineRuntime.build(plan, model, example_inputs, device,
                                         materialize=materialize)
+        release_freed_memory(device)
         return ParallelModel(plan, device, example_inputs, pipeline=runtime)
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -481,4 +509,5 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
     names = tuple(names) if names and len(names) == len(plan.mesh_shape) else None
     mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=names)
     executor = PlanExecutor(plan, model, example_inputs, mesh, materialize=materialize)
+    release_freed_memory(device)
     return ParallelModel(plan, device, example_inputs, executor=executor)

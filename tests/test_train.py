@@ -242,3 +242,24 @@ def test_hugging_face_folder_trains_and_exports_for_from_pretrained(tokens, tmp_
     with torch.no_grad():
         want, got = source(input_ids=tokens0).logits, exported(input_ids=tokens0).logits
     assert relative_error(got, want) < 1e-5
+
+
+def test_gpu_plans_say_where_they_run_and_fp16_is_refused(tmp_path, capsys, monkeypatch):
+    """A GPU cluster's plan on a machine without CUDA runs on CPU ranks, and says
+    so in one line; an fp16 plan (no loss scaling here) is refused by train too."""
+    from codegen.launch import cpu_fallback_note
+
+    gpu = str(tmp_path / "gpu.json")
+    assert planner(["plan", "--model", "gpt-tiny", "--cluster", "dgx-h100:1", "--mesh", "8",
+                    "--quiet", "-o", gpu]) == 0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    note = cpu_fallback_note(load_plan(gpu), gpu)
+    assert "no CUDA device" in note and "8 ranks run on the CPU" in note
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_fallback_note(load_plan(gpu), gpu) is None
+    monkeypatch.undo()
+    fp16 = str(tmp_path / "fp16.json")
+    assert planner(["plan", "--model", "gpt-tiny", "--cluster", "p3.16xlarge:1", "--mesh", "8",
+                    "--quiet", "-o", fp16]) == 0
+    capsys.readouterr()
+    assert "loss scaling" in _refused(capsys, [fp16, "--steps", "1"])

@@ -18,7 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from codegen.launch import Nodes, cpu_fallback_note, end_group, first_error_line, rank_env
+from codegen.launch import (Nodes, cpu_fallback_note, end_group, first_error_line, rank_env,
+                            runnable_world)
 from training.config import CONFIG_ENV, TrainConfig
 
 __all__ = ["TrainOutcome", "train"]
@@ -102,7 +103,8 @@ class _Progress:
 def train(config: TrainConfig, *, nodes: Nodes | None = None, max_restarts: int = 0,
           env: dict[str, str] | None = None, out: TextIO | None = None) -> TrainOutcome:
     """Check ``config`` (raises the job's one-line input errors, see
-    :func:`training.job.prepare`), then run the job under torchrun and wait.
+    :func:`training.job.prepare`, and :class:`codegen.launch.LaunchError` for
+    a plan this runtime cannot run), then run the job under torchrun and wait.
 
     Args:
         nodes: this node's part of a job over several nodes; None: all ranks here.
@@ -115,6 +117,7 @@ def train(config: TrainConfig, *, nodes: Nodes | None = None, max_restarts: int 
 
     out = out or sys.stderr
     job = prepare(config)
+    runnable_world(job.plan, config.plan, None)
     note = cpu_fallback_note(job.plan, config.plan)
     if note:
         print(f"note: {note}", file=out, flush=True)
