@@ -149,26 +149,43 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
 
 #: Whole tensors of at least this many bytes are followed by a trim of the host heap.
 _TRIM_AFTER_BYTES = 1 << 20
+#: glibc's mallopt parameter: allocations of at least this many bytes get a mapping of their own
+_M_MMAP_THRESHOLD = -3
 
 
-def release_freed_memory(device: torch.device) -> None:
-    """Give memory that was freed back to the system: on CPU ranks glibc's
-    heap (``malloc_trim``; it otherwise keeps what the whole tensors cut into
-    shards occupied, up to a few hundred MB a rank), on CUDA the caching
-    allocator's unused blocks. Elsewhere (another C library) nothing."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
+def _libc() -> Any:
+    """The C library, where it is glibc (``malloc_trim`` and ``mallopt``), else None."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
-    if trim is not None:
-        trim(0)
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+
+
+def return_freed_host_memory() -> None:
+    """Make this CPU rank give freed tensors back to the system: glibc maps
+    every allocation of 1 MiB or more on its own (its default threshold grows
+    to 32 MiB and the heap keeps what is freed below it, 0.3-1 GiB a rank of a
+    1.3B model). So a rank's resident set follows its live tensors, as CUDA's
+    peak allocation does. Nothing where the C library is not glibc."""
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, _TRIM_AFTER_BYTES)
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Give memory that was freed back to the system: on CPU ranks glibc's
+    heap (``malloc_trim``), on CUDA the caching allocator's unused blocks."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 @dataclass(frozen=True)
@@ -486,6 +503,8 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
     device = _ensure_process_group(plan)
+    if device.type == "cpu":
+        return_freed_host_memory()
     materialize = None
     if model is None:
         model, example_inputs, materialize = _build_on_meta(plan, device, init)
