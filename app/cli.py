@@ -68,10 +68,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     try:
         from codegen.capture import PlanMismatchError
         from codegen.parallel_model import BatchShapeError
-        from training import checkpoint, hf_checkpoint
+        from training.checkpoint import CheckpointError
         from training.data import DataError
-        errors += [PlanMismatchError, BatchShapeError, DataError, checkpoint.CheckpointError,
-                   hf_checkpoint.CheckpointError]
+        errors += [PlanMismatchError, BatchShapeError, DataError, CheckpointError]
     except ImportError:
         pass
     return tuple(errors)

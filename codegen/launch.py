@@ -30,7 +30,7 @@ from ir.node import draws_random
 from planner.plan_format import load_plan, placement_error
 
 __all__ = ["LaunchError", "Nodes", "REPO_ROOT", "cpu_fallback_note", "end_group",
-           "first_error_line", "launch", "rank_env", "runnable_world"]
+           "first_error_line", "launch", "rank_env", "runnable_world", "torchrun_placement"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,8 +127,7 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
     world = runnable_world(plan, plan_path, nproc)
     if check:
         _refuse_random_check(plan, plan_path)
-    where = nodes.torchrun_args(world, plan_path) if nodes is not None else [
-        "--standalone", f"--nproc_per_node={world}"]
+    where = torchrun_placement(world, nodes, plan_path)
     with tempfile.TemporaryDirectory(prefix="codegen-launch-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", *where, "-m", "codegen.rank_main",
@@ -146,6 +145,14 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         if nodes is not None and nodes.node_rank != 0:
             return _node_status(nodes.node_rank, returncode, stdout, stderr, plan_path, world)
         return _read_result(result_path, returncode, stdout, stderr, plan_path, world)
+
+
+def torchrun_placement(world: int, nodes: "Nodes | None", plan_path: str) -> list[str]:
+    """torchrun's arguments that start ``world`` ranks: all on this node
+    (standalone), or this node's part of ``nodes``."""
+    if nodes is not None:
+        return nodes.torchrun_args(world, plan_path)
+    return ["--standalone", f"--nproc_per_node={world}"]
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ from codegen.reference import loss_of
 from codegen.zero1 import StateShards
 from planner.plan_format import Plan, load_plan
 
-__all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "check_batch", "parallelize",
-           "runtime_device"]
+__all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "backward_to_placements",
+           "check_batch", "parallelize", "peak_memory", "runtime_device"]
 
 #: How the parameters get their first values: ``"fresh"`` (the model's own
 #: initialisation, exactly as one process builds it) or ``"empty"`` (allocated
@@ -140,16 +140,14 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
         # checkpoint holds the parameters
         if init == "empty" and id(t) in parameters:
             return torch.empty(t.shape, dtype=t.dtype, device=device)
-        if device.type == "cpu" and t.numel() * t.element_size() >= _TRIM_AFTER_BYTES:
-            release_freed_memory(device)  # the previous whole tensor, now cut to its shard
         return record.materialize(t)
 
     return model, inputs, materialize
 
 
-#: Whole tensors of at least this many bytes are followed by a trim of the host heap.
-_TRIM_AFTER_BYTES = 1 << 20
-#: glibc's mallopt parameter: allocations of at least this many bytes get a mapping of their own
+#: Host allocations of at least this many bytes get a mapping of their own (CPU ranks).
+_OWN_MAPPING_BYTES = 1 << 20
+#: glibc's mallopt parameter for that threshold
 _M_MMAP_THRESHOLD = -3
 
 
@@ -174,7 +172,7 @@ def return_freed_host_memory() -> None:
     peak allocation does. Nothing where the C library is not glibc."""
     libc = _libc()
     if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, _TRIM_AFTER_BYTES)
+        libc.mallopt(_M_MMAP_THRESHOLD, _OWN_MAPPING_BYTES)
 
 
 def release_freed_memory(device: torch.device) -> None:
@@ -220,6 +218,37 @@ def check_batch(batch: Sequence[Any], specs: Sequence[InputSpec | None]) -> None
                 f"batch input {i} is {list(value.shape)} {value.dtype}, the plan was made "
                 f"for {list(spec.shape)} {spec.dtype}; give batches of the planned shape or "
                 f"re-plan with --batch-size/--seq-len")
+
+
+def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[float, int]:
+    """Backpropagate a single-stage executor's ``loss`` (replicated first, so
+    every rank of the mesh backpropagates it) and bring every gradient to its
+    parameter's placement (the data-parallel reduction). Returns the loss and
+    how many gradients were redistributed."""
+    from codegen.redistribution import redistribute
+
+    mesh = executor.mesh
+    if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
+        loss = loss.redistribute(mesh, [Replicate()] * mesh.ndim)
+    loss.backward()
+    moved = 0
+    for p in executor.parameters():
+        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+            p.grad = redistribute(p.grad, mesh, p.placements)
+            moved += 1
+    local = loss.to_local() if isinstance(loss, DTensor) else loss
+    return float(local.detach()), moved
+
+
+def peak_memory(device: torch.device) -> tuple[int, str]:
+    """This process's peak memory on ``device``, in bytes, and what it is: CUDA's
+    peak allocation, or on CPU ranks the process's peak resident set
+    (``ru_maxrss``, KiB on Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
 
 
 class ParallelModel:
@@ -296,18 +325,8 @@ class ParallelModel:
         return self._single_stage_step(batch)
 
     def _single_stage_step(self, batch: tuple) -> float:
-        from codegen.redistribution import redistribute
-
-        executor = self._executor
-        loss = loss_of(executor(*batch))
-        if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
-            loss = loss.redistribute(executor.mesh, [Replicate()] * executor.mesh.ndim)
-        loss.backward()
-        for p in executor.parameters():
-            if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-                p.grad = redistribute(p.grad, executor.mesh, p.placements)
-        local = loss.to_local() if isinstance(loss, DTensor) else loss
-        return float(local.detach())
+        loss, _ = backward_to_placements(self._executor, loss_of(self._executor(*batch)))
+        return loss
 
     def _pipeline_step(self, batch: tuple) -> float:
         runtime = self._pipeline

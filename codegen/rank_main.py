@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import resource
 import sys
 import time
 import warnings
@@ -39,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from codegen.parallel_model import runtime_device
+from codegen.parallel_model import backward_to_placements, peak_memory, runtime_device
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_PLAN, EXIT_MISMATCH = 0, 1, 2, 3
 
@@ -64,13 +63,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _say(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
-
-
-def _peak_memory(device: torch.device) -> tuple[int | None, str]:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
-    # ru_maxrss is in KiB on Linux: peak resident set of the whole rank process.
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
 
 
 class _Exit(Exception):
@@ -194,7 +186,7 @@ def _train_steps(args: argparse.Namespace, device: torch.device,
         times.append(time.perf_counter() - t0)
         if after_step is not None:
             after_step(step)
-    peak, peak_kind = _peak_memory(device)
+    peak, peak_kind = peak_memory(device)
     return _Steps(losses, times, peak, peak_kind)
 
 
@@ -314,10 +306,9 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
                       device: torch.device) -> tuple[dict[str, Any], bool]:
     """Run a plan without a pipeline section with :class:`PlanExecutor`."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
     from codegen.executor import PlanExecutor
-    from codegen.redistribution import redistribute
     from codegen.reference import loss_of, make_optimizer
 
     t_setup = time.perf_counter()
@@ -334,7 +325,6 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
     setup_s = time.perf_counter() - t_setup
 
     ref = _reference(args, plan, rank, device)
-    replicate = [Replicate()] * mesh.ndim
     grad_errors: dict[str, float] = {}
     missing_grads: list[str] = []
     grad_reductions = 0
@@ -343,15 +333,8 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
         nonlocal grad_reductions
         with _recording_warnings(caught):
             loss = loss_of(executor(*inputs))
-        if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
-            loss = loss.redistribute(mesh, replicate)
-        loss.backward()
-        # Gradients take their parameter's placement (the data-parallel reduction).
-        grad_reductions = 0
-        for p in params.values():
-            if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-                p.grad = redistribute(p.grad, mesh, p.placements)
-                grad_reductions += 1
+        # gradients take their parameter's placement (the data-parallel reduction)
+        loss, grad_reductions = backward_to_placements(executor, loss)
         if step == 0 and args.check:
             grads = {fqn: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
                      for fqn, p in params.items()}
@@ -359,8 +342,7 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
                 _compare_grads(grads, ref, grad_errors, missing_grads)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        local = loss.to_local() if isinstance(loss, DTensor) else loss
-        return float(local.detach())
+        return loss
 
     def after_step(step: int) -> None:
         if step == 0 and args.record and rank == 0:

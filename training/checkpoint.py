@@ -39,7 +39,9 @@ _STEP_FOLDER = re.compile(r"^step_(\d{8})$")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, unfinished, or of another model."""
+    """A checkpoint that cannot be used (missing, unfinished, of another model,
+    a Hugging Face folder that does not fit), or an export that would overwrite
+    files: one line that says what to do."""
 
 
 @dataclass(frozen=True)
@@ -148,14 +150,15 @@ def save(root: str, step: int, model: Any, optimizer: torch.optim.Optimizer,
     JSON data kept in ``meta.json`` (the LR schedule's state, the plan, ...).
     """
     folder = step_folder(root, step)
-    state = {"model": model.state_dict(), "optim": model.optimizer_state_dict(optimizer)["state"]}
+    optim = model.optimizer_state_dict(optimizer)
+    state = {"model": model.state_dict(), "optim": optim["state"]}
     shapes = model.parameter_shapes()
     dcp.save(state, checkpoint_id=folder)
     # dcp.save returns on rank 0 once every rank's files and the metadata are written
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {"step": step, "parameters": shapes,
-                "param_groups": model.optimizer_state_dict(optimizer)["param_groups"], **extra}
+                "param_groups": optim["param_groups"], **extra}
         tmp = os.path.join(folder, META_FILE + ".tmp")
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1, default=_json_default)

@@ -43,6 +43,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from training.checkpoint import CheckpointError
+
 __all__ = ["CheckpointError", "check_export_target", "export_hf", "export_plain",
            "is_hf_folder", "load_hf_weights"]
 
@@ -65,11 +67,6 @@ _SAFETENSORS_DTYPES = {
         ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
         ("uint32", "U32"), ("uint64", "U64")) if hasattr(torch, name)},
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read into the model, or an export that
-    would overwrite files: one line that says what to do."""
 
 
 def is_hf_folder(path: str) -> bool:

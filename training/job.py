@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import sys
 import time
@@ -66,10 +65,10 @@ def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from codegen.parallel_model import BatchShapeError
     from ir.source import ModelSourceError
     from planner.plan_format import PlanError
-    from training import checkpoint, hf_checkpoint
+    from training.checkpoint import CheckpointError
     from training.data import DataError
 
-    return (DataError, checkpoint.CheckpointError, hf_checkpoint.CheckpointError,
+    return (DataError, CheckpointError,
             BatchShapeError, ModelSourceError, PlanError, PlanMismatchError)
 
 
@@ -192,14 +191,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_bytes(device: torch.device) -> tuple[int, str]:
-    """This rank's peak memory, in bytes: CUDA's peak allocation, or on CPU
-    ranks the process's peak resident set (``ru_maxrss``, KiB on Linux)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
-
-
 def _fault_step(rank: int, restart_count: int) -> int | None:
     """The step at which this rank kills itself (the test hook), or None."""
     spec = os.environ.get(FAULT_ENV)
@@ -230,7 +221,7 @@ def _peak_flops(plan: Any) -> float | None:
 
 def run(config: TrainConfig) -> int:
     """Train as ``config`` says, on this rank (under torchrun); the exit status."""
-    from codegen.parallel_model import parallelize
+    from codegen.parallel_model import parallelize, peak_memory
     from training import checkpoint
     from training.hf_checkpoint import export_hf, export_plain, load_hf_weights
     from training.lr_schedule import warmup_cosine
@@ -300,7 +291,7 @@ def run(config: TrainConfig) -> int:
         else:
             for _ in tensors:
                 pass
-    peak, kind = _peak_bytes(model.device)
+    peak, kind = peak_memory(model.device)
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"rank": rank, "peak_bytes": peak, "baseline_bytes": baseline,
                                    "peak_kind": kind})

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from codegen.launch import (Nodes, cpu_fallback_note, end_group, first_error_line, rank_env,
-                            runnable_world)
+                            runnable_world, torchrun_placement)
 from training.config import CONFIG_ENV, TrainConfig
 
 __all__ = ["TrainOutcome", "train"]
@@ -53,9 +53,7 @@ def _log_path(config: TrainConfig) -> str:
 
 def _torchrun_args(world: int, nodes: Nodes | None, max_restarts: int, plan_path: str
                    ) -> list[str]:
-    where = nodes.torchrun_args(world, plan_path) if nodes is not None else [
-        "--standalone", f"--nproc_per_node={world}"]
-    return [*where, f"--max-restarts={int(max_restarts)}"]
+    return [*torchrun_placement(world, nodes, plan_path), f"--max-restarts={int(max_restarts)}"]
 
 
 class _Progress:
