@@ -153,3 +153,25 @@ def git_commit(tree: str | None = None) -> str | None:
                               ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def file_tail(path: str, lines: int) -> list[str]:
+    """The last ``lines`` lines of text file ``path`` (each cut to 300
+    characters); none where it cannot be read."""
+    try:
+        with open(path, errors="replace") as f:
+            return [line.rstrip("\n")[:300] for line in f.readlines()[-lines:]]
+    except OSError:
+        return []
+
+
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a ``planner`` job a benchmark starts: the ranks'
+    (:func:`codegen.launch.rank_env`: one OpenMP thread, the repository on
+    ``PYTHONPATH``) without a fault injection left set, then ``extra``."""
+    from codegen.launch import rank_env
+
+    env = rank_env(None)
+    env.pop("PLANNER_TRAIN_FAULT", None)
+    env.update(extra or {})
+    return env

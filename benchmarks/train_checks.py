@@ -78,8 +78,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import (git_commit, load_average, machine_block,  # noqa: E402
-                               read_results, write_results, wrote_message)
+from benchmarks.common import (file_tail, git_commit, job_env, load_average,  # noqa: E402
+                               machine_block, read_results, write_results, wrote_message)
 
 RESULTS = os.path.join(HERE, "results")
 CLUSTER = "local-cpu:4"
@@ -110,13 +110,6 @@ TEXT_BYTES = 300_000
 
 
 # ------------------------------------------------------------------ helpers
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
-    env.pop("PLANNER_TRAIN_FAULT", None)
-    env.update(extra or {})
-    return env
-
 
 def _planner(args: list[str], log: str, env: dict[str, str] | None = None
              ) -> tuple[int, float]:
@@ -126,24 +119,17 @@ def _planner(args: list[str], log: str, env: dict[str, str] | None = None
     with open(log, "w") as f:
         f.write("planner " + " ".join(args) + "\n")
         f.flush()
-        rc = subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=_env(env),
+        rc = subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=job_env(env),
                             stdout=f, stderr=subprocess.STDOUT).returncode
     return rc, round(time.perf_counter() - t0, 2)
 
-
-def _tail(path: str, n: int = 6) -> list[str]:
-    try:
-        with open(path, errors="replace") as f:
-            return [line.rstrip("\n")[:300] for line in f.readlines()[-n:]]
-    except OSError:
-        return []
 
 
 def _ranks_log(planner_log: str) -> str:
     """The ranks' log a failed ``planner train`` names (its error line)."""
     import re
 
-    for line in _tail(planner_log, 20):
+    for line in file_tail(planner_log, 20):
         found = re.search(r"the ranks' output: (\S+?)\)?$", line)
         if found:
             return found.group(1)
@@ -178,7 +164,7 @@ def train_run(name: str, workdir: str, plan: str, tokens: str, steps: int, *extr
         with open(result) as f:
             out["result"] = json.load(f)
     if (rc == 0) != expect_ok or (expect_ok and out["result"] is None):
-        out["error_tail"] = _tail(log) + _tail(_ranks_log(log), 12)
+        out["error_tail"] = file_tail(log, 6) + file_tail(_ranks_log(log), 12)
     print(f"[{name}] exit {rc} in {wall:.0f} s", flush=True)
     return out
 
@@ -332,7 +318,7 @@ def make_plan(model_name: str, kind: str, workdir: str) -> tuple[str, dict[str, 
                 "--precision", "fp32", "--quiet", "-o", path]
         rc, _ = _planner(args, log)
         if rc != 0:
-            raise RuntimeError(f"planner {' '.join(args)} exited {rc}: {_tail(log, 3)}")
+            raise RuntimeError(f"planner {' '.join(args)} exited {rc}: {file_tail(log, 3)}")
         how = "planner " + " ".join(args)
     summary = {"how": how, "plan_s": round(time.perf_counter() - t0, 1),
                **_summary(load_plan(path))}
@@ -475,17 +461,25 @@ def check_crash(workdir: str, tokens: str, plan22: str, cache: dict[str, Any]) -
     ok = (run["returncode"] == 0 and base["returncode"] == 0 and out["restarts"] == 1
           and out["start_step"] == 10 and str(out["resumed_from"]).endswith("step_00000010"))
     if run["returncode"] == 0 and base["returncode"] == 0:
-        out["weights"] = weight_diff(_exported(os.path.join(run["folder"], "export")),
-                                     _exported(os.path.join(base["folder"], "export")))
-        out["losses"] = loss_diff(_losses(run), _losses(base))
-        ok = ok and out["weights"]["max_rel_diff"] <= WEIGHT_RTOL and not (
-            out["weights"]["only_in_run"] or out["weights"]["only_in_reference"])
+        ok = ok and _same_as_uninterrupted(run, base, out)
         ok = ok and out["losses"]["max_rel_err"] <= WEIGHT_RTOL
     out["passed"] = bool(ok)
     print(f"[crash] restarts {out['restarts']} start {out['start_step']} from "
           f"{out['resumed_from']}; weights {out.get('weights', {}).get('max_rel_diff')}: "
           f"{'ok' if ok else 'FAIL'}", flush=True)
     return out
+
+
+def _same_as_uninterrupted(run: dict[str, Any], base: dict[str, Any],
+                           out: dict[str, Any]) -> bool:
+    """Record in ``out`` how ``run``'s exported weights and losses differ from
+    the uninterrupted ``base`` run's; whether every weight is within
+    :data:`WEIGHT_RTOL` and both runs export the same tensors."""
+    out["weights"] = weight_diff(_exported(os.path.join(run["folder"], "export")),
+                                 _exported(os.path.join(base["folder"], "export")))
+    out["losses"] = loss_diff(_losses(run), _losses(base))
+    return out["weights"]["max_rel_diff"] <= WEIGHT_RTOL and not (
+        out["weights"]["only_in_run"] or out["weights"]["only_in_reference"])
 
 
 def check_replan(workdir: str, tokens: str, plan22: str, plan_pz3: str,
@@ -517,11 +511,7 @@ def check_replan(workdir: str, tokens: str, plan22: str, plan_pz3: str,
           and base["returncode"] == 0 and out["start_step"] == 10
           and str(out["resumed_from"]).endswith("step_00000010"))
     if second["returncode"] == 0 and base["returncode"] == 0:
-        out["weights"] = weight_diff(_exported(os.path.join(second["folder"], "export")),
-                                     _exported(os.path.join(base["folder"], "export")))
-        out["losses"] = loss_diff(_losses(second), _losses(base))
-        ok = ok and out["weights"]["max_rel_diff"] <= WEIGHT_RTOL and not (
-            out["weights"]["only_in_run"] or out["weights"]["only_in_reference"])
+        ok = ok and _same_as_uninterrupted(second, base, out)
         ok = ok and out["losses"]["steps_compared"] == 10
     # the same comparison between two one-process runs, of 1 and of 2 micro-batches
     # (the 2x2 and the pp=2 plans' splits) for all 20 steps: what summing in

@@ -85,8 +85,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import (git_commit, load_average, machine_block,  # noqa: E402
-                               read_results, write_results, wrote_message)
+from benchmarks.common import (file_tail, git_commit, job_env, load_average,  # noqa: E402
+                               machine_block, read_results, write_results, wrote_message)
 
 RESULTS = os.path.join(HERE, "results")
 CLUSTER = "local-cpu:4"
@@ -121,12 +121,6 @@ RANK_OVERHEAD_BYTES = 600 << 20
 
 
 # ------------------------------------------------------------------ helpers
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH", "")) if p)
-    env.pop("PLANNER_TRAIN_FAULT", None)
-    return env
-
 
 def _meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes."""
@@ -139,13 +133,6 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _tail(path: str, n: int = 8) -> list[str]:
-    try:
-        with open(path, errors="replace") as f:
-            return [line.rstrip("\n")[:300] for line in f.readlines()[-n:]]
-    except OSError:
-        return []
-
 
 def _gib(n: float | None) -> float | None:
     return None if n is None else round(n / GiB, 3)
@@ -153,13 +140,10 @@ def _gib(n: float | None) -> float | None:
 
 # ------------------------------------------------------------- the old runtime
 _OLD_BUILD = r"""
-import json, os, resource, sys, time
+import json, resource, sys, time
 import torch
+from codegen.parallel_model import resident_bytes as rss
 from ir.source import build_model
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 baseline = rss()
 t0 = time.perf_counter()
@@ -178,7 +162,7 @@ def old_runtime_figure(model: str) -> dict[str, Any]:
     the CPU, as every rank of the old runtime did before cutting it."""
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", _OLD_BUILD, model, str(STEP["batch_size"]),
-                           str(STEP["seq_len"])], cwd=ROOT, env=_env(), capture_output=True,
+                           str(STEP["seq_len"])], cwd=ROOT, env=job_env(), capture_output=True,
                           text=True, timeout=900)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1], "model": model}
@@ -187,7 +171,8 @@ def old_runtime_figure(model: str) -> dict[str, Any]:
                peak_minus_baseline_bytes=got["peak_bytes"] - got["baseline_bytes"],
                how=f"one process: ir.source.build_model({model!r}, device='cpu', seed=0, "
                    f"batch_size={STEP['batch_size']}, seq_len={STEP['seq_len']}); "
-                   "peak = ru_maxrss, baseline = RSS after importing torch and ir.source",
+                   "peak = ru_maxrss, baseline = RSS after importing torch, ir.source and "
+                   "codegen.parallel_model",
                note=f"the old runtime (codegen/rank_main.py, `planner run`) built this whole "
                     f"fp32 model on every rank before cutting it: on {RANKS} ranks, {RANKS} x "
                     f"this in host memory before any training step")
@@ -417,7 +402,7 @@ def train(name: str, plan_path: str, tokens: str, workdir: str, timeout_s: float
     with open(log, "w") as f:
         # the ranks' output goes to a temporary file, here made in the run's folder (TMPDIR)
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
-                                env={**_env(), **extra_env, "TMPDIR": folder}, stdout=f,
+                                env={**job_env(), **extra_env, "TMPDIR": folder}, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         watch = Watch(proc.pid)
         watch.start()
@@ -438,12 +423,13 @@ def train(name: str, plan_path: str, tokens: str, workdir: str, timeout_s: float
     ranks_log = sorted(glob.glob(os.path.join(folder, "planner-train-*.log")),
                        key=os.path.getmtime)
     out["ranks_log"] = ranks_log[-1] if ranks_log else None
-    out["step_lines"] = [line for line in _tail(out["ranks_log"], 400)
+    out["step_lines"] = [line for line in file_tail(out["ranks_log"], 400)
                          if line.startswith("step ")] if ranks_log else []
     if rc != 0 or out["result"] is None:
-        out["error_tail"] = _tail(log) + (_tail(out["ranks_log"], 12) if ranks_log else [])
+        out["error_tail"] = file_tail(log, 8) + (file_tail(out["ranks_log"], 12)
+                                                 if ranks_log else [])
         # the exceptions the ranks raised, each once (the tail shows only the last)
-        causes = [line.split("]: ", 1)[1] for line in (_tail(out["ranks_log"], 2000)
+        causes = [line.split("]: ", 1)[1] for line in (file_tail(out["ranks_log"], 2000)
                                                         if ranks_log else [])
                   if line.startswith("[rank") and "]: " in line
                   and re.match(r"[\w.]*(Error|Exception): ", line.split("]: ", 1)[1])]
@@ -551,13 +537,10 @@ def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: flo
 
 
 _PROBE = r"""
-import ctypes, gc, json, os, resource, sys, time
+import ctypes, gc, json, resource, sys, time
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+from codegen.parallel_model import resident_bytes as rss
 
 baseline = rss()
 from codegen.parallel_model import parallelize
@@ -597,7 +580,7 @@ def build_probe(plan_path: str, predicted_total: float, workdir: str, timeout_s:
            f"--nproc_per_node={RANKS}", script, plan_path]
     print(f"[build probe] {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     watch = Watch(proc.pid)
     watch.start()

@@ -49,7 +49,7 @@ from codegen.zero1 import StateShards
 from planner.plan_format import Plan, load_plan
 
 __all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "backward_to_placements",
-           "check_batch", "parallelize", "peak_memory", "runtime_device"]
+           "check_batch", "parallelize", "peak_memory", "resident_bytes", "runtime_device"]
 
 #: How the parameters get their first values: ``"fresh"`` (the model's own
 #: initialisation, exactly as one process builds it) or ``"empty"`` (allocated
@@ -238,6 +238,12 @@ def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[float, in
             moved += 1
     local = loss.to_local() if isinstance(loss, DTensor) else loss
     return float(local.detach()), moved
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now, in bytes (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_memory(device: torch.device) -> tuple[int, str]:

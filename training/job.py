@@ -185,12 +185,6 @@ def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
     return JobInputs(plan, batches, tokens, shapes, init_hf, init_checkpoint, resume_from)
 
 
-def _rss_bytes() -> int:
-    """This process's resident memory now, in bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _fault_step(rank: int, restart_count: int) -> int | None:
     """The step at which this rank kills itself (the test hook), or None."""
     spec = os.environ.get(FAULT_ENV)
@@ -221,7 +215,7 @@ def _peak_flops(plan: Any) -> float | None:
 
 def run(config: TrainConfig) -> int:
     """Train as ``config`` says, on this rank (under torchrun); the exit status."""
-    from codegen.parallel_model import parallelize, peak_memory
+    from codegen.parallel_model import parallelize, peak_memory, resident_bytes
     from training import checkpoint
     from training.hf_checkpoint import export_hf, export_plain, load_hf_weights
     from training.lr_schedule import warmup_cosine
@@ -229,7 +223,7 @@ def run(config: TrainConfig) -> int:
 
     rank = int(os.environ.get("RANK", "0"))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    baseline = _rss_bytes()
+    baseline = resident_bytes()
     job = prepare(config, restarted=restarts > 0)
     plan = job.plan
     loading = job.init_hf or job.init_checkpoint or job.resume_from
