@@ -249,16 +249,13 @@ def _finish(args: argparse.Namespace, result: dict[str, Any], check: bool, ref: 
 
 def _compare_grads(grads: dict[str, Any], ref: Any, grad_errors: dict[str, float],
                    missing_grads: list[str]) -> None:
-    """Relative error of every gradient against the reference's (rank 0)."""
-    from codegen.reference import relative_error
+    """Every gradient's error against the reference's (rank 0), scaled by the
+    model's largest reference gradient entry (:func:`codegen.reference.gradient_errors`)."""
+    from codegen.reference import gradient_errors
 
-    for fqn, full in grads.items():
-        want = ref.grads.get(fqn)
-        if full is None or want is None:
-            if (full is None) != (want is None):
-                missing_grads.append(fqn)
-            continue
-        grad_errors[fqn] = relative_error(full, want)
+    errors, missing = gradient_errors(grads, ref.grads)
+    grad_errors.update(errors)
+    missing_grads.extend(missing)
 
 
 def _reference(args: argparse.Namespace, plan: Any, rank: int, device: torch.device) -> Any:

@@ -15,8 +15,8 @@ import torch
 
 from ir.source import build_model
 
-__all__ = ["ReferenceResult", "loss_of", "make_optimizer", "reference_step", "relative_error",
-           "zoo_kwargs"]
+__all__ = ["ReferenceResult", "gradient_errors", "loss_of", "make_optimizer", "reference_step",
+           "relative_error", "zoo_kwargs"]
 
 
 @dataclass
@@ -71,10 +71,57 @@ def relative_error(a: torch.Tensor, b: torch.Tensor, tiny: float = 1e-12) -> flo
     return float((a - b).abs().max() / max(float(b.abs().max()), tiny))
 
 
+def gradient_errors(grads: dict[str, torch.Tensor | None],
+                    reference: dict[str, torch.Tensor | None],
+                    tiny: float = 1e-12) -> tuple[dict[str, float], list[str]]:
+    """Every parameter's gradient error against the one-process reference, as
+    ``--check`` counts it: ``max|a - b|`` over the parameter's entries, divided by
+    the largest reference gradient entry of the whole model (``max|b|`` over every
+    parameter; at least ``tiny``), computed in float64.
+
+    One scale for all parameters, not each parameter's own ``max|b|``: a
+    parameter whose true gradient is exactly zero (an attention key bias with
+    absolute positions, since softmax is invariant to a constant added to a row)
+    has only rounding noise on both sides, and its own scale would divide one
+    noise by the other (errors of order 1). With the model's scale, that noise
+    (~1e-7 of the largest entry in fp32) passes, while one entry off by 1e-3 of
+    the largest still fails a 1e-5 tolerance (:func:`check_tolerance`).
+
+    Args:
+        grads: the run's full (unsharded) gradients, FQN -> tensor or None.
+        reference: the reference's gradients (:attr:`ReferenceResult.grads`).
+        tiny: the scale's floor (a model whose gradients are all zero).
+
+    Returns:
+        ``(errors, missing)``: FQN -> error (a fraction of the largest entry;
+        ``inf`` for a shape mismatch) for every parameter both sides have a
+        gradient for, and the FQNs of ``grads`` where exactly one side has none.
+    """
+    scale = max((float(g.detach().abs().max()) for g in reference.values()
+                 if g is not None and g.numel() > 0), default=0.0)
+    scale = max(scale, tiny)
+    errors: dict[str, float] = {}
+    missing: list[str] = []
+    for fqn, got in grads.items():
+        want = reference.get(fqn)
+        if got is None or want is None:
+            if (got is None) != (want is None):
+                missing.append(fqn)
+            continue
+        a = got.detach().to("cpu", torch.float64)
+        b = want.detach().to("cpu", torch.float64)
+        if a.shape != b.shape:
+            errors[fqn] = float("inf")
+        else:
+            errors[fqn] = float((a - b).abs().max()) / scale if b.numel() else 0.0
+    return errors, missing
+
+
 def check_tolerance(precision: Any) -> float:
-    """Relative tolerance (:func:`relative_error`) of ``planner run --check`` in
-    ``precision``. fp32: 1e-5 (sums in another order differ by a few float32
-    roundings, 6e-8 each). With bf16 compute every product and sum is rounded
+    """Tolerance of ``planner run --check`` in ``precision``: of the loss's
+    relative error and of every gradient's error as :func:`gradient_errors`
+    scales it (a fraction of the model's largest gradient entry). fp32: 1e-5
+    (sums in another order differ by a few float32 roundings, 6e-8 each). With bf16 compute every product and sum is rounded
     to 8 significant bits (unit roundoff 2^-9 ~ 2e-3), and a sharded run
     rounds partial sums and reductions at other points than one process, so
     the two differ by a few roundings per layer: 5e-2 (of the largest

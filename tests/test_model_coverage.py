@@ -1,0 +1,75 @@
+"""Models beyond decoder-only LMs (issue 41): the check's error scale, BERT's
+zero key-bias gradient, BatchNorm's running statistics, and forwards the capture
+cannot take. The models are in tests/coverage_models.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from codegen.reference import check_tolerance, gradient_errors
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MODELS = os.path.join(HERE, "coverage_models.py")
+FP32_TOL = check_tolerance("fp32")
+
+
+def _reference_grads() -> dict[str, torch.Tensor | None]:
+    torch.manual_seed(0)
+    return {"w": torch.randn(64, 64), "b": torch.randn(64) * 1e-2,
+            "key_bias": torch.zeros(64), "frozen": None}
+
+
+def test_a_zero_gradient_with_rounding_noise_passes():
+    ref = _reference_grads()
+    got = {k: (v.clone() if v is not None else None) for k, v in ref.items()}
+    got["key_bias"] = torch.randn(64) * 1e-7  # both sides' rounding noise
+    ref["key_bias"] = torch.randn(64) * 1e-7
+    errors, missing = gradient_errors(got, ref)
+    assert missing == [] and set(errors) == {"w", "b", "key_bias"}
+    assert errors["key_bias"] < FP32_TOL
+    assert errors["w"] == errors["b"] == 0.0
+
+
+def test_one_entry_off_by_1e_3_of_the_largest_fails():
+    ref = _reference_grads()
+    largest = max(float(g.abs().max()) for g in ref.values() if g is not None)
+    for name in ("w", "b", "key_bias"):
+        got = {k: (v.clone() if v is not None else None) for k, v in ref.items()}
+        got[name].view(-1)[3] += 1e-3 * largest
+        errors, _ = gradient_errors(got, ref)
+        worst = max(errors, key=errors.get)
+        assert worst == name and errors[name] == pytest.approx(1e-3, rel=1e-3)
+        assert errors[name] > FP32_TOL
+
+
+def test_a_gradient_on_one_side_only_or_of_another_shape_is_reported():
+    ref = _reference_grads()
+    got = {k: (v.clone() if v is not None else None) for k, v in ref.items()}
+    got["frozen"] = torch.zeros(3)
+    got["b"] = None
+    got["w"] = torch.zeros(64, 32)
+    errors, missing = gradient_errors(got, ref)
+    assert sorted(missing) == ["b", "frozen"] and errors["w"] == float("inf")
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+@pytest.mark.multiprocess
+def test_bert_with_a_zero_key_bias_gradient_plans_runs_and_checks(tmp_path):
+    pytest.importorskip("transformers")
+    plan_path = str(tmp_path / "bert.json")
+    planned = _cli("plan", "--model", f"{MODELS}:bert_mlm", "--cluster", "local-cpu:2",
+                   "--batch-size", "8", "--seq-len", "32", "--quiet", "-o", plan_path)
+    assert planned.returncode == 0, planned.stderr
+    run = _cli("run", plan_path, "--check")
+    assert run.returncode == 0 and "check PASSED" in run.stdout, run.stdout + run.stderr
