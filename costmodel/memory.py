@@ -3,7 +3,8 @@
 Units: bytes.
 
 Training state is counted as torch allocates it under the step's precision
-(:mod:`ir.precision`). With Psi parameters and Adam (2 states), per device:
+(:mod:`ir.precision`). With Psi parameters and Adam (2 states), per device,
+without ZeRO:
 
 =============  ==========================================================  ==========
 precision      kept                                                        bytes/Psi
@@ -25,6 +26,30 @@ dtype until it is reduce-scattered. FSDP2 runs stage 2 too
 well: its layout is stage 3's (``params_sharded``). Sharded parts use ``ceil(Psi / N)``
 parameters per device (FSDP pads). (The ZeRO paper's own example keeps fp16
 gradients: 16 bytes/Psi at stage 0.)
+
+ZeRO stage 1 is Megatron-LM's distributed optimizer (and the ZeRO paper's
+stage 1, whose optimizer states include the fp32 master copy). Under a mixed
+precision the model holds its parameters whole in the compute dtype and
+their gradients whole in the gradient dtype (the precision's
+``reduce_dtype``); the optimizer holds, for its 1/N of the parameters, the
+fp32 master copy, the states and, when the gradients are not fp32, an fp32
+copy of its slice of the gradient (Megatron's "main grads"). Bytes per
+parameter with Adam, N data-parallel ranks (N = 1: Megatron's optimizer
+without the distributed optimizer; the numbers are Megatron-LM's table of
+the distributed optimizer):
+
+==========================  ===============  =========  ================  ===========
+precision, gradient dtype   params (whole)   grads      optimizer (1/N)   bytes/Psi
+==========================  ===============  =========  ================  ===========
+bf16/fp16-mixed, fp32       2                4          4 + 8             6 + 12/N
+bf16/fp16-mixed, bf16/fp16  2                2          4 + 4 + 8         4 + 16/N
+fp32                        4                4          8                 8 + 8/N
+bf16                        2                2          4                 4 + 4/N
+==========================  ===============  =========  ================  ===========
+
+At stage 1 the ``optimizer`` part therefore includes the fp32 master
+parameters (and main gradients) of the device's slice; at the other stages
+the master parameters are counted in ``params``.
 
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in
 Large Transformer Models" (MLSys'23), Sec. 4 and Table 2, for one GPT layer
@@ -83,8 +108,11 @@ def training_state_bytes(
             gradients and optimizer states in its master dtype, plus the
             compute-dtype working copy of the parameters when mixed.
         optimizer: a key of :data:`OPTIMIZER_STATES`.
-        zero_stage: 0 none; 1 shards optimizer states over ``dp_size``;
-            2 also gradients; 3 also parameters (gathered whole in the compute
+        zero_stage: 0 none; 1 shards optimizer states over ``dp_size``
+            (under a mixed precision with the fp32 master parameters, which
+            the model then holds in the compute dtype: Megatron-LM's
+            distributed optimizer, in the module docstring's table, also for
+            ``dp_size`` 1); 2 also gradients; 3 also parameters (gathered whole in the compute
             dtype for the step, gradients whole in the compute dtype until
             reduce-scattered).
         dp_size: data-parallel (ZeRO) group size N.
@@ -97,7 +125,8 @@ def training_state_bytes(
 
     Returns:
         ``{"params", "grads", "optimizer", "total"}`` in bytes per device
-        (``params`` includes the working copy or the gathered parameters).
+        (``params`` includes the working copy or the gathered parameters; at
+        stage 1 ``optimizer`` includes the fp32 master slice).
     """
     from ir.precision import get_precision
 
@@ -112,6 +141,15 @@ def training_state_bytes(
     p = get_precision(precision)
     master, compute = p.master_bytes, p.compute_dtype.itemsize
     shard = math.ceil(num_params / dp_size)  # parameters per device when sharded
+    states = master * OPTIMIZER_STATES[optimizer]
+    if zero_stage == 1 and p.mixed and not params_sharded:
+        # the distributed optimizer (module docstring): working params and their
+        # gradients whole; the fp32 master slice (and main-grad slice) with the states
+        grad = p.reduce_dtype.itemsize
+        main = master + (master if grad != master else 0)
+        params, grads, opt = compute * num_params, grad * num_params, (states + main) * shard
+        return {"params": params, "grads": grads, "optimizer": opt,
+                "total": params + grads + opt}
     sharded = dp_size > 1
     if params_sharded is None:
         params_sharded = zero_stage >= 3
@@ -121,7 +159,7 @@ def training_state_bytes(
     grads = master * (shard if zero_stage >= 2 else num_params)
     if zero_stage >= 2 and sharded:  # whole until reduce-scattered
         grads += compute * num_params
-    opt = master * OPTIMIZER_STATES[optimizer] * (shard if zero_stage >= 1 else num_params)
+    opt = states * (shard if zero_stage >= 1 else num_params)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 

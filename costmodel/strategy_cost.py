@@ -418,7 +418,9 @@ class IntraOpCost:
         autograd keeps for some op's backward (:mod:`costmodel.saved_tensors`).
 
         With n ranks on mesh axis 0, for a parameter replicated on it: under
-        ZeRO-1 the optimizer states count ``1/n``; under ZeRO-2 and ZeRO-3
+        ZeRO-1 the optimizer states count ``1/n`` (under a mixed precision
+        with the fp32 master parameters, the model's parameters in the
+        compute dtype: Megatron's distributed optimizer); under ZeRO-2 and ZeRO-3
         (FSDP2 with the whole stage as one unit, :attr:`params_sharded`)
         parameters, gradients and optimizer states are kept 1/n each, and on
         top the stage's parameters are all-gathered whole for the step and its
@@ -431,9 +433,12 @@ class IntraOpCost:
             # ZeRO shards the states over axis 0 where the parameter is replicated;
             # a parameter sharded there already holds the states of its shard alone
             n = self.state_shards if isinstance(s.outputs[0][0], Replicate) else 1
+            # ZeRO-1 under a mixed precision keeps the distributed optimizer's layout
+            # (working params in the compute dtype, the master copy with the states)
+            # for a parameter sharded on axis 0 too, its states then split over 1
+            zero = self.zero_stage if n > 1 or self.zero_stage == 1 else 0
             state = training_state_bytes(int(math.ceil(numel)), precision=self.precision,
-                                         optimizer=self.optimizer,
-                                         zero_stage=self.zero_stage if n > 1 else 0, dp_size=n,
+                                         optimizer=self.optimizer, zero_stage=zero, dp_size=n,
                                          params_sharded=self.params_sharded)
             return {k: float(v) for k, v in state.items() if k != "total"}
         if node.kind == INPUT:

@@ -40,9 +40,10 @@ gradients then reduce over the expert-data-parallel ranks only: the cost
 model all-reduces a parameter's gradient over a mesh axis only where the
 parameter is replicated, and the expert weights are ``S(0)`` on the
 expert-parallel axes. The distributed optimizer shards each parameter's
-optimizer states over the data-parallel ranks holding it (dp for dense
-weights, dp x tp / ep for expert weights): the plans count exactly that
-(:func:`_zero1_correction`), whatever the stage mesh's ZeRO-1 axis is.
+optimizer states, with the fp32 master copy, over the data-parallel ranks
+holding it (dp for dense weights, dp x tp / ep for expert weights): the plans
+count exactly that (:func:`_zero1_correction`), whatever the stage mesh's
+ZeRO-1 axis is.
 """
 
 from __future__ import annotations
@@ -192,55 +193,73 @@ def _zero1_shards(fqn: str, cfg: MegatronConfig, experts: Collection[str]) -> in
     return cfg.expert_data_parallel_size if fqn in experts else cfg.dp
 
 
-def _optimizer_state_bytes(info: TensorInfo, placements: tuple, mesh_shape: tuple[int, ...],
-                           shards: int, optimizer: str, precision: Any) -> float:
-    """Optimizer-state bytes one device holds of a parameter placed as
-    ``placements``, its states split over ``shards`` ranks (ZeRO-1), counted
-    as the cost model counts them (:class:`costmodel.strategy_cost.IntraOpCost`)."""
+_STATE_KINDS = ("params", "grads", "optimizer")
+
+
+def _state_bytes(info: TensorInfo, placements: tuple, mesh_shape: tuple[int, ...],
+                 zero_stage: int, shards: int, optimizer: str, precision: Any) -> dict[str, float]:
+    """Parameter, gradient and optimizer bytes one device holds of a parameter
+    placed as ``placements`` (:func:`costmodel.memory.training_state_bytes`
+    of its local part, states split over ``shards`` ranks at ``zero_stage``)."""
     numel = int(math.ceil(local_numel(info, placements, mesh_shape)))
-    return float(training_state_bytes(numel, precision=precision, optimizer=optimizer,
-                                      zero_stage=1 if shards > 1 else 0,
-                                      dp_size=shards)["optimizer"])
+    s = training_state_bytes(numel, precision=precision, optimizer=optimizer,
+                             zero_stage=zero_stage, dp_size=shards)
+    return {k: float(s[k]) for k in _STATE_KINDS}
+
+
+def _megatron_state_bytes(info: TensorInfo, placements: tuple, cfg: MegatronConfig,
+                          shards: int, optimizer: str, precision: Any) -> dict[str, float]:
+    """What Megatron-LM holds of a parameter: its optimizer's layout
+    (ZeRO stage 1 of :func:`costmodel.memory.training_state_bytes`: the
+    working parameters and gradients whole, the fp32 master copy with the
+    states) split over ``shards`` ranks (:func:`_zero1_shards`; 1 without the
+    distributed optimizer, the table's first column)."""
+    return _state_bytes(info, placements, cfg.mesh_shape, 1, shards, optimizer, precision)
 
 
 def _zero1_correction(graph: Graph, layout: dict[str, tuple], cfg: MegatronConfig,
-                      experts: Collection[str], modelled_shards: int, optimizer: str,
-                      precision: Any) -> float:
-    """Bytes per device that turn the optimizer states the cost model counts
-    for ``graph``'s parameters (split over ``modelled_shards`` ranks: the
-    stage mesh's ZeRO axis 0, or 1 without ZeRO) into those of Megatron's
-    distributed optimizer (:func:`_zero1_shards`); negative when the cost
-    model counts more. The stage ILPs get the memory budget less this and
-    their results' optimizer bytes plus it, so they fit exactly."""
-    total = 0.0
+                      experts: Collection[str], modelled_zero: int, modelled_shards: int,
+                      optimizer: str, precision: Any) -> dict[str, float]:
+    """Bytes per device, by kind, that turn the parameter states the cost
+    model counts for ``graph``'s parameters (ZeRO stage ``modelled_zero``,
+    states split over ``modelled_shards`` ranks: the stage mesh's axis 0)
+    into Megatron's (:func:`_megatron_state_bytes`); negative where the cost
+    model counts more. The ILPs get the memory budget less their sum and
+    their results' bytes plus these, so they fit exactly."""
+    out = dict.fromkeys(_STATE_KINDS, 0.0)
     for n in graph.nodes:
         if n.kind == PARAM:
             p = layout[n.fqn]
-            exact = _optimizer_state_bytes(n.output, p, cfg.mesh_shape,
-                                           _zero1_shards(n.fqn, cfg, experts), optimizer,
-                                           precision)
+            exact = _megatron_state_bytes(n.output, p, cfg, _zero1_shards(n.fqn, cfg, experts),
+                                          optimizer, precision)
             # the cost model splits over axis 0 only the states it replicates
+            # (:meth:`costmodel.strategy_cost.IntraOpCost.memory_breakdown`)
             modelled = modelled_shards if is_replicate(p[0]) else 1
-            total += exact - _optimizer_state_bytes(n.output, p, cfg.mesh_shape, modelled,
-                                                    optimizer, precision)
-    return total
+            counted = _state_bytes(n.output, p, cfg.mesh_shape,
+                                   modelled_zero if modelled > 1 or modelled_zero == 1 else 0,
+                                   modelled, optimizer, precision)
+            for k in _STATE_KINDS:
+                out[k] += exact[k] - counted[k]
+    return out
+
+
+def _correct(memory: dict[str, float], correction: dict[str, float]) -> None:
+    """Add ``correction`` (bytes by kind) to an ILP result's ``memory``."""
+    for k, v in correction.items():
+        memory[k] = memory.get(k, 0.0) + v
 
 
 def _state_floor(graph: Graph, layout: dict[str, tuple], cfg: MegatronConfig,
                  experts: Collection[str], optimizer: str, precision: Any) -> float:
     """A lower bound on parameter-state bytes of the fullest device: every
     parameter as the layout places it, split over pp (the fullest stage holds
-    at least the average), optimizer states as the distributed optimizer
-    splits them."""
+    at least the average), held as Megatron holds it (:func:`_megatron_state_bytes`)."""
     total = 0.0
     for n in graph.nodes:
         if n.kind == PARAM:
-            p = layout[n.fqn]
-            numel = int(math.ceil(local_numel(n.output, p, cfg.mesh_shape)))
-            s = training_state_bytes(numel, precision=precision, optimizer=optimizer)
-            total += s["params"] + s["grads"] + _optimizer_state_bytes(
-                n.output, p, cfg.mesh_shape, _zero1_shards(n.fqn, cfg, experts), optimizer,
-                precision)
+            total += sum(_megatron_state_bytes(n.output, layout[n.fqn], cfg,
+                                               _zero1_shards(n.fqn, cfg, experts), optimizer,
+                                               precision).values())
     return total / cfg.pp
 
 
@@ -265,10 +284,14 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     splits each parameter's optimizer states over the data-parallel ranks
     holding it (ZeRO-1; :func:`_zero1_shards`): a pipeline's stage ILPs
     reduce the gradients on the stage mesh's axis 0 once per step (stage
-    meshes with ``zero_stage=1``), and every ILP gets the memory budget less
-    what the cost model's count of the optimizer states misses (a single
-    stage of the whole batch: grown by what ZeRO-1 saves, so activations
-    may use it), its result's optimizer bytes corrected by as much.
+    meshes with ``zero_stage=1``). Megatron's optimizer holds the working
+    parameters and gradients whole and the fp32 master copy with the states
+    (:func:`_megatron_state_bytes`: 6 + 12/d bytes per parameter under
+    bf16-mixed with fp32 gradients); every ILP gets the memory budget less
+    what the cost model's count of the parameter states misses (a single
+    stage of the whole batch, counted without ZeRO: grown by what the
+    distributed optimizer saves, so activations may use it), its result's
+    bytes corrected by as much, kind by kind.
 
     With expert parallelism where the dense weights are replicated on two
     mesh axes (ep a multiple of tp and dp x tp / ep > 1: mesh
@@ -319,17 +342,19 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     if cfg.pp > 1 or m > 1:  # a pipeline, or gradient accumulation
         return _pipeline_plan(model, cluster, cfg, example_inputs, graph, layout, experts, m,
                               dtype, optimizer, budget, time_limit_s, cache, info, training)
-    # the ILP counts whole optimizer states; the distributed optimizer splits them
-    correction = _zero1_correction(graph, layout, cfg, experts, 1, optimizer, dtype)
+    # the ILP counts whole optimizer states (ZeRO stage 0); Megatron's optimizer
+    # keeps the master copy with them, split over dp by the distributed optimizer
+    correction = _zero1_correction(graph, layout, cfg, experts, 0, 1, optimizer, dtype)
     try:
         result = solve_intra_op(graph, cluster, cfg.mesh_shape, dtype=dtype,
                                 time_limit_s=time_limit_s, fixed=layout, optimizer=optimizer,
-                                memory_budget=budget - correction, recompute=cfg.recompute)
+                                memory_budget=budget - sum(correction.values()),
+                                recompute=cfg.recompute)
     except FixedPlacementError as err:
         raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}") from err
     except MemoryInfeasibleError as err:
         raise MegatronDoesNotFit(f"{cfg.label()} does not fit: {err}") from None
-    result.memory["optimizer"] = result.memory.get("optimizer", 0.0) + correction
+    _correct(result.memory, correction)
     total = sum(result.memory.values())
     if total > budget * (1 + 1e-9):
         raise MegatronDoesNotFit(f"{cfg.label()} needs {total / 2**30:.1f} GiB per device, more "
@@ -378,16 +403,16 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     modelled = cfg.mesh_shape[0] if zero else 1  # the stage mesh's ZeRO-1 axis
     for s, (a, b) in enumerate(bounds):
         correction = _zero1_correction(ctx.stage_graph(prog, a, b), layout, cfg, experts,
-                                       modelled, optimizer, dtype)
+                                       zero, modelled, optimizer, dtype)
         try:
-            r = ctx.solve_stage(prog, a, b, mesh, budget / v - correction, copies[s],
-                                cfg.recompute)
+            r = ctx.solve_stage(prog, a, b, mesh, budget / v - sum(correction.values()),
+                                copies[s], cfg.recompute)
         except FixedPlacementError as err:
             raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}"
                                 ) from err
         except MemoryInfeasibleError as err:
             raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
-        r.memory["optimizer"] = r.memory.get("optimizer", 0.0) + correction
+        _correct(r.memory, correction)
         results.append(r)
         t = ctx.times_of(r, mesh)
         times.append(t)

@@ -273,9 +273,11 @@ def test_placement_strings():
 
 def test_zero_memory_of_mixed_precision_adam():
     """bf16-mixed Adam as Megatron and torchtitan keep it: fp32 params, grads and
-    2 states (16 B) plus the bf16 working copy (2 B); ZeRO shards each part."""
+    2 states (16 B) plus the bf16 working copy (2 B); ZeRO shards each part
+    (stage 1, the distributed optimizer, shards the fp32 master copy with the
+    states and keeps the bf16 parameters whole)."""
     psi, n = 7_500_000_000, 64
-    exact = {0: 18 * psi, 1: 10 * psi + 8 * psi / n, 2: 6 * psi + 2 * psi + 12 * psi / n,
+    exact = {0: 18 * psi, 1: 6 * psi + 12 * psi / n, 2: 6 * psi + 2 * psi + 12 * psi / n,
              3: 2 * psi + 2 * psi + 16 * psi / n}
     for stage in range(4):
         got = training_state_bytes(psi, precision="bf16-mixed", zero_stage=stage, dp_size=n)
@@ -285,6 +287,33 @@ def test_zero_memory_of_mixed_precision_adam():
     assert (s0["params"], s0["grads"], s0["optimizer"]) == (6 * psi, 4 * psi, 8 * psi)
     bf16 = training_state_bytes(psi, precision="bf16")
     assert (bf16["params"], bf16["grads"], bf16["optimizer"]) == (2 * psi, 2 * psi, 4 * psi)
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 64, 3072])
+@pytest.mark.parametrize("precision,reduce,whole,sharded", [
+    ("bf16-mixed", None, 6, 12),     # bf16 params, fp32 grads: Megatron-LM's 6 + 12/d
+    ("fp16-mixed", None, 6, 12),
+    ("bf16-mixed", "bf16", 4, 16),   # 16-bit params and grads: 4 + 16/d
+    ("fp16-mixed", "fp16", 4, 16),
+    ("fp32", None, 8, 8),            # fp32 params and grads: 8 + 8/d
+    ("bf16", None, 4, 4),            # everything bf16 (no master copy): 4 + 4/d
+])
+def test_zero1_is_megatrons_distributed_optimizer(precision, reduce, whole, sharded, d):
+    """ZeRO stage 1 holds what Megatron-LM's distributed optimizer holds, per
+    parameter with Adam on d data-parallel ranks (Megatron-LM's table; d = 1
+    is its optimizer without the distributed one: 18, 20 and 16 bytes): the
+    working parameters and gradients whole, the fp32 master slice, Adam's
+    moments and (16-bit gradients) an fp32 main-gradient slice per rank."""
+    from ir.precision import get_precision
+
+    psi = 1000 * 3072  # divides by every d: no rounding
+    p = get_precision(precision, reduce)
+    got = training_state_bytes(psi, precision=p, zero_stage=1, dp_size=d)
+    assert got["total"] == whole * psi + sharded * psi // d
+    assert got["params"] == p.compute_dtype.itemsize * psi  # whole, as the forward reads them
+    assert got["optimizer"] == sharded * psi // d
+    # fewer bytes than the model keeps without ZeRO from two ranks on
+    assert (got["total"] < training_state_bytes(psi, precision=p)["total"]) == (d > 1)
 
 
 def test_training_state_fp32_and_options():

@@ -325,6 +325,41 @@ def test_gradients_are_reduced_in_the_reduce_dtype():
     assert plans[0].predicted["grad_sync_s"] > plans[1].predicted["grad_sync_s"]
 
 
+@pytest.mark.parametrize("reduce,whole,sharded", [(None, 6, 12), ("bf16", 4, 16)])
+@pytest.mark.parametrize("cfg,d", [
+    (MegatronConfig(1, 4), 4),                                  # one stage, the whole batch
+    (MegatronConfig(1, 4, micro_batch_size=1), 4),              # one stage, 2 micro-batches
+    (MegatronConfig(2, 2), 2),                                  # tp-sharded weights
+    (MegatronConfig(1, 4, use_distributed_optimizer=False), 1),  # Megatron's optimizer alone
+    (MegatronConfig(4, 1), 1),
+])
+def test_megatron_plans_hold_the_distributed_optimizers_bytes(cfg, d, reduce, whole, sharded):
+    """A Megatron plan under bf16-mixed holds, per parameter element a device
+    holds, what Megatron-LM's distributed optimizer does over d data-parallel
+    ranks: 6 + 12/d bytes with fp32 gradients, 4 + 16/d with bf16 ones (d = 1
+    without the distributed optimizer: 18 and 20); parameters (bf16) and
+    gradients whole, the fp32 master copy with Adam's moments in 'optimizer'."""
+    import math
+
+    from costmodel.strategy_cost import local_numel
+    from ir.graph import PARAM
+    from ir.precision import get_precision
+
+    model, inputs = build_model("gpt-tiny", device="meta")
+    p = megatron_plan(model, "local-cpu:4", cfg, example_inputs=inputs,
+                      precision=get_precision("bf16-mixed", reduce))
+    graph = trace(model, inputs)
+    layout = megatron_layout(graph, cfg)
+    local = [math.ceil(local_numel(n.output, layout[n.fqn], cfg.mesh_shape))
+             for n in graph.nodes if n.kind == PARAM]
+    memory = p.predicted["memory_bytes_per_device"]
+    grad = 4 if reduce is None else 2
+    assert memory["params"] == 2 * sum(local)
+    assert memory["grads"] == grad * sum(local)
+    assert memory["optimizer"] == sharded * sum(-(-k // d) for k in local)
+    assert 2 + grad == whole
+
+
 def test_uneven_first_stage_is_planned_with_its_layer_count():
     from ir.zoo import GPTConfig, build_from_config
 

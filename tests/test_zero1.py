@@ -37,18 +37,41 @@ def test_slices_are_cut_as_dtensor_shards_a_dimension(size, parts):
 
 
 def test_search_prices_zero1_and_fsdp2_where_neither_dominates():
-    """Under bf16-mixed FSDP2 (ZeRO-3) holds less than ZeRO-1 (the fp32
-    master parameters sharded, not whole), but ZeRO-1 takes parameters
+    """Under bf16-mixed on more than 2 ranks FSDP2 (ZeRO-3: 4 + 16/N bytes
+    per parameter, the fp32 gradients sharded too) holds less than ZeRO-1
+    (Megatron's distributed optimizer: 6 + 12/N), but ZeRO-1 takes parameters
     sharded on the ZeRO axis (experts), so both are priced, least memory
-    first; under fp32 and bf16 ZeRO-1 holds less (FSDP2 keeps the gathered
-    parameters and whole gradients besides their shards) and is priced
-    alone. Restricted choices are kept; ZeRO-2 and 3 tie, to 3."""
+    first; on 2 ranks they hold the same and ZeRO-1 is priced alone; under
+    fp32 and bf16 ZeRO-1 holds less (FSDP2 keeps the gathered parameters and
+    whole gradients besides their shards) and is priced alone. Restricted
+    choices are kept; ZeRO-2 and 3 tie, to 3."""
     assert zero_stages_priced((0, 1, 2, 3), "bf16-mixed", "adam", 4) == [3, 1]
+    assert zero_stages_priced((0, 1, 2, 3), "bf16-mixed", "adam", 2) == [1]
     assert zero_stages_priced((0, 1, 2, 3), "fp32", "adam", 4) == [1]
     assert zero_stages_priced((0, 1, 2, 3), "bf16", "adam", 8) == [1]
     assert zero_stages_priced((1,), "bf16-mixed", "adam", 4) == [1]
     assert zero_stages_priced((0, 2), "fp32", "adam", 4) == [2]
     assert zero_stages_priced((0,), "fp32", "adam", 4) == []
+
+
+def test_zero1_under_bf16_mixed_prices_the_distributed_optimizer():
+    """bf16-mixed Adam, 4 ranks, ZeRO-1: a parameter replicated on axis 0
+    holds its bf16 working copy (2 B) and fp32 gradient (4 B) whole and a
+    quarter of the fp32 master copy and Adam's moments (12/4 B); one the
+    plan shards on axis 0 (an expert weight) the same layout over its own
+    shard, its master copy and moments not split again."""
+    model, inputs = build_model("gpt-tiny", device="meta")
+    graph = trace(model, inputs)
+    cost = IntraOpCost(graph, load_cluster("local-cpu:4"), (4,), "bf16-mixed", "adam",
+                       zero_stage=1)
+    node = next(n for n in graph.nodes if n.kind == PARAM and len(n.output.shape) == 2
+                and n.output.shape[0] % 4 == 0)
+    numel = node.output.numel
+    whole = cost.memory_breakdown(node, Strategy(inputs=(), outputs=((Replicate(),),)))
+    assert whole == {"params": 2 * numel, "grads": 4 * numel, "optimizer": 12 * numel / 4}
+    sharded = cost.memory_breakdown(node, Strategy(inputs=(), outputs=((Shard(0),),)))
+    assert sharded == {"params": 2 * numel / 4, "grads": 4 * numel / 4,
+                       "optimizer": 12 * numel / 4}
 
 
 def test_zero1_prices_sharded_states_only_for_parameters_replicated_on_axis_0():
@@ -68,10 +91,12 @@ def test_zero1_prices_sharded_states_only_for_parameters_replicated_on_axis_0():
     assert sharded == {"params": numel, "grads": numel, "optimizer": 2 * numel}
 
 
-def test_plan_picks_zero1_in_fp32_and_zero3_in_bf16_mixed():
+def test_plan_picks_zero1_in_fp32_and_bf16_mixed_on_two_ranks():
     """gpt-tiny, pp=2 x 2, 4 micro-batches: ZeRO beats per-micro-batch
     all-reduces; with parameters all replicated on the ZeRO axis the stage
-    it takes is the one holding least memory."""
+    it takes is the one holding least memory (on 2 ranks under bf16-mixed
+    ZeRO-1 holds 6 + 12/2 bytes per parameter, FSDP2 4 + 16/2: a tie, which
+    goes to ZeRO-1)."""
     from planner.api import plan
 
     model, inputs = build_model("gpt-tiny")
@@ -82,7 +107,7 @@ def test_plan_picks_zero1_in_fp32_and_zero3_in_bf16_mixed():
     mixed = plan(model, "local-cpu:4", precision="bf16-mixed", **kwargs)
     assert {(st.zero_stage, st.zero_axis) for st in fp32.pipeline.stages} == {(1, 0)}
     assert {st.zero_stage for st in fsdp.pipeline.stages} == {3}
-    assert {st.zero_stage for st in mixed.pipeline.stages} == {3}
+    assert {st.zero_stage for st in mixed.pipeline.stages} == {1}
     one, three = (p.predicted["memory_bytes_per_device"] for p in (fp32, fsdp))
     assert one["params"] < three["params"] and one["grads"] < three["grads"]
     assert fp32.predicted["step_time_s"] == pytest.approx(fsdp.predicted["step_time_s"])
