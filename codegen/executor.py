@@ -181,6 +181,16 @@ class PlanExecutor:
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         return iter(self._params.values())
 
+    def named_buffers(self) -> Iterator[tuple[str, Any]]:
+        """(FQN, current value) of every buffer this executor holds, in capture
+        order: plain tensors or DTensors, in the compute dtype. A buffer that
+        forward updates (BatchNorm's running statistics) has the value of the
+        last forward's update (:meth:`_user_outputs`), as the model's own
+        buffer would after the same forwards in one process."""
+        for spec in self.ep.graph_signature.input_specs:
+            if spec.kind == InputKind.BUFFER and spec.arg.name in self._placeholders:
+                yield spec.target, self._placeholders[spec.arg.name]
+
     # ---------------------------------------------------------------- running
     def __call__(self, *inputs: Any) -> Any:
         return self.forward(*inputs)

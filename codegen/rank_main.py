@@ -222,14 +222,23 @@ def _result(args: argparse.Namespace, plan: Any, world: int, device: torch.devic
 
 
 def _finish(args: argparse.Namespace, result: dict[str, Any], check: bool, ref: Any,
-            grad_errors: dict[str, float], missing_grads: list[str]) -> tuple[dict[str, Any], bool]:
+            grad_errors: dict[str, float], missing_grads: list[str],
+            buffer_errors: dict[str, float] | None = None) -> tuple[dict[str, Any], bool]:
     """Add ``passed`` and, when ``check`` (rank 0 with --check), the check's fields
-    to ``result``; return it and whether the check passed."""
+    to ``result``; return it and whether the check passed. ``buffer_errors``:
+    :func:`_compare_buffers` of the buffers forward updates, held to the same
+    tolerance."""
     passed = True
     if check:
         loss_errs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(result["losses"], ref.losses)]
         worst = max(grad_errors, key=grad_errors.get) if grad_errors else None
         max_err = grad_errors[worst] if worst else 0.0
+        buffer_errors = buffer_errors or {}
+        worst_buffer = max(buffer_errors, key=buffer_errors.get) if buffer_errors else None
+        max_buffer_err = buffer_errors[worst_buffer] if worst_buffer else 0.0
+        if buffer_errors:
+            result.update({"max_buffer_err": max_buffer_err, "worst_buffer": worst_buffer,
+                           "num_buffers_checked": len(buffer_errors)})
         result.update({
             "reference_loss": ref.loss,
             "reference_losses": ref.losses,
@@ -242,7 +251,8 @@ def _finish(args: argparse.Namespace, result: dict[str, Any], check: bool, ref: 
             "rtol": args.rtol,
         })
         passed = (max(loss_errs) <= args.rtol and max_err <= args.rtol and not missing_grads
-                  and len(grad_errors) > 0 and result["observed_match"])
+                  and len(grad_errors) > 0 and result["observed_match"]
+                  and max_buffer_err <= args.rtol)
     result["passed"] = passed
     return result, passed
 
@@ -346,6 +356,7 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
             executor.recorded_plan().save(args.record)
 
     steps = _train_steps(args, device, step_fn, after_step)
+    buffer_errors = _compare_buffers(executor, ref, rank) if args.check else {}
 
     record = executor.record
     result = _result(args, plan, world, device, losses=steps.losses,
@@ -355,7 +366,26 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
                      implicit_reshards=record.implicit_reshards,
                      grad_reductions=grad_reductions, fallback_ops=list(record.fallback_ops),
                      caught=caught, setup_s=setup_s, steps=steps)
-    return _finish(args, result, args.check and rank == 0, ref, grad_errors, missing_grads)
+    return _finish(args, result, args.check and rank == 0, ref, grad_errors, missing_grads,
+                   buffer_errors)
+
+
+def _compare_buffers(executor: Any, ref: Any, rank: int) -> dict[str, float]:
+    """The relative error (:func:`codegen.reference.relative_error`: ``max|a-b| /
+    max|b|`` of each buffer) after the run's last step of every buffer forward
+    updates (BatchNorm's running statistics) against the reference's, on rank 0
+    (empty elsewhere); every rank joins the gathers of sharded buffers."""
+    from torch.distributed.tensor import DTensor
+
+    from codegen.reference import relative_error
+
+    updated = set(executor.graph.buffer_updates.values())
+    full = {fqn: (v.full_tensor() if isinstance(v, DTensor) else v)
+            for fqn, v in executor.named_buffers() if fqn in updated}
+    if rank != 0:
+        return {}
+    return {fqn: relative_error(v, ref.buffers[fqn]) if fqn in ref.buffers else float("inf")
+            for fqn, v in full.items()}
 
 
 def _warning_lines(caught: list[Any]) -> list[str]:
@@ -472,10 +502,14 @@ def _summary(r: dict[str, Any], check: bool) -> str:
         lines.append(
             f"check {'PASSED' if r['passed'] else 'FAILED'}: reference loss "
             f"{r['reference_loss']:.6g} (rel err {r['loss_rel_err']:.2e}, worst over "
-            f"{len(r['losses'])} steps {r['max_loss_rel_err']:.2e}), max rel grad err "
-            f"{r['max_rel_grad_err']:.2e} ({r['worst_param']}) over "
+            f"{len(r['losses'])} steps {r['max_loss_rel_err']:.2e}), max grad err "
+            f"{r['max_rel_grad_err']:.2e} of the largest gradient ({r['worst_param']}) over "
             f"{r['num_params_checked']} params, placements "
             f"{'match' if r['observed_match'] else 'DIFFER'} the plan")
+        if r.get("num_buffers_checked"):
+            lines.append(f"  buffers forward updates: max rel err {r['max_buffer_err']:.2e} "
+                         f"({r['worst_buffer']}) over {r['num_buffers_checked']} after the "
+                         f"last step")
         if r["missing_grads"]:
             lines.append(f"  {len(r['missing_grads'])} parameter(s) got a gradient on one side "
                          f"only (the run or the reference): {', '.join(r['missing_grads'][:5])}")

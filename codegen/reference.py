@@ -27,11 +27,14 @@ class ReferenceResult:
         loss: step-1 loss (a Python float).
         grads: step-1 gradients, FQN -> tensor (None for parameters without one).
         losses: the loss of every step.
+        buffers: every buffer after the last step, FQN -> tensor (BatchNorm's
+            running statistics, which forward updates in training mode).
     """
 
     loss: float
     grads: dict[str, torch.Tensor | None]
     losses: list[float] = field(default_factory=list)
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def loss_of(outputs: Any) -> Any:
@@ -166,7 +169,8 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
         model_kwargs: batch_size / seq_len for zoo models (see :func:`zoo_kwargs`).
 
     Returns:
-        The step-1 loss and gradients and the loss of every step.
+        The step-1 loss and gradients, the loss of every step and the buffers
+        after the last.
     """
     from codegen.pipeline import split_microbatches
     from ir.precision import forward_in, get_precision, prepare_model
@@ -196,4 +200,5 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
                      for fqn, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return ReferenceResult(loss=losses[0], grads=grads, losses=losses)
+    buffers = {fqn: b.detach().clone() for fqn, b in model.named_buffers()}
+    return ReferenceResult(loss=losses[0], grads=grads, losses=losses, buffers=buffers)

@@ -18,6 +18,7 @@ import operator
 from typing import Any, Sequence
 
 import torch
+from torch.export.graph_signature import OutputKind
 from torch.utils.flop_counter import flop_registry
 
 from ir.graph import Graph
@@ -132,7 +133,6 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
     buffers = dict(sig.inputs_to_buffers)
     renamed = _rewire_tied(ep, params, tied or {})
     nodes: list[Node] = []
-    output_names: tuple[str, ...] = ()
     for fx_node in ep.graph.nodes:
         val = fx_node.meta.get("val")
         if fx_node.name in renamed:
@@ -168,8 +168,28 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
                 inputs=tuple(t if t else TensorInfo((), torch.float32) for t in inputs),
                 outputs=outputs, flops=_flops(fx_node), bytes_moved=float(moved),
                 params=read_params, module_path=module_path(fx_node)))
-        elif fx_node.op == "output":
-            outs = []
-            torch.fx.node.map_arg(fx_node.args, outs.append)
-            output_names = tuple(o.name for o in outs)
-    return Graph(nodes=nodes, output_names=output_names, model_name=model_name, exported=ep)
+    output_names, buffer_updates = _outputs_by_kind(sig)
+    return Graph(nodes=nodes, output_names=output_names, model_name=model_name, exported=ep,
+                 buffer_updates=buffer_updates)
+
+
+def _outputs_by_kind(sig: Any) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The user outputs' value names (the loss first) and the buffer updates
+    (value name -> buffer FQN) of a capture's signature: a buffer forward
+    writes is state, never an output, whatever its position."""
+    user: list[str] = []
+    updates: dict[str, str] = {}
+    for spec in sig.output_specs:
+        name = getattr(spec.arg, "name", None)
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            updates[name] = spec.target
+        elif spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT) and name is not None:
+            user.append(name)
+        elif name is not None:
+            from ir.program_capture import TraceError
+
+            raise TraceError(
+                f"the captured program returns {name} as {spec.kind.name} "
+                f"({spec.target}); the planner supports a forward that returns the loss "
+                f"and updates buffers, not one that writes its inputs")
+    return tuple(user), updates

@@ -29,12 +29,16 @@ class Graph:
 
     Attributes:
         nodes: all nodes in topological order.
-        output_names: names of the nodes whose values the program returns.
+        output_names: names of the nodes whose values the program returns to
+            its caller (the capture's user outputs; the loss first).
         model_name: class name of the traced module.
         exported: the ``torch.export.ExportedProgram`` the graph was read from
             (kept for code generation; not serialised).
         grad_inputs: input nodes that carry gradients back to where they came
             from (a pipeline stage's activations from the stage before it).
+        buffer_updates: value name -> FQN of each buffer forward writes
+            (BatchNorm's running statistics in training mode), read off the
+            capture's signature: state the program updates, not outputs.
     """
 
     nodes: list[Node]
@@ -42,6 +46,7 @@ class Graph:
     model_name: str = ""
     exported: Any = field(default=None, repr=False, compare=False)
     grad_inputs: tuple[str, ...] = ()
+    buffer_updates: dict[str, str] = field(default_factory=dict)
 
     @cached_property
     def by_name(self) -> dict[str, Node]:

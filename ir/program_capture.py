@@ -192,7 +192,12 @@ def _one_pass(model: torch.nn.Module, args: tuple) -> CapturedProgram:
     if next(users, None) is not None:
         raise ValueError("fewer user inputs than arguments")
     (output,) = [n for n in graph.nodes if n.op == "output"]
-    outputs = [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=a.name), None)
+    if signature.user_inputs_to_mutate:
+        raise TypeError("forward writes its inputs")
+    updates = dict(signature.buffers_to_mutate)  # value name -> buffer FQN
+    outputs = [OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(name=a.name),
+                          updates[a.name]) if a.name in updates else
+               OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(name=a.name), None)
                for a in output.args[0]]
     return CapturedProgram(graph, ExportGraphSignature(specs, outputs))
 

@@ -52,7 +52,8 @@ class BatchRule:
                 flops=_number(n.flops, r.flops, batch),
                 bytes_moved=_number(n.bytes_moved, r.bytes_moved, batch)))
         return Graph(nodes, self.template.output_names, self.template.model_name,
-                     exported=None, grad_inputs=self.template.grad_inputs)
+                     exported=None, grad_inputs=self.template.grad_inputs,
+                     buffer_updates=dict(self.template.buffer_updates))
 
     def matches(self, graph: Graph, batch: int) -> bool:
         """Whether the rule gives exactly ``graph``, a capture at ``batch``."""

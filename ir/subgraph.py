@@ -69,4 +69,5 @@ def subgraph(graph: Graph, ops: Iterable[str], receives: Iterable[str],
     grad_inputs = tuple(name for name in receives if graph[name].kind == OP
                         and graph[name].outputs[0].is_float)
     return Graph(nodes=nodes, output_names=tuple(sends), model_name=graph.model_name,
-                 exported=graph.exported, grad_inputs=grad_inputs)
+                 exported=graph.exported, grad_inputs=grad_inputs,
+                 buffer_updates={v: b for v, b in graph.buffer_updates.items() if v in keep})

@@ -181,7 +181,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         model, cluster, example_inputs, req.memory_budget, req.precision)
     info = model_record(model, graph, req.model_source)
     training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs)
-    if req.single_stage:
+    if req.single_stage or _whole_batch_only(req, graph):
         shapes = [check_mesh(req.mesh_shape, cluster)] if req.mesh_shape else mesh_candidates(
             cluster.num_devices)
         best, too_big = _best_single_stage(graph, cluster, shapes, dtype, req.time_limit_s,
@@ -191,6 +191,31 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         return build_plan(best, cluster, info, training, whole_batch=True)
     return _search_plan(req, model, cluster, example_inputs, graph, dtype, budget, progress,
                         lambda r, c: build_plan(r, c, info, training))
+
+
+def _whole_batch_only(req: PlanRequest, graph: Graph) -> bool:
+    """Whether ``graph`` must be planned as one stage on the whole batch: its
+    forward updates buffers (BatchNorm's running statistics), which pipeline
+    stages and micro-batches do not run (a warning says so). A request for a
+    pipeline or micro-batches of such a model is refused."""
+    if not graph.buffer_updates:
+        return False
+    why = _updates_buffers(graph)
+    if (req.pp is not None and list(req.pp) != [1]) or (
+            req.num_microbatches is not None and list(req.num_microbatches) != [1]):
+        raise PlanningError(f"{why}, which pipelines and micro-batches do not run yet; leave "
+                            f"out --pp and --microbatches (or give --no-pipeline)")
+    warnings.warn(f"no pipeline or micro-batch plans: {why}, which they do not run yet; "
+                  f"single-stage plans on the whole batch only", stacklevel=3)
+    return True
+
+
+def _updates_buffers(graph: Graph) -> str:
+    """``graph``'s buffer updates in words (for an error or a warning)."""
+    names = sorted(set(graph.buffer_updates.values()))
+    more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+    return (f"forward updates buffers ({', '.join(names[:2])}{more}: BatchNorm's running "
+            f"statistics or the like)")
 
 
 def _pipeline_sizes(pp: Sequence[int] | None, model: torch.nn.Module) -> Sequence[int] | None:
@@ -328,6 +353,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     why = _unpipelinable(model) if pp > 1 else None
     if why is not None:
         raise PlanningError(f"{why}: plan pp=1, or untie them")
+    if graph.buffer_updates:
+        raise PlanningError(f"{_updates_buffers(graph)}, which pipeline stages do not run "
+                            f"yet; plan it without a pipeline")
     if pp * math.prod(stage_mesh) != cluster.num_devices:
         raise PlanningError(
             f"pp={pp} x stage mesh {'x'.join(map(str, stage_mesh))} is "

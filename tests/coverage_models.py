@@ -32,3 +32,32 @@ def bert_mlm(batch_size: int = 4, seq_len: int = 16) -> tuple[nn.Module, tuple[t
                         attention_probs_dropout_prob=0.0, attn_implementation="eager")
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len))
     return MaskedLMStep(BertForMaskedLM(config)), (ids, ids.clone())
+
+
+class BatchNormCNN(nn.Module):
+    """Two conv + BatchNorm + ReLU blocks, global pooling and a linear
+    classifier; ``forward(images, labels)`` returns the cross-entropy loss. In
+    training mode each BatchNorm updates its running mean and variance and
+    counts its batches: buffers forward writes."""
+
+    def __init__(self, channels: int = 8, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, channels, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(2 * channels)
+        self.head = nn.Linear(2 * channels, classes)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(images)))
+        h = torch.relu(self.bn2(self.conv2(h)))
+        logits = self.head(h.mean(dim=(2, 3)))
+        return nn.functional.cross_entropy(logits, labels)
+
+
+def bn_cnn(batch_size: int = 8, image_size: int = 8) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`BatchNormCNN` on ``batch_size`` random 3 x image_size x image_size
+    images with random labels of 10 classes."""
+    images = torch.randn(batch_size, 3, image_size, image_size)
+    labels = torch.randint(0, 10, (batch_size,))
+    return BatchNormCNN(), (images, labels)

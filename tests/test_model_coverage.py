@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from codegen.reference import check_tolerance, gradient_errors
+from ir.exported_graph import graph_from_exported
+from ir.program_capture import capture, capture_in_one_pass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -73,3 +75,63 @@ def test_bert_with_a_zero_key_bias_gradient_plans_runs_and_checks(tmp_path):
     assert planned.returncode == 0, planned.stderr
     run = _cli("run", plan_path, "--check")
     assert run.returncode == 0 and "check PASSED" in run.stdout, run.stdout + run.stderr
+
+
+def _bn_cnn_on_meta():
+    sys.path.insert(0, HERE)
+    try:
+        from coverage_models import bn_cnn
+    finally:
+        sys.path.remove(HERE)
+    with torch.device("meta"):
+        model, inputs = bn_cnn()
+    return model.train(), inputs
+
+
+@pytest.mark.parametrize("capturer", [capture, capture_in_one_pass])
+def test_batchnorm_statistics_are_buffer_updates_and_the_loss_the_only_output(capturer):
+    model, inputs = _bn_cnn_on_meta()
+    graph = graph_from_exported(capturer(model, inputs))
+    assert len(graph.output_names) == 1 and graph[graph.output_names[0]].outputs[0].numel == 1
+    assert sorted(graph.buffer_updates.values()) == sorted(
+        f"bn{i}.{b}" for i in (1, 2) for b in ("num_batches_tracked", "running_mean",
+                                                "running_var"))
+
+
+def test_a_buffer_off_after_the_steps_fails_the_check():
+    import argparse
+
+    from codegen.rank_main import _finish
+
+    class Ref:
+        losses, loss = [1.0], 1.0
+
+    args = argparse.Namespace(rtol=1e-5)
+    result = {"losses": [1.0], "observed_match": True}
+    _, ok = _finish(args, dict(result), True, Ref, {"w": 0.0}, [], {"bn1.running_mean": 0.0})
+    assert ok
+    checked, ok = _finish(args, dict(result), True, Ref, {"w": 0.0}, [],
+                          {"bn1.running_mean": 1.0})
+    assert not ok and checked["worst_buffer"] == "bn1.running_mean"
+
+
+def test_a_pipeline_of_a_batchnorm_model_is_refused_in_one_line(tmp_path):
+    proc = _cli("plan", "--model", f"{MODELS}:bn_cnn", "--cluster", "local-cpu:2", "--pp", "2",
+                "--quiet", "-o", str(tmp_path / "pp.json"))
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "forward updates buffers" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.multiprocess
+def test_a_batchnorm_cnn_plans_runs_and_checks_with_its_running_statistics(tmp_path):
+    """BatchNorm in training mode: DTensor shards it over channels only, so its
+    statistics are the global batch's (SyncBatchNorm's) on any mesh, and the
+    running statistics after two steps match one process's."""
+    plan_path = str(tmp_path / "bn.json")
+    planned = _cli("plan", "--model", f"{MODELS}:bn_cnn", "--cluster", "local-cpu:2",
+                   "--batch-size", "64", "--quiet", "-o", plan_path)
+    assert planned.returncode == 0, planned.stderr
+    assert "single-stage plans on the whole batch only" in planned.stderr
+    run = _cli("run", plan_path, "--check")
+    assert run.returncode == 0 and "check PASSED" in run.stdout, run.stdout + run.stderr
+    assert "buffers forward updates: max rel err" in run.stdout and "over 6" in run.stdout
