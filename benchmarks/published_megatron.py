@@ -9,8 +9,10 @@ vocabulary 51200) built on the meta device as Megatron-LM ran it in 2021
 (``GPTConfig(attention="unfused", dropout=0.1)``: the s x s attention scores
 materialised, dropout 0.1), on ``dgx-a100-80g`` nodes (A100 80 GB datasheet
 figures, the same for every row), in fp16 mixed precision as published
-(``fp16-mixed``: fp32 master weights and Adam states, 18 bytes of state per
-parameter where Megatron's fp16 kept 16; gradients reduced in fp16), with
+(``fp16-mixed``: fp16 weights and gradients, gradients reduced in fp16; fp32
+master weights, main gradients and Adam states in Megatron's optimizer: 20
+bytes of state per parameter, Megatron-LM's own count,
+:func:`costmodel.memory.training_state_bytes` at ZeRO stage 1 on one rank), with
 Megatron's own choices: tensor, pipeline and data parallel sizes, micro-batch
 size, the interleaved schedule where a row gives layers per virtual stage, full
 recomputation (``--recompute-granularity full``) and plain DDP (no distributed

@@ -16,9 +16,15 @@ What Megatron-LM's distributed optimizer does, with DTensor collectives:
 
 The optimizer itself is torch's (any element-wise one: SGD, AdamW); it steps
 plain tensors that alias slices of the parameters' local tensors, so no copy
-of the master parameters is kept. Memory, priced by
-:class:`costmodel.strategy_cost.IntraOpCost` at ``zero_stage`` 1: whole
-parameters and gradients, optimizer states ``1/n`` of the axis.
+of the master parameters is kept. Memory: whole parameters and gradients in
+the master dtype, optimizer states ``1/n`` of the axis: what
+:class:`costmodel.strategy_cost.IntraOpCost` prices at ``zero_stage`` 1 in
+fp32 and bf16. Under a mixed precision the cost model prices Megatron's
+layout (:func:`costmodel.memory.training_state_bytes`: bf16 parameters
+whole, the fp32 master copy only as each rank's slice, 6 + 12/n bytes per
+parameter with Adam), and this runtime does not hold it yet: it keeps the
+fp32 parameters whole and reads a bf16 copy of each per forward (10 + 8/n
+bytes, 4 - 4/n more than priced).
 """
 
 from __future__ import annotations

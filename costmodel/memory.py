@@ -31,25 +31,26 @@ ZeRO stage 1 is Megatron-LM's distributed optimizer (and the ZeRO paper's
 stage 1, whose optimizer states include the fp32 master copy). Under a mixed
 precision the model holds its parameters whole in the compute dtype and
 their gradients whole in the gradient dtype (the precision's
-``reduce_dtype``); the optimizer holds, for its 1/N of the parameters, the
-fp32 master copy, the states and, when the gradients are not fp32, an fp32
-copy of its slice of the gradient (Megatron's "main grads"). Bytes per
-parameter with Adam, N data-parallel ranks (N = 1: Megatron's optimizer
-without the distributed optimizer; the numbers are Megatron-LM's table of
-the distributed optimizer):
+``reduce_dtype``); for its 1/N of the parameters each rank holds the fp32
+master copy and the states and, when the gradients are not fp32, the fp32
+copy of its gradient slice the step reads (Megatron's "main grads", counted
+with the gradients: they exist at the step, not during the backward). Bytes
+per parameter with Adam, N data-parallel ranks (N = 1: Megatron's optimizer
+without the distributed optimizer; the totals are Megatron-LM's table of the
+distributed optimizer):
 
 ==========================  ===============  =========  ================  ===========
 precision, gradient dtype   params (whole)   grads      optimizer (1/N)   bytes/Psi
 ==========================  ===============  =========  ================  ===========
 bf16/fp16-mixed, fp32       2                4          4 + 8             6 + 12/N
-bf16/fp16-mixed, bf16/fp16  2                2          4 + 4 + 8         4 + 16/N
+bf16/fp16-mixed, bf16/fp16  2                2 + 4/N    4 + 8             4 + 16/N
 fp32                        4                4          8                 8 + 8/N
 bf16                        2                2          4                 4 + 4/N
 ==========================  ===============  =========  ================  ===========
 
 At stage 1 the ``optimizer`` part therefore includes the fp32 master
-parameters (and main gradients) of the device's slice; at the other stages
-the master parameters are counted in ``params``.
+parameters of the device's slice; at the other stages the master parameters
+are counted in ``params``.
 
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in
 Large Transformer Models" (MLSys'23), Sec. 4 and Table 2, for one GPT layer
@@ -146,8 +147,9 @@ def training_state_bytes(
         # the distributed optimizer (module docstring): working params and their
         # gradients whole; the fp32 master slice (and main-grad slice) with the states
         grad = p.reduce_dtype.itemsize
-        main = master + (master if grad != master else 0)
-        params, grads, opt = compute * num_params, grad * num_params, (states + main) * shard
+        params, opt = compute * num_params, (master + states) * shard
+        # 16-bit gradients: the fp32 copy of the slice the step reads (at the step)
+        grads = grad * num_params + (master * shard if grad != master else 0)
         return {"params": params, "grads": grads, "optimizer": opt,
                 "total": params + grads + opt}
     sharded = dp_size > 1
@@ -163,7 +165,8 @@ def training_state_bytes(
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
-def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam") -> float:
+def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
+                    state_bytes: float | None = None) -> float:
     """Peak bytes per device of a step that runs the whole batch at once (no
     gradient accumulation), from its parts by kind (bytes: ``params``,
     ``optimizer``, ``grads``, ``activations``, ``backward_transient``,
@@ -178,9 +181,19 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam") -> floa
     list of the states' size, ``sqrt(v)``). With gradient accumulation or a
     pipeline the gradients of earlier micro-batches live beside later
     activations: use the sum of the parts instead.
+
+    ``state_bytes``: bytes of one of those state lists; by default the
+    ``optimizer`` part over the optimizer's states, right where that part
+    is the states alone (not at ZeRO stage 1 under a mixed precision, whose
+    ``optimizer`` part holds the master copy too: pass it then).
     """
     states = OPTIMIZER_STATES.get(optimizer, 0)
-    step_temporaries = parts.get("optimizer", 0.0) / states if states else 0.0
+    if not states:
+        step_temporaries = 0.0
+    elif state_bytes is not None:
+        step_temporaries = float(state_bytes)
+    else:
+        step_temporaries = parts.get("optimizer", 0.0) / states
     # the loss's transient comes first; a checkpointed layer is recomputed after it
     backward_start = parts.get("activations", 0.0) + max(parts.get("backward_transient", 0.0),
                                                          parts.get("recomputed_layer", 0.0))

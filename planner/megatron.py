@@ -56,12 +56,13 @@ import torch
 
 from costmodel.cluster import Cluster
 from costmodel.presets import load_cluster
-from costmodel.memory import training_state_bytes
+from costmodel.memory import step_peak_bytes, training_state_bytes
 from costmodel.strategy_cost import local_numel
 from costmodel.schedules import ScheduleBook
 from ir.device_capture import planned_copy
 from ir.graph import PARAM, Graph, TensorInfo
 from ir.layers import block_count, manual_bounds
+from ir.precision import get_precision
 from ir.strategy import is_replicate
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
@@ -359,7 +360,16 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     if total > budget * (1 + 1e-9):
         raise MegatronDoesNotFit(f"{cfg.label()} needs {total / 2**30:.1f} GiB per device, more "
                                  f"than the {budget / 2**30:.1f} GiB available")
-    return build_plan(result, cluster, info, training, whole_batch=True)
+    plan = build_plan(result, cluster, info, training, whole_batch=True)
+    # the step's peak: the optimizer's temporaries are one list of a state's size,
+    # the optimizer part also holds Megatron's master copy
+    master = get_precision(dtype).master_bytes
+    state = sum(master * math.ceil(math.ceil(local_numel(n.output, layout[n.fqn], cfg.mesh_shape))
+                                   / _zero1_shards(n.fqn, cfg, experts))
+                for n in graph.nodes if n.kind == PARAM)
+    memory = plan.predicted["memory_bytes_per_device"]
+    memory["peak"] = int(round(step_peak_bytes(result.memory, optimizer, state_bytes=state)))
+    return plan
 
 
 def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs: tuple,

@@ -302,8 +302,9 @@ def test_zero1_is_megatrons_distributed_optimizer(precision, reduce, whole, shar
     """ZeRO stage 1 holds what Megatron-LM's distributed optimizer holds, per
     parameter with Adam on d data-parallel ranks (Megatron-LM's table; d = 1
     is its optimizer without the distributed one: 18, 20 and 16 bytes): the
-    working parameters and gradients whole, the fp32 master slice, Adam's
-    moments and (16-bit gradients) an fp32 main-gradient slice per rank."""
+    working parameters and gradients whole, the fp32 master slice and Adam's
+    moments per rank ('optimizer') and, with 16-bit gradients, an fp32
+    main-gradient slice (counted with the gradients)."""
     from ir.precision import get_precision
 
     psi = 1000 * 3072  # divides by every d: no rounding
@@ -311,7 +312,9 @@ def test_zero1_is_megatrons_distributed_optimizer(precision, reduce, whole, shar
     got = training_state_bytes(psi, precision=p, zero_stage=1, dp_size=d)
     assert got["total"] == whole * psi + sharded * psi // d
     assert got["params"] == p.compute_dtype.itemsize * psi  # whole, as the forward reads them
-    assert got["optimizer"] == sharded * psi // d
+    master_and_states = {"fp32": 8, "bf16": 4}.get(precision, 12)
+    assert got["optimizer"] == master_and_states * psi // d
+    assert got["grads"] == p.reduce_dtype.itemsize * psi + (sharded - master_and_states) * psi // d
     # fewer bytes than the model keeps without ZeRO from two ranks on
     assert (got["total"] < training_state_bytes(psi, precision=p)["total"]) == (d > 1)
 

@@ -338,7 +338,8 @@ def test_megatron_plans_hold_the_distributed_optimizers_bytes(cfg, d, reduce, wh
     holds, what Megatron-LM's distributed optimizer does over d data-parallel
     ranks: 6 + 12/d bytes with fp32 gradients, 4 + 16/d with bf16 ones (d = 1
     without the distributed optimizer: 18 and 20); parameters (bf16) and
-    gradients whole, the fp32 master copy with Adam's moments in 'optimizer'."""
+    gradients whole, the fp32 master copy with Adam's moments in 'optimizer'
+    (with bf16 gradients an fp32 main-gradient slice besides them)."""
     import math
 
     from costmodel.strategy_cost import local_numel
@@ -354,9 +355,10 @@ def test_megatron_plans_hold_the_distributed_optimizers_bytes(cfg, d, reduce, wh
              for n in graph.nodes if n.kind == PARAM]
     memory = p.predicted["memory_bytes_per_device"]
     grad = 4 if reduce is None else 2
+    sliced = sum(-(-k // d) for k in local)
     assert memory["params"] == 2 * sum(local)
-    assert memory["grads"] == grad * sum(local)
-    assert memory["optimizer"] == sharded * sum(-(-k // d) for k in local)
+    assert memory["grads"] == grad * sum(local) + (sharded - 12) * sliced  # + fp32 main grads
+    assert memory["optimizer"] == 12 * sliced  # fp32 master slice and Adam's moments
     assert 2 + grad == whole
 
 
