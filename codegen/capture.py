@@ -80,9 +80,12 @@ def capture_program(model: torch.nn.Module, example_inputs: Any,
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     if isinstance(program, SynthesizedProgram):
         program = WrittenOutProgram(program.graph, program.graph_signature, state, {})
-    elif captured_model is not model:  # captured on a meta copy: run on the model's tensors
+    elif captured_model is not model:  # captured on a copy: run on the model's tensors
         program = WrittenOutProgram(program.graph, program.graph_signature, state,
                                     dict(program.constants))
+    # the Graph keeps the program it runs, not the traced one: that one holds the
+    # copy it traced (a compute-dtype copy of every parameter, for a whole step)
+    graph.exported = program
     if on_meta and device is not None:
         _create_on(program.graph, device)
     return CapturedProgram(program, graph)

@@ -126,6 +126,17 @@ class PlanExecutor:
         self._params = placed.params
         self._placeholders = placed.placeholders
         self.user_input_names = placed.user_input_names
+        self._hold_only_placed(placed.params)
+
+    def _hold_only_placed(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Point the program's state at the parameters placed here, so that it no
+        longer holds the model's own where they differ (the fp32 originals of a
+        bf16 plan, whole tensors of a sharded one): a rank then holds what the
+        plan prices. Parameters of other stages are left for their executors."""
+        state = self.ep.state_dict
+        for fqn, param in params.items():
+            if fqn in state:
+                state[fqn] = param
 
     # ------------------------------------------------ what part of the program runs
     def _check_mesh(self, mesh: DeviceMesh) -> None:

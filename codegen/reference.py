@@ -195,10 +195,10 @@ def reference_step(source: str, *, seed: int = 0, device: str = "cpu", steps: in
                 if p.grad is not None:
                     p.grad.div_(m)
         losses.append(sum(mb_losses) / m)
-        if step == 0:
-            grads = {fqn: (p.grad.detach().clone() if p.grad is not None else None)
+        if step == 0:  # kept on the CPU: the run being checked shares the device
+            grads = {fqn: (p.grad.detach().to("cpu", copy=True) if p.grad is not None else None)
                      for fqn, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
-    buffers = {fqn: b.detach().clone() for fqn, b in model.named_buffers()}
+    buffers = {fqn: b.detach().to("cpu", copy=True) for fqn, b in model.named_buffers()}
     return ReferenceResult(loss=losses[0], grads=grads, losses=losses, buffers=buffers)
