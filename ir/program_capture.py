@@ -13,10 +13,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import io
 import logging
+import os
+import re
+import tempfile
+import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.export.graph_signature import (
@@ -66,7 +71,10 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
                 gm = torch.fx.symbolic_trace(model)
                 ep = torch.export.export(gm, args, strict=False)
             except Exception as fx_err:  # noqa: BLE001
-                eager = _eager_error(model, args)
+                eager = eager_error(model, args)
+                reads = value_read(model, (export_err, fx_err, eager))
+                if reads is not None:
+                    raise TraceError(reads) from export_err
                 if eager is not None:  # not a capture problem: the step itself fails
                     raise TraceError(
                         f"{type(model).__name__}'s forward fails on the example inputs "
@@ -79,6 +87,113 @@ def capture(model: torch.nn.Module, example_inputs: Any) -> torch.export.Exporte
                     f"from its forward() or wrap that part in a leaf module"
                 ) from fx_err
         return ep.run_decompositions(_export_decompositions())
+
+
+#: What torch raises where forward reads a tensor's value in Python (a branch
+#: on it, ``.item()``): on fake tensors (export, and the CPU plans' capture), and
+#: on meta tensors (a GPU plan's capture), by the message.
+_VALUE_READ_ERRORS = ("GuardOnDataDependentSymNode", "DataDependentOutputException")
+_META_VALUE_READ = "cannot be called on meta tensors"
+#: The project's own packages: a frame in them is no line of the user's model.
+_OWN_DIRS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d)
+                  + os.sep for d in ("ir", "planner", "codegen", "costmodel", "app", "training"))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def value_read(model: torch.nn.Module,
+               errors: Sequence[BaseException | None]) -> str | None:
+    """The one-line reason a capture failed when one of ``errors`` (or an
+    exception it was raised from) is torch saying forward reads a tensor's
+    value in Python, else None. It names the construct (a branch on a tensor's
+    value, or ``.item()``), the model's source line (``file:line`` and its code,
+    from the error's traceback) and the fix."""
+    chain = [e for err in errors if err is not None for e in _chain(err)]
+    hits = [e for e in chain if type(e).__name__ in _VALUE_READ_ERRORS
+            or _META_VALUE_READ in str(e)]
+    if not hits:
+        return None
+    frame = next((f for f in map(_user_frame, hits) if f is not None), None)
+    return value_read_reason(type(model).__name__, frame)
+
+
+def value_read_reason(model_name: str, frame: traceback.FrameSummary | None) -> str:
+    """``model_name``'s forward reads a tensor's value at ``frame`` (None: at a
+    line torch does not give), in words: the construct, where, and the fix."""
+    code = (frame.line or "").strip() if frame is not None else ""
+    code = code.split("  #")[0].rstrip()  # less an inline comment
+    where = ""
+    if frame is not None:
+        path = os.path.relpath(frame.filename) if frame.filename.startswith(os.getcwd()) \
+            else frame.filename
+        where = f" at {path}:{frame.lineno}" + (f" (`{code[:80]}`)" if code else "")
+    reads_number = re.search(r"\.(item|tolist)\(\)", code) or (
+        re.search(r"\b(int|float)\(", code) and not re.match(r"(el)?if |while ", code))
+    if reads_number:
+        return (f"{model_name}'s forward reads a tensor's value as a Python number "
+                f"(.item()){where}, which one captured program cannot hold; keep it a tensor "
+                f"(torch ops take tensors), or move that code out of forward")
+    return (f"{model_name}'s forward branches on a tensor's value (data-dependent control "
+            f"flow){where}, which one captured program cannot follow; compute both sides "
+            f"and pick with torch.where, use torch.cond, or move the branch out of forward")
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the exceptions it was raised from or during."""
+    out: list[BaseException] = []
+    while err is not None and err not in out:
+        out.append(err)
+        err = err.__cause__ or err.__context__
+    return out
+
+
+def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``err``'s traceback in the model's own code: a
+    source file outside torch and outside this project's packages."""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        name = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or name.startswith(_TORCH_DIR) or \
+                name.startswith(_OWN_DIRS):
+            continue
+        return frame
+    return None
+
+
+@contextlib.contextmanager
+def torch_output_logged() -> Iterator[io.StringIO]:
+    """Keep what torch prints or logs while a model is captured (the program
+    dumps of a failed export, symbolic-shape warnings) off the terminal: it
+    goes to the yielded buffer (:func:`write_torch_log` writes it to a file
+    for an error to name). Python's stdout and stderr and torch's logging
+    handlers are redirected; warnings are left to the caller."""
+    buffer = io.StringIO()
+    handlers = []
+    for name in ["torch", *[n for n in logging.root.manager.loggerDict
+                            if n.startswith("torch.")]]:
+        logger = logging.getLogger(name)
+        for handler in logger.handlers:
+            if type(handler) is logging.StreamHandler:
+                handlers.append((handler, handler.setStream(buffer)))
+    try:
+        with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            yield buffer
+    finally:
+        for handler, stream in handlers:
+            handler.setStream(stream)
+
+
+def write_torch_log(text: str) -> str | None:
+    """Write torch's output ``text`` (from :func:`torch_output_logged`) to a
+    log file in the temporary directory and return its path (None when
+    there is nothing to write, or it cannot be written)."""
+    if not text.strip():
+        return None
+    path = os.path.join(tempfile.gettempdir(), f"planner-capture-{os.getpid()}.log")
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError:
+        return None
+    return path
 
 
 @contextlib.contextmanager
@@ -94,7 +209,7 @@ def _quiet_fake_tensors() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _eager_error(model: torch.nn.Module, args: tuple) -> Exception | None:
+def eager_error(model: torch.nn.Module, args: tuple) -> Exception | None:
     """The exception ``model(*args)`` raises when run as it is (no gradients),
     or None when it runs: tells inputs the model cannot take from a forward
     that cannot be captured."""

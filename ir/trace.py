@@ -19,7 +19,11 @@ from ir.exported_graph import graph_from_exported, tied_parameters
 from ir.fast_program import SynthesizedProgram
 from ir.fast_trace import fast_trace
 from ir.graph import Graph
-from ir.program_capture import capture
+from ir.program_capture import (TraceError, as_tuple, capture, eager_error, torch_output_logged,
+                                value_read, value_read_reason, write_torch_log)
+
+#: The aten op of ``Tensor.item()`` (a tensor's value read as a Python number).
+SCALAR_READ = "aten._local_scalar_dense.default"
 
 
 def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
@@ -38,14 +42,60 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
     (:data:`ir.fast_trace.Beside`); the fast path captures its two probes so.
     ``PLANNER_FULL_TRACE=1`` in the environment always captures fully.
 
+    What torch prints or logs meanwhile (a failed export's program dumps)
+    stays off the terminal; a failure's error names the file it went to.
+
     Raises:
-        ir.program_capture.TraceError: when the full capture fails.
+        ir.program_capture.TraceError: when the full capture fails, or the
+            program reads a tensor's value as a Python number (``.item()``):
+            one line naming the construct, the model's source line and the fix.
     """
+    with torch_output_logged() as torch_output:
+        try:
+            graph = _trace(model, example_inputs, like, beside)
+        except TraceError as err:
+            log = write_torch_log(torch_output.getvalue())
+            if log is None:
+                raise
+            raise TraceError(f"{err} (torch's output: {log})") from err.__cause__
+    return graph
+
+
+def _trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
+           like: Graph | None, beside: Callable | None) -> Graph:
+    """:func:`trace` with torch's output where the caller sends it."""
     if os.environ.get("PLANNER_FULL_TRACE", "0") in ("", "0"):
         earlier = like.exported if like is not None else None
         graph = fast_trace(model, example_inputs, like=earlier if isinstance(
             earlier, SynthesizedProgram) else None, beside=beside)
         if graph is not None:
+            _refuse_value_reads(graph, model, example_inputs)
             return graph
     ep = capture(model, example_inputs)
-    return graph_from_exported(ep, model_name=type(model).__name__, tied=tied_parameters(model))
+    graph = graph_from_exported(ep, model_name=type(model).__name__, tied=tied_parameters(model))
+    _refuse_value_reads(graph, model, example_inputs)
+    return graph
+
+
+def _refuse_value_reads(graph: Graph, model: torch.nn.Module, example_inputs: Any) -> None:
+    """Refuse a program that reads a tensor's value as a Python number
+    (``.item()``: ``aten._local_scalar_dense``) and computes tensors from it:
+    the planner prices and shards tensors only (a number read only by
+    torch's own assertions is harmless). The error names the model's line,
+    found by running forward on the capture's fake or meta inputs, where the
+    read fails."""
+    users = graph.users()
+    for node in graph.nodes:
+        if node.target != SCALAR_READ:
+            continue
+        seen, todo = set(), list(users[node.name])
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if graph[name].outputs:  # a tensor computed from the number
+                eager = eager_error(model, as_tuple(example_inputs))
+                raise TraceError(value_read(model, (eager,)) or value_read_reason(
+                    type(model).__name__, None))
+            todo.extend(users[name])

@@ -61,3 +61,42 @@ def bn_cnn(batch_size: int = 8, image_size: int = 8) -> tuple[nn.Module, tuple[t
     images = torch.randn(batch_size, 3, image_size, image_size)
     labels = torch.randint(0, 10, (batch_size,))
     return BatchNormCNN(), (images, labels)
+
+
+class BranchOnValue(nn.Module):
+    """A forward that branches on a tensor's value (``if h.mean() > 0``), which
+    no capture of the program can take: the planner must say so in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 16)
+        self.fc2 = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if h.mean() > 0:  # data-dependent: the line the planner's error names
+            h = torch.relu(h)
+        return self.fc2(h).pow(2).mean()
+
+
+def branch_on_value(batch_size: int = 4) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`BranchOnValue` on ``batch_size`` random 16-vectors."""
+    return BranchOnValue(), (torch.randn(batch_size, 16),)
+
+
+class ItemInForward(nn.Module):
+    """A forward that reads a tensor's value as a Python number (``.item()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        scale = h.abs().max().item()
+        return (h / scale).pow(2).mean()
+
+
+def item_in_forward(batch_size: int = 4) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`ItemInForward` on ``batch_size`` random 16-vectors."""
+    return ItemInForward(), (torch.randn(batch_size, 16),)

@@ -135,3 +135,24 @@ def test_a_batchnorm_cnn_plans_runs_and_checks_with_its_running_statistics(tmp_p
     run = _cli("run", plan_path, "--check")
     assert run.returncode == 0 and "check PASSED" in run.stdout, run.stdout + run.stderr
     assert "buffers forward updates: max rel err" in run.stdout and "over 6" in run.stdout
+
+
+@pytest.mark.parametrize("factory, words, code", [
+    ("branch_on_value", "branches on a tensor's value", "`if h.mean() > 0:`"),
+    ("item_in_forward", "reads a tensor's value as a Python number (.item())",
+     "`scale = h.abs().max().item()`"),
+])
+@pytest.mark.parametrize("cluster", ["local-cpu:2", "dgx-a100-80g:1"])  # fake CPU, meta
+def test_a_forward_that_reads_a_tensors_value_is_one_line_naming_it_and_its_line(
+        tmp_path, factory, words, code, cluster):
+    proc = _cli("plan", "--model", f"{MODELS}:{factory}", "--cluster", cluster, "--quiet",
+                "-o", str(tmp_path / "p.json"))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and proc.stdout == "", proc.stderr
+    line = lines[0]
+    assert line.startswith("planner: error: ") and words in line and code in line
+    assert "coverage_models.py:" in line and "Traceback" not in line
+    assert "torch.cond" in line or "out of forward" in line
+    if "torch's output: " in line:  # torch's program dumps went to the log, not the terminal
+        log = line.rsplit("torch's output: ", 1)[1].rstrip(")")
+        assert os.path.isfile(log)
