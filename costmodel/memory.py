@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OPTIMIZER_ACCESSES",
     "OPTIMIZER_STATES",
+    "step_copy_bytes",
     "step_peak_bytes",
     "training_state_bytes",
     "gpt_activation_bytes_per_layer",
@@ -152,21 +153,38 @@ def training_state_bytes(
         grads = grad * num_params + (master * shard if grad != master else 0)
         return {"params": params, "grads": grads, "optimizer": opt,
                 "total": params + grads + opt}
-    sharded = dp_size > 1
     if params_sharded is None:
         params_sharded = zero_stage >= 3
     params = master * (shard if params_sharded else num_params)
-    if p.mixed or (params_sharded and sharded):  # the whole compute-dtype copy the step reads
-        params += compute * num_params
+    params += step_copy_bytes(num_params, precision=p, dp_size=dp_size,
+                              params_sharded=params_sharded)
     grads = master * (shard if zero_stage >= 2 else num_params)
-    if zero_stage >= 2 and sharded:  # whole until reduce-scattered
+    if zero_stage >= 2 and dp_size > 1:  # whole until reduce-scattered
         grads += compute * num_params
     opt = states * (shard if zero_stage >= 1 else num_params)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
+def step_copy_bytes(num_params: int, *, precision: "str | Precision" = "fp32",
+                    dp_size: int = 1, params_sharded: bool = False) -> int:
+    """Bytes of the whole compute-dtype copy of ``num_params`` parameters that a
+    step makes from the master copy and frees again before the optimizer step:
+    the cast of each parameter under a mixed precision (autograd keeps it for
+    the backward), or the parameters FSDP2 all-gathers (``params_sharded`` over
+    ``dp_size`` > 1), which it frees once their gradients are reduce-scattered.
+    0 where the step reads the stored parameters themselves. Part of
+    :func:`training_state_bytes`'s ``params`` (except at stage 1 under a mixed
+    precision, whose compute-dtype parameters are stored)."""
+    from ir.precision import get_precision
+
+    p = get_precision(precision)
+    if p.mixed or (params_sharded and dp_size > 1):
+        return p.compute_dtype.itemsize * num_params
+    return 0
+
+
 def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
-                    state_bytes: float | None = None) -> float:
+                    state_bytes: float | None = None, step_copy: float = 0.0) -> float:
     """Peak bytes per device of a step that runs the whole batch at once (no
     gradient accumulation), from its parts by kind (bytes: ``params``,
     ``optimizer``, ``grads``, ``activations``, ``backward_transient``,
@@ -186,6 +204,9 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
     ``optimizer`` part over the optimizer's states, right where that part
     is the states alone (not at ZeRO stage 1 under a mixed precision, whose
     ``optimizer`` part holds the master copy too: pass it then).
+    ``step_copy``: bytes of ``params`` that the step frees before the optimizer
+    step (:func:`step_copy_bytes`: the compute-dtype copy under a mixed
+    precision), not alive at it.
     """
     states = OPTIMIZER_STATES.get(optimizer, 0)
     if not states:
@@ -197,7 +218,7 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
     # the loss's transient comes first; a checkpointed layer is recomputed after it
     backward_start = parts.get("activations", 0.0) + max(parts.get("backward_transient", 0.0),
                                                          parts.get("recomputed_layer", 0.0))
-    optimizer_step = parts.get("grads", 0.0) + step_temporaries
+    optimizer_step = parts.get("grads", 0.0) + step_temporaries - step_copy
     return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + max(backward_start,
                                                                         optimizer_step)
 

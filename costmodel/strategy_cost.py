@@ -27,7 +27,7 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import (FUSED_ATTENTION, attention_times, backward_kernels,
                                backward_op_times, gemm_aligned, op_time)
-from costmodel.memory import OPTIMIZER_ACCESSES, training_state_bytes
+from costmodel.memory import OPTIMIZER_ACCESSES, step_copy_bytes, training_state_bytes
 from costmodel.resharding import ReshardPricer
 from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
@@ -429,15 +429,8 @@ class IntraOpCost:
         :func:`costmodel.memory.training_state_bytes` for the dtypes).
         """
         if node.kind == PARAM:
-            numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
-            # ZeRO shards the states over axis 0 where the parameter is replicated;
-            # a parameter sharded there already holds the states of its shard alone
-            n = self.state_shards if isinstance(s.outputs[0][0], Replicate) else 1
-            # ZeRO-1 under a mixed precision keeps the distributed optimizer's layout
-            # (working params in the compute dtype, the master copy with the states)
-            # for a parameter sharded on axis 0 too, its states then split over 1
-            zero = self.zero_stage if n > 1 or self.zero_stage == 1 else 0
-            state = training_state_bytes(int(math.ceil(numel)), precision=self.precision,
+            numel, zero, n = self._state_layout(node, s)
+            state = training_state_bytes(numel, precision=self.precision,
                                          optimizer=self.optimizer, zero_stage=zero, dp_size=n,
                                          params_sharded=self.params_sharded)
             return {k: float(v) for k, v in state.items() if k != "total"}
@@ -454,6 +447,30 @@ class IntraOpCost:
         if node.name == self.transient_node:
             out["backward_transient"] = self.backward_transient(node, s)
         return out
+
+    def _state_layout(self, node: Node, s: Strategy) -> tuple[int, int, int]:
+        """(parameters this device holds, ZeRO stage, ZeRO group size) of
+        parameter ``node`` under strategy ``s``."""
+        numel = int(math.ceil(local_numel(node.output, s.outputs[0], self.mesh_shape)))
+        # ZeRO shards the states over axis 0 where the parameter is replicated;
+        # a parameter sharded there already holds the states of its shard alone
+        n = self.state_shards if isinstance(s.outputs[0][0], Replicate) else 1
+        # ZeRO-1 under a mixed precision keeps the distributed optimizer's layout
+        # (working params in the compute dtype, the master copy with the states)
+        # for a parameter sharded on axis 0 too, its states then split over 1
+        zero = self.zero_stage if n > 1 or self.zero_stage == 1 else 0
+        return numel, zero, n
+
+    def step_copy(self, node: Node, s: Strategy) -> float:
+        """Bytes of parameter ``node``'s ``params`` under ``s`` that the step frees
+        before the optimizer step (:func:`costmodel.memory.step_copy_bytes`);
+        none at stage 1 under a mixed precision, which stores the compute-dtype
+        parameters."""
+        numel, zero, n = self._state_layout(node, s)
+        if zero == 1 and self.precision.mixed and not self.params_sharded:
+            return 0.0
+        return float(step_copy_bytes(numel, precision=self.precision, dp_size=n,
+                                     params_sharded=self.params_sharded))
 
     def _largest_transient(self) -> str | None:
         """The op whose backward holds the most transient gradient bytes,

@@ -95,7 +95,10 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
         "resharding_s": b.resharding_s,
         **({"host_s": host_s} if host_s > 0 else {}),
         "memory_bytes_per_device": _memory_report(
-            result.memory, step_peak_bytes(result.memory, training.get("optimizer", "adam"))
+            result.memory, step_peak_bytes(
+                result.memory, training.get("optimizer", "adam"),
+                step_copy=sum(cost.step_copy(n, chosen[n.name])
+                              for n in graph.nodes if n.kind == PARAM))
             if whole_batch else None),
     }
     return Plan(
