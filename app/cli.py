@@ -173,6 +173,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for line in warning_summary(caught):
         print(f"planner: warning: {line}", file=sys.stderr)
     print(format_plan(result))
+    _warn_near_memory_edge(result)
     existed = os.path.exists(args.output)
     result.save(args.output)
     print(f"{'replaced' if existed else 'wrote'} {args.output}")
@@ -224,6 +225,15 @@ def warning_summary(caught: Sequence[warnings.WarningMessage]) -> list[str]:
     return lines + list(others)
 
 
+def _warn_near_memory_edge(plan: Any) -> None:
+    """A warning on standard error when the plan's peak is close to its budget."""
+    from planner.report import memory_edge_warning
+
+    warning = memory_edge_warning(plan)
+    if warning:
+        print(f"planner: warning: {warning}", file=sys.stderr)
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from planner.plan_format import PlanError, load_plan, placement_error
     from planner.report import format_plan
@@ -244,6 +254,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
         return 0
     print(format_plan(plan, verbose=True))
+    _warn_near_memory_edge(plan)
     return 0
 
 

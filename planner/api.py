@@ -180,7 +180,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     model, cluster, example_inputs, graph, dtype, budget = _prepare(
         model, cluster, example_inputs, req.memory_budget, req.precision)
     info = model_record(model, graph, req.model_source)
-    training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs)
+    training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs,
+                               memory_budget_bytes=int(budget))
     if req.single_stage or _whole_batch_only(req, graph):
         shapes = [check_mesh(req.mesh_shape, cluster)] if req.mesh_shape else mesh_candidates(
             cluster.num_devices)
@@ -386,7 +387,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     except MemoryInfeasibleError as err:
         raise PlanningError(f"a stage does not fit: {err}") from None
     info = model_record(model, graph, req.model_source)
-    training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs)
+    training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs,
+                               memory_budget_bytes=int(budget))
     return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from planner.plan_format import Plan
 
@@ -81,6 +82,7 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         *([_NO_PARALLELISM] if _replicated_everywhere(plan) else []),
         "activation checkpointing: " + (", ".join(plan.checkpoint) if plan.checkpoint else "none"),
         "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()),
+        _margin_line(memory_margin(plan)),
         f"solver {plan.solver.solver}: {plan.solver.status}, objective "
         f"{_seconds(plan.solver.objective_s)}, gap {plan.solver.gap:.2%}, "
         f"{plan.solver.num_variables} variables",
@@ -133,3 +135,57 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     lines.append(_table(["stage", "pp rank", "layers", "ranks", "fwd/mb", "bwd/mb", "memory",
                          "zero", "ckpt"], rows))
     return lines
+
+
+@dataclass(frozen=True)
+class MemoryMargin:
+    """How close a plan's predicted peak is to the memory it may use (bytes per device)."""
+
+    peak: float  # the predicted peak of a step
+    budget: float  # what the plan was made to fit: device memory less the reserve
+    device: float  # the device's memory
+    recorded: bool  # the budget is the plan's own (else the default, from the device)
+
+    @property
+    def near_edge(self) -> bool:
+        """Whether the peak is within the memory model's stated error of the budget."""
+        from planner.request import MEMORY_MODEL_ERROR
+
+        return self.peak * (1 + MEMORY_MODEL_ERROR) > self.budget
+
+
+def memory_margin(plan: Plan) -> MemoryMargin:
+    """The plan's predicted peak against its memory budget (``training
+    .memory_budget_bytes``; plans made before it was recorded: the device's
+    memory less :data:`planner.request.MEMORY_RESERVE`)."""
+    from costmodel.memory import reserve_bytes
+    from planner.request import MEMORY_RESERVE
+
+    mem = plan.predicted["memory_bytes_per_device"]
+    device = float(plan.cluster["device"]["memory"])
+    budget = (plan.training or {}).get("memory_budget_bytes")
+    recorded = budget is not None
+    if not recorded:
+        budget = device - reserve_bytes(int(device), MEMORY_RESERVE)
+    return MemoryMargin(float(mem.get("peak", mem.get("total", 0.0))), float(budget), device,
+                        recorded)
+
+
+def _margin_line(m: MemoryMargin) -> str:
+    budget = f"the {format_bytes(m.budget)} budget" if m.recorded else (
+        f"the default {format_bytes(m.budget)} budget")
+    return (f"memory margin: predicted peak {format_bytes(m.peak)} per device, "
+            f"{m.peak / m.budget:.0%} of {budget} (device {format_bytes(m.device)})")
+
+
+def memory_edge_warning(plan: Plan) -> str | None:
+    """A one-line warning when the plan's predicted peak is within the memory
+    model's stated error of its budget, else None."""
+    from planner.request import MEMORY_MODEL_ERROR
+
+    m = memory_margin(plan)
+    if not m.near_edge:
+        return None
+    return (f"the predicted peak ({format_bytes(m.peak)} per device) is within the memory "
+            f"model's {MEMORY_MODEL_ERROR:.0%} error of the {format_bytes(m.budget)} budget: "
+            f"the run may need more; for a margin, plan a smaller batch or more devices")

@@ -79,3 +79,30 @@ def test_memory_saving_plans_run_and_match_one_process(which, request, tmp_path)
     result = launch(path, steps=2, check=True)
     assert result["passed"], result.get("output")
     assert result["max_rel_grad_err"] < 1e-5 and result["observed_match"]
+
+
+def test_plan_reports_its_margin_and_warns_near_the_budget(unconstrained, tmp_path):
+    """The plan records its budget; `planner show` prints the peak against it, and
+    warns (standard error, exit 0) once the peak is within the model's stated error."""
+    import subprocess
+    import sys
+
+    from planner.report import format_plan, memory_edge_warning, memory_margin
+    from planner.request import MEMORY_MODEL_ERROR
+
+    margin = memory_margin(unconstrained)
+    assert margin.recorded and margin.budget == unconstrained.training["memory_budget_bytes"]
+    assert "memory margin: predicted peak" in format_plan(unconstrained)
+    assert memory_edge_warning(unconstrained) is None  # local-cpu's budget is far above
+    peak = margin.peak
+    unconstrained.training["memory_budget_bytes"] = int(peak * (1 + MEMORY_MODEL_ERROR / 2))
+    try:
+        assert "within the memory model's" in memory_edge_warning(unconstrained)
+        path = tmp_path / "edge.json"
+        unconstrained.save(path)
+    finally:
+        unconstrained.training["memory_budget_bytes"] = int(margin.budget)
+    out = subprocess.run([sys.executable, "-m", "app.cli", "show", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("\n") == 1 and "planner: warning: the predicted peak" in out.stderr
