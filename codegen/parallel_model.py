@@ -33,7 +33,6 @@ them and loads them under another plan).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -220,11 +219,12 @@ def check_batch(batch: Sequence[Any], specs: Sequence[InputSpec | None]) -> None
                 f"re-plan with --batch-size/--seq-len")
 
 
-def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[float, int]:
+def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Backpropagate a single-stage executor's ``loss`` (replicated first, so
     every rank of the mesh backpropagates it) and bring every gradient to its
-    parameter's placement (the data-parallel reduction). Returns the loss and
-    how many gradients were redistributed."""
+    parameter's placement (the data-parallel reduction). Returns the loss (this
+    rank's 0-d tensor, detached; reading it waits for the step) and how many
+    gradients were redistributed."""
     from codegen.redistribution import redistribute
 
     mesh = executor.mesh
@@ -237,7 +237,7 @@ def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[float, in
             p.grad = redistribute(p.grad, mesh, p.placements)
             moved += 1
     local = loss.to_local() if isinstance(loss, DTensor) else loss
-    return float(local.detach()), moved
+    return local.detach(), moved
 
 
 def resident_bytes() -> int:
@@ -319,22 +319,34 @@ class ParallelModel:
         than the plan's inputs."""
         check_batch(batch, self._inputs)
 
-    def step(self, *batch: Any) -> float:
+    def step(self, *batch: Any) -> torch.Tensor:
         """Forward and backward of one global batch (every rank passes the same
         batch); afterwards every gradient is reduced to its parameter's
         placement (ZeRO-1: to this rank's slice). Returns the step's loss (the
-        mean over micro-batches for a pipeline) on every rank."""
+        mean over micro-batches for a pipeline) on every rank, as a detached
+        0-d tensor on this rank's device: ``float(loss)`` waits for the step, so
+        a loop that reads it only now and then lets the host run ahead."""
         self.check_batch(batch)
-        batch = tuple(t.to(self.device) if isinstance(t, torch.Tensor) else t for t in batch)
+        batch = tuple(self._to_device(t) for t in batch)
         if self._pipeline is not None:
             return self._pipeline_step(batch)
         return self._single_stage_step(batch)
 
-    def _single_stage_step(self, batch: tuple) -> float:
+    def _to_device(self, value: Any) -> Any:
+        """A batch tensor on this rank's device; from the CPU to a GPU through
+        pinned memory without waiting (a pageable copy would wait for the
+        device to finish the previous step)."""
+        if not isinstance(value, torch.Tensor) or value.device == self.device:
+            return value
+        if self.device.type == "cuda" and value.device.type == "cpu":
+            return value.pin_memory().to(self.device, non_blocking=True)
+        return value.to(self.device)
+
+    def _single_stage_step(self, batch: tuple) -> torch.Tensor:
         loss, _ = backward_to_placements(self._executor, loss_of(self._executor(*batch)))
         return loss
 
-    def _pipeline_step(self, batch: tuple) -> float:
+    def _pipeline_step(self, batch: tuple) -> torch.Tensor:
         runtime = self._pipeline
         losses = runtime.step(batch)
         runtime.sync_grads()
@@ -342,9 +354,9 @@ class ParallelModel:
             shards.reduce_grads()
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses:
-            value += sum(float(x.detach()) for x in losses) / len(losses)
+            value += torch.stack([x.detach().double() for x in losses]).mean()
         dist.broadcast(value, src=self._last_stage_rank())
-        return float(value)
+        return value
 
     def _last_stage_rank(self) -> int:
         """The global rank of the first device of the last stage's mesh."""
@@ -382,6 +394,14 @@ class ParallelModel:
     def grad_norm(self) -> float:
         """The 2-norm of every gradient of the model, over all ranks and stages
         (a collective: every rank calls it)."""
+        return float(self._grad_norm())
+
+    def _grad_norm(self) -> torch.Tensor:
+        """:meth:`grad_norm` as a 0-d float64 tensor on this rank's device
+        (reading it waits for the step). The local tensors' norm is torch's
+        (``torch.nn.utils.get_total_norm``, as ``clip_grad_norm_`` takes it);
+        its squares are summed in fp64 over the mesh axes that split the
+        tensors, then over pipeline stages."""
         groups: dict[Any, list[torch.Tensor]] = {}
         for grad, param, placements in self._grads():
             if isinstance(grad, DTensor):
@@ -393,27 +413,28 @@ class ParallelModel:
             # squares summed over the axes that split the tensor, not the replicated ones
             summed = None if placements is None else tuple(
                 Partial() if q.is_shard() or q.is_partial() else Replicate() for q in placements)
-            groups.setdefault((id(mesh), summed), [mesh]).append(
-                local.detach().double().square().sum())
+            groups.setdefault((id(mesh), summed), [mesh]).append(local.detach())
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for (_, summed), (mesh, *squares) in groups.items():
-            part = torch.stack(squares).sum()
+        for (_, summed), (mesh, *locals_) in groups.items():
+            part = torch.nn.utils.get_total_norm(locals_).double().square()
             if summed is not None:
                 part = DTensor.from_local(part, mesh, summed, run_check=False).full_tensor()
             total += part
         if self._pipeline is not None and self.plan.pipeline.pp > 1:
             dist.all_reduce(total, group=self._pipeline.world_mesh.get_group("pp"))
-        return math.sqrt(float(total))
+        return total.sqrt()
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient by ``max_norm / (norm + 1e-6)`` where that is
         below 1, as ``torch.nn.utils.clip_grad_norm_`` does on one device, with
-        the norm over the whole model (:meth:`grad_norm`); returns the norm."""
-        norm = self.grad_norm()
-        coefficient = min(max_norm / (norm + 1e-6), 1.0)
-        for grad, _, _ in self._grads():
-            grad.mul_(coefficient)
+        the norm over the whole model (:meth:`grad_norm`); returns the norm, a
+        0-d tensor as torch's does (the host does not wait for it)."""
+        norm = self._grad_norm()
+        coefficient = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad, _, _ in self._grads():  # a shard scaled in place scales its DTensor
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.mul_(coefficient)  # a 0-d tensor: computed in the gradient's dtype
         return norm
 
     # ------------------------------------------------------- optimizer state

@@ -349,7 +349,7 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
                 _compare_grads(grads, ref, grad_errors, missing_grads)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return float(loss)
 
     def after_step(step: int) -> None:
         if step == 0 and args.record and rank == 0:

@@ -31,7 +31,6 @@ import json
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -219,7 +218,7 @@ def run(config: TrainConfig) -> int:
     from training import checkpoint
     from training.hf_checkpoint import export_hf, export_plain, load_hf_weights
     from training.lr_schedule import warmup_cosine
-    from training.progress_log import TrainingLog
+    from training.progress_log import StepClock, TrainingLog
 
     rank = int(os.environ.get("RANK", "0"))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -241,7 +240,7 @@ def run(config: TrainConfig) -> int:
     elif job.init_hf is not None:
         load_hf_weights(job.init_hf, model.state_dict())
     fault = _fault_step(rank, restarts)
-    losses: list[dict[str, float]] = []
+    losses: list[dict[str, Any]] = []  # the loss a 0-d tensor until the end
     saved_at = job.resume_from.step if job.resume_from is not None else None
 
     def save(done: int) -> None:
@@ -255,23 +254,27 @@ def run(config: TrainConfig) -> int:
                      total_steps=config.steps, start_step=start,
                      tokens_per_step=job.tokens_per_step, flops_per_step=_model_flops(model),
                      peak_flops=_peak_flops(plan), console=rank == 0) as log:
+        # the host reads the loss only on logged steps, so it issues the next
+        # steps while the device runs this one
+        clock = StepClock(model.device)
         for step in range(start, config.steps):
             if step == fault:
                 os.kill(os.getpid(), signal.SIGKILL)
-            batch = job.batches(step)
-            t0 = time.perf_counter()
-            loss = model.step(*batch)
+            loss = model.step(*job.batches(step))
             norm = model.clip_grad_norm_(config.grad_clip) if config.grad_clip else None
             lr = opt.param_groups[0]["lr"]
             opt.step()
             schedule.step()
             opt.zero_grad(set_to_none=True)
-            if model.device.type == "cuda":
-                torch.cuda.synchronize(model.device)
-            log.log(step, loss, lr, time.perf_counter() - t0, grad_norm=norm)
+            clock.tick()
+            log.log(step, loss, lr, clock.seconds()[-1] if log.should_log(step) else 0.0,
+                    grad_norm=norm)
             losses.append({"step": step, "loss": loss})
             if config.save_every and (step + 1) % config.save_every == 0:
                 save(step + 1)
+                clock.restart()  # the save is no step's time
+    step_times = clock.seconds()
+    losses = [{"step": e["step"], "loss": float(e["loss"])} for e in losses]
     if config.checkpoint_dir and saved_at != config.steps and start < config.steps:
         save(config.steps)
     if config.export:
@@ -290,18 +293,22 @@ def run(config: TrainConfig) -> int:
     dist.all_gather_object(ranks, {"rank": rank, "peak_bytes": peak, "baseline_bytes": baseline,
                                    "peak_kind": kind})
     if rank == 0 and config.result_json:
-        _write_result(config, plan, losses, start, restarts, ranks, job)
+        _write_result(config, plan, losses, step_times, start, restarts, ranks, job)
     return EXIT_OK
 
 
-def _write_result(config: TrainConfig, plan: Any, losses: list[dict[str, float]], start: int,
-                  restarts: int, ranks: list[Any], job: JobInputs) -> None:
+def _write_result(config: TrainConfig, plan: Any, losses: list[dict[str, float]],
+                  step_times: list[float], start: int, restarts: int, ranks: list[Any],
+                  job: JobInputs) -> None:
+    """Rank 0's result JSON: losses, per-step seconds (``step_times_s``, this
+    attempt's steps), tokens per step, peak bytes per rank, the prediction."""
     memory = plan.predicted.get("memory_bytes_per_device", {})
     result = {
         "plan": os.path.abspath(config.plan), "model": plan.model["source"],
         "mesh": list(plan.mesh_shape), "world_size": plan.world_size,
         "start_step": start, "final_step": config.steps, "steps_run": len(losses),
         "final_loss": losses[-1]["loss"] if losses else None, "losses": losses,
+        "step_times_s": step_times, "tokens_per_step": job.tokens_per_step,
         "restarts": restarts,
         "resumed_from": job.resume_from.path if job.resume_from is not None else None,
         "predicted_peak_bytes_per_device": memory.get("peak"),

@@ -1,8 +1,9 @@
-"""Training progress: a JSON-lines log file and a console view.
+"""Training progress: a JSON-lines log file, a console view and step times.
 
 :class:`TrainingLog` is given every step; on logged steps it appends one JSON
 object to the log file and shows the step on the console (a rich progress bar on
-a terminal, one plain line per logged step otherwise).
+a terminal, one plain line per logged step otherwise). :class:`StepClock` times
+the steps without making the host wait for the device at each one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import json
 import math
 import os
 import sys
+import time
 from typing import Any, TextIO
+
+import torch
 
 #: The keys of every JSON line, in order.
 LOG_KEYS = ("step", "loss", "lr", "tokens_per_s", "mfu", "step_s", "grad_norm")
@@ -172,3 +176,47 @@ class TrainingLog:
             return line.split("  ", 1)[1]  # the bar shows the step count itself
         print(line, file=sys.stderr, flush=True)
         return None
+
+
+class StepClock:
+    """Seconds per training step, without a device synchronisation per step.
+
+    :meth:`tick` marks the end of a step (and the start of the next). On a GPU
+    each mark is a CUDA event in the device's stream, so a step's time is the
+    device's time from one mark to the next (including any wait for the host),
+    read only when asked; elsewhere the host's clock.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._unread: list[Any] = []  # marks not yet turned into seconds, and the last read
+        self._seconds: list[float] = []
+        self.tick()
+
+    def tick(self) -> None:
+        """Mark the end of the step that is being issued now."""
+        if self._cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        else:
+            mark = time.perf_counter()
+        self._unread.append(mark)
+
+    def restart(self) -> None:
+        """Start the next step's time now: what ran since the last mark (a
+        checkpoint save, say) is no step's."""
+        self.seconds()
+        self._unread = []
+        self.tick()
+
+    def seconds(self) -> list[float]:
+        """Every timed step's seconds so far (on a GPU this waits for the last mark)."""
+        marks = self._unread
+        if len(marks) > 1:
+            if self._cuda:
+                marks[-1].synchronize()
+                self._seconds += [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:])]
+            else:
+                self._seconds += [b - a for a, b in zip(marks, marks[1:])]
+            self._unread = marks[-1:]
+        return list(self._seconds)
