@@ -21,7 +21,13 @@ project need not be installed (this script puts the repository root on
    first ``--run-warmup``) and peak memory as ``codegen.rank_main`` reports them;
    with ``--check``, the main cases' ``planner run --check`` too (their first step
    against one process in the same precision on the same GPU).
-4. A table of predicted against measured step time and peak memory, ratios
+4. With ``--train N``, ``planner train`` of the first main case's plan
+   (:func:`training.launch.train`, the function behind the command) for N steps
+   on a token file of this repository's own text (bytes as token ids, AdamW,
+   warm-up and cosine decay): its median step time after ``--run-warmup``
+   steps, as tokens/s, against the plain loop's tokens/s for the same plan, and
+   its peak memory against the prediction.
+5. A table of predicted against measured step time and peak memory, ratios
    predicted / measured, and ``OUT/gpu_single.json`` with the machine (GPU name,
    torch, CUDA, driver, git commit) and everything measured. A failing case or
    phase is recorded with its one-line error and the script goes on.
@@ -285,6 +291,66 @@ def run_case(case: Case, run_warmup: int, run_steps: int, timeout_s: float,
             "rtol", "observed_match")}
 
 
+def _text_token_file(out_dir: str) -> str:
+    """A token file of this repository's own text (Markdown and Python sources,
+    ASCII bytes as token ids 0..127, so that any zoo vocabulary takes them): real
+    text that needs no tokenizer."""
+    import numpy as np
+
+    from training.data import write_token_file
+
+    chunks = []
+    for folder, dirs, files in os.walk(REPO_ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in sorted(files):
+            if name.endswith((".md", ".py")):
+                with open(os.path.join(folder, name), "rb") as src:
+                    chunks.append(np.frombuffer(src.read(), dtype=np.uint8))
+    text = np.concatenate(chunks)
+    path = os.path.join(out_dir, "train.bin")
+    write_token_file(path, text[text < 128].astype(np.uint16))
+    return path
+
+
+def train_case(case: Case, steps: int, warmup: int, out_dir: str) -> None:
+    """``planner train`` of the case's plan for ``steps`` steps; tokens/s from the
+    median step after ``warmup``, against the plain loop's (same batch)."""
+    import io
+
+    from training.config import TrainConfig
+    from training.launch import train
+
+    data = _text_token_file(out_dir)
+    result_path = os.path.join(out_dir, f"train_{case.name}.json")
+    config = TrainConfig(plan=case.plan_path, data=data, steps=steps, lr=3e-4,
+                         warmup=min(10, steps), grad_clip=1.0, log_every=10,
+                         log=os.path.join(out_dir, f"train_{case.name}.jsonl"),
+                         result_json=result_path)
+    t0 = time.perf_counter()
+    outcome = train(config, out=io.StringIO())
+    if outcome.returncode != 0:
+        raise RuntimeError(outcome.error or f"planner train exited {outcome.returncode}")
+    with open(result_path) as f:
+        res = json.load(f)
+    times = res["step_times_s"][warmup:] or res["step_times_s"]
+    step_s = statistics.median(times)
+    tokens = res["tokens_per_step"]
+    plain = (case.record.get("plain") or {}).get("step_time_s")
+    losses = [r["loss"] for r in res["losses"]]
+    case.record["train"] = {
+        "steps": steps, "warmup": warmup, "step_time_s": step_s, "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step_s,
+        "plain_tokens_per_s": tokens / plain if plain else None,
+        "tokens_per_s_over_plain": (plain / step_s) if plain else None,
+        "first_loss": losses[0] if losses else None, "final_loss": res.get("final_loss"),
+        "loss_every_10": losses[::10],
+        "peak_bytes": [r["peak_bytes"] for r in res["ranks"]],
+        "predicted_peak_bytes": res.get("predicted_peak_bytes_per_device"),
+        "data_tokens": os.path.getsize(data) // 2,
+        "wall_s": round(time.perf_counter() - t0, 2)}
+    os.remove(data)
+
+
 # --- report -------------------------------------------------------------------------
 
 def _ratio(pred: Any, meas: Any) -> float | None:
@@ -359,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-steps", type=int, default=4, help="planner run steps timed")
     ap.add_argument("--check", action="store_true",
                     help="planner run --check for the main (bf16-mixed) cases")
+    ap.add_argument("--train", type=int, default=0, metavar="N",
+                    help="also planner train N steps of the first main case's plan")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit, s")
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="wall-clock budget: phases that would start after it are skipped")
@@ -444,6 +512,22 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"planner run {c.name}: "
                       f"{st * 1e3 if st is not None else float('nan'):.1f} ms{verdict}",
                       flush=True)
+    # 5. planner train of the first main case
+    first = next((c for c in cases if c.main and c.plan is not None), None)
+    if args.train and first is not None:
+        if over_budget():
+            first.record.setdefault("errors", {})["train"] = "skipped: time budget"
+        else:
+            _guard(first.record, "train",
+                   lambda: train_case(first, args.train, args.run_warmup, args.out))
+            tr = first.record.get("train")
+            if tr:
+                ratio = tr["tokens_per_s_over_plain"]
+                print(f"planner train {first.name}: {tr['steps']} steps, "
+                      f"{tr['tokens_per_s']:,.0f} tokens/s (plain loop "
+                      f"{tr['plain_tokens_per_s'] or float('nan'):,.0f}; ratio "
+                      f"{ratio if ratio is not None else float('nan'):.3f}), loss "
+                      f"{tr['first_loss']:.3f} -> {tr['final_loss']:.3f}", flush=True)
     for c in cases:
         add_ratios(c.record)
     result["machine"] = _guard(result, "machine", lambda: machine(args.device))
