@@ -274,12 +274,12 @@ class ParallelModel:
         self._executor = executor
         self._pipeline = pipeline
         self._inputs = [InputSpec.of(t) for t in example_inputs]
-        self._zero1: list[StateShards] = []
-        if pipeline is not None:
-            for module, st in zip(pipeline.modules, pipeline.stage_plans):
-                if st.zero_stage == 1:
-                    self._zero1.append(StateShards(module.parameters(), pipeline.stage_mesh,
-                                                   st.zero_axis))
+        self._zero1: list[StateShards] = pipeline.zero1_shards() if pipeline is not None else []
+        #: whether :meth:`state_dict` handed out ZeRO-1 master values that may have
+        #: been written since the parameters forward reads were gathered from them
+        self._masters_exposed = False
+        #: id(parameter forward reads) -> its ZeRO-1 stage's shards
+        self._zero1_of = {id(p): z for z in self._zero1 for p in z.parameters()}
         sharded = {k: v for z in self._zero1 for k, v in z.stepped().items()}
         #: FQN -> (parameter, what the optimizer steps for it, that tensor's
         #: placements as a shard of the parameter, None where it is the parameter)
@@ -301,8 +301,23 @@ class ParallelModel:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's parameters by their original FQNs (DTensors of the
-        parameters' global shapes; a pipeline rank holds its stages' only)."""
-        return dict(self.named_parameters())
+        parameters' global shapes; a pipeline rank holds its stages' only), in
+        the master dtype: a ZeRO-1 stage under a mixed precision gives its fp32
+        master values (this rank's slices), not the bf16 parameters forward
+        reads. Written in place (a checkpoint or Hugging Face load), they reach
+        those parameters at the next :meth:`step` (every rank calls this, as
+        a DCP save or load does)."""
+        if any(z.mixed for z in self._zero1):
+            self._masters_exposed = True
+        return self._master_tensors()
+
+    def _master_tensors(self) -> dict[str, torch.Tensor]:
+        """FQN -> the parameter's master values (:meth:`state_dict`)."""
+        masters = {}
+        for fqn, p in self.named_parameters():
+            shards = self._zero1_of.get(id(p))
+            masters[fqn] = p if shards is None else shards.master_of(p)
+        return masters
 
     def forward_flops(self) -> float:
         """FLOPs of one step's forward over the global batch, as captured (the
@@ -328,6 +343,9 @@ class ParallelModel:
         a loop that reads it only now and then lets the host run ahead."""
         self.check_batch(batch)
         batch = tuple(self._to_device(t) for t in batch)
+        if self._masters_exposed:
+            self._gather_zero1()
+            self._masters_exposed = False
         if self._pipeline is not None:
             return self._pipeline_step(batch)
         return self._single_stage_step(batch)
@@ -369,7 +387,9 @@ class ParallelModel:
                   **kwargs: Any) -> torch.optim.Optimizer:
         """torch's ``optimizer_class(tensors, **kwargs)`` over what this rank
         updates: its parameters, and for ZeRO-1 stages its slices of them (the
-        updated slices are all-gathered after each ``step``). It is a plain torch
+        fp32 master slices under a mixed precision; after each ``step`` the
+        updated slices are cast to the compute dtype and all-gathered into the
+        parameters forward reads). It is a plain torch
         optimizer, so torch's LR schedulers drive it."""
         tensors = [tensor for _, tensor, _ in self._stepped.values()]
         opt = optimizer_class(tensors, **kwargs)
@@ -488,10 +508,11 @@ class ParallelModel:
 
     # ---------------------------------------------------------------- export
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """(FQN, whole parameter) of every parameter of the plan, one at a time:
-        whole on rank 0 (on the CPU), None on the other ranks. A collective that
-        every rank runs through to the end."""
-        here = dict(self.named_parameters())
+        """(FQN, whole parameter) of every parameter of the plan, one at a time,
+        in the master dtype (:meth:`state_dict`'s values): whole on rank 0 (on
+        the CPU), None on the other ranks. A collective that every rank runs
+        through to the end."""
+        here = self._master_tensors()
         for fqn, (owner, shape, dtype) in self._parameter_owners().items():
             full = None
             if fqn in here:
@@ -511,7 +532,7 @@ class ParallelModel:
     def _parameter_owners(self) -> dict[str, tuple[int, list[int], torch.dtype]]:
         """Every parameter FQN of the plan -> (the lowest rank holding it, its
         global shape, dtype), the same on every rank (a collective)."""
-        mine = {fqn: (list(p.shape), p.dtype) for fqn, p in self.named_parameters()}
+        mine = {fqn: (list(p.shape), p.dtype) for fqn, p in self._master_tensors().items()}
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         owners: dict[str, tuple[int, list[int], torch.dtype]] = {}

@@ -17,9 +17,12 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
   the stage's parameters under their model FQNs (so the schedule, FSDP2 and the
   optimizer see them) and, for ``zero_stage`` 2 or 3, is sharded with FSDP2
   ``fully_shard`` over the stage-mesh axis ``zero_axis`` (:func:`_fully_shard_stage`).
-  A ZeRO-1 stage keeps its parameters as placed; its optimizer
+  A ZeRO-1 stage keeps its parameters as placed (in the compute dtype under a
+  mixed precision) and holds their :class:`codegen.zero1.StateShards`
+  (``StageModule.zero1``: the master slices over ``zero_axis``, and the fp32
+  main gradients under a mixed precision); its optimizer
   (:class:`codegen.zero1.ShardedStateOptimizer`, from
-  :meth:`PipelineRuntime.make_optimizer`) shards their states over ``zero_axis``.
+  :meth:`PipelineRuntime.make_optimizer`) steps those slices.
 * :class:`PipelineRuntime` builds the stages (``torch.distributed.pipelining.
   PipelineStage``, static shapes) and the plan's schedule class
   (``costmodel.schedule_specs.SCHEDULE_SPECS``), and runs one step on the
@@ -47,7 +50,7 @@ from codegen.executor import PlanExecutor
 from codegen.program_inputs import Materialize
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.redistribution import redistribute
-from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer
+from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer, StateShards
 from costmodel.schedule_specs import schedule_spec
 from costmodel.strategy_cost import FSDP_STAGES
 from ir.placements import parse_placements, placement_str
@@ -175,6 +178,23 @@ class StageExecutor(PlanExecutor):
         for name in self._param_fqn:
             self._placeholders[name] = None
         self._params.clear()
+
+    def replace_parameters(self, replaced: dict[int, nn.Parameter]) -> None:
+        """Compute with other parameters: ``replaced`` maps ``id(parameter)``
+        of this executor's to the one to read instead (a ZeRO-1 stage's
+        compute-dtype parameters under a mixed precision). The program's state
+        dict lets go of the old ones too, so nothing holds them."""
+        for name, value in self._placeholders.items():
+            if id(value) in replaced:
+                self._placeholders[name] = replaced[id(value)]
+        state = self.ep.state_dict
+        for fqn, param in list(self._params.items()):
+            new = replaced.get(id(param))
+            if new is None:
+                continue
+            self._params[fqn] = new
+            if state.get(fqn) is param:
+                state[fqn] = new
 
     # ---- which part of the program
     def _runs_locally(self) -> bool:
@@ -386,12 +406,22 @@ class StageModule(nn.Module):
     and each forward views FSDP's unsharded parameter as the planned DTensor on
     the stage mesh whose gradient stays a pending sum on ``zero_axis`` (FSDP's
     reduce-scatter, with divide factor 1, does that sum).
+
+    With ``zero1`` (a ZeRO-1 stage's :class:`codegen.zero1.StateShards`, made
+    from the executor's parameters), the module holds and the executor reads
+    the parameters the shards give forward (compute-dtype copies under a
+    mixed precision; the fp32 ones are let go).
     """
 
-    def __init__(self, executor: StageExecutor, *, zero_axis: int | None = None):
+    def __init__(self, executor: StageExecutor, *, zero_axis: int | None = None,
+                 zero1: StateShards | None = None):
         super().__init__()
         self.executor = executor
         self.zero_axis = zero_axis
+        #: a ZeRO-1 stage's master slices and main gradients (None otherwise)
+        self.zero1 = zero1
+        if zero1 is not None:
+            executor.replace_parameters(zero1.replaced())
         self._placements: dict[str, tuple[Placement, ...]] = {}
         self._shapes: dict[str, tuple[torch.Size, tuple[int, ...]]] = {}
         for fqn, param in executor.named_parameters():
@@ -484,6 +514,29 @@ class _Stage(PipelineStage):
         self._executor.microbatch_index = int(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    # A ZeRO-1 stage under a mixed precision accumulates its micro-batches'
+    # gradients in fp32 main gradients: the split weight backward sets the
+    # bf16 ``grad`` without autograd's accumulation hook, so it is moved after
+    # each backward chunk, and the schedule's division by the micro-batch
+    # count applies to the main gradients too.
+    def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().backward_one_chunk(*args, **kwargs)
+        if self.submod.zero1 is not None:
+            self.submod.zero1.collect_grads()
+        return out
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().backward_weight_one_chunk(*args, **kwargs)
+        if self.submod.zero1 is not None:
+            self.submod.zero1.collect_grads()
+        return out
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        zero1 = self.submod.zero1
+        if zero1 is not None and zero1.mixed:
+            zero1.scale_grads(grad_scale_factor)
+        super().scale_grads(grad_scale_factor)
+
 
 def _stage_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     """The pipeline's loss function: the last stage already outputs the micro-batch loss."""
@@ -545,7 +598,13 @@ class PipelineRuntime:
             executor = StageExecutor(plan, st, model, microbatch, stage_mesh, program=program,
                                      materialize=materialize)
             fsdp = st.zero_stage in FSDP_STAGES
-            module = StageModule(executor, zero_axis=st.zero_axis if fsdp else None)
+            zero1 = None
+            if st.zero_stage == 1:
+                zero1 = StateShards(executor.parameters(), stage_mesh, st.zero_axis,
+                                    compute_dtype=plan.precision.compute_dtype,
+                                    grad_dtype=plan.precision.reduce_dtype)
+            module = StageModule(executor, zero_axis=st.zero_axis if fsdp else None,
+                                 zero1=zero1)
             if fsdp:
                 _fully_shard_stage(module, st, plan, stage_mesh[names[st.zero_axis]]
                                    if len(names) > 1 else stage_mesh)
@@ -606,10 +665,10 @@ class PipelineRuntime:
         FSDP2's (ZeRO-2/3), and a :class:`codegen.zero1.ShardedStateOptimizer`
         around it for each ZeRO-1 stage, which reduces that stage's gradients
         itself in its ``step``."""
-        plain = [p for module, st in zip(self.modules, self.stage_plans) if st.zero_stage != 1
+        plain = [p for module in self.modules if module.zero1 is None
                  for p in module.parameters()]
-        zero1 = [ShardedStateOptimizer(module.parameters(), self.stage_mesh, st.zero_axis, make)
-                 for module, st in zip(self.modules, self.stage_plans) if st.zero_stage == 1]
+        zero1 = [ShardedStateOptimizer(module.zero1, make)
+                 for module in self.modules if module.zero1 is not None]
         return OptimizerGroup(([make(plain)] if plain else []) + zero1)
 
     def sync_grads(self) -> int:
@@ -630,10 +689,15 @@ class PipelineRuntime:
         """Every parameter gradient of this rank's stages as a full tensor (a collective
         over each stage's mesh: every rank of it must call this)."""
         out: dict[str, torch.Tensor | None] = {}
-        for fqn, p in self.named_parameters():
-            g = p.grad
-            out[fqn] = g.full_tensor() if isinstance(g, DTensor) else g
+        for module in self.modules:
+            for fqn, p in module.named_parameters():
+                g = p.grad if module.zero1 is None else module.zero1.pending_grad(p)
+                out[fqn] = g.full_tensor() if isinstance(g, DTensor) else g
         return out
+
+    def zero1_shards(self) -> list[StateShards]:
+        """The :class:`codegen.zero1.StateShards` of this rank's ZeRO-1 stages."""
+        return [m.zero1 for m in self.modules if m.zero1 is not None]
 
     @property
     def is_stage_leader(self) -> bool:

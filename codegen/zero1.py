@@ -1,36 +1,52 @@
 """ZeRO-1 for a pipeline stage: optimizer states sharded over one stage-mesh axis.
 
-What Megatron-LM's distributed optimizer does, with DTensor collectives:
+What Megatron-LM's distributed optimizer does, with DTensor collectives.
+
+Without a mixed precision (fp32, bf16: the parameters are in the dtype the
+optimizer updates):
 
 * the stage's parameters stay whole (as the plan places them) for forward and
   backward; their gradient sums over the ZeRO axis stay pending (DTensor
   ``Partial``) through all micro-batches;
 * at the step, each parameter replicated on the ZeRO axis has its gradient
   reduce-scattered over that axis (``Partial -> Shard(d)``), the optimizer
-  updates this rank's slice of the parameter in place (its states exist for
-  that slice only), and the updated slices are all-gathered back into the
-  whole parameter (``Shard(d) -> Replicate``);
+  updates this rank's slice of the parameter in place (plain tensors that
+  alias slices of the parameters' local tensors, so no copy exists; its
+  states exist for that slice only), and the updated slices are all-gathered
+  back into the whole parameter (``Shard(d) -> Replicate``);
 * a parameter the plan already shards on the ZeRO axis (an expert weight
   under expert parallelism) has states for its own shard only; its gradient
   is brought to its placements and it is updated as it is.
 
-The optimizer itself is torch's (any element-wise one: SGD, AdamW); it steps
-plain tensors that alias slices of the parameters' local tensors, so no copy
-of the master parameters is kept. Memory: whole parameters and gradients in
-the master dtype, optimizer states ``1/n`` of the axis: what
-:class:`costmodel.strategy_cost.IntraOpCost` prices at ``zero_stage`` 1 in
-fp32 and bf16. Under a mixed precision the cost model prices Megatron's
-layout (:func:`costmodel.memory.training_state_bytes`: bf16 parameters
-whole, the fp32 master copy only as each rank's slice, 6 + 12/n bytes per
-parameter with Adam), and this runtime does not hold it yet: it keeps the
-fp32 parameters whole and reads a bf16 copy of each per forward (10 + 8/n
-bytes, 4 - 4/n more than priced).
+Under a mixed precision (bf16-mixed), Megatron's layout:
+
+* the parameters forward reads are in the compute dtype (bf16), whole as
+  placed; the master copy in the master dtype (fp32) exists only as this
+  rank's slice (or, for a parameter sharded on the ZeRO axis, as its shard),
+  and the optimizer steps it;
+* each micro-batch's compute-dtype gradient is added into a main gradient in
+  the reduction dtype (fp32 by default) as soon as autograd accumulates it
+  (a post-accumulate-grad hook, Megatron's ``main_grad``; the split weight
+  backward of the zero-bubble schedules sets ``grad`` without the hook and
+  :meth:`StateShards.collect_grads` moves it after each backward chunk), so
+  micro-batches accumulate in fp32 and the bf16 gradient lives one parameter
+  at a time;
+* at the step the main gradient is reduce-scattered in the reduction dtype
+  into the master slice's ``grad``, the optimizer updates the master slices,
+  and each updated slice is cast to bf16 and all-gathered into the bf16
+  parameter.
+
+The optimizer itself is torch's (any element-wise one: SGD, AdamW). Bytes per
+parameter with Adam on an axis of n ranks: 4 + 4 + 8/n (fp32), 2 + 2 + 4/n
+(bf16), 2 (bf16 parameter) + 4 (fp32 main gradient) + (4 + 8)/n (fp32 master
+slice and moments) = 6 + 12/n under bf16-mixed: what
+:func:`costmodel.memory.training_state_bytes` prices at ``zero_stage`` 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -65,25 +81,49 @@ def _shard_dim(shape: Sequence[int], parts: int, taken: set[int]) -> int | None:
     return next((d for d in free if shape[d] >= parts), free[0] if free else None)
 
 
-@dataclass
-class _ShardedParam:
-    """A parameter replicated on the ZeRO axis, and this rank's slice of it."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (not an autograd view), or the tensor itself."""
+    with torch.no_grad():
+        return t.to_local() if isinstance(t, DTensor) else t
 
-    param: DTensor
-    local: torch.Tensor  # the parameter's local tensor (whole on the ZeRO axis)
-    dim: int  # the dimension the slices are cut along
-    slice: nn.Parameter  # aliases this rank's slice of ``local``; what the optimizer steps
-    placements: tuple[Placement, ...]  # the slice's as a shard of the whole parameter
+
+@dataclass(eq=False)
+class _Entry:
+    """One parameter of a ZeRO-1 stage and what the optimizer steps for it."""
+
+    param: nn.Parameter  # what forward reads, as the plan places it (compute dtype if mixed)
+    master: torch.Tensor  # what the optimizer steps: this rank's slice, or a whole tensor
+    dim: int | None  # the dimension the slices are cut along; None: stepped whole
+    #: the master's placements as a shard of the parameter on the stage mesh
+    #: (None where the master is placed as the parameter is)
+    placements: tuple[Placement, ...] | None
+    #: mixed precision: the micro-batches' gradient sum (local tensor, reduction
+    #: dtype) and its DTensor placements; None until the first gradient
+    main_grad: torch.Tensor | None = None
+    grad_placements: tuple[Placement, ...] | None = None
+    hooks: list[Any] = field(default_factory=list)
 
 
 class StateShards:
     """ZeRO-1's slices of one stage's parameters over stage-mesh axis
-    ``zero_axis`` (see the module docstring): what an optimizer steps instead
-    of the parameters (:meth:`tensors`), the gradient reduce-scatter into the
-    slices (:meth:`reduce_grads`) and the all-gather of the updated slices
-    (:meth:`gather_params`)."""
+    ``zero_axis`` (see the module docstring).
 
-    def __init__(self, params: Iterable[nn.Parameter], mesh: DeviceMesh, zero_axis: int):
+    Args:
+        params: the stage's parameters as the plan places them (DTensors on
+            ``mesh``), in the master dtype.
+        mesh: the stage mesh.
+        zero_axis: the axis the optimizer states are sharded over.
+        compute_dtype: the dtype forward reads the parameters in; where it
+            differs from theirs (a mixed precision) the parameters are replaced
+            by compute-dtype ones (:meth:`parameters`, :meth:`replaced`) and the
+            master values are kept only as this rank's slices.
+        grad_dtype: the dtype micro-batch gradients are accumulated and
+            reduced in under a mixed precision (the plan's ``reduce_dtype``).
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], mesh: DeviceMesh, zero_axis: int, *,
+                 compute_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype | None = None):
         names = mesh.mesh_dim_names
         if mesh.ndim > 1 and not names:
             raise ValueError("ZeRO-1 on a multi-axis stage mesh needs named mesh axes")
@@ -91,42 +131,148 @@ class StateShards:
         self.axis_mesh = mesh[names[zero_axis]] if mesh.ndim > 1 else mesh
         self.zero_axis = zero_axis
         self.parts = self.axis_mesh.size()
-        coordinate = self.axis_mesh.get_local_rank()
-        self.params = list(params)
-        self.sharded: list[_ShardedParam] = []
-        self.whole: list[nn.Parameter] = []
-        for p in self.params:
-            dim = None
-            if isinstance(p, DTensor) and p.placements[zero_axis].is_replicate() and p.dim() > 0:
-                taken = {q.dim for i, q in enumerate(p.placements)
-                         if i != zero_axis and isinstance(q, Shard)}
-                dim = _shard_dim(p.to_local().shape, self.parts, taken)
-            if dim is None:
-                self.whole.append(p)
-                continue
-            with torch.no_grad():
-                local = p.to_local()  # the local tensor itself, not an autograd view
-            start, length = slice_bounds(local.shape[dim], self.parts, coordinate)
-            piece = nn.Parameter(local.narrow(dim, start, length), requires_grad=False)
-            placements = list(p.placements)
-            placements[zero_axis] = Shard(dim)
-            self.sharded.append(_ShardedParam(p, local, dim, piece, tuple(placements)))
+        self._coordinate = self.axis_mesh.get_local_rank()
+        params = list(params)
+        self.mixed = compute_dtype is not None and any(
+            p.is_floating_point() and p.dtype != compute_dtype for p in params)
+        self.compute_dtype = compute_dtype
+        self.grad_dtype = grad_dtype or compute_dtype
+        self.entries: list[_Entry] = []
+        #: id(the parameter given) -> the parameter forward reads instead (mixed precision)
+        self._replaced: dict[int, nn.Parameter] = {}
+        for p in params:
+            entry = self._entry(p)
+            self.entries.append(entry)
+            if entry.param is not p:
+                self._replaced[id(p)] = entry.param
+        if self.mixed:
+            for entry in self.entries:
+                entry.hooks.append(entry.param.register_post_accumulate_grad_hook(
+                    lambda _p, e=entry: self._accumulate(e)))
+        self._by_param = {id(e.param): e for e in self.entries}
+
+    def _entry(self, p: nn.Parameter) -> _Entry:
+        dim = None
+        if isinstance(p, DTensor) and p.placements[self.zero_axis].is_replicate() and p.dim() > 0:
+            taken = {q.dim for i, q in enumerate(p.placements)
+                     if i != self.zero_axis and isinstance(q, Shard)}
+            dim = _shard_dim(_local(p).shape, self.parts, taken)
+        local = _local(p)
+        placements = None
+        if dim is None:
+            master = p.detach() if self.mixed else p
+        else:
+            start, length = slice_bounds(local.shape[dim], self.parts, self._coordinate)
+            master = local.narrow(dim, start, length)  # aliases the parameter's slice
+            if self.mixed:
+                master = master.clone()  # the fp32 parameter itself is let go
+            full = list(p.placements)
+            full[self.zero_axis] = Shard(dim)
+            placements = tuple(full)
+        if self.mixed:
+            master = nn.Parameter(master, requires_grad=False)
+            param = nn.Parameter(self._compute_copy(p), requires_grad=p.requires_grad)
+        else:
+            param = p
+            if dim is not None:
+                master = nn.Parameter(master, requires_grad=False)
+        return _Entry(param, master, dim, placements)
+
+    def _compute_copy(self, p: nn.Parameter) -> torch.Tensor:
+        """``p``'s values in the compute dtype, placed as ``p``."""
+        with torch.no_grad():
+            local = _local(p).to(self.compute_dtype)
+            if not isinstance(p, DTensor):
+                return local
+            return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                      shape=p.shape, stride=p.stride())
+
+    # ------------------------------------------------------------ what is held
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters forward reads, in the order given."""
+        return [e.param for e in self.entries]
+
+    def replaced(self) -> dict[int, nn.Parameter]:
+        """``id(parameter given)`` -> the compute-dtype parameter that forward
+        reads instead (empty without a mixed precision)."""
+        return dict(self._replaced)
 
     def tensors(self) -> list[torch.Tensor]:
-        """What an optimizer steps: every slice, then the parameters kept whole."""
-        return [s.slice for s in self.sharded] + self.whole
+        """What an optimizer steps: the master slices, then the masters kept whole."""
+        return ([e.master for e in self.entries if e.dim is not None]
+                + [e.master for e in self.entries if e.dim is None])
 
     def stepped(self) -> dict[int, tuple[torch.Tensor, tuple[Placement, ...] | None]]:
-        """``id(parameter)`` -> (the tensor the optimizer steps for it, that
-        tensor's placements as a shard of the parameter on the stage mesh; None
-        for a parameter stepped whole)."""
-        out = {id(s.param): (s.slice, s.placements) for s in self.sharded}
-        out.update({id(p): (p, None) for p in self.whole})
-        return out
+        """``id(parameter forward reads)`` -> (the tensor the optimizer steps for
+        it, that tensor's placements as a shard of the parameter on the stage
+        mesh; None where it is placed as the parameter)."""
+        return {id(e.param): (e.master, e.placements) for e in self.entries}
 
-    def _reduce_scatter(self, entry: _ShardedParam) -> torch.Tensor:
-        """This rank's slice of the parameter's gradient, summed over the ZeRO axis."""
+    def master_of(self, param: nn.Parameter) -> torch.Tensor:
+        """The master values of ``param`` (one forward reads): a DTensor of its
+        global shape in the master dtype (fp32 under bf16-mixed), this rank
+        holding its slice; ``param`` itself without a mixed precision. Written
+        in place (a checkpoint load), they reach the parameter at the next
+        :meth:`gather_params`."""
+        entry = self._by_param[id(param)]
+        if not self.mixed or entry.placements is None:
+            return entry.master if self.mixed else param
+        return DTensor.from_local(entry.master, param.device_mesh, entry.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+
+    # ------------------------------------------------------------- gradients
+    def _accumulate(self, entry: _Entry) -> None:
+        """Move the parameter's compute-dtype gradient into its main gradient
+        (reduction dtype), keeping its pending placements."""
         grad = entry.param.grad
+        if grad is None:
+            return
+        entry.param.grad = None
+        if isinstance(grad, DTensor):
+            if entry.grad_placements is None:
+                entry.grad_placements = tuple(grad.placements)
+            elif tuple(grad.placements) != entry.grad_placements:
+                grad = redistribute(grad, grad.device_mesh, entry.grad_placements)
+            grad = grad.to_local()
+        if entry.main_grad is None:
+            entry.main_grad = grad.to(self.grad_dtype)
+        else:
+            entry.main_grad.add_(grad)
+
+    @torch.no_grad()
+    def collect_grads(self) -> None:
+        """Move gradients set without autograd's accumulation (the zero-bubble
+        schedules' weight backward) into the main gradients (mixed precision;
+        nothing otherwise)."""
+        if self.mixed:
+            for entry in self.entries:
+                self._accumulate(entry)
+
+    @torch.no_grad()
+    def scale_grads(self, factor: float) -> None:
+        """Divide the main gradients by ``factor`` (the schedule's division of
+        the micro-batches' sum, which it applies to ``param.grad``)."""
+        self.collect_grads()
+        for entry in self.entries:
+            if entry.main_grad is not None:
+                entry.main_grad.div_(factor)
+
+    def pending_grad(self, param: nn.Parameter) -> torch.Tensor | None:
+        """``param``'s gradient summed over this step's micro-batches, before
+        the step's reduction (a DTensor of pending sums, in the reduction dtype
+        under a mixed precision); None if it has none."""
+        entry = self._by_param[id(param)]
+        if not self.mixed:
+            return param.grad
+        if entry.main_grad is None:
+            return None
+        if entry.grad_placements is None:
+            return entry.main_grad
+        return DTensor.from_local(entry.main_grad, param.device_mesh, entry.grad_placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+
+    def _reduce_scatter(self, entry: _Entry, grad: DTensor) -> torch.Tensor:
+        """This rank's slice of ``grad`` (the parameter's), summed over the ZeRO axis."""
         pending = grad.placements[self.zero_axis]
         want = list(entry.param.placements)
         want[self.zero_axis] = pending if pending.is_partial() else Replicate()
@@ -135,53 +281,66 @@ class StateShards:
         on_axis = DTensor.from_local(grad.to_local(), self.axis_mesh, [want[self.zero_axis]],
                                      run_check=False)
         piece = on_axis.redistribute(self.axis_mesh, [Shard(entry.dim)]).to_local()
-        if piece.shape != entry.slice.shape:
-            raise RuntimeError(f"ZeRO-1: DTensor split a gradient of {tuple(entry.local.shape)} "
+        if piece.shape != entry.master.shape:
+            raise RuntimeError(f"ZeRO-1: DTensor split a gradient of {tuple(grad.shape)} "
                                f"into {tuple(piece.shape)} on this rank, the parameter slice is "
-                               f"{tuple(entry.slice.shape)}")
-        return piece.to(entry.slice.dtype)
+                               f"{tuple(entry.master.shape)}")
+        return piece.to(entry.master.dtype)
 
     @torch.no_grad()
     def reduce_grads(self) -> int:
-        """Reduce-scatter each sliced parameter's gradient into its slice's
-        ``grad`` (the parameter's own is dropped) and bring the gradients of the
-        parameters kept whole to their placements; returns how many moved."""
+        """Reduce-scatter each sliced parameter's gradient into its master
+        slice's ``grad`` and bring the gradients of the parameters stepped whole
+        to their placements (into the master's ``grad`` under a mixed
+        precision); the parameters' own gradients are dropped. Returns how many
+        moved."""
+        self.collect_grads()
         reduced = 0
-        for entry in self.sharded:
-            if entry.param.grad is not None:
-                entry.slice.grad = self._reduce_scatter(entry)
-                entry.param.grad = None
+        for entry in self.entries:
+            grad = self.pending_grad(entry.param)
+            if grad is None:
+                continue
+            entry.param.grad, entry.main_grad, entry.grad_placements = None, None, None
+            if entry.dim is not None:
+                entry.master.grad = self._reduce_scatter(entry, grad)
                 reduced += 1
-        for p in self.whole:
-            if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-                p.grad = redistribute(p.grad, p.device_mesh, p.placements)
+                continue
+            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(
+                    entry.param.placements):
+                grad = redistribute(grad, grad.device_mesh, entry.param.placements)
                 reduced += 1
+            entry.master.grad = grad.to(entry.master.dtype)
         return reduced
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Write every rank's updated slice back into the whole local parameters."""
-        for entry in self.sharded:
-            local = entry.local
-            sliced = DTensor.from_local(entry.slice.detach(), self.axis_mesh, [Shard(entry.dim)],
+        """Write every rank's updated master slice into the parameters forward
+        reads (cast to the compute dtype first under a mixed precision, so the
+        all-gather moves bf16)."""
+        for entry in self.entries:
+            local = _local(entry.param)
+            if entry.dim is None:
+                if self.mixed:
+                    local.copy_(_local(entry.master))
+                continue
+            piece = entry.master.detach().to(local.dtype)
+            sliced = DTensor.from_local(piece, self.axis_mesh, [Shard(entry.dim)],
                                         run_check=False, shape=local.shape, stride=local.stride())
             local.copy_(sliced.redistribute(self.axis_mesh, [Replicate()]).to_local())
 
     def zero_grad(self) -> None:
-        for entry in self.sharded:
-            entry.slice.grad = None
-        for p in self.params:
-            p.grad = None
+        for entry in self.entries:
+            entry.master.grad = None
+            entry.param.grad = None
+            entry.main_grad, entry.grad_placements = None, None
 
 
 class ShardedStateOptimizer:
-    """ZeRO-1 over stage-mesh axis ``zero_axis`` of the parameters ``params``
-    (DTensors on ``mesh``): see the module docstring. ``make`` builds torch's
-    optimizer over :meth:`StateShards.tensors`."""
+    """ZeRO-1 over one stage's :class:`StateShards`: see the module docstring.
+    ``make`` builds torch's optimizer over :meth:`StateShards.tensors`."""
 
-    def __init__(self, params: Iterable[nn.Parameter], mesh: DeviceMesh, zero_axis: int,
-                 make: MakeOptimizer):
-        self.shards = StateShards(params, mesh, zero_axis)
+    def __init__(self, shards: StateShards, make: MakeOptimizer):
+        self.shards = shards
         tensors = self.shards.tensors()
         self.optimizers = [make(tensors)] if tensors else []
 

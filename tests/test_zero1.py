@@ -113,3 +113,117 @@ def test_plan_picks_zero1_in_fp32_and_bf16_mixed_on_two_ranks():
     assert fp32.predicted["step_time_s"] == pytest.approx(fsdp.predicted["step_time_s"])
     with pytest.raises(PlanningError, match="ZeRO stages must be 0"):
         plan(model, "local-cpu:4", zero_stages=[4], **kwargs)
+
+
+# ------------------------------------------------ bf16-mixed: Megatron's layout, run
+def _mixed_zero1_plan(pp: int, stage_mesh: tuple[int, ...], megatron: tuple[int, int],
+                      schedule: str = "1f1b"):
+    """A bf16-mixed ZeRO-1 pipeline plan of the 8-block GPT on 4 CPU ranks, the
+    Megatron layout ``megatron=(tp, dp)`` pinned on every stage."""
+    from codegen.launch import REPO_ROOT
+    from planner.api import pipeline_plan
+    from planner.megatron_layout import MegatronConfig, megatron_layout
+
+    source = f"{REPO_ROOT}/tests/pipeline_model.py:gpt8"
+    model, inputs = build_model(source, device="meta")
+    fixed = megatron_layout(trace(model, inputs), MegatronConfig(*megatron))
+    plan = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=pp,
+                         stage_mesh=stage_mesh, schedule=schedule, num_microbatches=2,
+                         zero_stage=1, model_source=source, time_limit_s=5.0, fixed=fixed,
+                         precision="bf16-mixed")
+    assert plan.precision.name == "bf16-mixed"
+    assert all((st.zero_stage, st.zero_axis) == (1, 0) for st in plan.pipeline.stages)
+    return plan
+
+
+def _check_mixed(plan, tmp_path) -> dict:
+    """Three AdamW steps at lr 1e-2 against one bf16-mixed process: the loss of
+    every step (a stale or wrongly cast parameter would show in the next one)
+    and every gradient of the first, within bf16-mixed's tolerance."""
+    from codegen.launch import launch
+    from codegen.reference import check_tolerance
+
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    result = launch(path, check=True, steps=3, optimizer="adamw", lr=1e-2, timeout_s=240)
+    assert result["passed"], result.get("output")
+    assert result["rtol"] == check_tolerance("bf16-mixed")
+    assert result["max_loss_rel_err"] <= result["rtol"] and len(result["losses"]) == 3
+    assert result["max_rel_grad_err"] <= result["rtol"]
+    assert result["num_params_checked"] == 101 and not result["missing_grads"]
+    assert result["grad_reductions"] == result["num_params_checked"]
+    assert result["losses"][2] < result["losses"][0]
+    return result
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_zero1_pp2_matches_one_process(tmp_path):
+    """pp=2, data-parallel stages of 2: bf16 parameters, fp32 main gradients
+    and master slices (:class:`codegen.zero1.StateShards`), against one process."""
+    _check_mixed(_mixed_zero1_plan(2, (2,), (1, 2)), tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_zero1_on_a_2x2_mesh_matches_one_process(tmp_path):
+    """pp=1 on a 2x2 stage mesh: ZeRO-1 over the data-parallel axis 0 while
+    axis 1 shards the weights (tensor parallelism), so the master slices are
+    cut along a dimension the other axis leaves whole."""
+    plan = _mixed_zero1_plan(1, (2, 2), (2, 2))
+    assert {"S(0)", "S(1)"} <= {p[1] for p in plan.parameters.values()}
+    _check_mixed(plan, tmp_path)
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    """A 1-D mesh of this process alone (gloo)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_mixed_shards_hold_bf16_parameters_and_accumulate_in_fp32(one_rank_mesh):
+    """Under bf16-mixed the parameter forward reads is bf16 and the fp32 values
+    live only in the master slice; micro-batch gradients add up in fp32 whether
+    autograd accumulates them (the post-accumulate-grad hook) or a schedule's
+    weight backward sets ``grad`` (:meth:`StateShards.collect_grads`): 1 + 2^-9
+    is exact in fp32 and rounds to 1 in bf16. The step writes bf16(master) back."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from codegen.zero1 import ShardedStateOptimizer, StateShards
+
+    master = torch.tensor([[1.0 + 2 ** -10, 3.0], [0.5, -2.0]])
+    fp32 = nn.Parameter(distribute_tensor(master.clone(), one_rank_mesh, [Replicate()]))
+    shards = StateShards([fp32], one_rank_mesh, 0, compute_dtype=torch.bfloat16,
+                         grad_dtype=torch.float32)
+    (param,) = shards.parameters()
+    assert shards.mixed and shards.replaced() == {id(fp32): param}
+    assert param.dtype == torch.bfloat16 and isinstance(param, DTensor)
+    (stepped,) = shards.tensors()
+    assert stepped.dtype == torch.float32 and torch.equal(stepped, master)
+    assert stepped.data_ptr() != fp32.to_local().data_ptr()  # a copy: the fp32 one is let go
+    held = shards.master_of(param)
+    assert held.dtype == torch.float32 and torch.equal(held.full_tensor(), master)
+
+    (param * torch.ones_like(param)).sum().backward()  # gradient 1 through autograd
+    assert param.grad is None  # moved into the fp32 main gradient by the hook
+    param.grad = distribute_tensor(torch.full((2, 2), 2 ** -9, dtype=torch.bfloat16),
+                                   one_rank_mesh, [Replicate()])  # a split weight backward
+    shards.collect_grads()
+    pending = shards.pending_grad(param)
+    assert pending.dtype == torch.float32
+    assert torch.equal(pending.full_tensor(), torch.full((2, 2), 1.0 + 2 ** -9))
+    shards.scale_grads(2)  # the schedule's mean over 2 micro-batches
+
+    opt = ShardedStateOptimizer(shards, lambda ts: torch.optim.SGD(ts, lr=1.0))
+    assert opt.step() == 1
+    want = master - (1.0 + 2 ** -9) / 2
+    assert torch.equal(stepped, want)
+    assert torch.equal(param.to_local(), want.to(torch.bfloat16))
+    assert torch.equal(shards.master_of(param).full_tensor(), want)
