@@ -65,11 +65,45 @@ def test_published_configs():
     assert (c.n_layer, c.n_embd, c.n_head, c.block_size, c.vocab_size) == (12, 768, 12, 1024, 50257)
     c = zoo.config("llama3-8b")
     assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size, c.max_seq_len) == (
-        32, 4096, 32, 8, 14336, 128256, 8192)
+        32, 4096, 32, 8, 14336, 128256, 131072)
     assert zoo.describe("llama3-8b")["seq_len"] == 2048
     assert round(zoo.config("llama3-8b").num_params() / 1e9, 2) == 8.03
     assert round(zoo.config("llama3-70b").num_params() / 1e9, 1) == 70.6
     assert round(zoo.config("gpt3-175b").num_params() / 1e9) == 175
+    c = zoo.config("llama3-405b")
+    assert (c.n_layers, c.dim, c.n_heads, c.n_kv_heads, c.ffn_dim, c.vocab_size) == (
+        126, 16384, 128, 8, 53248, 128256)
+    assert round(c.num_params() / 1e9) == 406  # Meta's "405B" (405.9e9 with the head)
+
+
+def test_llama3_takes_llama31_context_on_meta():
+    """Every zoo Llama 3 accepts 131,072 tokens (Llama 3.1's context), not one more;
+    building the 405B at that length on meta allocates nothing and is quick."""
+    import time
+    for name in ("llama3-8b", "llama3-70b", "llama3-405b"):
+        assert zoo.config(name).max_seq_len == 131072
+        assert zoo.config(name).rope_scaling is not None
+    t0 = time.perf_counter()
+    model, (idx, targets) = zoo.build("llama3-405b", batch_size=1, seq_len=131072)
+    assert idx.shape == (1, 131072) and idx.device.type == "meta"
+    assert time.perf_counter() - t0 < 30
+    with pytest.raises(zoo.ExampleStepError):
+        zoo.build("llama3-8b", seq_len=131073)
+
+
+def test_llama31_rope_scaling_matches_the_reference_bands():
+    """Llama 3.1's scaling keeps the short wavelengths, divides the long ones by
+    the factor (8) and interpolates between (Meta's reference ``apply_scaling``)."""
+    import math
+    from ir.zoo.llama import LLAMA31_ROPE_SCALING as s
+    inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    out = s.apply(inv)
+    wavelen = 2 * math.pi / inv
+    short, long_ = wavelen < 8192 / 4, wavelen > 8192
+    assert torch.equal(out[short], inv[short])
+    assert torch.allclose(out[long_], inv[long_] / 8)
+    mid = ~short & ~long_
+    assert mid.any() and bool(((out[mid] <= inv[mid]) & (out[mid] >= inv[mid] / 8)).all())
 
 
 def test_batch_seq_and_dtype_overrides():

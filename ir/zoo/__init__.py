@@ -66,6 +66,13 @@ def _gpt3(n_layer: int, n_embd: int, n_head: int) -> _Entry:
     return _Entry(GPTConfig(n_layer, n_embd, n_head, vocab_size=50257, block_size=2048), 8, 2048)
 
 
+def _llama3(n_layers: int, dim: int, n_heads: int, ffn_dim: int) -> _Entry:
+    return _Entry(LlamaConfig(n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=8,
+                              ffn_dim=ffn_dim, vocab_size=128256, max_seq_len=131072,
+                              rope_theta=500000.0, rope_scaling=llama.LLAMA31_ROPE_SCALING),
+                  8, 2048)
+
+
 _REGISTRY: dict[str, _Entry] = {
     # GPT-2 (Radford et al. 2019).
     "gpt2": _gpt2(12, 768, 12),
@@ -80,13 +87,12 @@ _REGISTRY: dict[str, _Entry] = {
     "gpt3-13b": _gpt3(40, 5120, 40),
     "gpt3-39b": _gpt3(48, 8192, 64),
     "gpt3-175b": _gpt3(96, 12288, 96),
-    # LLaMA 3 (Meta 2024); traced at 2048 tokens by default, 8192 supported.
-    "llama3-8b": _Entry(LlamaConfig(n_layers=32, dim=4096, n_heads=32, n_kv_heads=8,
-                                    ffn_dim=14336, vocab_size=128256, max_seq_len=8192,
-                                    rope_theta=500000.0), 8, 2048),
-    "llama3-70b": _Entry(LlamaConfig(n_layers=80, dim=8192, n_heads=64, n_kv_heads=8,
-                                     ffn_dim=28672, vocab_size=128256, max_seq_len=8192,
-                                     rope_theta=500000.0), 8, 2048),
+    # Llama 3.1 (Meta 2024, "The Llama 3 Herd of Models", table 3): 131,072 tokens of
+    # context (rope theta 500,000 with Llama 3.1's frequency scaling); traced at 2048
+    # tokens by default, --seq-len up to 131,072.
+    "llama3-8b": _llama3(32, 4096, 32, 14336),
+    "llama3-70b": _llama3(80, 8192, 64, 28672),
+    "llama3-405b": _llama3(126, 16384, 128, 53248),
     # Mixtral-8x7B-like shape with GPT blocks and GELU experts: ~32.5B parameters.
     "moe-8x": _Entry(MoEConfig(n_layer=32, n_embd=4096, n_head=32, n_expert=8,
                                expert_hidden=14336, vocab_size=32000, block_size=4096,

@@ -41,6 +41,9 @@ class LlamaConfig:
         max_seq_len: longest supported sequence, in tokens.
         rope_theta: rotary base frequency.
         norm_eps: RMSNorm epsilon.
+        rope_scaling: Llama 3.1's rotary frequency scaling (``rope_type: llama3`` of
+            its released ``config.json``), or None for plain RoPE; see
+            :class:`RopeScaling`.
     """
 
     n_layers: int
@@ -52,6 +55,7 @@ class LlamaConfig:
     max_seq_len: int = 8192
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    rope_scaling: "RopeScaling | None" = None
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -81,6 +85,37 @@ class LlamaConfig:
         return float(self.n_layers * per_layer + 2 * b * s * h * self.vocab_size)
 
 
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's scaling of the rotary frequencies (``rope_scaling`` with
+    ``rope_type: "llama3"`` in Meta's released ``config.json``), which takes the
+    8,192-token Llama 3 to 131,072 tokens: wavelengths (in tokens) shorter than
+    ``original_max_seq_len / high_freq_factor`` keep their frequency, those longer
+    than ``original_max_seq_len / low_freq_factor`` are divided by ``factor``,
+    and the ones between are interpolated smoothly."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (radians per token) of ``inv_freq``."""
+        low_wavelen = self.original_max_seq_len / self.low_freq_factor
+        high_wavelen = self.original_max_seq_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (self.original_max_seq_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor)
+        mid = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        out = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        between = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return torch.where(between, mid, out)
+
+
+#: Llama 3.1's rotary scaling (131,072 tokens of context).
+LLAMA31_ROPE_SCALING = RopeScaling()
+
+
 class RMSNorm(nn.Module):
     """``x * rsqrt(mean(x^2, -1) + eps) * weight`` over the last dimension."""
 
@@ -95,13 +130,17 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(seq_len: int, head_dim: int, theta: float,
                  device: torch.device | str | None = None,
-                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype = torch.float32,
+                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each [seq_len, head_dim // 2].
 
-    Angle of position ``p`` and pair ``i`` is ``p * theta^(-2i / head_dim)`` (radians).
+    Angle of position ``p`` and pair ``i`` is ``p * theta^(-2i / head_dim)`` (radians),
+    the frequency ``theta^(-2i / head_dim)`` scaled by ``scaling`` when given.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device,
                                               dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     pos = torch.arange(seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(pos, inv_freq)
     cos, sin = angles.cos(), angles.sin()
@@ -136,6 +175,7 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads
         self.head_dim = config.head_dim
         self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
         self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
@@ -146,7 +186,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device, dtype=x.dtype)
+        cos, sin = rope_cos_sin(T, self.head_dim, self.rope_theta, device=x.device, dtype=x.dtype,
+                                scaling=self.rope_scaling)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         # Repeat each kv head n_rep times: [B, T, kv, d] -> [B, T, heads, d].
