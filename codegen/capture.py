@@ -9,6 +9,7 @@ parameter set).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,11 @@ def capture_program(model: torch.nn.Module, example_inputs: Any,
     # the Graph keeps the program it runs, not the traced one: that one holds the
     # copy it traced (a compute-dtype copy of every parameter, for a whole step)
     graph.exported = program
+    if captured_model is not model and not on_meta:
+        # the trace leaves reference cycles that hold the copy's real tensors
+        # until Python's cycle collector happens to run: free them now
+        del captured_model, inputs
+        gc.collect()
     if on_meta and device is not None:
         _create_on(program.graph, device)
     return CapturedProgram(program, graph)
