@@ -11,8 +11,9 @@ one process on one GPU:
 Each peak is ``torch.cuda.max_memory_allocated`` of one step after the statistics
 are reset: the first step (the optimizer's states are made in it) and a later,
 steady-state one; beside it the allocator's reserved peak and the device memory
-in use (``mem_get_info``: with the CUDA context and libraries' workspaces). With ``breakdown``, the steady step runs again under
-``torch.cuda.memory._record_memory_history`` and the allocations live at its peak
+in use (``mem_get_info``: with the CUDA context and libraries' workspaces). With
+``breakdown``, the steady step runs again under the allocator's history
+(:func:`ir.torch_compat.cuda_memory_history`) and the allocations live at its peak
 are listed by size, with the Python frames that made them, so that a gap between
 the two sides can be put on tensors. Units: bytes.
 """
@@ -49,16 +50,14 @@ def peak_breakdown(step: Callable[[], Any], device: torch.device) -> dict[str, A
     peak: ``{"before_bytes", "peak_bytes", "in_step_at_peak_bytes", "groups": [{"size",
     "count", "bytes", "frames"}]}`` (bytes; groups of equal-size allocations made in
     the step and live at the peak, largest first)."""
+    from ir.torch_compat import cuda_memory_history
+
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    torch.cuda.memory._record_memory_history(max_entries=_HISTORY_ENTRIES)
-    try:
+    with cuda_memory_history(_HISTORY_ENTRIES) as history:
         step()
         torch.cuda.synchronize(device)
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snap["device_traces"][device.index or 0]
+    trace = history["snapshot"]["device_traces"][device.index or 0]
     live: dict[int, dict[str, Any]] = {}
     current = peak = 0
     at_peak: list[dict[str, Any]] = []

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
     "KEPT_FUSED_OPS", "OpOverload", "SDPA", "aot_export_module", "autograd_redistribute",
-    "capture_decompositions", "decomposition_registry_size", "dispatcher_input_reshards",
+    "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
     "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
     "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
     "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
@@ -478,3 +478,17 @@ def takes_generator(op: Any) -> bool:
     """Whether ATen op ``op``'s schema has a ``Generator?`` argument (it draws
     random numbers)."""
     return any(a.name == "generator" for a in op._schema.arguments)
+
+
+@contextlib.contextmanager
+def cuda_memory_history(max_entries: int) -> Iterator[dict[str, Any]]:
+    """Record the CUDA caching allocator's history (each allocation and free, with
+    its stack) inside; the dict yielded gets the allocator's snapshot (its
+    ``device_traces``, ``segments``) under ``"snapshot"`` on a normal exit."""
+    out: dict[str, Any] = {}
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        yield out
+        out["snapshot"] = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
