@@ -1,8 +1,10 @@
 """Predicted peak memory against torch's own count of the same training step.
 
-    python benchmarks/memory_fidelity.py                  # ~5 min on this machine's CPU
-    python benchmarks/memory_fidelity.py --quick          # gpt-tiny only, no 1B model
+    python benchmarks/memory_fidelity.py --no-math        # the whole grid, ~8 min on 2 cores
+    python benchmarks/memory_fidelity.py --quick          # gpt-tiny only
     python benchmarks/memory_fidelity.py --no-fake        # the real CPU models only
+    python benchmarks/memory_fidelity.py --plan-only --plans DIR   # plans to carry to a GPU
+    python benchmarks/memory_fidelity.py --device cuda --plans DIR # on the GPU (see below)
 
 For every precision (``fp32``, ``bf16``, ``bf16-mixed``) and with and without
 activation checkpointing (``recompute=False`` / ``True``: no layer / every layer):
@@ -11,30 +13,38 @@ activation checkpointing (``recompute=False`` / ``True``: no layer / every layer
   device, ``plan.predicted["memory_bytes_per_device"]["peak"]`` (bytes). The plan
   gets an unbounded memory budget (1e15 bytes), so that a forced ``recompute``
   always has a plan: only its prediction is read.
-* measured: one steady-state step of :class:`benchmarks.plain_loop.PlainLoop` (the
-  same model, precision and the *plan's* ``checkpoint`` layers), counted by torch's
-  ``torch.distributed._tools.mem_tracker.MemTracker`` (live tensor storages, bytes).
-  The step is the second: a first, untracked step allocates the AdamW states, so
-  the count covers parameters, buffers, inputs and optimizer states held before
-  the step, plus everything forward, backward, ``optimizer.step()`` and
+* measured on the CPU: one steady-state step of :class:`benchmarks.plain_loop.PlainLoop`
+  (the same model, precision and the *plan's* ``checkpoint`` layers), counted by
+  torch's ``torch.distributed._tools.mem_tracker.MemTracker`` (live tensor storages,
+  bytes). The step is the second: a first, untracked step allocates the AdamW
+  states, so the count covers parameters, buffers, inputs and optimizer states held
+  before the step, plus everything forward, backward, ``optimizer.step()`` and
   ``zero_grad`` allocate: the steady state the planner's memory model prices.
+* measured with ``--device cuda``: ``torch.cuda.max_memory_allocated`` of a
+  steady-state step of the plain loop and of the plan's executor (what ``planner
+  run`` runs on a rank), on one GPU (:mod:`benchmarks.cuda_memory`); the plain loop
+  gives the verdict. The GPU image has no OR-Tools: make the plans here with
+  ``--plan-only --plans DIR`` and carry DIR. ``--measured-from`` prices an earlier
+  result's measurements again with this checkout's planner.
 
-Two kinds of model:
+Models (:data:`MODELS`): real ones run on this CPU (``gpt-tiny``, 8 x 32, and a
+4-layer 256-wide GPT, 4 x 256), priced on ``local-cpu:1``; and the grid of issue
+40 under ``FakeTensorMode`` on the CPU (nothing is allocated; MemTracker counts the
+fake storages), priced on one H100: gpt2, gpt3-350m, gpt3-1.3b, gpt3-2.7b, llama3-8b
+with 4 layers, moe-8x with 2, deepseek-v3 with a dense and a MoE layer, each at its
+full width and vocabulary.
 
-* real: small GPTs run on this CPU with real tensors (``gpt-tiny``, 8 x 32, and a
-  4-layer 256-wide GPT, 4 x 256), priced on ``local-cpu:1``;
-* fake: a ~1.4B-parameter GPT (``gpt3-1.3b``, 4 x 2048 by default) built and run under
-  ``FakeTensorMode`` (nothing is allocated; MemTracker counts the fake storages),
-  priced on one H100 (``dgx-h100`` cut to one device).
-
-Each step is measured twice: with torch's default ``scaled_dot_product_attention``
-kernel (what a user's loop runs; the verdict) and with the math kernel forced
-(``SDPBackend.MATH``: the s x s scores the capture records), so that a gap can be
-put on attention or elsewhere. Verdict: ``|predicted / measured - 1| <= 10 %``.
+On the CPU each step is measured with torch's default
+``scaled_dot_product_attention`` kernel (what a user's loop runs; the verdict) and,
+unless ``--no-math``, with the math kernel forced (``SDPBackend.MATH``: the s x s
+scores the capture records), so that a gap can be put on attention or elsewhere.
+Verdict: predicted / measured within [1 - :data:`UNDER`, 1 + :data:`TOLERANCE`]
+(3 % under, 5 % over).
 
 Writes ``benchmarks/results/memory_fidelity.json`` (or ``--out``) and prints the
 table. Units: bytes (the table shows MB = 1e6 bytes).
-Exit status: 0 every case measured, 1 some case failed (its error is in the JSON).
+Exit status: 0 every case measured, 1 some case failed (its error is in the JSON),
+2 ``--device cuda`` without a GPU.
 """
 
 from __future__ import annotations
