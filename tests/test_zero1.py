@@ -260,7 +260,8 @@ def test_bf16_mixed_zero1_resume_is_exact_and_saves_fp32_masters(tmp_path):
         name = f"r{len(list(tmp_path.glob('r*.json')))}"
         result, export = str(tmp_path / f"{name}.json"), str(tmp_path / f"{name}-export")
         config = TrainConfig.from_args(build_parser().parse_args([
-            "train", plan, "--data", tokens, "--steps", "4", "--lr", "1e-2", "--warmup", "1", "--log-every", "4",
+            "train", plan, "--data", tokens, "--steps", "4", "--lr", "1e-2", "--warmup", "1",
+            "--log-every", "4",
             "--checkpoint-dir", str(tmp_path / "ck"), "--export", export,
             "--result-json", result, *args]))
         outcome = train(config)
