@@ -44,39 +44,82 @@ optimizer states, with the fp32 master copy, over the data-parallel ranks
 holding it (dp for dense weights, dp x tp / ep for expert weights): the plans
 count exactly that (:func:`_zero1_correction`), whatever the stage mesh's
 ZeRO-1 axis is.
+
+``context_parallel_size`` (cp, Megatron's context parallelism with causal load
+balancing: each sequence cut into 2 cp chunks, rank i of a cp group holding
+chunks i and 2 cp - 1 - i) is priced as one cp rank runs it. The program
+priced is the model on the rank's s / cp tokens of each sequence: the example
+inputs' sequences cut into cp rows of s / cp tokens
+(:func:`context_parallel_inputs`), on a stage mesh whose data-parallel axis
+is dp x cp (:attr:`MegatronConfig.mesh_axes`). That is exact for every op
+that works token by token (linears, norms, rotary embeddings, the loss: s / cp
+tokens per rank), for the activation memory, and for the weights, replicated
+over dp x cp: their gradients reduce over dp x cp and the distributed
+optimizer shards over dp x cp, as Megatron's data-parallel group with cp
+does. What the cut program lacks is attention across chunks, added per
+attention op and micro-batch by :func:`context_parallel_seconds`:
+
+* the traced attention (causal, over the rank's s / cp tokens) does
+  (s / cp)^2 / 2 query-key pairs, exactly the work of one ring step under the
+  load balancing (each step computes half a (s / cp) x (s / cp) block), and a
+  rank does cp such steps in all (s^2 / (2 cp) pairs);
+* ``cp_comm_type="p2p"`` (ring attention, Megatron's default): cp - 1 more
+  steps forward, each max(attention step, p2p of the local K/V block) as the
+  next block's transfer overlaps the current block's kernel; backward cp - 1
+  steps of max(attention backward step, p2p of K/V and of dK/dV) and the last
+  dK/dV hop exposed;
+* ``cp_comm_type="all_gather"`` (Llama 3's): an exposed all-gather of K/V
+  over the cp group before the attention and cp - 1 more steps of compute;
+  backward the all-gather again, cp - 1 more steps and a reduce-scatter of
+  dK/dV;
+* a recomputed layer runs its forward exchange again in the backward.
+
+The K/V block is the rank's K and V as the attention reads them before
+grouped-query heads are repeated (what Megatron/TE send), over the cp
+group's links (Megatron's rank order tp-cp-dp-pp: the cp group has stride tp,
+so it leaves the node once tp x cp exceeds it). The K/V buffers (p2p: the
+block being used and the one arriving, and in backward their dK/dV; all
+gather: the gathered K/V and dK/dV) are held while one attention runs: the
+stage ILPs get the budget less the largest, and the plan's peak counts it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict
 from typing import Any, Collection, Sequence
 
 import torch
 
-from costmodel.cluster import Cluster
+from costmodel.cluster import Cluster, Link
+from costmodel.collectives import axis_links, collective_time
+from costmodel.compute import FUSED_ATTENTION
 from costmodel.presets import load_cluster
 from costmodel.memory import step_peak_bytes, training_state_bytes
-from costmodel.strategy_cost import local_numel
+from costmodel.strategy_cost import IntraOpCost, local_numel
+from costmodel.schedule_specs import schedule_spec
 from costmodel.schedules import ScheduleBook
 from ir.device_capture import planned_copy
 from ir.graph import PARAM, Graph, TensorInfo
-from ir.layers import block_count, manual_bounds
+from ir.layers import block_count
 from ir.precision import get_precision
 from ir.strategy import is_replicate
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
 from planner.finalists import ExactPipeline, assemble
-from planner.inter_op import PipelineCandidate, StageMeshOption, stage_mesh_options
-from planner.intra_op import FixedPlacementError, MemoryInfeasibleError, solve_intra_op
+from planner.inter_op import PipelineCandidate, StageMeshOption, StageTimes, stage_mesh_options
+from planner.intra_op import (FixedPlacementError, IntraOpResult, MemoryInfeasibleError,
+                              solve_intra_op)
 from planner.megatron_layout import MegatronConfig, expert_weights, megatron_layout, num_experts
 from planner.pipeline import p2p_seconds, simulate_step, stage_in_flight
 from planner.plan_format import Plan
 from planner.request import PlanningError, default_memory_budget, resolve_precision
 from planner.search_context import SearchContext, global_batch_of
 
-__all__ = ["MegatronConfig", "MegatronDoesNotFit", "megatron_configs", "megatron_layout",
-           "megatron_plan", "num_experts"]
+__all__ = ["MegatronConfig", "MegatronDoesNotFit", "context_parallel_inputs",
+           "context_parallel_seconds", "megatron_configs", "megatron_layout", "megatron_plan",
+           "num_experts"]
 
 _PAD_HINT = (" (Megatron pads the vocabulary to a multiple of 128 x tp: "
              "--make-vocab-size-divisible-by)")
@@ -93,7 +136,9 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
                      sequence_parallel: Sequence[bool] = (False, True),
                      use_distributed_optimizer: bool = True,
                      num_experts: int | None = None,
-                     expert_parallel: Sequence[int] | None = None) -> list[MegatronConfig]:
+                     expert_parallel: Sequence[int] | None = None,
+                     context_parallel: Sequence[int] = (1,),
+                     seq_len: int | None = None) -> list[MegatronConfig]:
     """The configurations a Megatron practitioner would try on ``cluster``.
 
     * tensor parallel: powers of two up to a node (and dividing the cluster);
@@ -115,7 +160,11 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
       :func:`planner.megatron_layout.num_experts`): ep = 1 and every ep > 1
       that divides the dp x tp ranks of a stage and the expert count and is a
       multiple or a divisor of tp (:class:`MegatronConfig`), or those of
-      ``expert_parallel`` (ep = 1 included only when listed there).
+      ``expert_parallel`` (ep = 1 included only when listed there);
+    * context parallelism: each cp of ``context_parallel`` (default 1 only)
+      that divides the devices left after tp and pp, and, with ``seq_len``,
+      cuts the sequence into 2 cp chunks (and s / cp into tp pieces under
+      sequence parallelism); dp is what is left after tp, cp and pp.
 
     Pruning, to keep the grid small (each pipeline configuration costs one
     ILP per stage): the powers of two above, the micro-batch sizes given
@@ -124,19 +173,22 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
     :class:`MegatronDoesNotFit` (and :func:`app.compare.compare` then skips
     the larger micro-batch sizes of the same tp/pp/dp/vpp/sp).
 
-    Order: pp, then tp, then micro-batch size, then v, then ep, ascending,
-    then sequence parallelism in the order of ``sequence_parallel`` (off
-    first by default).
+    Order: pp, then tp, then cp, then micro-batch size, then v, then ep,
+    ascending, then sequence parallelism in the order of ``sequence_parallel``
+    (off first by default).
     """
 
     n, dpn = cluster.num_devices, cluster.devices_per_node
     out: list[MegatronConfig] = []
 
-    def add(tp: int, dp: int, pp: int = 1, v: int | None = None, mbs: int | None = None) -> None:
-        for ep in _expert_parallel_sizes(tp, dp, num_experts, expert_parallel):
+    def add(tp: int, dp: int, pp: int = 1, v: int | None = None, mbs: int | None = None,
+            cp: int = 1) -> None:
+        for ep in _expert_parallel_sizes(tp, dp * cp, num_experts, expert_parallel):
             for sp in dict.fromkeys(bool(s) and tp > 1 for s in sequence_parallel):
+                if sp and seq_len is not None and (seq_len // cp) % tp:
+                    continue
                 out.append(MegatronConfig(tp, dp, use_distributed_optimizer, pp, v, mbs, sp,
-                                          expert_model_parallel_size=ep))
+                                          expert_model_parallel_size=ep, context_parallel_size=cp))
 
     tps = []
     tp = 1
@@ -149,10 +201,11 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
     for pp in pps:
         if pp > 1 and not stage_mesh_options(cluster, pp):
             continue
-        for tp in tps:
-            if (n // pp) % tp:
+        for tp, cp in ((t, c) for t in tps for c in sorted(set(context_parallel))):
+            if (n // pp) % (tp * cp) or (cp > 1 and seq_len is not None
+                                         and seq_len % (2 * cp)):
                 continue
-            dp = n // (pp * tp)
+            dp = n // (pp * tp * cp)
             mbss = [None] if global_batch is None else [
                 b for b in micro_batch_sizes
                 if global_batch % (b * dp) == 0 and global_batch // (b * dp) >= pp]
@@ -161,14 +214,14 @@ def megatron_configs(cluster: Cluster, global_batch: int | None = None,
                         and global_batch // dp not in mbss:
                     mbss.append(global_batch // dp)
                 for mbs in mbss:
-                    add(tp, dp, mbs=mbs)
+                    add(tp, dp, mbs=mbs, cp=cp)
                 continue
             for mbs in mbss:
                 for v in virtual_stages:
                     if v is not None and (num_layers % (pp * v) or (
                             global_batch is not None and (global_batch // (mbs * dp)) % pp)):
                         continue
-                    add(tp, dp, pp, v, mbs)
+                    add(tp, dp, pp, v, mbs, cp)
     return out
 
 
@@ -187,11 +240,11 @@ def _expert_parallel_sizes(tp: int, dp: int, experts: int | None,
 def _zero1_shards(fqn: str, cfg: MegatronConfig, experts: Collection[str]) -> int:
     """Ranks Megatron's distributed optimizer splits the optimizer states of
     parameter ``fqn`` over: the data-parallel ranks holding the same part of
-    it, dp for a dense weight and dp x tp / ep for an expert weight
+    it, dp x cp for a dense weight and dp x cp x tp / ep for an expert weight
     (Megatron-Core's expert-data-parallel group); 1 without it."""
     if not cfg.use_distributed_optimizer:
         return 1
-    return cfg.expert_data_parallel_size if fqn in experts else cfg.dp
+    return cfg.expert_data_parallel_size if fqn in experts else cfg.weight_data_parallel_size
 
 
 _STATE_KINDS = ("params", "grads", "optimizer")
@@ -264,6 +317,143 @@ def _state_floor(graph: Graph, layout: dict[str, tuple], cfg: MegatronConfig,
     return total / cfg.pp
 
 
+def context_parallel_inputs(example_inputs: Sequence[Any], cp: int) -> tuple:
+    """The example inputs of one context-parallel rank's program: every tensor
+    ``[batch, seq, ...]`` of the whole-batch inputs as ``[batch x cp, seq / cp,
+    ...]`` (each sequence's tokens cut into cp rows: a rank's s / cp tokens, the
+    rows of one sequence spread over the cp ranks by the dp x cp mesh axis).
+    Which chunks a rank holds (i and 2 cp - 1 - i) changes no shape, so the
+    cut is contiguous here; positions and masks are the runtime's business.
+
+    Raises:
+        PlanningError: an input has no sequence dimension, or the sequences
+            differ in length or do not split into 2 cp chunks.
+    """
+    seqs = {t.shape[1] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() >= 2}
+    if len(seqs) != 1 or any(isinstance(t, torch.Tensor) and t.dim() < 2 for t in example_inputs):
+        raise PlanningError(f"context parallelism needs [batch, seq, ...] inputs of one sequence "
+                            f"length, got shapes {[tuple(getattr(t, 'shape', ())) for t in example_inputs]}")
+    (seq,) = seqs
+    if seq % (2 * cp):
+        raise PlanningError(f"context_parallel_size={cp} cuts each sequence into 2 x cp = {2 * cp} "
+                            f"chunks (causal load balancing); the sequence length {seq} does not "
+                            f"divide into them")
+    return tuple(t.reshape(t.shape[0] * cp, seq // cp, *t.shape[2:])
+                 if isinstance(t, torch.Tensor) else t for t in example_inputs)
+
+
+def _cp_link(stage_cluster: Cluster, cfg: MegatronConfig) -> Link:
+    """The link a cp group's ring or all-gather runs over: Megatron's rank order
+    (tp fastest, then cp, then dp) laid on the stage's devices."""
+    return axis_links(stage_cluster, (cfg.dp, cfg.cp, cfg.tp))[1]
+
+
+# ops between the key/value projection and what the attention reads that only
+# view, repeat or copy it (grouped-query heads repeated for the attention)
+_KV_REPEATS = {"aten.expand.default", "aten.clone.default", "aten._unsafe_view.default",
+               "aten.repeat_interleave.self_int", "aten.repeat.default"}
+
+
+def _kv_block_bytes(graph: Graph, node: Any, placements: Sequence[Any] | None,
+                    mesh_shape: tuple[int, ...]) -> float:
+    """Bytes per device of the K and V one attention op ``node`` reads, as its
+    inputs are placed (``placements``: of q, k, v; None: split evenly over the
+    ``mesh_shape`` devices), counted before grouped-query heads are repeated:
+    the block a cp rank sends."""
+    total = 0.0
+    for k in (1, 2):
+        info = node.inputs[k] if node.inputs else graph[node.args[k]].outputs[0]
+        numel = math.prod(info.shape)
+        smallest = numel
+        name = node.args[k]
+        while True:  # walk back through views and repeats to the projection
+            n = graph[name]
+            smallest = min(smallest, math.prod(n.outputs[0].shape))
+            if not n.args or not (n.is_view or n.target in _KV_REPEATS):
+                break
+            name = n.args[0]
+        local = (numel / math.prod(mesh_shape) if placements is None
+                 else local_numel(info, placements[k], mesh_shape))
+        total += local * (smallest / numel) * info.itemsize
+    return total
+
+
+def context_parallel_seconds(result: IntraOpResult, cost: IntraOpCost, cfg: MegatronConfig,
+                             link: Link) -> tuple[float, float, float]:
+    """What attention across the cp chunks adds to one stage's micro-batch:
+    ``(forward seconds, backward seconds, K/V buffer bytes per device)``.
+
+    Per attention op (``t_f``, ``t_b``: the traced attention's forward and
+    backward seconds, one ring step's work; ``kv``: the rank's K/V block,
+    :func:`_kv_block_bytes`; ``p2p``, ``ag``, ``rs``: :func:`collective_time`
+    over the cp group on ``link``):
+
+    * ``p2p``: forward (cp - 1) max(t_f, p2p(kv)); backward
+      (cp - 1) max(t_b, 2 p2p(kv)) + p2p(kv) (K/V and dK/dV each step, the last
+      dK/dV hop exposed); buffers 4 kv (two K/V blocks, two dK/dV blocks);
+    * ``all_gather``: forward ag(cp kv) + (cp - 1) t_f; backward
+      ag(cp kv) + (cp - 1) t_b + rs(cp kv); buffers 2 cp kv (K/V and dK/dV
+      gathered);
+    * a checkpointed layer's attention adds its forward seconds to the backward.
+
+    The buffers are the largest one attention op holds (ops run one at a time).
+    """
+    cp = cfg.cp
+    if cp == 1:
+        return 0.0, 0.0, 0.0
+    graph = result.graph
+    recomputed = {op for layer in graph.layers if layer.name in set(result.checkpointed)
+                  for op in layer.nodes}
+    forward = backward = buffers = 0.0
+    for n in graph.nodes:
+        if n.target != FUSED_ATTENTION:
+            continue
+        s = result.chosen[n.name]
+        prices = cost.prices(n, s)
+        t_f, t_b = prices.forward_s, sum(prices.backward_s)
+        kv = _kv_block_bytes(graph, n, s.inputs, result.mesh_shape)
+        if cfg.cp_comm_type == "p2p":
+            step = collective_time("p2p", kv, 2, link)
+            f = (cp - 1) * max(t_f, step)
+            b = (cp - 1) * max(t_b, 2 * step) + step
+            held = 4 * kv
+        else:
+            gather = collective_time("all_gather", cp * kv, cp, link)
+            f = gather + (cp - 1) * t_f
+            b = gather + (cp - 1) * t_b + collective_time("reduce_scatter", cp * kv, cp, link)
+            held = 2 * cp * kv
+        forward += f
+        backward += b + (f if n.name in recomputed else 0.0)
+        buffers = max(buffers, held)
+    return forward, backward, buffers
+
+
+def _chunk_bounds(layers: Sequence[Any], counts: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first, end)`` layer indices of the model chunks holding ``counts[c]``
+    blocks each, the end layers (embedding; head and loss) joining the first
+    and the last chunk, as :func:`ir.layers.manual_bounds`; the first chunk may
+    hold no block (the embedding alone) and the last none (the head and loss
+    alone), where there is such an end layer.
+
+    Raises:
+        PlanningError: the counts do not split the blocks that way.
+    """
+    blocks = [i for i, layer in enumerate(layers) if not layer.end]
+    ok = (sum(counts) == len(blocks) and min(counts[1:-1], default=1) >= 1
+          and min(counts) >= 0 and (counts[0] >= 1 or blocks[0] > 0)
+          and (counts[-1] >= 1 or blocks[-1] < len(layers) - 1) and len(counts) >= 1)
+    if not ok:
+        raise PlanningError(f"blocks per model chunk {list(counts)} do not split the "
+                            f"{len(blocks)} blocks (only the first and last chunk may hold none, "
+                            f"where an embedding or a head is there to hold)")
+    cuts, done = [0], 0
+    for c in counts[:-1]:
+        done += c
+        cuts.append(blocks[done] if done < len(blocks) else blocks[-1] + 1)
+    cuts.append(len(layers))
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronConfig, *,
                   example_inputs: Any, model_source: str | None = None,
                   zoo_kwargs: dict[str, Any] | None = None, time_limit_s: float = 30.0,
@@ -321,6 +511,16 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     cache = {} if cache is None else cache
+    m = cfg.num_microbatches(global_batch_of(example_inputs))
+    context: dict[str, Any] = {}
+    if cfg.cp > 1:  # price one cp rank's program: its s / cp tokens of each sequence
+        context = {"context_parallel": {
+            "size": cfg.cp, "comm_type": cfg.cp_comm_type,
+            "sequence_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
+                                for t in example_inputs]}}
+        example_inputs = context_parallel_inputs(example_inputs, cfg.cp)
+        cache = cache.setdefault(("context_parallel", cfg.cp), {})
+        graph = None  # the given one is the whole sequences' program
     chosen = resolve_precision(model, cluster, precision)
     model, example_inputs = planned_copy(model, example_inputs, chosen, cluster.device_type)
     if graph is None:
@@ -336,11 +536,10 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
             f"{cfg.label()} needs at least {floor / 2**30:.1f} GiB per device for parameter "
             f"states alone, more than the {budget / 2**30:.1f} GiB available")
 
-    m = cfg.num_microbatches(global_batch_of(example_inputs))
     training = training_record(dtype, optimizer, example_inputs, zoo_kwargs,
-                               manual={"kind": "megatron", **asdict(cfg)})
+                               manual={"kind": "megatron", **asdict(cfg)}, **context)
     info = model_record(model, graph, model_source)
-    if cfg.pp > 1 or m > 1:  # a pipeline, or gradient accumulation
+    if cfg.pp > 1 or m > 1 or cfg.cp > 1:  # a pipeline, accumulation or cp's exchange
         return _pipeline_plan(model, cluster, cfg, example_inputs, graph, layout, experts, m,
                               dtype, optimizer, budget, time_limit_s, cache, info, training)
     # the ILP counts whole optimizer states (ZeRO stage 0); Megatron's optimizer
@@ -391,7 +590,8 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node,
                            zero_stage=zero, reduce_once=not zero and cfg.dp > 1)
     # what the layout (fixed in the context) depends on, and the context's settings
-    key = ("ctx", cfg.dp, cfg.tp, cfg.ep, cfg.sequence_parallel, budget, time_limit_s, optimizer)
+    key = ("ctx", cfg.dp, cfg.cp, cfg.tp, cfg.ep, cfg.sequence_parallel, budget, time_limit_s,
+           optimizer)
     ctx = cache.get(key)
     if ctx is None:
         ctx = cache[key] = SearchContext(model, example_inputs, cluster, dtype=dtype,
@@ -403,7 +603,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                                          whole_batch_graph=graph)
     prog = ctx.program(m, traced=True)
     v = cfg.stages_per_rank
-    bounds = manual_bounds(prog.layers, cfg.layer_split(block_count(prog.layers)))
+    bounds = _chunk_bounds(prog.layers, cfg.layer_split(block_count(prog.layers)))
     try:
         copies = stage_in_flight(cfg.schedule, cfg.pp, m, v, ctx.schedule_book)
     except ValueError as err:
@@ -411,23 +611,103 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                             f"with {m} micro-batches: {err}") from None
     results, times = [], []
     modelled = cfg.mesh_shape[0] if zero else 1  # the stage mesh's ZeRO-1 axis
-    for s, (a, b) in enumerate(bounds):
-        correction = _zero1_correction(ctx.stage_graph(prog, a, b), layout, cfg, experts,
-                                       zero, modelled, optimizer, dtype)
+    stage_cluster = mesh.cluster(cluster)
+    link = _cp_link(stage_cluster, cfg) if cfg.cp > 1 else None
+    held = 0.0  # the largest K/V buffers of context parallelism, bytes per device
+    ranks = schedule_spec(cfg.schedule).stage_to_rank(cfg.pp, v)
+    solved: dict[int, IntraOpResult] = {}
+
+    def solve(s: int, share: float) -> IntraOpResult:
+        a, b = bounds[s]
+        sub = ctx.stage_graph(prog, a, b)
+        correction = _zero1_correction(sub, layout, cfg, experts, zero, modelled, optimizer,
+                                       dtype)
+        # the K/V buffers under the layout's split (heads over tp, rows over dp x cp)
+        buffers = _cp_buffer_bound(sub, cfg)
         try:
-            r = ctx.solve_stage(prog, a, b, mesh, budget / v - sum(correction.values()),
+            r = ctx.solve_stage(prog, a, b, mesh, share - sum(correction.values()) - buffers,
                                 copies[s], cfg.recompute)
         except FixedPlacementError as err:
             raise PlanningError(f"{cfg.label()} does not divide the model: {err}{_PAD_HINT}"
                                 ) from err
-        except MemoryInfeasibleError as err:
-            raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
         _correct(r.memory, correction)
+        return r
+
+    need: dict[int, float] = {}  # a short chunk's least share of its rank's memory
+    for s in range(len(bounds)):
+        try:
+            solved[s] = solve(s, budget / v)
+        except MemoryInfeasibleError as err:
+            if v == 1:
+                raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
+            # the ILP's least, plus what solve() kept back from the share
+            need[s] = err.least_bytes + (budget / v - err.budget_bytes)
+    # a rank's chunks share its memory: a chunk that needs more than an even
+    # share (the head of an uneven layout) takes its least, the rank's other
+    # chunks are solved again in what is left, evenly, and the short chunk then
+    # gets all the others leave
+    for rank in sorted({ranks[s] for s in need}):
+        mine = [s for s in range(len(bounds)) if ranks[s] == rank]
+        others = [s for s in mine if s not in need]
+        rest = budget - sum(need[s] for s in mine if s in need)
+        for s in others:
+            if others and sum(solved[s].memory.values()) > rest / len(others):
+                try:
+                    solved[s] = solve(s, rest / len(others))
+                except MemoryInfeasibleError as err:
+                    raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit beside its "
+                                             f"rank's larger stages: {err}") from None
+        for s in mine:
+            if s in need:
+                left = budget - sum(sum(solved[o].memory.values()) for o in mine
+                                    if o in solved) - sum(need[o] for o in mine
+                                                          if o in need and o not in solved and o != s)
+                try:
+                    solved[s] = solve(s, left)
+                except MemoryInfeasibleError as err:
+                    raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit in the "
+                                             f"{left / 2**30:.1f} GiB its rank's other stages "
+                                             f"leave: {err}") from None
+    for s in range(len(bounds)):
+        r = solved[s]
         results.append(r)
         t = ctx.times_of(r, mesh)
+        if cfg.cp > 1:
+            cost = IntraOpCost(r.graph, stage_cluster, r.mesh_shape, ctx.dtype, ctx.optimizer)
+            f, bwd, kv_buffers = context_parallel_seconds(r, cost, cfg, link)
+            t = dataclasses.replace(t, forward_s=t.forward_s + f,
+                                    backward_input_s=t.backward_input_s + bwd)
+            held = max(held, kv_buffers)
         times.append(t)
     p2p = p2p_seconds(prog, bounds, mesh, cluster)
     step, bubble = simulate_step(cfg.schedule, cfg.pp, m, v, times, p2p, ctx.schedule_book)
     cand = PipelineCandidate(cfg.pp, v, mesh, cfg.schedule, m, None, step, bubble, sum(p2p))
     exact = ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
-    return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))
+    plan = assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))
+    if cfg.cp > 1:
+        # the exchange's buffers, held while one attention runs: counted at the peak
+        memory = plan.predicted["memory_bytes_per_device"]
+        memory["peak"] = int(round(memory["peak"] + held))
+        plan.predicted["context_parallel"] = {
+            "kv_buffer_bytes": held,
+            "forward_s_per_microbatch": [t.forward_s for t in times],
+            "exchange_s_per_microbatch": [
+                sum(context_parallel_seconds(r, IntraOpCost(r.graph, stage_cluster, r.mesh_shape,
+                                                            ctx.dtype, ctx.optimizer),
+                                             cfg, link)[:2]) for r in results]}
+    return plan
+
+
+def _cp_buffer_bound(graph: Graph, cfg: MegatronConfig) -> float:
+    """The largest K/V buffers one attention op of ``graph`` holds under
+    context parallelism (:func:`context_parallel_seconds`), bytes per device,
+    with its inputs split evenly over the stage's devices (Megatron's layout:
+    rows over dp x cp, heads over tp); 0 without cp."""
+    if cfg.cp == 1:
+        return 0.0
+    held = 0.0
+    for n in graph.nodes:
+        if n.target == FUSED_ATTENTION:
+            kv = _kv_block_bytes(graph, n, None, cfg.mesh_shape)
+            held = max(held, 4 * kv if cfg.cp_comm_type == "p2p" else 2 * cfg.cp * kv)
+    return held

@@ -32,12 +32,14 @@ from costmodel.schedule_specs import canonical_schedule, schedule_spec
 from ir.graph import INPUT, OP, PARAM, Graph
 from planner.request import PlanningError
 
-__all__ = ["MegatronConfig", "MeshAxis", "expert_weights", "megatron_layout", "num_experts"]
+__all__ = ["CP_COMM_TYPES", "MegatronConfig", "MeshAxis", "expert_weights", "megatron_layout", "num_experts"]
 
 _MATMULS = {"aten.mm.default", "aten.addmm.default"}
 # batched matmuls whose [E, ...] parameter operand is a stack of expert weights
 _BATCHED_MATMULS = {"aten.bmm.default", "aten.baddbmm.default"}
 _SEQ_DIM = 1  # of the [batch, seq, hidden] activations sequence parallelism splits
+#: Megatron's ``--cp-comm-type`` values the cost model prices.
+CP_COMM_TYPES = ("p2p", "all_gather")
 
 
 class MeshAxis(NamedTuple):
@@ -81,7 +83,19 @@ class MegatronConfig:
     :mod:`planner.deepseek_layout`). ``pipeline_model_parallel_layout``
     (Megatron-Core's ``--pipeline-model-parallel-layout``, given as counts):
     layers of each of the pp x stages-per-rank model chunks, in pipeline
-    order, for splits the even split and first/last counts cannot express.
+    order, for splits the even split and first/last counts cannot express;
+    the first chunk may hold no layer (only the embedding) and the last none
+    (only the output head and the loss), as Llama 3 405B was trained.
+    ``context_parallel_size`` (cp, Megatron's ``--context-parallel-size``):
+    each sequence is cut into 2 cp chunks and rank i of a cp group holds
+    chunks i and 2 cp - 1 - i (causal load balancing), so activations and
+    attention are split over cp on the sequence; the dense weights are
+    replicated over dp x cp (Megatron's data-parallel group with cp: their
+    gradients reduce over it and the distributed optimizer shards over it).
+    ``cp_comm_type`` (Megatron's ``--cp-comm-type``): ``"p2p"`` (ring
+    attention: K/V passed around the cp group, overlapped with the attention
+    kernels) or ``"all_gather"`` (K/V all-gathered before the attention, as
+    Llama 3 ran). :mod:`planner.megatron` prices both.
     """
 
     tensor_model_parallel_size: int
@@ -97,10 +111,12 @@ class MegatronConfig:
     expert_model_parallel_size: int = 1
     pipeline_schedule: str | None = None
     pipeline_model_parallel_layout: tuple[int, ...] | None = None
+    context_parallel_size: int = 1
+    cp_comm_type: str = "p2p"
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "data_parallel_size",
-                     "pipeline_model_parallel_size"):
+                     "pipeline_model_parallel_size", "context_parallel_size"):
             if int(getattr(self, name)) < 1:
                 raise PlanningError(f"{name} must be at least 1, got {getattr(self, name)}")
         v = self.virtual_pipeline_model_parallel_size
@@ -125,6 +141,9 @@ class MegatronConfig:
                                     f"virtual pipeline stages")
             if n < 1:
                 raise PlanningError(f"{name} must be at least 1, got {n}")
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise PlanningError(f"cp_comm_type={self.cp_comm_type!r} is not modelled; use one "
+                                f"of {', '.join(CP_COMM_TYPES)}")
         self._check_experts()
         self._check_schedule()
 
@@ -134,14 +153,14 @@ class MegatronConfig:
         Raises:
             PlanningError (a ValueError): it does not.
         """
-        ep, tp, dp = self.expert_model_parallel_size, self.tp, self.dp
+        ep, tp, dp = self.expert_model_parallel_size, self.tp, self.dp * self.cp
         if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
             raise PlanningError(f"expert_model_parallel_size must be an integer >= 1, got {ep!r}")
         if (dp * tp) % ep:
             raise PlanningError(
                 f"expert_model_parallel_size={ep} must divide data_parallel_size x "
-                f"tensor_model_parallel_size = {dp * tp} (the expert-parallel groups are carved "
-                f"out of the data- and tensor-parallel ranks)")
+                f"tensor_model_parallel_size x context_parallel_size = {dp * tp} (the "
+                f"expert-parallel groups are carved out of the data- and tensor-parallel ranks)")
         if ep % tp and tp % ep:
             raise PlanningError(
                 f"expert_model_parallel_size={ep} must be a multiple or a divisor of "
@@ -175,10 +194,12 @@ class MegatronConfig:
         layout = tuple(int(n) for n in layout)
         object.__setattr__(self, "pipeline_model_parallel_layout", layout)  # lists too
         chunks = self.pp * self.stages_per_rank
-        if len(layout) != chunks or any(n < 1 for n in layout):
+        if len(layout) != chunks or any(n < 1 for n in layout[1:-1]) or min(layout) < 0 \
+                or sum(layout) < 1:
             raise PlanningError(f"pipeline_model_parallel_layout={tuple(layout)} must give "
                                 f"{chunks} model chunks (pp x stages per rank) at least one "
-                                f"layer each")
+                                f"layer each (the first and the last may have none: the "
+                                f"embedding, the head and loss alone)")
 
     @property
     def recompute(self) -> bool | None:
@@ -203,10 +224,21 @@ class MegatronConfig:
         return self.expert_model_parallel_size
 
     @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def weight_data_parallel_size(self) -> int:
+        """Ranks of a stage holding the same part of a dense weight: dp x cp
+        (Megatron's data-parallel group with cp), over which its gradient is
+        reduced and the distributed optimizer shards its states."""
+        return self.dp * self.cp
+
+    @property
     def expert_data_parallel_size(self) -> int:
         """Ranks of a stage holding the same experts: dp x tp / ep (expert
         tensor parallel size 1); expert gradients are reduced over them."""
-        return self.dp * self.tp // self.ep
+        return self.dp * self.cp * self.tp // self.ep
 
     @property
     def stages_per_rank(self) -> int:
@@ -217,7 +249,7 @@ class MegatronConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
     @property
     def schedule(self) -> str:
@@ -235,8 +267,12 @@ class MegatronConfig:
         multiple of tp, (dp x tp / ep, ep / tp, tp), the last two the
         expert-parallel group; with ep dividing tp, (dp, tp / ep, ep), the
         last one the expert-parallel group. Ranks are numbered row-major, so
-        an expert-parallel group is ep consecutive ranks, as in Megatron-Core."""
-        dp, tp, ep = self.dp, self.tp, self.ep
+        an expert-parallel group is ep consecutive ranks, as in Megatron-Core.
+        With context parallelism, dp here is dp x cp: the program priced is
+        one cp rank's (its sequence chunks as more rows of the batch,
+        :func:`planner.megatron.context_parallel_inputs`), and the weights are
+        replicated over dp x cp as in Megatron."""
+        dp, tp, ep = self.weight_data_parallel_size, self.tp, self.ep
         if ep == 1:
             axes = [MeshAxis(dp, "dp", False), MeshAxis(tp, "tp", False)]
         elif ep % tp == 0:
@@ -304,6 +340,9 @@ class MegatronConfig:
         """Megatron terms, e.g. ``tp=2 pp=4 dp=8 ep=8 mbs=1 vpp=2 sp`` (``ep``
         only when > 1, so labels without expert parallelism stay as they were)."""
         out = f"tp={self.tp} pp={self.pp} dp={self.dp}"
+        if self.cp > 1:
+            out += f" cp={self.cp}" + (f" cp-comm={self.cp_comm_type}"
+                                       if self.cp_comm_type != "p2p" else "")
         if self.ep > 1:
             out += f" ep={self.ep}"
         if self.micro_batch_size is not None:

@@ -523,3 +523,118 @@ def test_deepseek_layout_on_a_small_moe():
     assert p.parameters["transformer.h.0.moe.w_in"] == ["S(0)"]  # mesh (2,): ep = dp
     assert p.training["manual"]["pipeline_schedule"] == "dualpipev"
     assert p.predicted["step_time_s"] > 0
+
+
+# --- context parallelism (issue 39: pricing in the Megatron baseline) ---
+
+def test_context_parallel_config_counts_cp_in_the_world_and_the_weights_dp_group():
+    """cp ranks multiply the world; the dense weights are replicated over dp x cp
+    (Megatron's data-parallel group with cp), the stage mesh's axis 0."""
+    cfg = MegatronConfig(2, 2, context_parallel_size=4)
+    assert cfg.world_size == 16 and cfg.mesh_shape == (8, 2)
+    assert cfg.weight_data_parallel_size == 8
+    assert cfg.label() == "tp=2 pp=1 dp=2 cp=4"
+    assert MegatronConfig(2, 2, context_parallel_size=2, cp_comm_type="all_gather").label() == \
+        "tp=2 pp=1 dp=2 cp=2 cp-comm=all_gather"
+    with pytest.raises(ValueError, match="cp_comm_type"):
+        MegatronConfig(2, 2, context_parallel_size=2, cp_comm_type="a2a")
+
+
+def test_context_parallel_inputs_cut_each_sequence_into_cp_rows():
+    import torch
+    from planner.megatron import context_parallel_inputs
+    idx = torch.empty(4, 32, dtype=torch.long, device="meta")
+    cut = context_parallel_inputs((idx, idx), 4)
+    assert [tuple(t.shape) for t in cut] == [(16, 8), (16, 8)]
+    with pytest.raises(PlanningError, match="2 x cp"):
+        context_parallel_inputs((idx,), 32)  # 64 chunks of a 32-token sequence
+
+
+def test_megatron_grid_tries_context_parallel_sizes_that_cut_the_sequence():
+    cluster = load_cluster("dgx-h100:1")
+    cfgs = megatron_configs(cluster, 8, 4, micro_batch_sizes=(1,), virtual_stages=(None,),
+                            sequence_parallel=(False,), context_parallel=(1, 2, 4), seq_len=8)
+    assert {c.cp for c in cfgs} == {1, 2, 4}
+    assert all(c.world_size == 8 for c in cfgs)
+    # 2 x cp chunks must cut the sequence: cp = 8 on 8 tokens does not
+    assert 8 not in {c.cp for c in megatron_configs(cluster, 8, context_parallel=(8,),
+                                                    seq_len=8)}
+    assert {c.cp for c in megatron_configs(cluster, 8, 4)} == {1}  # off by default
+
+
+@pytest.fixture(scope="module")
+def llama_cp_plans():
+    """llama-tiny (GQA) on 4 H100s: tp=2 dp=2, and tp=2 cp=2 in both exchanges."""
+    model, inputs = build_model("llama-tiny", device="meta")
+    cluster = load_cluster("dgx-h100:1").sub_cluster(1, 4)
+    cfgs = [MegatronConfig(2, 2), MegatronConfig(2, 1, context_parallel_size=2),
+            MegatronConfig(2, 1, context_parallel_size=2, cp_comm_type="all_gather")]
+    return inputs, [megatron_plan(model, cluster, c, example_inputs=inputs) for c in cfgs]
+
+
+def test_context_parallel_plan_prices_one_cp_ranks_program(llama_cp_plans):
+    """A cp plan prices s / cp tokens per sequence on a dp x cp axis, records the
+    whole sequences, and adds the K/V exchange and its buffers."""
+    inputs, (_, ring, gather) = llama_cp_plans
+    b, s = inputs[0].shape
+    for plan in (ring, gather):
+        assert plan.training["input_shapes"][0] == [2 * b, s // 2]
+        assert plan.training["context_parallel"]["sequence_shapes"][0] == [b, s]
+        assert plan.pipeline.stage_mesh["shape"] == [2, 2]
+        cp = plan.predicted["context_parallel"]
+        assert cp["kv_buffer_bytes"] > 0 and all(x > 0 for x in cp["exchange_s_per_microbatch"])
+    # all-gather holds every rank's K/V block (2 cp blocks), the ring 4 blocks
+    assert gather.predicted["context_parallel"]["kv_buffer_bytes"] == \
+        ring.predicted["context_parallel"]["kv_buffer_bytes"]  # cp = 2: 2 cp = 4
+
+
+def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
+    """p2p: (cp-1) max(t_f, p2p) forward; all-gather: exposed gather + (cp-1) t_f."""
+    import math as _m
+    from costmodel.collectives import collective_time
+    from costmodel.strategy_cost import IntraOpCost
+    from planner.megatron import _cp_link, _kv_block_bytes, context_parallel_seconds
+    from planner.intra_op import solve_intra_op
+    from planner.megatron import context_parallel_inputs
+    from ir import trace as _trace
+    model, inputs = build_model("llama-tiny", device="meta")
+    cut = context_parallel_inputs(inputs, 4)
+    graph = _trace(model, cut)
+    cluster = load_cluster("dgx-h100:2")
+    cfg = MegatronConfig(4, 1, context_parallel_size=4)  # tp x cp = 16 > 8: cp spans nodes
+    stage = cluster.sub_cluster(2, 8)
+    r = solve_intra_op(graph, stage, cfg.mesh_shape, fixed=megatron_layout(graph, cfg))
+    cost = IntraOpCost(r.graph, stage, r.mesh_shape, "float32", "adam")
+    link = _cp_link(stage, cfg)
+    assert link.name == stage.inter_node.name
+    f, b, held = context_parallel_seconds(r, cost, cfg, link)
+    want_f = want_b = 0.0
+    for n in r.graph.nodes:
+        if n.target == "aten.scaled_dot_product_attention.default":
+            p = cost.prices(n, r.chosen[n.name])
+            kv = _kv_block_bytes(r.graph, n, r.chosen[n.name].inputs, r.mesh_shape)
+            hop = collective_time("p2p", kv, 2, link)
+            want_f += 3 * max(p.forward_s, hop)
+            want_b += 3 * max(sum(p.backward_s), 2 * hop) + hop
+    assert f == pytest.approx(want_f) and b >= want_b * (1 - 1e-12) and held > 0
+    # GQA: llama-tiny repeats its 2 K/V heads to 4; the block counts 2
+    n = next(n for n in r.graph.nodes if n.target == "aten.scaled_dot_product_attention.default")
+    k = r.graph[n.args[1]].outputs[0]
+    assert _kv_block_bytes(r.graph, n, None, (1,)) == pytest.approx(
+        2 * _m.prod(k.shape) * k.itemsize / 2)
+
+
+def test_uneven_layout_may_leave_the_first_and_last_chunk_only_embedding_and_head():
+    """Llama 3's layout: the first chunk the embedding alone, the last the head and loss."""
+    model, inputs = build_model("llama-tiny", device="meta")
+    cfg = MegatronConfig(1, 1, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, micro_batch_size=1,
+                         pipeline_model_parallel_layout=(0, 1, 1, 0))
+    plan = megatron_plan(model, load_cluster("dgx-h100:1").sub_cluster(1, 2), cfg,
+                         example_inputs=inputs)
+    layers = [st.layers for st in plan.pipeline.stages]
+    assert len(layers) == 4 and not any("layers." in l for l in layers[0] + layers[-1])
+    with pytest.raises(ValueError, match="at least one"):
+        MegatronConfig(1, 1, pipeline_model_parallel_size=2,
+                       virtual_pipeline_model_parallel_size=2,
+                       pipeline_model_parallel_layout=(1, 0, 1, 0))
