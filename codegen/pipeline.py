@@ -174,7 +174,12 @@ class StageExecutor(PlanExecutor):
     def drop_own_parameters(self) -> None:
         """Let go of this executor's parameter DTensors: their owner (an FSDP2
         :class:`StageModule`) gives every forward its values through
-        :attr:`param_value`, and holds only their shards between steps."""
+        :attr:`param_value`, and holds only their shards between steps. The
+        program's state dict lets go of them too."""
+        state = self.ep.state_dict
+        for fqn, param in self._params.items():
+            if state.get(fqn) is param:
+                del state[fqn]
         for name in self._param_fqn:
             self._placeholders[name] = None
         self._params.clear()
