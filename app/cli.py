@@ -277,10 +277,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check,
                         nodes=_nodes(args))
     except LaunchError as err:
-        if err.user_error:  # the ranks refused the plan: one line, as for any bad input
-            print(f"planner: error: {err.first_line}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
+        # the ranks refused the plan, or failed running it: one line (the op, the
+        # reason, what to do, and the file with their whole output), exit 2
+        print(f"planner: error: {err.first_line}", file=sys.stderr)
+        return EXIT_USAGE
     if "node_rank" in result:  # not node 0: the result is printed there
         print(f"node {result['node_rank']}: its ranks finished (node 0 prints the result)")
         return 0
@@ -299,18 +299,34 @@ def cmd_train(args: argparse.Namespace) -> int:
     try:
         outcome = train(TrainConfig.from_args(args), nodes=_nodes(args),
                         max_restarts=args.max_restarts)
-    except LaunchError as err:
-        if not err.user_error:
-            raise
+    except LaunchError as err:  # refused before or by the ranks: one line
         print(f"planner: error: {err.first_line}", file=sys.stderr)
         return EXIT_USAGE
     if outcome.returncode == 0:
         if args.result_json:
             print(f"wrote {args.result_json}")
         return 0
-    what = outcome.error or f"the ranks exited with status {outcome.returncode}"
-    print(f"planner: error: {what} (the ranks' output: {outcome.log_path})", file=sys.stderr)
-    return EXIT_USAGE if outcome.bad_input else 1
+    if outcome.bad_input:  # a rank refused its input: its own line says what to change
+        what = outcome.error or f"the ranks exited with status {outcome.returncode}"
+        print(f"planner: error: {what} (the ranks' output: {outcome.log_path})", file=sys.stderr)
+    else:
+        from codegen.launch import rank_failure_line
+
+        line = rank_failure_line(_log_tail(outcome.log_path), outcome.returncode,
+                                 outcome.log_path)
+        print(f"planner: error: {line}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _log_tail(path: str, limit: int = 1 << 20) -> str:
+    """The last ``limit`` bytes of the ranks' log (their errors and torchrun's
+    record of how each ended)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _nodes(args: argparse.Namespace) -> Any:
@@ -479,6 +495,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as err:
         print(f"planner: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as err:  # noqa: BLE001 - a bug of ours: one line, the traceback in a file
+        if os.environ.get("PLANNER_TRACEBACK"):
+            raise
+        print(f"planner: error: {_internal_error_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _internal_error_line(err: BaseException) -> str:
+    """One line for an error the planner did not expect: what it was, and the
+    file its traceback was written to (set PLANNER_TRACEBACK=1 to see it here)."""
+    import tempfile
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="planner-error-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        traceback.print_exception(err, file=f)
+    text = str(err).strip().splitlines()
+    return (f"internal error {type(err).__name__}: {text[0] if text else ''} (a bug of the "
+            f"planner, not of the model: report it with the traceback in {path})")
 
 
 if __name__ == "__main__":

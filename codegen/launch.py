@@ -30,7 +30,8 @@ from ir.node import draws_random
 from planner.plan_format import load_plan, placement_error
 
 __all__ = ["LaunchError", "Nodes", "REPO_ROOT", "cpu_fallback_note", "end_group",
-           "first_error_line", "launch", "rank_env", "runnable_world", "torchrun_placement"]
+           "first_error_line", "launch", "rank_env", "rank_failure_line", "runnable_world",
+           "torchrun_placement"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,16 +40,20 @@ class LaunchError(RuntimeError):
     """The ranks did not produce a result; the message ends with their output's tail.
 
     Attributes:
-        first_line: the ranks' one-line error, if they printed one.
+        first_line: the one line ``planner run`` prints: the ranks' own error
+            where they printed one, what to do, and where their whole output is.
         user_error: the ranks refused the plan or the model (a plan of another
             program, mesh or world size: ``codegen.rank_main`` exit status 2 or 3),
             which the user fixes, rather than failing while running it.
+        log_path: the file holding the ranks' whole output (None where no rank ran).
     """
 
-    def __init__(self, message: str, first_line: str | None = None, user_error: bool = False):
+    def __init__(self, message: str, first_line: str | None = None, user_error: bool = False,
+                 log_path: str | None = None):
         super().__init__(message)
-        self.first_line = first_line
+        self.first_line = first_line or (message.strip().splitlines() or [""])[0]
         self.user_error = user_error
+        self.log_path = log_path
 
 
 def end_group(proc: subprocess.Popen) -> None:
@@ -69,13 +74,55 @@ def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
 
-_ERROR_RE = re.compile(r"\[rank \d+\] error: (.*?)(?=\[rank \d+\] error: |$)", re.M)
+_ERROR_RE = re.compile(r"\[rank (\d+)\] error: (.*?)(?=\[rank \d+\] error: |$)", re.M)
+# A rank whose peer died fails in its next collective: that error is a
+# consequence, not the cause, and is named only when no rank said more.
+_PEER_GONE = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL (error|communicator)"
+                        r"|ProcessGroup\w* is (aborted|shut ?down)|recvBytes|sendBytes"
+                        r"|Socket Timeout|watchdog", re.I)
+# torchrun's record of a rank ended by a signal: "exitcode  : -9 (pid: ...)"
+_KILLED_RE = re.compile(r"exitcode\s*:\s*-(9|6|11)\b")
 
 
 def first_error_line(text: str) -> str | None:
-    """The first rank's one-line error (ranks' lines may be interleaved)."""
-    m = _ERROR_RE.search(text)
-    return m.group(1).strip() if m else None
+    """The ranks' one-line error that says most: the first rank's, passing over
+    a rank that only lost its peer (ranks' lines may be interleaved)."""
+    errors = [m.group(2).strip() for m in _ERROR_RE.finditer(text)]
+    causes = [e for e in errors if not _PEER_GONE.search(e)]
+    return (causes or errors or [None])[0]
+
+
+def rank_failure_line(output: str, returncode: int, log_path: str | None) -> str:
+    """One line for ranks that failed while running a plan: the failing rank's
+    own error (the op and the reason), what to do, and where the whole output
+    is (``log_path``)."""
+    error = first_error_line(output)
+    killed = _KILLED_RE.search(output)
+    if killed and (error is None or _PEER_GONE.search(error)):
+        sig = {"9": "SIGKILL", "6": "SIGABRT", "11": "SIGSEGV"}[killed.group(1)]
+        error = f"a rank was ended by {sig}"
+        advice = ("most likely the machine ran out of memory: plan for more devices or a "
+                  "smaller --batch-size, or give the ranks more memory"
+                  if sig == "SIGKILL" else "a crash inside torch; report it with the plan")
+    elif error is None:
+        error = f"the ranks exited with status {returncode} without saying why"
+        advice = "report it with the plan"
+    elif re.search(r"DTensor|\bview\b|stride|Redistribut|placement|shard", error, re.I):
+        advice = ("DTensor cannot run the plan's placements there: re-plan with this "
+                  "planner (it plans only placements DTensor runs), or plan a data-parallel "
+                  "mesh (--mesh N); report it with the plan if it persists")
+    else:
+        advice = "the plan or the runtime is at fault, not the model: report it with the plan"
+    where = f"; the ranks' whole output: {log_path}" if log_path else ""
+    return f"{error.rstrip('. ')}. {advice[0].upper()}{advice[1:]}{where}"
+
+
+def _keep_log(output: str, prefix: str = "planner-run-") -> str:
+    """The ranks' whole output written to a new file that outlives the launch; its path."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(output)
+    return path
 
 
 def cpu_fallback_note(plan: Any, plan_path: str) -> str | None:
@@ -192,10 +239,11 @@ def _node_status(node_rank: int, returncode: int, stdout: str, stderr: str, plan
     result); a :class:`LaunchError` when they failed."""
     if returncode != 0:
         output = stdout + stderr
-        first = first_error_line(output)
-        head = first or f"node {node_rank}'s ranks exited with status {returncode}"
-        raise LaunchError(f"{head}\n--- output tail ({plan_path}, {world} ranks, node "
-                          f"{node_rank}) ---\n{_tail(output)}", first_line=first)
+        log_path = _keep_log(output)
+        line = f"node {node_rank}: {rank_failure_line(output, returncode, log_path)}"
+        raise LaunchError(f"{line}\n--- output tail ({plan_path}, {world} ranks, node "
+                          f"{node_rank}) ---\n{_tail(output)}", first_line=line,
+                          log_path=log_path)
     return {"node_rank": node_rank, "returncode": returncode, "output": _tail(stdout, 20)}
 
 
@@ -262,8 +310,11 @@ def _run_ranks(cmd: list[str], cwd: str | os.PathLike | None, run_env: dict[str,
     except subprocess.TimeoutExpired:
         end_group(proc)
         stdout, stderr = proc.communicate()
-        raise LaunchError(f"plan {plan_path} did not finish within {timeout_s:.0f} s on "
-                          f"{world} ranks; output tail:\n{_tail(stdout + stderr)}") from None
+        log_path = _keep_log(stdout + stderr)
+        line = (f"plan {plan_path} did not finish within {timeout_s:.0f} s on {world} ranks "
+                f"(ended); the ranks' whole output: {log_path}")
+        raise LaunchError(f"{line}\noutput tail:\n{_tail(stdout + stderr)}", first_line=line,
+                          log_path=log_path) from None
     except BaseException:
         end_group(proc)
         raise
@@ -285,7 +336,7 @@ def _read_result(result_path: str, returncode: int, stdout: str, stderr: str,
         result["returncode"] = returncode
         result["output"] = _tail(stdout, 20)
         return result
-    first = first_error_line(output)
-    head = first or f"ranks exited with status {returncode} and no result"
-    raise LaunchError(f"{head}\n--- output tail ({where}) ---\n{_tail(output)}",
-                      first_line=first)
+    log_path = _keep_log(output)
+    line = rank_failure_line(output, returncode, log_path)
+    raise LaunchError(f"{line}\n--- output tail ({where}) ---\n{_tail(output)}",
+                      first_line=line, log_path=log_path)

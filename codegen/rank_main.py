@@ -65,6 +65,52 @@ def _say(rank: int, msg: str) -> None:
     print(f"[rank {rank}] {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _during(what: str) -> Iterator[None]:
+    """An exception raised inside says that it arose during ``what`` (the
+    innermost phase wins), for this rank's one-line error (:func:`error_line`)."""
+    try:
+        yield
+    except Exception as err:
+        if not hasattr(err, "rank_phase"):
+            try:
+                err.rank_phase = what
+            except AttributeError:  # an exception type without a __dict__
+                pass
+        raise
+
+
+def _backward_tracer(loss: Any) -> Callable[[], str | None]:
+    """Pre-hooks on every autograd node of ``loss``'s graph; the returned call
+    names the node the backward pass entered last (on a failure: the failing
+    op's gradient, ``ViewBackward0``), or None."""
+    last: list[str] = []
+    fn = getattr(loss, "grad_fn", None)
+    seen: set[int] = set()
+    stack = [fn] if fn is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+
+        def enter(grad_outputs: Any, name: str = node.name()) -> None:
+            last[:] = [name]
+
+        node.register_prehook(enter)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    return lambda: last[0] if last else None
+
+
+def error_line(err: BaseException) -> str:
+    """This rank's one-line error: where it failed (:func:`_during`), the
+    exception's type and the first line of its message."""
+    text = str(err).strip().splitlines()
+    phase = getattr(err, "rank_phase", None)
+    return (f"{f'in {phase}: ' if phase else ''}{type(err).__name__}: "
+            f"{text[0] if text else ''}")
+
+
 class _Exit(Exception):
     """Stop this rank with ``code`` after printing ``message`` (one line)."""
 
@@ -324,24 +370,32 @@ def _run_single_stage(args: argparse.Namespace, plan: Any, rank: int, world: int
     mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=names)
     model, inputs = _build_model(plan, device)
     caught: list[Any] = []
-    with _building(caught):
+    with _during("building the plan's model"), _building(caught):
         executor = PlanExecutor(plan, model, inputs, mesh)
     del model  # the executor holds the distributed parameters
     params = dict(executor.named_parameters())
     opt = make_optimizer(params.values(), args.optimizer, args.lr)
     setup_s = time.perf_counter() - t_setup
 
-    ref = _reference(args, plan, rank, device)
+    with _during("the check's one-process reference run"):
+        ref = _reference(args, plan, rank, device)
     grad_errors: dict[str, float] = {}
     missing_grads: list[str] = []
     grad_reductions = 0
 
     def step_fn(step: int) -> float:
         nonlocal grad_reductions
-        with _recording_warnings(caught):
+        with _during(f"the forward of step {step + 1}"), _recording_warnings(caught):
             loss = loss_of(executor(*inputs))
-        # gradients take their parameter's placement (the data-parallel reduction)
-        loss, grad_reductions = backward_to_placements(executor, loss)
+        # the first step names the op whose gradient fails, if one does
+        entered = _backward_tracer(loss) if step == 0 else lambda: None
+        try:
+            # gradients take their parameter's placement (the data-parallel reduction)
+            loss, grad_reductions = backward_to_placements(executor, loss)
+        except Exception as err:
+            op = entered()
+            err.rank_phase = f"the backward of step {step + 1}" + (f", at {op}" if op else "")
+            raise
         if step == 0 and args.check:
             grads = {fqn: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
                      for fqn, p in params.items()}
@@ -408,19 +462,20 @@ def _run_pipelined(args: argparse.Namespace, plan: Any, rank: int, world: int,
     t_setup = time.perf_counter()
     model, inputs = _build_model(plan, device)
     caught: list[Any] = []
-    with _building(caught, PipelinePlanError):
+    with _during("building the plan's pipeline stages"), _building(caught, PipelinePlanError):
         runtime = PipelineRuntime.build(plan, model, inputs, device)
     del model
     opt = runtime.make_optimizer(lambda params: make_optimizer(params, args.optimizer, args.lr))
     setup_s = time.perf_counter() - t_setup
 
-    ref = _reference(args, plan, rank, device)
+    with _during("the check's one-process reference run"):
+        ref = _reference(args, plan, rank, device)
     grads: dict[str, Any] = {}
     grad_reductions = 0
 
     def step_fn(step: int) -> float | None:
         nonlocal grads, grad_reductions
-        with _recording_warnings(caught):
+        with _during(f"the pipelined step {step + 1}"), _recording_warnings(caught):
             mb_losses = runtime.step(inputs)
         grad_reductions = runtime.sync_grads()
         if step == 0 and args.check:
@@ -524,11 +579,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except Exception as err:  # noqa: BLE001 - one line per rank, then non-zero exit
-        _say(rank, f"error: {type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
+        _say(rank, f"error: {error_line(err)}")
         if os.environ.get("CODEGEN_TRACEBACK"):
             raise
         import traceback
-        traceback.print_exc(file=sys.stderr)
+        traceback.print_exc(file=sys.stderr)  # into the log the launcher keeps
         return EXIT_BAD_PLAN
 
 

@@ -100,3 +100,29 @@ class ItemInForward(nn.Module):
 def item_in_forward(batch_size: int = 4) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """:class:`ItemInForward` on ``batch_size`` random 16-vectors."""
     return ItemInForward(), (torch.randn(batch_size, 16),)
+
+
+class Seq2SeqLMStep(nn.Module):
+    """``forward(input_ids, labels)``: a Hugging Face encoder-decoder's own loss
+    (a scalar); the decoder's inputs are the labels shifted right, as the model
+    makes them itself."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.hf = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids, labels=labels).loss
+
+
+def bart(batch_size: int = 8, seq_len: int = 16) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A BART encoder-decoder (2 + 2 layers, d_model 64, 4 heads, vocabulary
+    128, dropout 0) on random token ids that are also its labels."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4,
+                        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
+                        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    ids = torch.randint(3, config.vocab_size, (batch_size, seq_len))
+    return Seq2SeqLMStep(BartForConditionalGeneration(config)), (ids, ids.clone())

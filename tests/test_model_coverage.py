@@ -156,3 +156,23 @@ def test_a_forward_that_reads_a_tensors_value_is_one_line_naming_it_and_its_line
     if "torch's output: " in line:  # torch's program dumps went to the log, not the terminal
         log = line.rsplit("torch's output: ", 1)[1].rstrip(")")
         assert os.path.isfile(log)
+
+
+RANK_CRASH = """[rank 1] error: in the forward of step 1: RuntimeError: Connection closed by peer [127.0.0.1]:5
+[rank 0] error: in the backward of step 1, at ViewBackward0: RuntimeError: view size is not compatible with input tensor's size and stride
+Traceback (most recent call last):
+  File "/work/main/codegen/rank_main.py", line 525, in main
+"""
+
+
+def test_the_ranks_failure_is_one_line_with_the_cause_what_to_do_and_the_log():
+    from codegen.launch import first_error_line, rank_failure_line
+
+    assert first_error_line(RANK_CRASH).startswith("in the backward of step 1, at ViewBackward0")
+    line = rank_failure_line(RANK_CRASH, 1, "/tmp/x.log")
+    assert "\n" not in line and "ViewBackward0" in line and "view size" in line
+    assert "re-plan" in line and line.endswith("the ranks' whole output: /tmp/x.log")
+    killed = "[rank 1] error: RuntimeError: Connection reset by peer\n  exitcode  : -9 (pid: 7)\n"
+    line = rank_failure_line(killed, 1, "/tmp/y.log")
+    assert "SIGKILL" in line and "out of memory" in line and "Connection" not in line
+    assert "without saying why" in rank_failure_line("torchrun's dump only", 1, None)
