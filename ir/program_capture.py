@@ -172,13 +172,16 @@ def torch_output_logged() -> Iterator[io.StringIO]:
         logger = logging.getLogger(name)
         for handler in logger.handlers:
             if type(handler) is logging.StreamHandler:
-                handlers.append((handler, handler.setStream(buffer)))
+                # swapped, not setStream(): that flushes the old stream, which a
+                # handler made under a replaced sys.stderr may hold closed
+                handlers.append((handler, handler.stream))
+                handler.stream = buffer
     try:
         with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
             yield buffer
     finally:
         for handler, stream in handlers:
-            handler.setStream(stream)
+            handler.stream = stream
 
 
 def write_torch_log(text: str) -> str | None:
