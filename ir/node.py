@@ -88,6 +88,11 @@ class Node:
             (0 for view ops that move no data).
         params: FQNs of the parameters this node reads directly.
         module_path: FQN of the innermost nn.Module that issued the op ("" = root).
+        layout_bound: indices into ``args`` of the tensors that must reach this
+            op as their producer made them, never resharded: a view of a
+            non-contiguous tensor whose chain of views ends in ``aten.view``,
+            valid only for the strides the capture gave it (a reshard's result
+            is contiguous; :func:`ir.exported_graph.layout_bound_args`).
     """
 
     name: str
@@ -102,6 +107,7 @@ class Node:
     params: tuple[str, ...] = ()
     module_path: str = ""
     fqn: str | None = None
+    layout_bound: tuple[int, ...] = ()
 
     @property
     def is_view(self) -> bool:

@@ -136,7 +136,8 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
     for v, ns in enumerate(strategies):
         for k, arg in enumerate(ns.node.args):
             u = index[arg]
-            key = (classes[u], classes[v], k, arg in cost.requires_grad)
+            key = (classes[u], classes[v], k, arg in cost.requires_grad,
+                   k in ns.node.layout_bound)
             edge_count[key] = edge_count.get(key, 0) + 1
             edge_first.setdefault(key, (u, v, k))
     edges = []
@@ -253,7 +254,7 @@ def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
     # graphs on this mesh ask for the same matrix (~36k asks, ~4k matrices
     # in a llama3-8b search); filed with the lists, so that their ids stay theirs
     key = (id(prod.strategies), id(cons.strategies), out_idx, k, info.shape, info.itemsize, rg,
-           node.target == "getitem")
+           node.target == "getitem" or k in node.layout_bound)
     memo = cost.edge_matrices
     known = memo.get(key)
     if known is not None and known[0] is prod.strategies and known[1] is cons.strategies:
@@ -269,7 +270,9 @@ def _priced_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies
     node = cons.node
     srcs, src_of = _distinct([cost.spec_id(ps.outputs[out_idx]) for ps in prod.strategies])
     dsts, dst_of = _distinct([cost.spec_id(cs.inputs[k]) for cs in cons.strategies])
-    if node.target == "getitem":  # a tuple projection cannot reshard: it follows
+    if node.target == "getitem" or k in node.layout_bound:
+        # a tuple projection cannot reshard, nor a tensor whose views rely on its
+        # captured strides (ir.node.Node.layout_bound): it follows its producer
         priced = [[0.0 if a == b else math.inf for b in dsts] for a in srcs]
     else:
         priced = cost.edge_seconds(tuple(srcs), tuple(dsts), info, rg)

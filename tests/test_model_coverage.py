@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 from codegen.reference import check_tolerance, gradient_errors
 from ir.exported_graph import graph_from_exported
@@ -176,3 +177,57 @@ def test_the_ranks_failure_is_one_line_with_the_cause_what_to_do_and_the_log():
     line = rank_failure_line(killed, 1, "/tmp/y.log")
     assert "SIGKILL" in line and "out of memory" in line and "Connection" not in line
     assert "without saying why" in rank_failure_line("torchrun's dump only", 1, None)
+
+
+class _Attention(nn.Module):
+    """Self-attention as Hugging Face writes it: heads split by a view, the
+    fused kernel, then ``transpose(1, 2).contiguous()`` and a view merging the
+    heads back. The capture has no copy there: the fused kernel's output is
+    [batch, seq, heads, dim] in memory, so the transpose is contiguous."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        h = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(h.transpose(1, 2).contiguous().view(b, s, d)).pow(2).mean()
+
+
+def test_the_views_of_the_attention_output_follow_it_unresharded():
+    """A reshard returns contiguous shards: the attention output resharded
+    before its views cannot be viewed back to [batch, seq, hidden] (BART's
+    'Cannot view a tensor with shape [8, 16, 4, 16] and strides (1024, 16,
+    256, 1)'). The ILP may not choose it: those edges follow their producer;
+    the same reshard of a contiguous tensor is priced as usual."""
+    from costmodel.presets import load_cluster
+    from costmodel.strategy_cost import IntraOpCost
+    from ir import trace
+    from planner.intra_op import _edge_matrix
+    from planner.strategies import build_strategies
+
+    with torch.device("meta"):
+        model, x = _Attention(), torch.empty(8, 16, 32)
+    graph = trace(model, (x,))
+    bound = [(n.name, [n.args[k] for k in n.layout_bound]) for n in graph.nodes
+             if n.layout_bound]
+    sdpa = next(n.name for n in graph.nodes if "scaled_dot_product" in n.target)
+    assert bound == [(bound[0][0], [sdpa])] and graph[bound[0][0]].target in (
+        "aten.transpose.int", "aten.permute.default")
+    strategies = {ns.node.name: ns for ns in build_strategies(graph, (2, 2))}
+    cost = IntraOpCost(graph, load_cluster("local-cpu:4"), (2, 2), "float32")
+    follows = _edge_matrix(cost, strategies[sdpa], strategies[bound[0][0]], 0)
+    outs = [s.outputs[0] for s in strategies[sdpa].strategies]
+    ins = [s.inputs[0] for s in strategies[bound[0][0]].strategies]
+    assert len(set(outs)) > 1
+    for i, row in enumerate(follows):
+        for j, seconds in enumerate(row):
+            assert (seconds == 0.0) if outs[i] == ins[j] else seconds == float("inf")
+    merged = next(n for n in graph.nodes if n.target == "aten.view.default"
+                  and n.args[0] == bound[0][0])  # its input is contiguous: free to reshard
+    priced = _edge_matrix(cost, strategies[bound[0][0]], strategies[merged.name], 0)
+    assert 0 < max(x for row in priced for x in row) < float("inf")
