@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = row["modes"][mode]
                 print(f"{name} {mode}: check {r['check']} {r['error'] or ''}", flush=True)
             row["passed"] = all(m["check"] == "PASSED" for m in row["modes"].values())
+            row["git_commit"] = git_commit()
             rows[name] = row
     rows = {name: rows[name] for name in MODELS if name in rows}
     passed = sum(r["passed"] for r in rows.values())

@@ -41,27 +41,38 @@ _STRIDED_VIEW = "aten.view.default"
 
 
 def layout_bound_args(fx_node: torch.fx.Node, tensor_args: Sequence[torch.fx.Node],
-                      ends_in_view: dict[str, bool]) -> tuple[int, ...]:
-    """The indices of ``tensor_args`` that ``fx_node`` must read in the layout
-    the capture gave them: ``fx_node`` is a view op, the argument is not
-    contiguous, and the views from ``fx_node`` on reach an ``aten.view``.
+                      memo: dict[tuple[str, str], bool]) -> tuple[int, ...]:
+    """The indices of ``tensor_args`` that ``fx_node`` must read as their
+    producer made them: ``fx_node`` is a view op, the views from it on reach an
+    ``aten.view``, and the argument is not contiguous or is a view of one.
 
     The program was captured with the strides each op gave its output (the
     fused attention writes [batch, seq, heads, dim] and returns it transposed,
     so the heads merge back with a view, no copy). DTensor's redistribute
-    returns contiguous shards: resharding such a tensor before its views makes
-    the last view impossible ("Cannot view a tensor with shape ... and
-    strides ..."), on DTensor and on its gradient. A contiguous tensor stays
-    contiguous when resharded, so only non-contiguous ones are bound.
-    ``ends_in_view``: memo of :func:`_ends_in_view` by node name."""
-    if str(fx_node.target) not in _VIEW_OPS or not _ends_in_view(fx_node, ends_in_view):
+    returns contiguous shards, and describes the global tensor with the
+    strides DTensor's own rules gave it, which for such a chain are not the
+    capture's: a reshard anywhere between the attention and the view that
+    merges the heads makes that view fail ("Cannot view a tensor with shape
+    ... and strides ..."), on DTensor and on its gradient. Elsewhere a
+    contiguous tensor stays contiguous when resharded, and is free.
+    ``memo``: shared by the calls on one program."""
+    if str(fx_node.target) not in _VIEW_OPS or not _ends_in_view(fx_node, memo):
         return ()
-    bound = []
-    for k, arg in enumerate(tensor_args):
-        val = arg.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() > 1 and not _is_contiguous(val):
-            bound.append(k)
-    return tuple(bound)
+    return tuple(k for k, arg in enumerate(tensor_args) if _strided(arg, memo))
+
+
+def _strided(node: torch.fx.Node, memo: dict[tuple[str, str], bool]) -> bool:
+    """Whether ``node``'s value is not contiguous, or is a view op's of such a
+    value (its layout rests on strides the capture chose)."""
+    key = ("strided", node.name)
+    if key not in memo:
+        val = node.meta.get("val")
+        memo[key] = False  # a cycle cannot occur; this only guards recursion
+        memo[key] = (isinstance(val, torch.Tensor) and val.dim() > 1
+                     and not _is_contiguous(val)) or (
+            str(node.target) in _VIEW_OPS
+            and any(_strided(a, memo) for a in node.all_input_nodes))
+    return memo[key]
 
 
 def _is_contiguous(val: torch.Tensor) -> bool:
@@ -71,16 +82,15 @@ def _is_contiguous(val: torch.Tensor) -> bool:
         return True
 
 
-def _ends_in_view(fx_node: torch.fx.Node, memo: dict[str, bool]) -> bool:
+def _ends_in_view(fx_node: torch.fx.Node, memo: dict[tuple[str, str], bool]) -> bool:
     """Whether ``fx_node`` (a view op) or a view op reached from it through
     view ops only is an ``aten.view``."""
-    found = memo.get(fx_node.name)
-    if found is None:
-        memo[fx_node.name] = False  # a cycle cannot occur; this only guards recursion
-        found = str(fx_node.target) == _STRIDED_VIEW or any(
+    key = ("ends in view", fx_node.name)
+    if key not in memo:
+        memo[key] = False  # a cycle cannot occur; this only guards recursion
+        memo[key] = str(fx_node.target) == _STRIDED_VIEW or any(
             str(u.target) in _VIEW_OPS and _ends_in_view(u, memo) for u in fx_node.users)
-        memo[fx_node.name] = found
-    return found
+    return memo[key]
 
 
 def _tensor_info(val: Any) -> TensorInfo | None:
@@ -181,7 +191,7 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
     buffers = dict(sig.inputs_to_buffers)
     renamed = _rewire_tied(ep, params, tied or {})
     nodes: list[Node] = []
-    ends_in_view: dict[str, bool] = {}
+    layout_memo: dict[tuple[str, str], bool] = {}
     for fx_node in ep.graph.nodes:
         val = fx_node.meta.get("val")
         if fx_node.name in renamed:
@@ -217,7 +227,7 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
                 inputs=tuple(t if t else TensorInfo((), torch.float32) for t in inputs),
                 outputs=outputs, flops=_flops(fx_node), bytes_moved=float(moved),
                 params=read_params, module_path=module_path(fx_node),
-                layout_bound=layout_bound_args(fx_node, flat_args, ends_in_view)))
+                layout_bound=layout_bound_args(fx_node, flat_args, layout_memo)))
     output_names, buffer_updates = _outputs_by_kind(sig)
     return Graph(nodes=nodes, output_names=output_names, model_name=model_name, exported=ep,
                  buffer_updates=buffer_updates)

@@ -89,10 +89,10 @@ class Node:
         params: FQNs of the parameters this node reads directly.
         module_path: FQN of the innermost nn.Module that issued the op ("" = root).
         layout_bound: indices into ``args`` of the tensors that must reach this
-            op as their producer made them, never resharded: a view of a
-            non-contiguous tensor whose chain of views ends in ``aten.view``,
-            valid only for the strides the capture gave it (a reshard's result
-            is contiguous; :func:`ir.exported_graph.layout_bound_args`).
+            op as their producer made them, never resharded: in a chain of
+            views ending in ``aten.view`` that starts at a non-contiguous
+            tensor, valid only for the strides the capture gave it
+            (:func:`ir.exported_graph.layout_bound_args`).
     """
 
     name: str

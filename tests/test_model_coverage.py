@@ -179,11 +179,12 @@ def test_the_ranks_failure_is_one_line_with_the_cause_what_to_do_and_the_log():
 
 
 def test_the_views_of_the_attention_output_follow_it_unresharded():
-    """A reshard returns contiguous shards: the attention output resharded
-    before its views cannot be viewed back to [batch, seq, hidden] (BART's
-    'Cannot view a tensor with shape [8, 16, 4, 16] and strides (1024, 16,
-    256, 1)'). The ILP may not choose it: those edges follow their producer;
-    the same reshard of a contiguous tensor is priced as usual."""
+    """A reshard between the attention output and the view merging its heads
+    makes that view fail in the ranks (BART's 'Cannot view a tensor with shape
+    [8, 16, 4, 16] and strides (1024, 16, 256, 1)', Phi-3's view of the
+    heads gathered on one mesh axis). The ILP may not choose it: the edges of
+    that chain of views follow their producer; the projection after it takes
+    its input resharded, priced as usual."""
     from costmodel.presets import load_cluster
     from costmodel.strategy_cost import IntraOpCost
     from ir import trace
@@ -198,23 +199,28 @@ def test_the_views_of_the_attention_output_follow_it_unresharded():
     with torch.device("meta"):
         model, inputs = attention()
     graph = trace(model, inputs)
-    bound = [(n.name, [n.args[k] for k in n.layout_bound]) for n in graph.nodes
-             if n.layout_bound]
+    chain = [n for n in graph.nodes if n.layout_bound]
     sdpa = next(n.name for n in graph.nodes if "scaled_dot_product" in n.target)
-    assert bound == [(bound[0][0], [sdpa])] and graph[bound[0][0]].target in (
-        "aten.transpose.int", "aten.permute.default")
+    # the attention output, its transpose and the views merging the heads
+    assert [n.args[0] for n in chain] == [sdpa] + [n.name for n in chain[:-1]]
+    assert chain[0].target in ("aten.transpose.int", "aten.permute.default")
+    assert [n.target for n in chain[1:]] == ["aten.view.default"] * (len(chain) - 1)
     strategies = {ns.node.name: ns for ns in build_strategies(graph, (2, 2))}
     cost = IntraOpCost(graph, load_cluster("local-cpu:4"), (2, 2), "float32")
-    follows = _edge_matrix(cost, strategies[sdpa], strategies[bound[0][0]], 0)
-    outs = [s.outputs[0] for s in strategies[sdpa].strategies]
-    ins = [s.inputs[0] for s in strategies[bound[0][0]].strategies]
-    assert len(set(outs)) > 1
-    for i, row in enumerate(follows):
-        for j, seconds in enumerate(row):
-            assert (seconds == 0.0) if outs[i] == ins[j] else seconds == float("inf")
-    merged = next(n for n in graph.nodes if n.target == "aten.view.default"
-                  and n.args[0] == bound[0][0])  # its input is contiguous: free to reshard
-    priced = _edge_matrix(cost, strategies[bound[0][0]], strategies[merged.name], 0)
+    for consumer in chain:
+        producer = consumer.args[0]
+        follows = _edge_matrix(cost, strategies[producer], strategies[consumer.name], 0)
+        outs = [s.outputs[0] for s in strategies[producer].strategies]
+        ins = [s.inputs[0] for s in strategies[consumer.name].strategies]
+        assert len(set(outs)) > 1
+        for i, row in enumerate(follows):
+            for j, seconds in enumerate(row):
+                assert (seconds == 0.0) if outs[i] == ins[j] else seconds == float("inf")
+    # the projection after the views may take the heads resharded, as priced
+    projection = next(n for n in graph.nodes if n.target == "aten.addmm.default"
+                      and chain[-1].name in n.args)
+    k = projection.args.index(chain[-1].name)
+    priced = _edge_matrix(cost, strategies[chain[-1].name], strategies[projection.name], k)
     assert 0 < max(x for row in priced for x in row) < float("inf")
 
 
