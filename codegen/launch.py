@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from ir.node import draws_random
+from codegen.runnable import unrunnable_reason
 from planner.plan_format import load_plan, placement_error
 
 __all__ = ["LaunchError", "Nodes", "REPO_ROOT", "cpu_fallback_note", "end_group",
@@ -254,10 +255,9 @@ def runnable_world(plan: Any, plan_path: str, nproc: int | None) -> int:
     if wrong:
         message = f"plan {plan_path}: {wrong}; regenerate it with `planner plan`"
         raise LaunchError(message, first_line=message, user_error=True)
-    if plan.precision.compute_dtype_name == "float16":
-        message = (f"plan {plan_path} trains in {plan.precision.name}, which needs loss "
-                   f"scaling that this runtime does not do; re-plan with --precision "
-                   f"bf16-mixed to run it")
+    reason = unrunnable_reason(plan)
+    if reason:
+        message = f"plan {plan_path}: {reason}"
         raise LaunchError(message, first_line=message, user_error=True)
     world = plan.world_size
     if nproc is not None and int(nproc) != world:

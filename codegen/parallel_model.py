@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.capture import PlanMismatchError
 from codegen.reference import loss_of
+from codegen.runnable import unrunnable_reason
 from codegen.zero1 import StateShards
 from planner.plan_format import Plan, load_plan
 
@@ -561,6 +562,7 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
             for a checkpoint to fill).
 
     Raises:
+        ValueError: a plan this runtime cannot run (:func:`codegen.runnable.unrunnable_reason`).
         PlanMismatchError: the model captures as another program than the plan's.
         codegen.pipeline_validation.PipelinePlanError: a pipeline this runtime
             cannot run.
@@ -569,6 +571,9 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
         raise ValueError(f"init must be one of {', '.join(INITS)}, got {init!r}")
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
+    reason = unrunnable_reason(plan)
+    if reason:
+        raise ValueError(f"this plan cannot run: {reason}")
     device = _ensure_process_group(plan)
     if device.type == "cpu":
         return_freed_host_memory()

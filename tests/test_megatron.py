@@ -588,6 +588,20 @@ def test_context_parallel_plan_prices_one_cp_ranks_program(llama_cp_plans):
         ring.predicted["context_parallel"]["kv_buffer_bytes"]  # cp = 2: 2 cp = 4
 
 
+def test_a_context_parallel_plan_is_refused_by_the_runtime(llama_cp_plans, tmp_path):
+    """The runtime has no ring attention yet: a cp plan would run as plain data
+    parallelism over dp x cp, so it is refused in one line before any rank starts."""
+    from codegen.launch import LaunchError, runnable_world
+
+    _, (plain, ring, _) = llama_cp_plans
+    path = tmp_path / "cp.json"
+    ring.save(path)
+    with pytest.raises(LaunchError, match="context parallelism") as err:
+        runnable_world(ring, str(path), None)
+    assert err.value.user_error and "\n" not in str(err.value)
+    assert runnable_world(plain, "plain.json", None) == 4
+
+
 def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
     """p2p: (cp-1) max(t_f, p2p) forward; all-gather: exposed gather + (cp-1) t_f."""
     import math as _m
