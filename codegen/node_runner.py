@@ -113,6 +113,29 @@ def _attention_mask(args: tuple, kwargs: dict) -> Any:
     return kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
 
 
+def _captured_attention_layout(node: torch.fx.Node, out: Any) -> Any:
+    """Attention output ``out`` in the memory layout the capture gave it.
+
+    The capture lays the fused attention's output out as the fused kernels write
+    it, [batch, seq, heads, dim] under a [batch, heads, seq, dim] shape
+    (:func:`ir.torch_compat.fused_attention_layout`), and the program's view
+    merging the heads relies on it. Where the device's kernel writes it
+    contiguous instead (a CPU rank's math path, with some masks or
+    cross-attention), it is laid out as captured: one local copy, through
+    autograd."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.is_contiguous():
+        return out
+    local = out.to_local() if isinstance(out, DTensor) else out
+    if not local.is_contiguous() or local.transpose(1, 2).is_contiguous():
+        return out
+    relaid = local.transpose(1, 2).contiguous().transpose(1, 2)
+    if not isinstance(out, DTensor):
+        return relaid
+    return DTensor.from_local(relaid, out.device_mesh, out.placements, run_check=False,
+                              shape=out.shape, stride=out.stride())
+
+
 def _keep_gradient_placements(out: Any) -> None:
     """Make the gradient reaching attention output ``out`` take ``out``'s own
     placements. The CPU flash kernel's backward takes the mask as a keyword
@@ -306,8 +329,10 @@ class NodeRunner:
             _check_output(node, out)
         except Exception as err:  # noqa: BLE001 - DTensor could not run it: replicate
             return self._fall_back(node, entry, args, kwargs, values, err)
-        if node.target is SDPA and _attention_mask(args, kwargs) is not None:
-            _keep_gradient_placements(out)
+        if node.target is SDPA:
+            out = _captured_attention_layout(node, out)
+            if _attention_mask(args, kwargs) is not None:
+                _keep_gradient_placements(out)
         return self._finish(node, entry, out, in_obs, constant=False)
 
     # ------------------------------------------------------------ the arguments
@@ -409,6 +434,8 @@ class NodeRunner:
                       f"{_first_line(err)}); running it replicated", stacklevel=2)
         try:
             out = self._run_replicated(node, args, kwargs)
+            if node.target is SDPA:
+                out = _captured_attention_layout(node, out)
         except Exception as err2:  # noqa: BLE001
             raise RuntimeError(
                 f"node {node.name} ({op}) failed on DTensor ({type(err).__name__}: "

@@ -220,3 +220,22 @@ class Attention(nn.Module):
 def attention(batch_size: int = 8, seq_len: int = 16) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """:class:`Attention` (hidden 32, 4 heads) on ``batch_size`` random sequences."""
     return Attention(), (torch.randn(batch_size, seq_len, 32),)
+
+
+class FailsOnRanks(nn.Module):
+    """A linear layer whose forward refuses to run where a process group exists:
+    it plans, and then fails in every rank (a test of the ranks' error line)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            raise RuntimeError("this model refuses to run in the ranks")
+        return self.lin(x).pow(2).mean()
+
+
+def fails_on_ranks(batch_size: int = 8) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:class:`FailsOnRanks` on a ``batch_size`` x 16 batch."""
+    return FailsOnRanks(), (torch.randn(batch_size, 16),)
