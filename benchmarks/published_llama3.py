@@ -58,8 +58,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import load_average, machine_block, write_results, wrote_message
-from benchmarks.published_megatron import _priced
+from benchmarks.common import load_average, machine_block
+from benchmarks.published_megatron import _priced, write_published
 
 MODEL = "llama3-405b"
 PRECISION = ("bf16-mixed", "fp32")  # bf16 compute; fp32 gradient accumulation and reduction
@@ -194,27 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in sorted(set(args.rows)):
         rows.append(price_row(TABLE_4[r - 1], args.time_limit))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    errors = [abs(r["error"]) for r in rows if "error" in r]
-    result = {
+    return write_published(args.out, rows, {
         "machine": machine_block(load_before),
         "source": "Llama Team, AI @ Meta, The Llama 3 Herd of Models, arXiv 2407.21783, Table 4",
         "cluster": "dgx-h100 (datasheet preset: H100 SXM5 80 GB, NVLink 450 GB/s per direction, "
                    "400 Gb/s InfiniBand per GPU)",
         "flop_count": "6 N + 12 L h s per token (PaLM MFU convention, N less the input "
-                      "embedding); error_causal_count: 6 N + 6 L h s",
-        "rows": rows,
-        "mean_absolute_error": sum(errors) / len(errors) if errors else None,
-        "max_absolute_error": max(errors) if errors else None,
-        "wall_s": time.monotonic() - start,
-    }
-    write_results(args.out, result)
-    print(table(rows))
-    if errors:
-        print(f"mean |error| {100 * result['mean_absolute_error']:.1f} %, "
-              f"max {100 * result['max_absolute_error']:.1f} %")
-    print(wrote_message(args.out, result))
-    return 0 if len(errors) == len(rows) else 1
-
+                      "embedding); error_causal_count: 6 N + 6 L h s"}, start, table)
 
 if __name__ == "__main__":
     sys.exit(main())

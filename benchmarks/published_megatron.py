@@ -38,7 +38,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -209,25 +209,30 @@ def main(argv: list[str] | None = None) -> int:
     for r in sorted(set(args.rows) | set(args.auto)):
         rows.append(price_row(TABLE_1[r - 1], r in args.auto, args.time_limit))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
-    errors = [abs(r["error"]) for r in rows if "error" in r]
-    result = {
+    return write_published(args.out, rows, {
         "machine": machine_block(load_before),
         "source": "Narayanan et al., Efficient Large-Scale Language Model Training on GPU "
                   "Clusters Using Megatron-LM, SC'21, Table 1",
-        "cluster": "dgx-a100-80g (datasheet preset)",
-        "rows": rows,
-        "mean_absolute_error": sum(errors) / len(errors) if errors else None,
-        "max_absolute_error": max(errors) if errors else None,
-        "wall_s": time.monotonic() - start,
-    }
-    write_results(args.out, result)
+        "cluster": "dgx-a100-80g (datasheet preset)"}, start, table)
+
+
+def write_published(out: str, rows: list[dict[str, Any]], header: dict[str, Any],
+                    start: float, table: Callable[[list[dict[str, Any]]], str]) -> int:
+    """Write a published-runs check: ``header``, the rows, their mean and largest
+    absolute error (a fraction) and the wall time since ``start`` (monotonic
+    seconds); print the table and the errors. Exit status: 0 every row priced."""
+    errors = [abs(r["error"]) for r in rows if "error" in r]
+    result = {**header, "rows": rows,
+              "mean_absolute_error": sum(errors) / len(errors) if errors else None,
+              "max_absolute_error": max(errors) if errors else None,
+              "wall_s": time.monotonic() - start}
+    write_results(out, result)
     print(table(rows))
     if errors:
         print(f"mean |error| {100 * result['mean_absolute_error']:.1f} %, "
               f"max {100 * result['max_absolute_error']:.1f} %")
-    print(wrote_message(args.out, result))
+    print(wrote_message(out, result))
     return 0 if len(errors) == len(rows) else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
