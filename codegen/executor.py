@@ -133,10 +133,20 @@ class PlanExecutor:
         longer holds the model's own where they differ (the fp32 originals of a
         bf16 plan, whole tensors of a sharded one): a rank then holds what the
         plan prices. Parameters of other stages are left for their executors."""
-        state = self.ep.state_dict
         for fqn, param in params.items():
-            if fqn in state:
-                state[fqn] = param
+            self._hold_in_state(fqn, param)
+
+    def _hold_in_state(self, fqn: str, value: torch.Tensor | None) -> None:
+        """Make the program's state dict hold ``value`` for parameter ``fqn`` (one
+        this executor places), or nothing when ``value`` is None, so that it
+        keeps alive only what the rank runs with."""
+        state = self.ep.state_dict
+        if fqn not in state:
+            return
+        if value is None:
+            del state[fqn]
+        else:
+            state[fqn] = value
 
     # ------------------------------------------------ what part of the program runs
     def _check_mesh(self, mesh: DeviceMesh) -> None:

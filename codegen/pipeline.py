@@ -176,10 +176,8 @@ class StageExecutor(PlanExecutor):
         :class:`StageModule`) gives every forward its values through
         :attr:`param_value`, and holds only their shards between steps. The
         program's state dict lets go of them too."""
-        state = self.ep.state_dict
-        for fqn, param in self._params.items():
-            if state.get(fqn) is param:
-                del state[fqn]
+        for fqn in self._params:
+            self._hold_in_state(fqn, None)
         for name in self._param_fqn:
             self._placeholders[name] = None
         self._params.clear()
@@ -192,14 +190,11 @@ class StageExecutor(PlanExecutor):
         for name, value in self._placeholders.items():
             if id(value) in replaced:
                 self._placeholders[name] = replaced[id(value)]
-        state = self.ep.state_dict
         for fqn, param in list(self._params.items()):
             new = replaced.get(id(param))
-            if new is None:
-                continue
-            self._params[fqn] = new
-            if state.get(fqn) is param:
-                state[fqn] = new
+            if new is not None:
+                self._params[fqn] = new
+                self._hold_in_state(fqn, new)
 
     # ---- which part of the program
     def _runs_locally(self) -> bool:

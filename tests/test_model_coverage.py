@@ -77,20 +77,21 @@ def test_bert_with_a_zero_key_bias_gradient_plans_runs_and_checks(tmp_path):
     assert run.returncode == 0 and "check PASSED" in run.stdout, run.stdout + run.stderr
 
 
-def _bn_cnn_on_meta():
+def _on_meta(factory: str):
+    """``coverage_models.<factory>()``'s model (in training mode) and inputs, on meta."""
     sys.path.insert(0, HERE)
     try:
-        from coverage_models import bn_cnn
+        import coverage_models
     finally:
         sys.path.remove(HERE)
     with torch.device("meta"):
-        model, inputs = bn_cnn()
+        model, inputs = getattr(coverage_models, factory)()
     return model.train(), inputs
 
 
 @pytest.mark.parametrize("capturer", [capture, capture_in_one_pass])
 def test_batchnorm_statistics_are_buffer_updates_and_the_loss_the_only_output(capturer):
-    model, inputs = _bn_cnn_on_meta()
+    model, inputs = _on_meta("bn_cnn")
     graph = graph_from_exported(capturer(model, inputs))
     assert len(graph.output_names) == 1 and graph[graph.output_names[0]].outputs[0].numel == 1
     assert sorted(graph.buffer_updates.values()) == sorted(
@@ -191,13 +192,7 @@ def test_the_views_of_the_attention_output_follow_it_unresharded():
     from planner.intra_op import _edge_matrix
     from planner.strategies import build_strategies
 
-    sys.path.insert(0, HERE)
-    try:
-        from coverage_models import attention
-    finally:
-        sys.path.remove(HERE)
-    with torch.device("meta"):
-        model, inputs = attention()
+    model, inputs = _on_meta("attention")
     graph = trace(model, inputs)
     chain = [n for n in graph.nodes if n.layout_bound]
     sdpa = next(n.name for n in graph.nodes if "scaled_dot_product" in n.target)
