@@ -175,3 +175,30 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.pop("PLANNER_TRAIN_FAULT", None)
     env.update(extra or {})
     return env
+
+
+def text_token_file(out_dir: str, sources: Sequence[str], *, min_bytes: int = 0,
+                    below: int = 256) -> tuple[str, dict[str, Any]]:
+    """A byte-token file (uint16, one token per byte) of real text: the files
+    ``sources`` (paths from the repository root) one after the other, bytes not
+    below ``below`` left out (so that a vocabulary of ``below`` ids takes every
+    token), repeated to at least ``min_bytes`` bytes. Written to
+    ``out_dir/text.bin``; returns its path and ``{"sources", "kept_bytes",
+    "dropped_bytes", "repeats", "tokens", "sha256"}``."""
+    import hashlib
+
+    import numpy as np
+
+    from training.data import write_token_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    raw = np.concatenate([np.fromfile(os.path.join(root, f), dtype=np.uint8) for f in sources])
+    kept = raw[raw < below]
+    repeats = max(1, -(-min_bytes // len(kept)))
+    path = os.path.join(out_dir, "text.bin")
+    n = write_token_file(path, np.tile(kept, repeats).astype(np.uint16))
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return path, {"sources": list(sources), "kept_bytes": int(kept.size),
+                  "dropped_bytes": int(raw.size - kept.size), "repeats": repeats,
+                  "tokens": n, "sha256": digest}

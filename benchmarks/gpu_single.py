@@ -291,25 +291,15 @@ def run_case(case: Case, run_warmup: int, run_steps: int, timeout_s: float,
             "rtol", "observed_match")}
 
 
-def _text_token_file(out_dir: str) -> str:
-    """A token file of this repository's own text (Markdown and Python sources,
-    ASCII bytes as token ids 0..127, so that any zoo vocabulary takes them): real
-    text that needs no tokenizer."""
-    import numpy as np
-
-    from training.data import write_token_file
-
-    chunks = []
+def _text_sources() -> list[str]:
+    """This repository's Markdown and Python sources, walked in sorted order
+    (hidden folders left out), as paths from its root."""
+    out = []
     for folder, dirs, files in os.walk(REPO_ROOT):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in sorted(files):
-            if name.endswith((".md", ".py")):
-                with open(os.path.join(folder, name), "rb") as src:
-                    chunks.append(np.frombuffer(src.read(), dtype=np.uint8))
-    text = np.concatenate(chunks)
-    path = os.path.join(out_dir, "train.bin")
-    write_token_file(path, text[text < 128].astype(np.uint16))
-    return path
+        out += [os.path.relpath(os.path.join(folder, name), REPO_ROOT)
+                for name in sorted(files) if name.endswith((".md", ".py"))]
+    return out
 
 
 def train_case(case: Case, steps: int, warmup: int, out_dir: str) -> None:
@@ -317,10 +307,13 @@ def train_case(case: Case, steps: int, warmup: int, out_dir: str) -> None:
     median step after ``warmup``, against the plain loop's (same batch)."""
     import io
 
+    from benchmarks.common import text_token_file
     from training.config import TrainConfig
     from training.launch import train
 
-    data = _text_token_file(out_dir)
+    # real text that needs no tokenizer: ASCII bytes as ids 0..127, which any
+    # zoo vocabulary takes
+    data, _ = text_token_file(out_dir, _text_sources(), below=128)
     result_path = os.path.join(out_dir, f"train_{case.name}.json")
     config = TrainConfig(plan=case.plan_path, data=data, steps=steps, lr=3e-4,
                          warmup=min(10, steps), grad_clip=1.0, log_every=10,

@@ -79,7 +79,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import (file_tail, git_commit, job_env, load_average,  # noqa: E402
-                               machine_block, read_results, write_results, wrote_message)
+                               machine_block, read_results, text_token_file, write_results,
+                               wrote_message)
 
 RESULTS = os.path.join(HERE, "results")
 CLUSTER = "local-cpu:4"
@@ -261,26 +262,14 @@ def loss_diff(got: dict[int, float], want: dict[int, float]) -> dict[str, Any]:
 # --------------------------------------------------------------- data, plans
 def make_tokens(workdir: str) -> tuple[str, dict[str, Any]]:
     """ASCII text of this repository's README.md and docs/design.md, repeated
-    to about :data:`TEXT_BYTES` bytes, as a uint16 byte-token file."""
-    from training.data import bytes_to_tokens
-
-    text = b"".join(open(os.path.join(ROOT, f), "rb").read()
-                    for f in ("README.md", "docs/design.md"))
-    ascii_text = bytes(b for b in text if b < GPT_TINY_VOCAB)
-    repeats = max(1, -(-TEXT_BYTES // len(ascii_text)))
-    path_txt = os.path.join(workdir, "text.txt")
-    with open(path_txt, "wb") as f:
-        f.write(ascii_text * repeats)
-    path = os.path.join(workdir, "text.bin")
-    n = bytes_to_tokens(path_txt, path)
-    import hashlib
-
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
+    to about :data:`TEXT_BYTES` bytes, as a uint16 byte-token file
+    (:func:`benchmarks.common.text_token_file`)."""
+    path, info = text_token_file(workdir, ("README.md", "docs/design.md"),
+                                 min_bytes=TEXT_BYTES, below=GPT_TINY_VOCAB)
     # the text is this checkout's docs: another commit gives other batches
-    return path, {"sources": ["README.md", "docs/design.md"], "sha256": digest,
-                  "ascii_bytes": len(ascii_text),
-                  "dropped_bytes": len(text) - len(ascii_text), "repeats": repeats, "tokens": n}
+    return path, {"sources": info["sources"], "sha256": info["sha256"],
+                  "ascii_bytes": info["kept_bytes"], "dropped_bytes": info["dropped_bytes"],
+                  "repeats": info["repeats"], "tokens": info["tokens"]}
 
 
 def _summary(plan: Any) -> dict[str, Any]:

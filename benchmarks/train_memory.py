@@ -86,7 +86,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import (file_tail, git_commit, job_env, load_average,  # noqa: E402
-                               machine_block, read_results, write_results, wrote_message)
+                               machine_block, read_results, text_token_file, write_results,
+                               wrote_message)
 
 RESULTS = os.path.join(HERE, "results")
 CLUSTER = "local-cpu:4"
@@ -182,18 +183,10 @@ def old_runtime_figure(model: str) -> dict[str, Any]:
 # --------------------------------------------------------------- data, plans
 def make_tokens(workdir: str) -> tuple[str, dict[str, Any]]:
     """README.md and docs/design.md, repeated to about :data:`TEXT_BYTES`
-    bytes, as a uint16 byte-token file (ids < 256 < GPT-3's 50257)."""
-    from training.data import bytes_to_tokens
-
-    sources = ("README.md", "docs/design.md")
-    text = b"".join(open(os.path.join(ROOT, f), "rb").read() for f in sources)
-    repeats = max(1, -(-TEXT_BYTES // len(text)))
-    path_txt = os.path.join(workdir, "text.txt")
-    with open(path_txt, "wb") as f:
-        f.write(text * repeats)
-    path = os.path.join(workdir, "text.bin")
-    n = bytes_to_tokens(path_txt, path)
-    return path, {"sources": list(sources), "repeats": repeats, "tokens": n}
+    bytes, as a uint16 byte-token file (ids < 256 < GPT-3's 50257;
+    :func:`benchmarks.common.text_token_file`)."""
+    path, info = text_token_file(workdir, ("README.md", "docs/design.md"), min_bytes=TEXT_BYTES)
+    return path, {k: info[k] for k in ("sources", "repeats", "tokens")}
 
 
 def _fp32_bytes(model: Any) -> dict[str, int]:
