@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -272,11 +273,20 @@ def test_show_plot_draws_memory_and_the_schedule_of_an_interleaved_pipeline(tmp_
 
 
 def _free_port() -> int:
+    """A free TCP port below Linux's ephemeral range (32768-60999), so no
+    port-0 bind or outgoing connection of a test running beside this one can
+    take it between this check and torchrun's bind."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for port in random.Random(os.getpid()).sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-31999")
 
 
 @pytest.mark.multiprocess
@@ -292,8 +302,15 @@ def test_a_plan_runs_over_two_loopback_nodes_and_passes_check(tmp_path):
         [sys.executable, "-m", "app.cli", "run", str(plan), "--check", "--steps", "1",
          "--nnodes", "2", "--node-rank", str(r), "--master-addr", "127.0.0.1",
          "--master-port", port], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+        cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("two-node run hung; its output:\n" + "\n---\n".join(
+            p.communicate()[0] for p in procs))
     assert [p.returncode for p in procs] == [0, 0], outs
     assert "check PASSED" in outs[0]
     assert "node 1: its ranks finished" in outs[1]
