@@ -466,10 +466,10 @@ def _memory_rows(plan: dict[str, Any], res: dict[str, Any]) -> dict[str, Any]:
             "losses": [[e["step"], e["loss"]] for e in res.get("losses", [])]}
 
 
-def _need_bytes(predicted_total: float) -> int:
+def _need_bytes(predicted_total: float, margin: float = MARGIN) -> int:
     """What :data:`RANKS` ranks of a plan predicted to hold ``predicted_total``
-    bytes per device are allowed to need (:data:`MARGIN`)."""
-    return int(RANKS * (MARGIN * predicted_total + RANK_OVERHEAD_BYTES))
+    bytes per device are allowed to need (``margin`` times the prediction each)."""
+    return int(RANKS * (margin * predicted_total + RANK_OVERHEAD_BYTES))
 
 
 def _wait_for_memory(name: str, need: int, wait_s: float) -> tuple[dict[str, int], float, bool]:
@@ -490,8 +490,8 @@ def _wait_for_memory(name: str, need: int, wait_s: float) -> tuple[dict[str, int
     return memory, waited, fits_machine
 
 
-def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: float
-             ) -> dict[str, Any]:
+def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: float,
+             margin: float = MARGIN) -> dict[str, Any]:
     """Plan, check that it fits the machine (waiting up to ``wait_s`` seconds
     for other jobs to free memory where it fits the machine's total), train,
     and compare."""
@@ -502,7 +502,7 @@ def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: flo
         return {"error": f"planning: {type(err).__name__}: {str(err)[:400]}"}
     row: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "plan": plan}
     total = plan["predicted_memory_bytes_per_device"].get("total") or 0
-    need = _need_bytes(total)
+    need = _need_bytes(total, margin)
     memory, waited, fits_machine = _wait_for_memory(name, need, wait_s)
     available = memory["MemAvailable"]
     row["machine_fit"] = {"ranks": RANKS, "predicted_total_bytes_per_device": total,
@@ -510,7 +510,7 @@ def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: flo
                           "machine_bytes": memory["MemTotal"], "available_bytes": available,
                           "waited_s": waited, "fits": need <= 0.9 * available}
     if not row["machine_fit"]["fits"]:
-        row["not_run"] = (f"{RANKS} ranks x ({MARGIN} x {_gib(total)} GiB predicted + "
+        row["not_run"] = (f"{RANKS} ranks x ({margin} x {_gib(total)} GiB predicted + "
                           f"{_gib(RANK_OVERHEAD_BYTES)} GiB process) = {_gib(need)} GiB > 90% of "
                           f"the {_gib(available)} GiB available"
                           + ("" if fits_machine else
@@ -660,6 +660,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-probe", action="store_true",
                     help="skip the build probe (RSS after parallelize, before and after "
                          "malloc_trim) of the 2x2 plan")
+    ap.add_argument("--margin", type=float, default=MARGIN,
+                    help="a run starts only if 4 x (MARGIN x the predicted bytes per device + "
+                         "the process) fit 90%% of the available memory")
     ap.add_argument("--out", default=os.path.join(RESULTS, "train_memory.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -691,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
                                            "git_commit": before.get("git_commit")}
     result["plans"] = dict(before.get("plans", {})) if partial else {}
     for name in args.plans:  # one after the other: never two jobs at once
-        result["plans"][name] = run_plan(name, workdir, tokens, args.timeout, args.wait)
+        result["plans"][name] = run_plan(name, workdir, tokens, args.timeout, args.wait,
+                                         args.margin)
     planned = result["plans"].get("2x2", {}).get("plan", {})
     if not args.no_probe and planned and "2x2" in args.plans:
         result["build_probe_2x2"] = build_probe(

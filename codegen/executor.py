@@ -50,6 +50,7 @@ from codegen.capture import (CapturedProgram, PlanMismatchError, capture_program
                              check_plan_fits_program)
 from codegen.checkpointed_layers import (checkpoint_segments, checkpointed, run_checkpointed,
                                          segment_boundary)
+from codegen.zero3_units import UnitRun, run_unit
 from codegen.node_runner import NodeRunner, public_binding
 from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer, Materialize
@@ -121,6 +122,9 @@ class PlanExecutor:
         self._calls = self._program_calls()
         self._last_use = self._last_uses(self._calls, self._kept_values())
         self._segments = checkpoint_segments(self.graph, self._calls, self._checkpoint_layers())
+        # first op name -> a layer run as a ZeRO-3 unit of its own (run_by_layer)
+        self._units: dict[str, UnitRun] = {}
+        self._unit_params: set[str] = set()
         placed = self._inputs.place_state(self.ep, self._wants_placeholder,
                                           tied_parameters(model))
         self._params = placed.params
@@ -283,11 +287,18 @@ class PlanExecutor:
         what backward needs), except :meth:`_kept_values`.
         """
         for node in self.ep.graph.nodes:
-            if node.op == "placeholder" and node.name not in env and node.name in self._placeholders:
+            if (node.op == "placeholder" and node.name not in env
+                    and node.name in self._placeholders and node.name not in self._unit_params):
                 env[node.name] = self._placeholder_value(node.name)
         skip: set[str] = set()
         for node in self._calls:
             if node.name in skip:
+                continue
+            if node.name in self._units:
+                unit = self._units[node.name]
+                run_unit(unit, env, self._runner.run, self._placeholder_value, self.record,
+                               self._last_use)
+                skip.update(n.name for n in unit.segment)
                 continue
             if node.name in self._segments:
                 segment = self._segments[node.name]

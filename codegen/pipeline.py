@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from codegen.capture import CapturedProgram, PlanMismatchError, capture_program
 from codegen.executor import PlanExecutor
+from codegen.zero3_units import UnitModule, UnitRun
 from codegen.program_inputs import Materialize
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.redistribution import redistribute
@@ -55,7 +56,7 @@ from costmodel.schedule_specs import schedule_spec
 from costmodel.strategy_cost import FSDP_STAGES
 from ir.placements import parse_placements, placement_str
 from ir.precision import cast_float
-from ir.repeated_blocks import find_layers
+from ir.repeated_blocks import find_layers, shard_units
 from ir.torch_compat import from_local_with_grad_placements, is_strided_shard
 from planner.plan_format import Plan, StagePlan
 
@@ -195,6 +196,35 @@ class StageExecutor(PlanExecutor):
             if new is not None:
                 self._params[fqn] = new
                 self._hold_in_state(fqn, new)
+
+    def unit_params(self) -> dict[str, list[str]]:
+        """Module path -> parameter FQNs of each unit of this stage that ZeRO-3
+        gathers on its own (:func:`ir.repeated_blocks.shard_units`), in program
+        order."""
+        return {u.name: [self.graph[p].fqn for p in u.params]
+                for u in shard_units(self.graph.nodes, within=self.stage.nodes)}
+
+    def run_by_unit(self, modules: dict[str, UnitModule]) -> None:
+        """Run the ops of each unit of ``modules`` (module path -> its
+        :class:`UnitModule`, which owns the unit's parameters) through it,
+        reading the unit's parameters inside it
+        (:func:`codegen.zero3_units.run_unit`)."""
+        placeholder = {f: n for n, f in self._param_fqn.items()}
+        checkpointed = set(self._checkpoint_layers())
+        position = {n.name: i for i, n in enumerate(self._calls)}
+        for unit in shard_units(self.graph.nodes, within=self.stage.nodes):
+            module = modules.get(unit.name)
+            if module is None:
+                continue
+            idx = sorted(position[o] for o in unit.ops)
+            if idx[-1] - idx[0] + 1 != len(idx):
+                raise PlanMismatchError(f"ZeRO-3 unit '{unit.name}' of stage {self.stage.index} "
+                                        f"is not contiguous in the program; re-plan this model")
+            segment = self._calls[idx[0]: idx[-1] + 1]
+            params = frozenset(placeholder[self.graph[p].fqn] for p in unit.params)
+            self._units[segment[0].name] = UnitRun(module, segment, params,
+                                                   unit.name in checkpointed)
+            self._unit_params |= params
 
     # ---- which part of the program
     def _runs_locally(self) -> bool:
@@ -378,22 +408,27 @@ def _mixed_precision_policy(plan: Plan) -> Any:
 
 
 def _fully_shard_stage(module: nn.Module, st: StagePlan, plan: Plan, mesh: DeviceMesh) -> None:
-    """Shard ``module`` (one stage, one FSDP2 unit) with ``fully_shard`` over
-    ``mesh`` (its 1-D ``zero_axis``) for the stage's ZeRO stage: optimizer
-    states, gradients and master parameters sharded at both 2 and 3. ZeRO-2
-    passes ``reshard_after_forward=False`` (the parameters all-gathered once,
-    kept from forward to backward); ZeRO-3 leaves FSDP2's default, which for
-    a root module (a stage module always is one) is the same: torch's
-    pipeline stage also keeps them unsharded between micro-batches, so both
-    all-gather the parameters once and reduce-scatter the gradients once per
-    step. Same precision policy and gradient reduction for both."""
+    """Shard ``module`` (one stage) with ``fully_shard`` over ``mesh`` (its 1-D
+    ``zero_axis``) for the stage's ZeRO stage: optimizer states, gradients
+    and master parameters sharded at both 2 and 3. ZeRO-2 makes the stage one
+    FSDP2 unit with ``reshard_after_forward=False``: its parameters are
+    all-gathered once and kept until the last micro-batch's backward, which
+    reduce-scatters the gradients once per step. ZeRO-3 first makes each of
+    the stage's :attr:`StageModule.zero3_units` a unit of its own, resharded
+    after its forward and after every micro-batch's backward
+    (:meth:`_Stage.backward_maybe_with_nosync`); the stage's own unit keeps
+    the rest. Same precision policy and gradient reduction for both."""
     from torch.distributed.fsdp import fully_shard
 
+    policy = _mixed_precision_policy(plan)
+    for unit in module.zero3_units:  # ZeRO-3: each unit gathered for its own ops alone
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     reshard = {"reshard_after_forward": False} if st.zero_stage == 2 else {}
-    fully_shard(module, mesh=mesh, mp_policy=_mixed_precision_policy(plan), **reshard)
+    fully_shard(module, mesh=mesh, mp_policy=policy, **reshard)
     # The local gradients are partial sums: reduce-scatter their sum.
-    module.set_gradient_divide_factor(1.0)
-    module.set_force_sum_reduction_for_comms(True)
+    for unit in [*module.zero3_units, module]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
 
 
 class StageModule(nn.Module):
@@ -424,24 +459,43 @@ class StageModule(nn.Module):
             executor.replace_parameters(zero1.replaced())
         self._placements: dict[str, tuple[Placement, ...]] = {}
         self._shapes: dict[str, tuple[torch.Size, tuple[int, ...]]] = {}
+        #: ZeRO-3: the units FSDP2 shards one by one (codegen.zero3_units)
+        self.zero3_units: list[UnitModule] = []
+        units: dict[str, UnitModule] = {}
+        if zero_axis is not None and executor.stage.zero_stage == 3:
+            units = {path: self._add_module_at(path, UnitModule())
+                     for path in executor.unit_params()}
+            self.zero3_units = list(units.values())
         for fqn, param in executor.named_parameters():
             self._placements[fqn] = tuple(param.placements)
             self._shapes[fqn] = (param.shape, param.stride())
             self._register(fqn, self._owned(fqn, param))
         executor.param_value = self._param_value
+        if units:
+            executor.run_by_unit(units)
         if zero_axis is not None:
             executor.drop_own_parameters()
 
-    def _register(self, fqn: str, param: nn.Parameter) -> None:
+    def _owner(self, path: Sequence[str]) -> nn.Module:
+        """The submodule at ``path`` (module names), plain ``nn.Module`` s made
+        where there are none yet."""
         owner: nn.Module = self
-        *path, leaf = fqn.split(".")
         for part in path:
             child = owner._modules.get(part)
             if child is None:
                 child = nn.Module()
                 owner.add_module(part, child)
             owner = child
-        owner.register_parameter(leaf, param)
+        return owner
+
+    def _add_module_at(self, path: str, module: nn.Module) -> nn.Module:
+        *parent, leaf = path.split(".")
+        self._owner(parent).add_module(leaf, module)
+        return module
+
+    def _register(self, fqn: str, param: nn.Parameter) -> None:
+        *path, leaf = fqn.split(".")
+        self._owner(path).register_parameter(leaf, param)
 
     def _other_axes_mesh(self) -> DeviceMesh | None:
         mesh = self.executor.mesh
@@ -502,6 +556,15 @@ class _NotAView(torch.autograd.Function):
         return grad
 
 
+#: the FSDP2 settings torch's stage turns off for a backward that is not the last
+_NO_SYNC_SETTERS = ("set_is_last_backward", "set_reshard_after_backward",
+                    "set_requires_gradient_sync")
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """A setting left as it is."""
+
+
 class _Stage(PipelineStage):
     """torch's stage, telling the stage's executor which micro-batch each forward
     runs (it reads the user inputs of that micro-batch locally)."""
@@ -519,6 +582,27 @@ class _Stage(PipelineStage):
     # bf16 ``grad`` without autograd's accumulation hook, so it is moved after
     # each backward chunk, and the schedule's division by the micro-batch
     # count applies to the main gradients too.
+    # torch's stage keeps an FSDP2 stage's parameters gathered and its gradients
+    # unreduced from one micro-batch's backward to the next, until the last one.
+    # A ZeRO-3 stage sharded layer by layer does what FSDP2 does outside a
+    # pipeline instead: every backward reshards each layer and reduce-scatters
+    # its gradients (accumulated in the shards), so that no rank ever holds the
+    # whole stage gathered.
+    def backward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.submod
+        if not module.zero3_units:
+            return super().backward_maybe_with_nosync(*args, **kwargs)
+        module.set_is_last_backward(True)
+        module.set_reshard_after_backward(True)
+        module.set_requires_gradient_sync(True)
+        for name in _NO_SYNC_SETTERS:  # the instance's own no-ops for this backward
+            setattr(module, name, _ignore)
+        try:
+            return super().backward_maybe_with_nosync(*args, **kwargs)
+        finally:
+            for name in _NO_SYNC_SETTERS:
+                delattr(module, name)
+
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         out = super().backward_one_chunk(*args, **kwargs)
         if self.submod.zero1 is not None:

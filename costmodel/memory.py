@@ -99,6 +99,7 @@ def training_state_bytes(
     zero_stage: int = 0,
     dp_size: int = 1,
     params_sharded: bool | None = None,
+    gathered: bool = True,
 ) -> dict[str, int]:
     """Bytes per device for parameters, gradients and optimizer states.
 
@@ -124,6 +125,11 @@ def training_state_bytes(
             (``reshard_after_forward=False``) passes True: it shards the master
             parameters as stage 3 does and only keeps the gathered copy from
             forward to backward, so it allocates what stage 3 does.
+        gathered: with ``params_sharded`` over ``dp_size`` > 1, whether the
+            whole compute-dtype copy and the whole gradient are counted. False
+            for a ZeRO-3 layer that FSDP2 gathers on its own
+            (:mod:`codegen.zero3_units`) and that is not among those gathered
+            at the step's peak: its shards alone.
 
     Returns:
         ``{"params", "grads", "optimizer", "total"}`` in bytes per device
@@ -155,11 +161,13 @@ def training_state_bytes(
                 "total": params + grads + opt}
     if params_sharded is None:
         params_sharded = zero_stage >= 3
+    whole = gathered or not params_sharded or dp_size == 1
     params = master * (shard if params_sharded else num_params)
-    params += step_copy_bytes(num_params, precision=p, dp_size=dp_size,
-                              params_sharded=params_sharded)
+    if whole:
+        params += step_copy_bytes(num_params, precision=p, dp_size=dp_size,
+                                  params_sharded=params_sharded)
     grads = master * (shard if zero_stage >= 2 else num_params)
-    if zero_stage >= 2 and dp_size > 1:  # whole until reduce-scattered
+    if zero_stage >= 2 and dp_size > 1 and whole:  # whole until reduce-scattered
         grads += compute * num_params
     opt = states * (shard if zero_stage >= 1 else num_params)
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}

@@ -32,6 +32,7 @@ from costmodel.resharding import ReshardPricer
 from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
 from ir.precision import get_precision
+from ir.repeated_blocks import shard_units
 from ir.strategy import Placements, Strategy, is_shard
 
 __all__ = ["CostBreakdown", "FSDP_STAGES", "IntraOpCost", "NodePrices", "ZERO_STAGES",
@@ -51,10 +52,40 @@ def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: S
 # ZeRO stages the cost model prices (IntraOpCost's zero_stage).
 ZERO_STAGES = (0, 1, 2, 3)
 
-# ZeRO stages a pipeline stage runs with FSDP2 ``fully_shard`` of its whole
-# module over mesh axis 0 (codegen.pipeline): FSDP2 stores the parameters
-# sharded at both, so the stage's parameters must be replicated on that axis.
+# ZeRO stages a pipeline stage runs with FSDP2 ``fully_shard`` over mesh axis 0
+# (codegen.pipeline): FSDP2 stores the parameters sharded at both, so the
+# stage's parameters must be replicated on that axis. Stage 2 shards the whole
+# stage module as one unit; stage 3 each layer as a unit of its own too
+# (codegen.zero3_units).
 FSDP_STAGES = (2, 3)
+
+# Units whose parameters FSDP2 holds gathered at once under ZeRO-3: the one
+# computing and the next, prefetched (its default prefetch depth of one); their
+# gradients likewise: the unit's own and the previous one's in reduce-scatter.
+ZERO3_UNITS_GATHERED = 2
+
+
+def zero3_pass_params(graph: Graph) -> frozenset[str]:
+    """The parameter nodes of ``graph`` (one stage) that FSDP2 keeps gathered
+    for a whole forward and backward under ZeRO-3: those in none of the units
+    :func:`ir.repeated_blocks.shard_units` finds (read across units, such as a
+    tied embedding and head), which the stage's own unit holds."""
+    in_units = {p for u in shard_units(graph.nodes) for p in u.params}
+    return frozenset(n.name for n in graph.nodes if n.kind == PARAM and n.name not in in_units)
+
+
+def zero3_gathered_params(graph: Graph) -> frozenset[str]:
+    """The parameter nodes of ``graph`` (one stage) whose whole copy and gradient
+    count toward a ZeRO-3 step's peak: :func:`zero3_pass_params` and those of
+    the :data:`ZERO3_UNITS_GATHERED` consecutive units (in program order, the
+    order FSDP2 gathers them, forward and backward) that hold the most bytes
+    (the first such run on ties)."""
+    units = shard_units(graph.nodes)
+    k = min(ZERO3_UNITS_GATHERED, len(units))
+    runs = [units[i: i + k] for i in range(len(units) - k + 1)]
+    largest = max(runs, key=lambda run: sum(graph[p].output.nbytes for u in run
+                                            for p in u.params), default=[])
+    return zero3_pass_params(graph).union(*(u.params for u in largest))
 
 
 @dataclass
@@ -153,6 +184,12 @@ class IntraOpCost:
         # whether the master parameters are stored sharded over axis 0 (FSDP2),
         # gathered whole in the compute dtype for the step
         self.params_sharded = zero_stage in FSDP_STAGES
+        # the parameters whose whole copy and gradient count toward the peak:
+        # all under ZeRO-2 (the stage is one FSDP2 unit), under ZeRO-3 those
+        # FSDP2 keeps gathered at once (zero3_gathered_params)
+        self.gathered_params = zero3_gathered_params(graph) if zero_stage == 3 else None
+        # ZeRO-3: the parameters gathered for the whole pass, not layer by layer
+        self.pass_params = zero3_pass_params(graph) if zero_stage == 3 else frozenset()
         # ranks whose gradient sums on mesh axis 0 wait for the end of the step
         self.step_sync_ranks = int(mesh_shape[0]) if zero_stage or reduce_once else 1
         # micro-batches whose saved activations are alive at once (pipeline in-flight)
@@ -400,6 +437,23 @@ class IntraOpCost:
         return (collective_time("reduce_scatter", nbytes * self.reduce_scale, n, link)
                 + collective_time("all_gather", nbytes * self.gather_scale, n, link))
 
+    def zero3_layer_collectives(self, nbytes: float, layer_bytes: float) -> tuple[float, float]:
+        """``(forward, backward)`` seconds per micro-batch of ZeRO-3's collectives
+        over mesh axis 0, FSDP2 layer by layer (:mod:`codegen.zero3_units`,
+        every micro-batch's backward resharding and reduce-scattering): the
+        all-gather of ``nbytes`` of parameters (compute dtype) in the forward;
+        in the backward the all-gather again of the ``layer_bytes`` of them in
+        layers (the others stay gathered for the pass) and the reduce-scatter
+        of all their gradients (reduce dtype)."""
+        if self.step_sync_ranks == 1 or nbytes <= 0:
+            return 0.0, 0.0
+        n, link = self.step_sync_ranks, self.links[0]
+        gather = collective_time("all_gather", nbytes * self.gather_scale, n, link)
+        again = (collective_time("all_gather", layer_bytes * self.gather_scale, n, link)
+                 if layer_bytes > 0 else 0.0)
+        return gather, again + collective_time("reduce_scatter", nbytes * self.reduce_scale,
+                                               n, link)
+
     def state_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds one parameter adds to :meth:`zero_collectives` of its stage:
         those of its bytes less their per-message latency, which the stage's
@@ -432,7 +486,8 @@ class IntraOpCost:
             numel, zero, n = self._state_layout(node, s)
             state = training_state_bytes(numel, precision=self.precision,
                                          optimizer=self.optimizer, zero_stage=zero, dp_size=n,
-                                         params_sharded=self.params_sharded)
+                                         params_sharded=self.params_sharded,
+                                         gathered=self._gathered(node))
             return {k: float(v) for k, v in state.items() if k != "total"}
         if node.kind == INPUT:
             return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
@@ -447,6 +502,11 @@ class IntraOpCost:
         if node.name == self.transient_node:
             out["backward_transient"] = self.backward_transient(node, s)
         return out
+
+    def _gathered(self, node: Node) -> bool:
+        """Whether parameter ``node``'s whole copy and gradient count toward the
+        peak when it is sharded (:attr:`gathered_params`)."""
+        return self.gathered_params is None or node.name in self.gathered_params
 
     def _state_layout(self, node: Node, s: Strategy) -> tuple[int, int, int]:
         """(parameters this device holds, ZeRO stage, ZeRO group size) of
@@ -468,6 +528,8 @@ class IntraOpCost:
         parameters."""
         numel, zero, n = self._state_layout(node, s)
         if zero == 1 and self.precision.mixed and not self.params_sharded:
+            return 0.0
+        if n > 1 and not self._gathered(node):
             return 0.0
         return float(step_copy_bytes(numel, precision=self.precision, dp_size=n,
                                      params_sharded=self.params_sharded))

@@ -136,12 +136,15 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
                            zero_stage=zero_stage, pricer=pricer, reduce_once=reduce_once)
     f = b = w = sync = update = weight_sync = 0.0
     zero_bytes = 0.0  # bytes of the parameters ZeRO's collectives move
+    layer_bytes = 0.0  # of which ZeRO-3 gathers layer by layer
     for n in graph.nodes:
         s = chosen[n.name]
         if n.kind == INPUT:
             f += cost.prices(n, s).compute_s
         if n.kind == PARAM:
             zero_bytes += cost.zero_bytes(n, s)
+            if n.name not in cost.pass_params:
+                layer_bytes += cost.zero_bytes(n, s)
             update += cost.prices(n, s).compute_s  # optimizer update and casts, once a step
         if n.kind != OP:
             continue
@@ -172,7 +175,13 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     host_f, host_b = host_seconds(graph, cluster.device)
     f = max(f, host_f)
     b = max(b, host_b - w)
-    sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
+    if cost.zero_stage == 3:
+        # FSDP2 layer by layer, in every micro-batch, each layer's collectives
+        # overlapping the compute of its neighbours
+        gather_f, gather_b = cost.zero3_layer_collectives(zero_bytes, layer_bytes)
+        f, b = max(f, gather_f), max(b, gather_b)
+    else:
+        sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
     memory = result.memory
     activations = memory.get("activations", 0.0)
     state = sum(v for k, v in memory.items() if k != "activations")
