@@ -45,7 +45,8 @@ holding it (dp for dense weights, dp x tp / ep for expert weights): the plans
 count exactly that (:func:`_zero1_correction`), whatever the stage mesh's
 ZeRO-1 axis is.
 
-``context_parallel_size`` (cp, Megatron's context parallelism with causal load
+``context_parallel_size`` (cp; priced by :mod:`planner.context_parallel`,
+which the automatic search shares; Megatron's context parallelism with causal load
 balancing: each sequence cut into 2 cp chunks, rank i of a cp group holding
 chunks i and 2 cp - 1 - i) is priced as one cp rank runs it. The program
 priced is the model on the rank's s / cp tokens of each sequence: the example
@@ -93,8 +94,6 @@ from typing import Any, Collection, Sequence
 import torch
 
 from costmodel.cluster import Cluster, Link
-from costmodel.collectives import axis_links, collective_time
-from costmodel.compute import FUSED_ATTENTION
 from costmodel.presets import load_cluster
 from costmodel.memory import step_peak_bytes, training_state_bytes
 from costmodel.strategy_cost import IntraOpCost, local_numel
@@ -107,6 +106,8 @@ from ir.precision import get_precision
 from ir.strategy import is_replicate
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
+from planner.context_parallel import (context_parallel_inputs, context_parallel_record,
+                                      context_parallel_seconds, cp_link, kv_buffer_bound)
 from planner.finalists import ExactPipeline, assemble
 from planner.inter_op import PipelineCandidate, StageMeshOption, StageTimes, stage_mesh_options
 from planner.intra_op import (FixedPlacementError, IntraOpResult, MemoryInfeasibleError,
@@ -317,115 +318,10 @@ def _state_floor(graph: Graph, layout: dict[str, tuple], cfg: MegatronConfig,
     return total / cfg.pp
 
 
-def context_parallel_inputs(example_inputs: Sequence[Any], cp: int) -> tuple:
-    """The example inputs of one context-parallel rank's program: every tensor
-    ``[batch, seq, ...]`` of the whole-batch inputs as ``[batch x cp, seq / cp,
-    ...]`` (each sequence's tokens cut into cp rows: a rank's s / cp tokens, the
-    rows of one sequence spread over the cp ranks by the dp x cp mesh axis).
-    Which chunks a rank holds (i and 2 cp - 1 - i) changes no shape, so the
-    cut is contiguous here; positions and masks are the runtime's business.
-
-    Raises:
-        PlanningError: an input has no sequence dimension, or the sequences
-            differ in length or do not split into 2 cp chunks.
-    """
-    seqs = {t.shape[1] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() >= 2}
-    if len(seqs) != 1 or any(isinstance(t, torch.Tensor) and t.dim() < 2 for t in example_inputs):
-        raise PlanningError(f"context parallelism needs [batch, seq, ...] inputs of one sequence "
-                            f"length, got shapes {[tuple(getattr(t, 'shape', ())) for t in example_inputs]}")
-    (seq,) = seqs
-    if seq % (2 * cp):
-        raise PlanningError(f"context_parallel_size={cp} cuts each sequence into 2 x cp = {2 * cp} "
-                            f"chunks (causal load balancing); the sequence length {seq} does not "
-                            f"divide into them")
-    return tuple(t.reshape(t.shape[0] * cp, seq // cp, *t.shape[2:])
-                 if isinstance(t, torch.Tensor) else t for t in example_inputs)
-
-
 def _cp_link(stage_cluster: Cluster, cfg: MegatronConfig) -> Link:
     """The link a cp group's ring or all-gather runs over: Megatron's rank order
     (tp fastest, then cp, then dp) laid on the stage's devices."""
-    return axis_links(stage_cluster, (cfg.dp, cfg.cp, cfg.tp))[1]
-
-
-# ops between the key/value projection and what the attention reads that only
-# view, repeat or copy it (grouped-query heads repeated for the attention)
-_KV_REPEATS = {"aten.expand.default", "aten.clone.default", "aten._unsafe_view.default",
-               "aten.repeat_interleave.self_int", "aten.repeat.default"}
-
-
-def _kv_block_bytes(graph: Graph, node: Any, placements: Sequence[Any] | None,
-                    mesh_shape: tuple[int, ...]) -> float:
-    """Bytes per device of the K and V one attention op ``node`` reads, as its
-    inputs are placed (``placements``: of q, k, v; None: split evenly over the
-    ``mesh_shape`` devices), counted before grouped-query heads are repeated:
-    the block a cp rank sends."""
-    total = 0.0
-    for k in (1, 2):
-        info = node.inputs[k] if node.inputs else graph[node.args[k]].outputs[0]
-        numel = math.prod(info.shape)
-        smallest = numel
-        name = node.args[k]
-        while True:  # walk back through views and repeats to the projection
-            n = graph[name]
-            smallest = min(smallest, math.prod(n.outputs[0].shape))
-            if not n.args or not (n.is_view or n.target in _KV_REPEATS):
-                break
-            name = n.args[0]
-        local = (numel / math.prod(mesh_shape) if placements is None
-                 else local_numel(info, placements[k], mesh_shape))
-        total += local * (smallest / numel) * info.itemsize
-    return total
-
-
-def context_parallel_seconds(result: IntraOpResult, cost: IntraOpCost, cfg: MegatronConfig,
-                             link: Link) -> tuple[float, float, float]:
-    """What attention across the cp chunks adds to one stage's micro-batch:
-    ``(forward seconds, backward seconds, K/V buffer bytes per device)``.
-
-    Per attention op (``t_f``, ``t_b``: the traced attention's forward and
-    backward seconds, one ring step's work; ``kv``: the rank's K/V block,
-    :func:`_kv_block_bytes`; ``p2p``, ``ag``, ``rs``: :func:`collective_time`
-    over the cp group on ``link``):
-
-    * ``p2p``: forward (cp - 1) max(t_f, p2p(kv)); backward
-      (cp - 1) max(t_b, 2 p2p(kv)) + p2p(kv) (K/V and dK/dV each step, the last
-      dK/dV hop exposed); buffers 4 kv (two K/V blocks, two dK/dV blocks);
-    * ``all_gather``: forward ag(cp kv) + (cp - 1) t_f; backward
-      ag(cp kv) + (cp - 1) t_b + rs(cp kv); buffers 2 cp kv (K/V and dK/dV
-      gathered);
-    * a checkpointed layer's attention adds its forward seconds to the backward.
-
-    The buffers are the largest one attention op holds (ops run one at a time).
-    """
-    cp = cfg.cp
-    if cp == 1:
-        return 0.0, 0.0, 0.0
-    graph = result.graph
-    recomputed = {op for layer in graph.layers if layer.name in set(result.checkpointed)
-                  for op in layer.nodes}
-    forward = backward = buffers = 0.0
-    for n in graph.nodes:
-        if n.target != FUSED_ATTENTION:
-            continue
-        s = result.chosen[n.name]
-        prices = cost.prices(n, s)
-        t_f, t_b = prices.forward_s, sum(prices.backward_s)
-        kv = _kv_block_bytes(graph, n, s.inputs, result.mesh_shape)
-        if cfg.cp_comm_type == "p2p":
-            step = collective_time("p2p", kv, 2, link)
-            f = (cp - 1) * max(t_f, step)
-            b = (cp - 1) * max(t_b, 2 * step) + step
-            held = 4 * kv
-        else:
-            gather = collective_time("all_gather", cp * kv, cp, link)
-            f = gather + (cp - 1) * t_f
-            b = gather + (cp - 1) * t_b + collective_time("reduce_scatter", cp * kv, cp, link)
-            held = 2 * cp * kv
-        forward += f
-        backward += b + (f if n.name in recomputed else 0.0)
-        buffers = max(buffers, held)
-    return forward, backward, buffers
+    return cp_link(stage_cluster, cfg.dp, cfg.cp, cfg.tp)
 
 
 def _chunk_bounds(layers: Sequence[Any], counts: Sequence[int]) -> list[tuple[int, int]]:
@@ -514,10 +410,8 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     m = cfg.num_microbatches(global_batch_of(example_inputs))
     context: dict[str, Any] = {}
     if cfg.cp > 1:  # price one cp rank's program: its s / cp tokens of each sequence
-        context = {"context_parallel": {
-            "size": cfg.cp, "comm_type": cfg.cp_comm_type,
-            "sequence_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
-                                for t in example_inputs]}}
+        context = {"context_parallel": context_parallel_record(cfg.cp, cfg.cp_comm_type,
+                                                              example_inputs)}
         example_inputs = context_parallel_inputs(example_inputs, cfg.cp)
         cache = cache.setdefault(("context_parallel", cfg.cp), {})
         graph = None  # the given one is the whole sequences' program
@@ -623,7 +517,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         correction = _zero1_correction(sub, layout, cfg, experts, zero, modelled, optimizer,
                                        dtype)
         # the K/V buffers under the layout's split (heads over tp, rows over dp x cp)
-        buffers = _cp_buffer_bound(sub, cfg)
+        buffers = kv_buffer_bound(sub, cfg.cp, cfg.cp_comm_type, cfg.mesh_shape)
         try:
             r = ctx.solve_stage(prog, a, b, mesh, share - sum(correction.values()) - buffers,
                                 copies[s], cfg.recompute)
@@ -674,7 +568,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         t = ctx.times_of(r, mesh)
         if cfg.cp > 1:
             cost = IntraOpCost(r.graph, stage_cluster, r.mesh_shape, ctx.dtype, ctx.optimizer)
-            f, bwd, kv_buffers = context_parallel_seconds(r, cost, cfg, link)
+            f, bwd, kv_buffers = context_parallel_seconds(r, cost, cfg.cp, cfg.cp_comm_type, link)
             t = dataclasses.replace(t, forward_s=t.forward_s + f,
                                     backward_input_s=t.backward_input_s + bwd)
             held = max(held, kv_buffers)
@@ -694,20 +588,6 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
             "exchange_s_per_microbatch": [
                 sum(context_parallel_seconds(r, IntraOpCost(r.graph, stage_cluster, r.mesh_shape,
                                                             ctx.dtype, ctx.optimizer),
-                                             cfg, link)[:2]) for r in results]}
+                                             cfg.cp, cfg.cp_comm_type, link)[:2])
+                for r in results]}
     return plan
-
-
-def _cp_buffer_bound(graph: Graph, cfg: MegatronConfig) -> float:
-    """The largest K/V buffers one attention op of ``graph`` holds under
-    context parallelism (:func:`context_parallel_seconds`), bytes per device,
-    with its inputs split evenly over the stage's devices (Megatron's layout:
-    rows over dp x cp, heads over tp); 0 without cp."""
-    if cfg.cp == 1:
-        return 0.0
-    held = 0.0
-    for n in graph.nodes:
-        if n.target == FUSED_ATTENTION:
-            kv = _kv_block_bytes(graph, n, None, cfg.mesh_shape)
-            held = max(held, 4 * kv if cfg.cp_comm_type == "p2p" else 2 * cfg.cp * kv)
-    return held

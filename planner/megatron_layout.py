@@ -270,7 +270,7 @@ class MegatronConfig:
         an expert-parallel group is ep consecutive ranks, as in Megatron-Core.
         With context parallelism, dp here is dp x cp: the program priced is
         one cp rank's (its sequence chunks as more rows of the batch,
-        :func:`planner.megatron.context_parallel_inputs`), and the weights are
+        :func:`planner.context_parallel.context_parallel_inputs`), and the weights are
         replicated over dp x cp as in Megatron."""
         dp, tp, ep = self.weight_data_parallel_size, self.tp, self.ep
         if ep == 1:

@@ -607,7 +607,8 @@ def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
     import math as _m
     from costmodel.collectives import collective_time
     from costmodel.strategy_cost import IntraOpCost
-    from planner.megatron import _cp_link, _kv_block_bytes, context_parallel_seconds
+    from planner.context_parallel import context_parallel_seconds, kv_block_bytes
+    from planner.megatron import _cp_link
     from planner.intra_op import solve_intra_op
     from planner.megatron import context_parallel_inputs
     from ir import trace as _trace
@@ -621,12 +622,12 @@ def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
     cost = IntraOpCost(r.graph, stage, r.mesh_shape, "float32", "adam")
     link = _cp_link(stage, cfg)
     assert link.name == stage.inter_node.name
-    f, b, held = context_parallel_seconds(r, cost, cfg, link)
+    f, b, held = context_parallel_seconds(r, cost, cfg.cp, cfg.cp_comm_type, link)
     want_f = want_b = 0.0
     for n in r.graph.nodes:
         if n.target == "aten.scaled_dot_product_attention.default":
             p = cost.prices(n, r.chosen[n.name])
-            kv = _kv_block_bytes(r.graph, n, r.chosen[n.name].inputs, r.mesh_shape)
+            kv = kv_block_bytes(r.graph, n, r.chosen[n.name].inputs, r.mesh_shape)
             hop = collective_time("p2p", kv, 2, link)
             want_f += 3 * max(p.forward_s, hop)
             want_b += 3 * max(sum(p.backward_s), 2 * hop) + hop
@@ -634,7 +635,7 @@ def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
     # GQA: llama-tiny repeats its 2 K/V heads to 4; the block counts 2
     n = next(n for n in r.graph.nodes if n.target == "aten.scaled_dot_product_attention.default")
     k = r.graph[n.args[1]].outputs[0]
-    assert _kv_block_bytes(r.graph, n, None, (1,)) == pytest.approx(
+    assert kv_block_bytes(r.graph, n, None, (1,)) == pytest.approx(
         2 * _m.prod(k.shape) * k.itemsize / 2)
 
 
