@@ -96,9 +96,20 @@ def _token_batches(config: TrainConfig, plan: Any, model: nn.Module, inputs: tup
                      dtype=config.data_dtype, vocab_size=_vocab_size(model), targets=targets)
 
 
-def _example_batches(inputs: tuple) -> Callable[[int], tuple]:
-    """Without ``--data``: the factory's example batch at every step."""
-    return lambda step: inputs
+def _example_batches(plan: Any) -> Callable[[int], tuple]:
+    """Without ``--data``: the factory's example batch at every step, with the
+    values a one-process build on the CPU gives it (the model itself stays on
+    meta: :mod:`codegen.deferred_init`)."""
+    from codegen.deferred_init import record_build
+    from codegen.reference import zoo_kwargs
+    from ir.source import build_model
+
+    (_, inputs), record = record_build(
+        lambda: build_model(plan.model["source"], device="meta", seed=0,
+                            **zoo_kwargs(plan.training)), torch.device("cpu"))
+    batch = tuple(record.materialize(t) if isinstance(t, torch.Tensor) and t.is_meta else t
+                  for t in inputs)
+    return lambda step: batch
 
 
 def _initial_weights(config: TrainConfig, plan: Any, shapes: dict[str, list[int]]
@@ -169,7 +180,7 @@ def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
                                 **zoo_kwargs(plan.training))
     shapes = {fqn: list(p.shape) for fqn, p in model.named_parameters()}
     if config.data is None:
-        batches = _example_batches(inputs)
+        batches = _example_batches(plan)
     elif ":" in os.path.basename(config.data) or config.data.endswith(".py"):
         batches = load_user_batches(config.data)
     else:
