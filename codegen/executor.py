@@ -113,7 +113,8 @@ class PlanExecutor:
         self.record = PlacementRecord()
         self._runner = NodeRunner(self.plan, mesh, self.record, local=self.local)
         self._inputs = InputPlacer(self.plan, mesh, self.record.placeholder_placements,
-                                   local=self.local, materialize=materialize)
+                                   local=self.local, materialize=materialize,
+                                   parameters_on_meta=self._parameters_on_meta())
         self._forwards = 0
         # one device: the program as Python code (made by the first forward) and
         # its placeholders' names, in argument order
@@ -163,6 +164,11 @@ class PlanExecutor:
     def _runs_locally(self) -> bool:
         """Whether the program runs on plain tensors: a mesh of one device."""
         return self.mesh.size() == 1
+
+    def _parameters_on_meta(self) -> bool:
+        """Whether parameters the model holds on meta stay there when placed
+        (their owner materialises them; here: never)."""
+        return False
 
     def _program_calls(self) -> list[torch.fx.Node]:
         """The op nodes this executor runs, in program order (here: all of them)."""

@@ -34,8 +34,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from codegen.placement_record import PlacementRecord
-from codegen.redistribution import (keep_layout, placements_of, reachable_target, redistribute,
-                                    same_placements, unmask)
+from codegen.redistribution import (contiguous_strides, keep_layout, placements_of,
+                                    reachable_target, redistribute, same_placements, unmask)
 from ir.placements import parse_placement, parse_placements, placement_str
 from ir.torch_compat import (SDPA, dispatcher_input_reshards, is_assertion_op,
                              is_mask_partial, op_overload_name, tree_leaves, tree_map)
@@ -134,6 +134,35 @@ def _captured_attention_layout(node: torch.fx.Node, out: Any) -> Any:
         return relaid
     return DTensor.from_local(relaid, out.device_mesh, out.placements, run_check=False,
                               shape=out.shape, stride=out.stride())
+
+
+#: views whose backward reshapes the gradient to the input's shape
+_GRADIENT_RESHAPED = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous, shard and whole.
+
+    A view's backward reshapes its output's gradient, and for a DTensor the
+    reshape picks ``view`` or a copy from the global strides while ``view``
+    runs on the local shard: a gradient whose shard is laid out otherwise
+    than its global strides say (an attention's, kept in the layout the
+    capture gave it) fails there."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if not isinstance(grad, DTensor):
+            return grad.contiguous()
+        local = grad.to_local()
+        if local.is_contiguous() and grad.is_contiguous():
+            return grad
+        return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements,
+                                  run_check=False, shape=grad.shape,
+                                  stride=contiguous_strides(grad.shape))
 
 
 def _keep_gradient_placements(out: Any) -> None:
@@ -333,6 +362,8 @@ class NodeRunner:
             out = _captured_attention_layout(node, out)
             if _attention_mask(args, kwargs) is not None:
                 _keep_gradient_placements(out)
+        elif node.target in _GRADIENT_RESHAPED and isinstance(out, DTensor) and out.requires_grad:
+            out = _ContiguousGradient.apply(out)
         return self._finish(node, entry, out, in_obs, constant=False)
 
     # ------------------------------------------------------------ the arguments

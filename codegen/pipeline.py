@@ -50,7 +50,7 @@ from codegen.executor import PlanExecutor
 from codegen.zero3_units import UnitModule, UnitRun
 from codegen.program_inputs import Materialize
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
-from codegen.redistribution import redistribute
+from codegen.redistribution import contiguous_strides, redistribute
 from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer, StateShards
 from costmodel.schedule_specs import schedule_spec
 from costmodel.strategy_cost import FSDP_STAGES
@@ -107,14 +107,6 @@ def local_shape(global_shape: Sequence[int], mesh: DeviceMesh,
             chunk = -(-shape[dim] // k)
             shape[dim] = max(0, min(chunk, shape[dim] - coord[axis] * chunk))
     return tuple(shape)
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for d in reversed(list(shape)):
-        stride.append(acc)
-        acc *= max(int(d), 1)
-    return tuple(reversed(stride))
 
 
 # ------------------------------------------------------------------ stage runtime
@@ -226,7 +218,37 @@ class StageExecutor(PlanExecutor):
                                                    unit.name in checkpointed)
             self._unit_params |= params
 
+    def materialize_shards(self, module: nn.Module) -> None:
+        """Give ``module``'s parameters that are still on meta (the FSDP2-sharded
+        ones of a model built on meta: :meth:`_parameters_on_meta`) this rank's
+        values, one parameter at a time: its whole value from the build, of
+        which the rank keeps its shard. A rank so never holds more than its
+        shards and one whole parameter."""
+        originals = self._inputs.meta_originals
+        meta = [(fqn, p) for fqn, p in module.named_parameters() if p.is_meta]
+        if not meta:
+            return
+        if self._inputs.materialize is None:
+            raise PlanMismatchError(f"{meta[0][0]} is on the meta device and has no values; "
+                                    f"build the model on a real device, or parallelize it "
+                                    f"with an initializer")
+        module.to_empty(device=torch.device(self.mesh.device_type))
+        with torch.no_grad():
+            for fqn, param in module.named_parameters():
+                if fqn not in originals:
+                    continue
+                whole = cast_float(self._inputs.materialize(fqn, originals.pop(fqn)),
+                                   self.precision.master_dtype)
+                shard = distribute_tensor(whole, param.device_mesh, param.placements,
+                                          src_data_rank=None)
+                param.to_local().copy_(shard.to_local())
+                del whole, shard
+
     # ---- which part of the program
+    def _parameters_on_meta(self) -> bool:
+        """FSDP2 stages shard their parameters on meta (:meth:`materialize_shards`)."""
+        return self.stage.zero_stage in FSDP_STAGES
+
     def _runs_locally(self) -> bool:
         """Never: a stage's parameters are DTensors on its sub-mesh even when it
         has one device (:class:`StageModule` reads their placements, FSDP2
@@ -335,7 +357,7 @@ class StageExecutor(PlanExecutor):
                                     f"{list(local.shape)}; placements {self.stage.inputs[name]} of "
                                     f"{list(shape)} give {list(local_shape(shape, self.mesh, placements))}")
         return DTensor.from_local(local, self.mesh, placements, run_check=False, shape=shape,
-                                  stride=_contiguous_stride(shape))
+                                  stride=contiguous_strides(shape))
 
     def _send_placements(self, name: str) -> list[Placement]:
         """Where output ``name`` goes: its planned placements; the loss (the last
@@ -692,6 +714,7 @@ class PipelineRuntime:
             if fsdp:
                 _fully_shard_stage(module, st, plan, stage_mesh[names[st.zero_axis]]
                                    if len(names) > 1 else stage_mesh)
+                executor.materialize_shards(module)
             stages.append(_Stage(
                 module, st.index, len(pipe.stages), device,
                 input_args=executor.example_inputs(microbatch),

@@ -54,13 +54,19 @@ class InputPlacer:
     """
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, placed_as: dict[str, list[str]], *,
-                 local: bool, materialize: Materialize | None = None):
+                 local: bool, materialize: Materialize | None = None,
+                 parameters_on_meta: bool = False):
         self.plan = plan
         self.mesh = mesh
         self.precision = plan.precision
         self.placed_as = placed_as
         self.local = local
         self.materialize = materialize
+        #: parameters held on meta stay there (an FSDP2 stage shards them on
+        #: meta, then materialises its own shards one at a time)
+        self.parameters_on_meta = parameters_on_meta
+        #: FQN -> the model's own meta tensor of each parameter left on meta
+        self.meta_originals: dict[str, torch.Tensor] = {}
 
     def place_state(self, ep: Any, wants: Callable[[str], bool],
                     tied: dict[str, str] | None = None) -> PlacedState:
@@ -134,7 +140,11 @@ class InputPlacer:
         """Parameter ``fqn`` in the master dtype, distributed as planned."""
         placements = self._planned(fqn)
         requires_grad = state[fqn].requires_grad
-        value = cast_float(self._real(fqn, state[fqn]), self.precision.master_dtype)
+        if self.parameters_on_meta and state[fqn].is_meta:
+            value = self.meta_originals[fqn] = state[fqn]
+        else:
+            value = self._real(fqn, state[fqn])
+        value = cast_float(value, self.precision.master_dtype)
         dt = value.detach() if self.local else distribute_tensor(
             value.detach(), self.mesh, parse_placements(placements), src_data_rank=None)
         self.placed_as[name] = placements

@@ -25,8 +25,8 @@ from ir.placements import MASKED_PARTIAL, parse_placement, placement_str
 from ir.torch_compat import autograd_redistribute, is_mask_partial, local_tensor, zero_masked_rows
 from planner.plan_format import Plan
 
-__all__ = ["keep_layout", "on_mesh", "placements_of", "plan_on_mesh", "reachable_target",
-           "redistribute", "same_placements", "unmask"]
+__all__ = ["contiguous_strides", "keep_layout", "on_mesh", "placements_of", "plan_on_mesh",
+           "reachable_target", "redistribute", "same_placements", "unmask"]
 
 
 def placements_of(value: Any) -> list[str]:
@@ -166,3 +166,12 @@ def unmask(value: DTensor) -> DTensor:
     local = local + (masked - local).detach()
     return DTensor.from_local(local, value.device_mesh, placements, run_check=False,
                               shape=value.shape, stride=value.stride())
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a contiguous tensor of ``shape``, in elements."""
+    strides, step = [], 1
+    for size in reversed(list(shape)):
+        strides.append(step)
+        step *= max(int(size), 1)
+    return tuple(reversed(strides))

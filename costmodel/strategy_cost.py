@@ -124,7 +124,8 @@ class IntraOpCost:
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
                  optimizer: str = "adam", activation_copies: float = 1.0,
                  pricer: ReshardPricer | None = None, zero_stage: int = 0,
-                 reduce_once: bool = False, step_share: float = 1.0):
+                 reduce_once: bool = False, step_share: float = 1.0,
+                 units_gathered: bool = True):
         """``pricer``: a :class:`ReshardPricer` of this mesh and cluster to share
         (its prices are memoised, so graphs priced on the same mesh one after
         another reuse them); a new one when None. ``zero_stage``: how the
@@ -145,16 +146,14 @@ class IntraOpCost:
           the last backward (torch's pipeline stage asks FSDP2 not to reshard
           after a backward that is not the step's last); the gradient sums
           are reduce-scattered once per step;
-        * 3: FSDP2 ``fully_shard`` (default resharding) with the whole stage as
-          one unit: parameters, gradients and optimizer states sharded over
-          axis 0. The stage module is FSDP2's root, which FSDP2 does not
-          reshard after forward, so it runs, and is priced, as ZeRO-2: one
-          all-gather of the parameters and one reduce-scatter of the
-          gradient sums per step (measured under torch 2.13's 1F1B and GPipe
-          schedules; resharding after forward would all-gather again in every
-          micro-batch's forward and in the first backward, and free nothing
-          at the step's peak, where the stage's parameters are whole for the
-          backward).
+        * 3: FSDP2 ``fully_shard`` unit by unit (:mod:`codegen.zero3_units`):
+          parameters, gradients and optimizer states sharded over axis 0;
+          whole, at the peak, the parameters and gradients of
+          :attr:`gathered_params` only. Every micro-batch all-gathers the
+          parameters in its forward and again in its backward, and
+          reduce-scatters the gradients
+          (:meth:`zero3_layer_collectives`; the ILP weighs the step's
+          collectives once, as for the other stages).
 
         The properties these differ by (:attr:`state_shards`,
         :attr:`params_sharded`, :attr:`step_sync_ranks`) set the prices.
@@ -163,6 +162,11 @@ class IntraOpCost:
         sums on axis 0 accumulate over the micro-batches and are all-reduced
         once per step (Megatron's DDP; torch DDP under ``no_sync``), priced as
         the reduce-scatter and all-gather a ring all-reduce is made of.
+
+        ``units_gathered`` (ZeRO-3): False prices ``graph`` as one layer of a
+        stage that holds other units too (a layer profile of the pipeline
+        search): its units' parameters and gradients as shards alone, the
+        units gathered at the peak being the stage's to count.
 
         ``step_share``: what the once-per-step seconds of a parameter node
         (the optimizer update and casts, ZeRO's collectives) weigh against
@@ -187,7 +191,8 @@ class IntraOpCost:
         # the parameters whose whole copy and gradient count toward the peak:
         # all under ZeRO-2 (the stage is one FSDP2 unit), under ZeRO-3 those
         # FSDP2 keeps gathered at once (zero3_gathered_params)
-        self.gathered_params = zero3_gathered_params(graph) if zero_stage == 3 else None
+        self.gathered_params = None if zero_stage != 3 else (
+            zero3_gathered_params(graph) if units_gathered else zero3_pass_params(graph))
         # ZeRO-3: the parameters gathered for the whole pass, not layer by layer
         self.pass_params = zero3_pass_params(graph) if zero_stage == 3 else frozenset()
         # ranks whose gradient sums on mesh axis 0 wait for the end of the step

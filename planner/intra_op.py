@@ -449,10 +449,11 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                      strategies: list[NodeStrategies] | None = None,
                      pricer: ReshardPricer | None = None,
                      zero_stage: int = 0, reduce_once: bool = False,
-                     step_share: float = 1.0) -> PreparedIntraOp:
+                     step_share: float = 1.0, units_gathered: bool = True) -> PreparedIntraOp:
     """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
     several budgets can be solved without pricing again. ``pricer``,
-    ``zero_stage``, ``reduce_once``, ``step_share``: see :class:`IntraOpCost`."""
+    ``zero_stage``, ``reduce_once``, ``step_share``, ``units_gathered``: see
+    :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
         strategies = build_strategies(graph, mesh_shape)
@@ -468,7 +469,7 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                     f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
                     f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer,
-                       zero_stage, reduce_once, step_share)
+                       zero_stage, reduce_once, step_share, units_gathered)
     return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
                            float(activation_copies))
 

@@ -124,15 +124,17 @@ def zero_stages_priced(zero_stages: Sequence[int], precision: str, optimizer: st
     axis 0 has ``ranks`` ranks, of those ``zero_stages`` allows, the one
     holding the least state bytes first; empty if it allows none.
 
-    All three reduce the gradients and gather the parameters once per step,
-    with the same collectives, and are priced alike
-    (:class:`costmodel.strategy_cost.IntraOpCost`). They differ in two ways:
+    They differ in three ways:
 
+    * when they reduce the gradients and gather the parameters: ZeRO-1 and
+      ZeRO-2 once per step, ZeRO-3 unit by unit in every micro-batch,
+      overlapped with the compute (:class:`costmodel.strategy_cost.IntraOpCost`);
     * the state bytes a device holds
       (:func:`costmodel.memory.training_state_bytes`): under bf16-mixed
       FSDP2's stages hold less (the fp32 master parameters sharded, a whole
-      bf16 copy gathered); under fp32 and bf16 ZeRO-1 does (FSDP2 keeps the
-      gathered whole parameters and gradients besides their shards);
+      bf16 copy gathered); under fp32 and bf16 ZeRO-1 does where FSDP2's
+      gathered copies are counted whole (this weighs them so: a stage of two
+      units or fewer);
     * FSDP2's stages need every parameter replicated on axis 0; ZeRO-1 takes
       parameters sharded there too (expert weights under expert
       parallelism on the data-parallel axis, as Megatron-Core and DeepSeek
@@ -140,10 +142,8 @@ def zero_stages_priced(zero_stages: Sequence[int], precision: str, optimizer: st
 
     So ZeRO-1 alone is priced where it holds no more than FSDP2, and both
     where FSDP2 holds less. Of FSDP2's two stages one is priced, 3 where
-    allowed: with one FSDP2 unit per pipeline stage ZeRO-2 and ZeRO-3 run
-    alike (the stage module is FSDP2's root, never resharded after forward,
-    and torch's pipeline keeps it unsharded between micro-batches), and
-    plans made before ZeRO-2 was a choice stay byte for byte the same."""
+    allowed: it holds the least (unit by unit), and plans made before ZeRO-2
+    was a choice keep their stage."""
     fsdp = max((z for z in FSDP_STAGES if z in zero_stages), default=None)
     if 1 not in zero_stages or fsdp is None:
         return [z for z in (fsdp, 1 if 1 in zero_stages else None) if z is not None]
@@ -358,7 +358,7 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
         # them, no point added later (they use more memory) could make it fit
         known = max(len(p.points) for p in profiles)
         split = split_layers(lambda i, lv: profiles[i].point(lv), len(prog.layers), S, m, copies,
-                             ctx.budget / v, known)
+                             ctx.budget / v - ctx.zero3_headroom(prog, mesh), known)
         if split is not None:
             break
     if split is None:

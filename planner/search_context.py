@@ -19,7 +19,8 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links
 from costmodel.resharding import ReshardPricer
 from costmodel.schedules import ScheduleBook
-from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost
+from costmodel.memory import training_state_bytes
+from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost, zero3_gathered_params
 from ir.graph import PARAM, Graph
 from ir.subgraph import subgraph
 from planner.inter_op import (LayerProfile, StageMeshOption, StageTimes, mesh_family, stage_times,
@@ -177,9 +178,12 @@ class SearchContext:
             self._expansions.setdefault(key, rows)
 
     def prepare_stage(self, prog: MicrobatchProgram, first: int, end: int,
-                      mesh: StageMeshOption, copies: float) -> PreparedIntraOp:
+                      mesh: StageMeshOption, copies: float,
+                      profile: bool = False) -> PreparedIntraOp:
         """The priced intra-op problem of layers ``first .. end - 1`` on ``mesh``
-        (on the captured program: strategies come from its fake tensors)."""
+        (on the captured program: strategies come from its fake tensors);
+        ``profile``: of one layer's profile, whose ZeRO-3 units count as shards
+        (the stage DP keeps :meth:`zero3_headroom` for those gathered)."""
         if not prog.traced:
             prog = self.program(self.global_batch // prog.microbatch_size, traced=True)
         sub = self.stage_graph(prog, first, end)
@@ -195,7 +199,23 @@ class SearchContext:
                                 activation_copies=copies, strategies=strategies,
                                 pricer=self.pricer(mesh), zero_stage=mesh.zero_stage,
                                 reduce_once=mesh.reduce_once,
-                                step_share=self.step_share(prog))
+                                step_share=self.step_share(prog), units_gathered=not profile)
+
+    def zero3_headroom(self, prog: MicrobatchProgram, mesh: StageMeshOption) -> float:
+        """Bytes per device a ZeRO-3 stage on ``mesh`` holds beyond its layers'
+        profiles (which count its units as shards): the whole parameters and
+        gradients FSDP2 holds gathered at once
+        (:func:`costmodel.strategy_cost.zero3_gathered_params` of the whole
+        program, unsharded on the other mesh axes: an upper bound). 0 for
+        other stages."""
+        if mesh.zero_stage != 3 or mesh.shape[0] == 1:
+            return 0.0
+        numel = sum(prog.graph[p].output.numel for p in zero3_gathered_params(prog.graph))
+        state = {gathered: training_state_bytes(numel, precision=self.dtype,
+                                                optimizer=self.optimizer, zero_stage=3,
+                                                dp_size=int(mesh.shape[0]), gathered=gathered)
+                 for gathered in (True, False)}
+        return float(state[True]["total"] - state[False]["total"])
 
     def step_share(self, prog: MicrobatchProgram) -> float:
         """The weight of once-per-step seconds against one micro-batch's in the
@@ -378,7 +398,8 @@ class SearchContext:
 
     def _own_profile(self, prog: MicrobatchProgram, layer: int,
                      mesh: StageMeshOption) -> LayerProfile:
-        return LayerProfile([], prepared=self.prepare_stage(prog, layer, layer + 1, mesh, 1.0),
+        return LayerProfile([], prepared=self.prepare_stage(prog, layer, layer + 1, mesh, 1.0,
+                                                            profile=True),
                             mesh=mesh, origin=(prog.microbatch_size, layer))
 
     def _extend(self, prof: LayerProfile, levels: int) -> None:
@@ -387,7 +408,8 @@ class SearchContext:
             # made in a forked process, which kept its priced problem
             mb, layer = prof.origin
             prog = self.program(self.global_batch // mb, traced=True)
-            prof.prepared = self.prepare_stage(prog, layer, layer + 1, prof.mesh, 1.0)
+            prof.prepared = self.prepare_stage(prog, layer, layer + 1, prof.mesh, 1.0,
+                                               profile=True)
         add_levels(prof, levels, lambda weight: self._solve_weighted(prof, weight))
 
     def _solve_weighted(self, prof: LayerProfile, weight: float
@@ -424,7 +446,7 @@ class SearchContext:
                                     dtype=self.dtype, optimizer=self.optimizer,
                                     strategies=strategies, pricer=self.pricer(mesh),
                                     zero_stage=mesh.zero_stage, reduce_once=mesh.reduce_once,
-                                    step_share=self.step_share(prog))
+                                    step_share=self.step_share(prog), units_gathered=False)
         points = []
         for chosen, weight in zip(ref.assignments, ref.weights):
             level = restrict(prepared, [

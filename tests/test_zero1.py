@@ -112,7 +112,8 @@ def test_plan_picks_zero1_in_fp32_and_bf16_mixed_on_two_ranks():
     assert {st.zero_stage for st in mixed.pipeline.stages} == {1}
     one, three = (p.predicted["memory_bytes_per_device"] for p in (fp32, fsdp))
     assert one["params"] < three["params"] and one["grads"] < three["grads"]
-    assert fp32.predicted["step_time_s"] == pytest.approx(fsdp.predicted["step_time_s"])
+    # ZeRO-1 reduces once per step; ZeRO-3 in every micro-batch, overlapped
+    assert fp32.predicted["grad_sync_s"] > 0 and fsdp.predicted["grad_sync_s"] == 0
     with pytest.raises(PlanningError, match="ZeRO stages must be 0"):
         plan(model, "local-cpu:4", zero_stages=[4], **kwargs)
 
