@@ -155,7 +155,8 @@ def _plan_request(args: argparse.Namespace) -> Any:
         pp=_int_list(args.pp, "--pp"), schedules=schedules,
         num_microbatches=_int_list(args.microbatches, "--microbatches"),
         zero_stages=_int_list(args.zero, "--zero", least=0), precision=_precision(args),
-        recompute=_recompute(args))
+        recompute=_recompute(args),
+        context_parallel=_int_list(args.context_parallel, "--context-parallel"))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -417,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", help="ZeRO stages of pipeline stages to try: 0 (none), 1 "
                    "(optimizer states sharded over the stage mesh's first axis), 2 (FSDP2 over "
                    "it, no resharding after forward), 3 (FSDP2); default 0,1,2,3")
+    p.add_argument("--context-parallel", "--cp", dest="context_parallel",
+                   help="context-parallel sizes to try, e.g. 1,2,4 (powers of two dividing the "
+                   "devices; 1 = without); default: cp > 1 for sequences of 32,768 tokens or "
+                   "more, or when nothing fits without it")
     p.add_argument("--no-pipeline", action="store_true", help="plan a single stage only")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("-o", "--output", default="plan.json", help="where to write the plan")

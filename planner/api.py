@@ -21,17 +21,23 @@ from ir.layers import PipelineLayer, block_count, manual_bounds
 from ir.precision import Precision
 from ir.trace import trace
 from planner.assembly import build_plan, model_record, training_record
-from planner.finalists import (assemble, fastest, solve_exact, solve_finalists,
+from costmodel.strategy_cost import IntraOpCost
+from planner.context_parallel import (context_parallel_inputs, context_parallel_record,
+                                      context_parallel_seconds, cp_link, kv_buffer_bound,
+                                      search_sizes, sequence_length)
+from planner.finalists import (ExactPipeline, assemble, fastest, solve_exact, solve_finalists,
                                split_far_finalists)
+from planner.megatron_layout import CP_COMM_TYPES
 from planner.forked import run_beside
-from planner.inter_op import stage_mesh_options
+from planner.inter_op import PipelineCandidate, stage_mesh_options
 from planner.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
 from planner.pipeline import (NO_PIPELINE, SEARCH_ZERO_STAGES, SearchOptions, accumulates,
-                              refine, search, zero_variants)
+                              refine, search, simulate_step, zero_variants)
 from planner.plan_format import Plan
 from planner.request import (PlanRequest, PlanningError, check_mesh, default_memory_budget,
                              mesh_candidates, resolve_precision)
 from planner.search_context import SearchContext
+from planner.stage_reuse import total_memory
 
 __all__ = ["PlanRequest", "PlanningError", "pipeline_plan", "plan"]
 
@@ -191,7 +197,7 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
         return build_plan(best, cluster, info, training, whole_batch=True)
     return _search_plan(req, model, cluster, example_inputs, graph, dtype, budget, progress,
-                        lambda r, c: build_plan(r, c, info, training))
+                        info, training)
 
 
 def _whole_batch_only(req: PlanRequest, graph: Graph) -> bool:
@@ -264,13 +270,82 @@ def _no_pipeline_reason(ctx: SearchContext, opts: SearchOptions) -> str:
 
 def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                  example_inputs: tuple, graph: Graph, dtype: Precision, budget: float,
-                 progress: Callable[[str], None] | None,
-                 build: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
+                 progress: Callable[[str], None] | None, info: dict[str, Any],
+                 training: dict[str, Any]) -> Plan:
     """The two-level search of :func:`plan` (single stages and pipelines), its
-    finalists solved exactly; ``build`` writes a solved program as a Plan."""
-    ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=req.optimizer,
-                        budget=budget, time_limit_s=req.time_limit_s, progress=progress,
-                        whole_batch_graph=graph)
+    finalists solved exactly, without context parallelism and with each cp
+    size of :func:`planner.context_parallel.search_sizes` (the request's, or
+    automatic); the fastest plan by predicted step time (the smaller cp of
+    equal ones). The automatic sizes are tried in increasing order until one
+    is slower than (or does not fit where) the one before it fitted."""
+    plans: list[Plan] = []
+    errors: list[PlanningError] = []
+    requested = req.context_parallel
+    seq = sequence_length(example_inputs)
+    if requested is not None:  # refused before any search
+        search_sizes(requested, seq, cluster.num_devices, fits_without=True)
+    if requested is None or 1 in requested:
+        ctx = SearchContext(model, example_inputs, cluster, dtype=dtype,
+                            optimizer=req.optimizer, budget=budget,
+                            time_limit_s=req.time_limit_s, progress=progress,
+                            whole_batch_graph=graph)
+        build = functools.partial(_build_plan, info=info, training=training)
+        try:
+            winner = _search_winner(req, ctx, model, graph)
+            plans.append(build(winner, cluster) if isinstance(winner, IntraOpResult)
+                         else _assembled(winner, ctx, build))
+        except PlanningError as err:
+            errors.append(err)
+    sizes = search_sizes(requested, seq, cluster.num_devices, fits_without=bool(plans))
+    before: Plan | None = None
+    for cp in sizes:
+        try:
+            found = _context_parallel_plan(req, model, cluster, example_inputs, dtype, budget,
+                                           progress, cp)
+        except PlanningError as err:
+            errors.append(err)
+            found = None
+        if found is not None:
+            plans.append(found)
+        if requested is None and before is not None and (
+                found is None or _step(found) > _step(before)):
+            break
+        before = found or before
+    if not plans:
+        raise errors[0]
+    return min(plans, key=lambda p: (round(_step(p), 12), _cp_size(p)))
+
+
+def _step(plan: Plan) -> float:
+    return float(plan.predicted["step_time_s"])
+
+
+def _cp_size(plan: Plan) -> int:
+    """The plan's context-parallel size (1 without)."""
+    return int(((plan.training or {}).get("context_parallel") or {}).get("size", 1))
+
+
+def _build_plan(result: IntraOpResult, cluster: Cluster, *, info: dict[str, Any],
+                training: dict[str, Any]) -> Plan:
+    return build_plan(result, cluster, info, training)
+
+
+def _assembled(winner: ExactPipeline, ctx: SearchContext,
+               build: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
+    """The Plan of an exactly solved candidate (a single stage's, or a pipeline's)."""
+    if winner.candidate.schedule == NO_PIPELINE:
+        return build(winner.results[0], ctx.cluster)
+    return assemble(winner, ctx, build)
+
+
+def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module, graph: Graph,
+                   finish: Callable[[list[ExactPipeline]], list[ExactPipeline]] | None = None
+                   ) -> ExactPipeline | IntraOpResult:
+    """The fastest exactly solved candidate of the search in ``ctx`` (each
+    passed through ``finish`` first, which may re-price or drop it), or, where
+    no candidate has a plan and ``ctx`` has no context parallelism, the best
+    single stage of the whole batch ``graph``."""
+    cluster = ctx.cluster
     opts = SearchOptions(pp=_pipeline_sizes(req.pp, model), schedules=req.schedules,
                          num_microbatches=req.num_microbatches,
                          zero_stages=_check_zero_stages(req.zero_stages))
@@ -295,28 +370,139 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                       ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]
                       + variants[:opts.zero_finalists] + accumulating[:1]
                       + accumulating_variants[:1]}.values())
+    finish = finish or (lambda exact: exact)
     # finalists with a stage that has no plan within limits are dropped; those
     # predicted far behind the fastest are solved only if no other has a plan
     close, far = split_far_finalists(finalists)
-    exact = [e for e in solve_finalists(ctx, close) if e is not None]
+    exact = finish([e for e in solve_finalists(ctx, close) if e is not None])
     if not exact and far:
-        exact = [e for e in solve_finalists(ctx, far) if e is not None]
+        exact = finish([e for e in solve_finalists(ctx, far) if e is not None])
     if not exact and pipelines_only:
         raise PlanningError(f"no pipeline with pp={','.join(map(str, req.pp))} fits in memory "
                             f"or runs under torch's schedules; add pp 1 (--pp 1,{req.pp[0]}) to "
                             f"allow a single stage, or give the devices more memory")
+    if not exact and ctx.context_parallel > 1:  # every single stage exactly, pinned as ctx pins
+        exact = finish(_exact_single_stages(ctx))
+        if not exact:
+            raise PlanningError(f"no plan with context parallel size {ctx.context_parallel} "
+                                f"fits in memory")
     if not exact:  # the layer profiles are coarse: try every single stage exactly
         best, too_big = _best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
-                                           dtype, req.time_limit_s, budget, req.optimizer)
+                                           ctx.dtype, req.time_limit_s, ctx.budget,
+                                           req.optimizer)
         if best is not None:
-            return build(best, cluster)
+            return best
         least = min(too_big, key=lambda e: e.least_bytes) if too_big else None
         raise PlanningError((str(least) if least else "no plan fits in memory")
                             + " (no pipeline of its layers fits either)")
-    winner = fastest(exact)
-    if winner.candidate.schedule == NO_PIPELINE:
-        return build(winner.results[0], cluster)
-    return assemble(winner, ctx, build)
+    return fastest(exact)
+
+
+def _exact_single_stages(ctx: SearchContext) -> list[ExactPipeline]:
+    """Every single stage of the whole batch that fits, solved exactly by
+    ``ctx`` (so with its layout) on each stage mesh it allows."""
+    prog = ctx.program(1, traced=True)
+    out = []
+    for mesh in stage_mesh_options(ctx.cluster, 1):
+        if not ctx.allows(mesh.shape, 1):
+            continue
+        cand = PipelineCandidate(1, 1, mesh, NO_PIPELINE, 1, None, 0.0, 0.0, 0.0)
+        try:
+            out.append(solve_exact(ctx, cand, [(0, len(prog.layers))]))
+        except MemoryInfeasibleError:
+            continue
+    return out
+
+
+def _context_parallel_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
+                           example_inputs: tuple, dtype: Precision, budget: float,
+                           progress: Callable[[str], None] | None, cp: int) -> Plan:
+    """The fastest plan with context-parallel size ``cp``, the search choosing
+    everything else, priced as :mod:`planner.context_parallel` prices it.
+
+    The program searched is one cp rank's (each sequence cut into cp rows of
+    s / cp tokens), its batch rows pinned to stage mesh axis 0, which holds
+    whole cp groups (:meth:`SearchContext.allows`,
+    :func:`planner.context_parallel.pinned_strategies`): the weights are
+    replicated or sharded over axis 0 as the search decides (ZeRO over axis
+    0 shards over dp x cp, as Megatron's distributed optimizer with cp).
+    The candidates are ranked without the exchange (it is the same work on
+    every candidate that places the attention alike); each finalist, solved
+    exactly, then gets :func:`planner.context_parallel.context_parallel_seconds`
+    of both exchanges added to its stages' forward and backward, is dropped
+    where a stage and its K/V buffers exceed the memory budget, and keeps the
+    faster exchange. The stage ILPs get the budget less the buffers with K/V
+    split evenly over the cluster (a lower bound; the exact check is that
+    one). The plan's ``training["context_parallel"]`` records cp and the
+    exchange, ``predicted["context_parallel"]`` its seconds and buffers.
+
+    Raises:
+        PlanningError: no plan with this cp fits, or cp does not cut the inputs.
+    """
+    say = progress or (lambda msg: None)
+    say(f"context parallel {cp}: capturing one cp rank's program")
+    cut = context_parallel_inputs(example_inputs, cp)
+    graph = trace(model, cut, beside=_two_processes)
+    reserve = min(kv_buffer_bound(graph, cp, t, (cluster.num_devices,)) for t in CP_COMM_TYPES)
+    ctx = SearchContext(model, cut, cluster, dtype=dtype, optimizer=req.optimizer,
+                        budget=budget - reserve, time_limit_s=req.time_limit_s,
+                        progress=progress, whole_batch_graph=graph, context_parallel=cp)
+    exchanges: dict[int, dict[str, Any]] = {}
+
+    def finish(exact: list[ExactPipeline]) -> list[ExactPipeline]:
+        out = []
+        for e in exact:
+            priced = [x for x in (_with_exchange(e, ctx, cp, t, budget) for t in CP_COMM_TYPES)
+                      if x is not None]
+            if priced:
+                chosen, record = min(priced, key=lambda x: round(x[0].step_time_s, 12))
+                exchanges[id(chosen)] = record
+                out.append(chosen)
+        return out
+
+    winner = _search_winner(req, ctx, model, graph, finish)
+    assert isinstance(winner, ExactPipeline)
+    exchange = exchanges[id(winner)]
+    training = training_record(dtype, req.optimizer, cut, req.zoo_kwargs,
+                               memory_budget_bytes=int(budget),
+                               context_parallel=context_parallel_record(
+                                   cp, exchange["comm_type"], example_inputs))
+    build = functools.partial(_build_plan, info=model_record(model, graph, req.model_source),
+                              training=training)
+    plan = _assembled(winner, ctx, build)
+    if winner.candidate.schedule == NO_PIPELINE:  # its step is the stage's own, exchange aside
+        plan.predicted["step_time_s"] += sum(exchange["exchange_s_per_microbatch"])
+    # the exchange's buffers, held while one attention runs: counted at the peak
+    memory = plan.predicted["memory_bytes_per_device"]
+    memory["peak"] = int(round(memory["peak"] + exchange["kv_buffer_bytes"]))
+    plan.predicted["context_parallel"] = exchange
+    return plan
+
+
+def _with_exchange(exact: ExactPipeline, ctx: SearchContext, cp: int, comm_type: str,
+                   budget: float) -> tuple[ExactPipeline, dict[str, Any]] | None:
+    """``exact`` with the attention across cp chunks (``comm_type``) added to
+    its stages' times and the step simulated again, and what that adds; None
+    where a stage and its K/V buffers exceed its share of ``budget``."""
+    cand = exact.candidate
+    shape = cand.mesh.shape
+    stage_cluster = cand.mesh.cluster(ctx.cluster)
+    link = cp_link(stage_cluster, shape[0] // cp, cp, math.prod(shape[1:]))
+    times, extra, held = [], [], 0.0
+    for r, t in zip(exact.results, exact.times):
+        cost = IntraOpCost(r.graph, stage_cluster, r.mesh_shape, ctx.dtype, ctx.optimizer)
+        f, b, kv = context_parallel_seconds(r, cost, cp, comm_type, link)
+        if total_memory(r) + kv > budget / cand.stages_per_rank:
+            return None
+        times.append(dataclasses.replace(t, forward_s=t.forward_s + f,
+                                         backward_input_s=t.backward_input_s + b))
+        extra.append(f + b)
+        held = max(held, kv)
+    step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
+                                 cand.stages_per_rank, times, exact.p2p, ctx.schedule_book)
+    return (dataclasses.replace(exact, times=times, step_time_s=step, bubble_s=bubble),
+            {"comm_type": comm_type, "kv_buffer_bytes": held,
+             "exchange_s_per_microbatch": extra})
 
 
 @_planning

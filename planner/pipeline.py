@@ -189,12 +189,20 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     gives (on meshes whose axis 0 has more than one rank). Pipelines of more stages than the
     program has layers are left out before any program is made for them
     (llama3-8b's 32 layers: 29 configurations, which under earlier
-    micro-batch options alone asked for a capture at size 1, 2.7 s)."""
+    micro-batch options alone asked for a capture at size 1, 2.7 s). With
+    context parallelism (:attr:`SearchContext.context_parallel` > 1)
+    micro-batches are counted in whole sequences (cp rows of the program
+    each) and only the configurations :meth:`SearchContext.allows` are kept."""
     n = ctx.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
     zeros = opts.zero_choices
     num_layers = len(ctx.program(1).layers)
+    # with context parallelism the program's batch rows are cp per sequence:
+    # micro-batches are counted in whole sequences, and the one of a sequence
+    # per data-parallel rank holds axis 0 / cp of them (Megatron's, with cp)
+    cp = ctx.context_parallel
+    sequences = ctx.global_batch // cp
     out, accumulating = [], []
     for pp in pps:
         meshes = stage_mesh_options(ctx.cluster, pp)
@@ -213,7 +221,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                 mesh = dataclasses.replace(whole, zero_stage=zero)
                 if pp == 1:  # or micro-batches with their gradients accumulated (1F1B of one stage)
                     ms = list(opts.num_microbatches) if opts.num_microbatches else \
-                        _accumulation_options(ctx.global_batch, opts.microbatch_options)
+                        _accumulation_options(sequences, opts.microbatch_options)
                     if "1f1b" in schedules:
                         accumulating.extend((1, 1, mesh, "1f1b", m) for m in ms if m > 1)
                     continue
@@ -222,10 +230,12 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                     if pp * v > num_layers:
                         continue
                     ms = list(opts.num_microbatches) if opts.num_microbatches else \
-                        _microbatch_options(ctx.global_batch, pp, v, schedule,
-                                            opts.microbatch_options, mesh.size)
+                        _microbatch_options(sequences, pp, v, schedule,
+                                            opts.microbatch_options,
+                                            mesh.shape[0] // cp if cp > 1 else mesh.size)
                     out.extend((pp, v, mesh, schedule, m) for m in ms)
-    return out + accumulating
+    # context parallelism places whole sequences' rows on stage mesh axis 0
+    return [c for c in out + accumulating if ctx.allows(c[2].shape, c[4])]
 
 
 def accumulates(cand: PipelineCandidate) -> bool:

@@ -65,6 +65,19 @@ def _replicated_everywhere(plan: Plan) -> bool:
     return all(p == "R" for pl in whole for p in pl)
 
 
+def _context_parallel_lines(plan: Plan) -> list[str]:
+    """One line on the plan's context parallelism (none without it)."""
+    cp = (plan.training or {}).get("context_parallel")
+    if not cp:
+        return []
+    priced = plan.predicted.get("context_parallel") or {}
+    exchange = sum(priced.get("exchange_s_per_microbatch") or [])
+    return [f"context parallelism: each sequence over {cp.get('size')} ranks of mesh axis "
+            f"{'1' if plan.pipeline is not None else '0'} ({cp.get('comm_type')} K/V exchange, "
+            f"{_seconds(exchange)} per micro-batch, K/V buffers "
+            f"{format_bytes(priced.get('kv_buffer_bytes') or 0)}); priced, not run yet"]
+
+
 def format_plan(plan: Plan, verbose: bool = False) -> str:
     """Summary of a plan: mesh, predicted step, memory, parameter placements, reshards."""
     pred = plan.predicted
@@ -80,6 +93,7 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         + (f"; the host issues its ops in {_seconds(pred['host_s'])}" if pred.get("host_s") else ""),
         _step_line(plan),
         *([_NO_PARALLELISM] if _replicated_everywhere(plan) else []),
+        *_context_parallel_lines(plan),
         "activation checkpointing: " + (", ".join(plan.checkpoint) if plan.checkpoint else "none"),
         "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()),
         _margin_line(memory_margin(plan)),

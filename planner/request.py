@@ -64,6 +64,11 @@ class PlanRequest:
             :class:`Precision`; None: :func:`default_precision`.
         recompute: None: the search checkpoints where that is fastest; True:
             every layer; False: none (needs ``mesh_shape`` or ``pipeline=False``).
+        context_parallel: context-parallel sizes (cp) to search, e.g. ``(1, 2, 4)``
+            (powers of two dividing the devices whose 2 cp chunks cut the
+            sequence; 1 = without); None: automatic
+            (:func:`planner.context_parallel.search_sizes`: cp > 1 at sequences
+            of at least 32,768 tokens, or where no plan without it fits).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -79,9 +84,11 @@ class PlanRequest:
     zero_stages: tuple[int, ...] | None = None
     precision: str | Precision | None = None
     recompute: bool | None = None
+    context_parallel: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("mesh_shape", "pp", "schedules", "num_microbatches", "zero_stages"):
+        for name in ("mesh_shape", "pp", "schedules", "num_microbatches", "zero_stages",
+                     "context_parallel"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -89,6 +96,13 @@ class PlanRequest:
         if self.recompute is not None and not self.mesh_shape and self.pipeline:
             raise PlanningError("recompute= pins checkpointing of single-stage plans: give "
                                 "mesh_shape or pipeline=False with it")
+        cps = self.context_parallel
+        if cps is not None and (not cps or any(isinstance(c, bool) or not isinstance(c, int)
+                                               or c < 1 for c in cps)):
+            raise PlanningError(f"context parallel sizes must be integers >= 1, got {list(cps)}")
+        if cps is not None and max(cps) > 1 and self.single_stage:
+            raise PlanningError("context parallelism is searched with the pipeline search: "
+                                "leave out the mesh (--mesh) and --no-pipeline to plan it")
 
     @property
     def single_stage(self) -> bool:

@@ -23,6 +23,7 @@ from costmodel.memory import training_state_bytes
 from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost, zero3_gathered_params
 from ir.graph import PARAM, Graph
 from ir.subgraph import subgraph
+from planner.context_parallel import layout_allows, pinned_strategies
 from planner.inter_op import (LayerProfile, StageMeshOption, StageTimes, mesh_family, stage_times,
                               step_collectives)
 from planner.intra_op import (IntraOpResult, PreparedIntraOp, prepare_intra_op, restrict,
@@ -57,9 +58,12 @@ class SearchContext:
                  whole_batch_graph: Graph | None = None,
                  fixed: dict[str, tuple] | None = None, programs: dict | None = None,
                  schedule_book: ScheduleBook | None = None,
-                 executor: SearchExecutor | None = None):
+                 executor: SearchExecutor | None = None, context_parallel: int = 1):
         # placements every stage must use (a manual layout), by parameter FQN / input name
         self.fixed = dict(fixed or {})
+        # cp of the program searched (one cp rank's: planner.context_parallel);
+        # > 1 pins the batch rows to stage mesh axis 0 (layout_allows, pinned_strategies)
+        self.context_parallel = int(context_parallel)
         self.cluster = cluster
         self.dtype = dtype
         self.optimizer = optimizer
@@ -194,12 +198,24 @@ class SearchContext:
             strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
                 ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],
                 ns.fallback) for ns in strategies]
+        if self.context_parallel > 1:
+            strategies = pinned_strategies(strategies, prog.microbatch_size)
         return prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
                                 optimizer=self.optimizer, fixed=self.fixed or None,
                                 activation_copies=copies, strategies=strategies,
                                 pricer=self.pricer(mesh), zero_stage=mesh.zero_stage,
                                 reduce_once=mesh.reduce_once,
                                 step_share=self.step_share(prog), units_gathered=not profile)
+
+    def allows(self, mesh_shape: Sequence[int], num_microbatches: int) -> bool:
+        """Whether a stage mesh of ``mesh_shape`` running ``num_microbatches``
+        micro-batches can hold this search's layout: always without context
+        parallelism; with it, micro-batches of whole sequences on a mesh
+        whose axis 0 holds the cp ranks of each
+        (:func:`planner.context_parallel.layout_allows`)."""
+        cp = self.context_parallel
+        return cp == 1 or ((self.global_batch // cp) % num_microbatches == 0 and layout_allows(
+            cp, mesh_shape, self.global_batch // num_microbatches))
 
     def zero3_headroom(self, prog: MicrobatchProgram, mesh: StageMeshOption) -> float:
         """Bytes per device a ZeRO-3 stage on ``mesh`` holds beyond its layers'
