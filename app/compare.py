@@ -25,6 +25,7 @@ from ir.layers import block_count, pipeline_layers
 from ir.source import build_model
 from ir.trace import trace
 from planner.api import plan
+from planner.context_parallel import search_sizes, sequence_length
 from planner.request import PlanRequest, PlanningError, resolve_precision
 from planner.megatron import (MegatronConfig, MegatronDoesNotFit, megatron_configs,
                               megatron_plan, num_experts)
@@ -57,7 +58,7 @@ def _megatron_fields(cfg: MegatronConfig) -> dict[str, Any]:
     return {"tp": cfg.tp, "pp": cfg.pp, "dp": cfg.dp, "ep": cfg.ep, "mbs": cfg.micro_batch_size,
             "vpp": cfg.virtual_pipeline_model_parallel_size,
             "distributed_optimizer": cfg.use_distributed_optimizer,
-            "sequence_parallel": cfg.sequence_parallel}
+            "sequence_parallel": cfg.sequence_parallel, "cp": cfg.cp}
 
 
 def compare(model_spec: str, cluster_spec: str | Cluster, *,
@@ -80,9 +81,12 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
         configs: the Megatron configurations to price (default:
             :func:`planner.megatron.megatron_configs` of the cluster, the batch
             and the number of pipeline layers, with ``micro_batch_sizes``,
-            ``virtual_stages`` and ``sequence_parallel``, and expert
-            parallelism for a model with experts; ``pipeline=False`` keeps
-            pp = 1 only).
+            ``virtual_stages`` and ``sequence_parallel``, expert
+            parallelism for a model with experts, and at sequences of
+            :data:`planner.context_parallel.CP_MIN_SEQ` tokens or more the
+            context-parallel sizes the automatic search tries there
+            (:func:`planner.context_parallel.search_sizes`); ``pipeline=False``
+            keeps pp = 1 only).
         auto_options: extra keyword arguments of :func:`planner.api.plan` (for
             example ``pp``, ``schedules``, ``num_microbatches`` to restrict the
             automatic search).
@@ -111,11 +115,15 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
     global_batch = int(inputs[0].shape[0]) if isinstance(inputs[0], torch.Tensor) else None
     if configs is None:
         num_layers = block_count(pipeline_layers(graph)) if pipeline else None
+        # long sequences: Megatron with the cp sizes the automatic search tries there
+        seq = sequence_length(inputs)
+        cps = (1, *search_sizes(None, seq, cluster.num_devices, fits_without=True))
         configs = megatron_configs(cluster, global_batch, num_layers,
                                    micro_batch_sizes=micro_batch_sizes,
                                    virtual_stages=virtual_stages,
                                    sequence_parallel=sequence_parallel,
-                                   num_experts=num_experts(graph))
+                                   num_experts=num_experts(graph), context_parallel=cps,
+                                   seq_len=seq)
     request = PlanRequest(model_source=model_spec, time_limit_s=time_limit_s,
                           zoo_kwargs=zoo_kwargs, precision=chosen)
     with warnings.catch_warnings():
@@ -168,8 +176,9 @@ def _megatron_entries(model: torch.nn.Module, cluster: Cluster, inputs: tuple, g
     start = time.perf_counter()
     too_big: set[tuple] = set()
     for k, cfg in enumerate(configs):
-        family = (cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.virtual_pipeline_model_parallel_size,
-                  cfg.use_distributed_optimizer, cfg.sequence_parallel)
+        family = (cfg.tp, cfg.pp, cfg.dp, cfg.cp, cfg.ep,
+                  cfg.virtual_pipeline_model_parallel_size, cfg.use_distributed_optimizer,
+                  cfg.sequence_parallel)
         if family in too_big:
             entries.append(Entry("megatron", cfg.label(), None,
                                  "pruned: a smaller micro-batch size does not fit", config=cfg))
@@ -213,12 +222,14 @@ def _row(e: Entry, cluster: Cluster, forward_flops: float, tokens: int) -> dict[
 
 def auto_label(p: Plan) -> str:
     """An automatic plan's layout in words, e.g. ``pp=4 stage mesh 2x2 ZeRO-3 zbv m=64``."""
+    cp = ((p.training or {}).get("context_parallel") or {}).get("size")
+    cp_label = f" cp={cp}" if cp else ""
     if p.pipeline is None:
-        return f"mesh {'x'.join(map(str, p.mesh_shape))}"
+        return f"mesh {'x'.join(map(str, p.mesh_shape))}{cp_label}"
     pipe = p.pipeline
     zero = f" ZeRO-{pipe.zero_stage}" if pipe.zero_stage else ""
     return (f"pp={pipe.pp} stage mesh {'x'.join(map(str, pipe.stage_mesh['shape']))}{zero} "
-            f"{pipe.schedule} m={pipe.num_microbatches}")
+            f"{pipe.schedule} m={pipe.num_microbatches}{cp_label}")
 
 
 def format_comparison(result: dict[str, Any]) -> str:
