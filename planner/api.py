@@ -158,6 +158,10 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     micro-batches), and every pipeline (stages from the inter-op DP on equal
     sub-meshes, each solved by the intra-op ILP, with the number of
     micro-batches and the schedule), keeping the fastest that fits in memory.
+    At long sequences (or where nothing else fits) the same search runs again
+    with context parallelism, each sequence cut over cp ranks
+    (``context_parallel``; :func:`_context_parallel_plan`), and the fastest
+    plan over all cp is kept.
 
     Args:
         model: the module (build it on the meta device for large models).
@@ -276,8 +280,9 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
     finalists solved exactly, without context parallelism and with each cp
     size of :func:`planner.context_parallel.search_sizes` (the request's, or
     automatic); the fastest plan by predicted step time (the smaller cp of
-    equal ones). The automatic sizes are tried in increasing order until one
-    is slower than (or does not fit where) the one before it fitted."""
+    equal ones). The automatic sizes are tried largest first (the least
+    memory per rank), then smaller, until one is slower than (or does not
+    fit where) the one before it fitted."""
     plans: list[Plan] = []
     errors: list[PlanningError] = []
     requested = req.context_parallel
@@ -298,7 +303,8 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
             errors.append(err)
     sizes = search_sizes(requested, seq, cluster.num_devices, fits_without=bool(plans))
     before: Plan | None = None
-    for cp in sizes:
+    # automatic: the largest first (the least memory per rank), then smaller
+    for cp in (sizes if requested is not None else sizes[::-1]):
         try:
             found = _context_parallel_plan(req, model, cluster, example_inputs, dtype, budget,
                                            progress, cp)
