@@ -6,8 +6,10 @@ plan against Megatron-LM's configurations with and without context parallelism.
 Cluster ``dgx-h100:8`` (8 nodes of 8 H100 80 GB, the datasheet preset), a global
 batch of 16 sequences of 131,072 tokens (2M tokens), bf16-mixed, Adam:
 
-* auto: ``planner.plan`` with the default search (its search has no context
-  parallelism axis: it places the sequences' work with its own strategies);
+* auto: ``planner.plan`` with the default search, which at this length also
+  searches context parallelism (cp = 2, 4, ... with everything else its own
+  choice, priced as Megatron's cp is: :mod:`planner.context_parallel`), and
+  the same search without it (``context_parallel=(1,)``) beside it;
 * Megatron: the configurations a practitioner tries at this length: tp = 8 with
   sequence parallelism, micro-batches of one sequence, pp in 1, 2, 4 and cp in
   1, 2, 4, 8 (the distributed optimizer; Megatron's ring exchange,
@@ -15,8 +17,9 @@ batch of 16 sequences of 131,072 tokens (2M tokens), bf16-mixed, Adam:
   A configuration that does not fit is recorded with its reason.
 
 Writes ``benchmarks/results/long_context.json``: every configuration's predicted
-step (seconds), tokens/s and peak bytes per device, the best with cp > 1, the best
-without, and the automatic plan. Units: seconds, bytes, tokens per second.
+step (seconds), tokens/s and peak bytes per device, the best Megatron with cp > 1,
+the best without, and the automatic plans (with its cp and exchange, and without
+cp). Units: seconds, bytes, tokens per second.
 """
 
 from __future__ import annotations
@@ -41,8 +44,13 @@ DEFAULT_OUT = os.path.join(HERE, "results", "long_context.json")
 def _summary(plan: Any) -> dict[str, Any]:
     pred = plan.predicted
     step = pred["step_time_s"]
+    cp = (plan.training or {}).get("context_parallel") or {}
+    budget = (plan.training or {}).get("memory_budget_bytes")
+    peak = pred["memory_bytes_per_device"].get("peak")
     return {"step_time_s": step, "tokens_per_s": BATCH * SEQ / step,
-            "peak_bytes": pred["memory_bytes_per_device"].get("peak"),
+            "peak_bytes": peak, "cp": cp.get("size", 1), "cp_comm_type": cp.get("comm_type"),
+            **({"memory_budget_bytes": budget, "peak_over_budget": peak / budget}
+               if budget and peak else {}),
             "mesh": list(plan.mesh_shape),
             "pipeline": None if plan.pipeline is None else {
                 "schedule": plan.pipeline.schedule, "pp": plan.pipeline.pp,
@@ -83,14 +91,18 @@ def megatron_rows(time_limit_s: float) -> list[dict[str, Any]]:
     return rows
 
 
-def auto_row(time_limit_s: float) -> dict[str, Any]:
+def auto_row(time_limit_s: float, context_parallel: tuple[int, ...] | None = None
+             ) -> dict[str, Any]:
+    """The automatic plan (``context_parallel``: as :class:`planner.api.PlanRequest`;
+    None searches cp as the planner does by default)."""
     from ir.source import build_model
     from planner.api import plan
 
     model, inputs = build_model(MODEL, device="meta", batch_size=BATCH, seq_len=SEQ)
     t0 = time.perf_counter()
     p = plan(model, CLUSTER, example_inputs=inputs, model_source=MODEL,
-             zoo_kwargs={"batch_size": BATCH, "seq_len": SEQ}, time_limit_s=time_limit_s)
+             zoo_kwargs={"batch_size": BATCH, "seq_len": SEQ}, time_limit_s=time_limit_s,
+             context_parallel=context_parallel)
     return {**_summary(p), "planning_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -106,14 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     load_before, start = load_average(), time.monotonic()
     auto = auto_row(args.time_limit)
-    print(f"auto: {auto['step_time_s']:.3f} s, {auto['tokens_per_s']:,.0f} tokens/s", flush=True)
+    print(f"auto: {auto['step_time_s']:.3f} s, cp={auto['cp']}, {auto['tokens_per_s']:,.0f} "
+          f"tokens/s, planned in {auto['planning_s']} s", flush=True)
+    auto_without_cp = auto_row(args.time_limit, (1,))
+    print(f"auto without cp: {auto_without_cp['step_time_s']:.3f} s", flush=True)
     rows = megatron_rows(args.time_limit)
     with_cp = _best([r for r in rows if r["cp"] > 1])
     without_cp = _best([r for r in rows if r["cp"] == 1])
     result = {
         "machine": machine_block(load_before), "model": MODEL, "cluster": CLUSTER,
         "global_batch": BATCH, "seq_len": SEQ, "precision": "bf16-mixed",
-        "auto": auto, "megatron": rows, "best_megatron_with_cp": with_cp,
+        "auto": auto, "auto_without_cp": auto_without_cp, "megatron": rows,
+        "best_megatron_with_cp": with_cp,
         "best_megatron_without_cp": without_cp,
         "auto_over_best_with_cp": (with_cp["step_time_s"] / auto["step_time_s"]
                                    if with_cp else None),
