@@ -462,7 +462,12 @@ class StageModule(nn.Module):
     on a 1-D stage mesh, else a DTensor on the other axes) for FSDP2 to shard,
     and each forward views FSDP's unsharded parameter as the planned DTensor on
     the stage mesh whose gradient stays a pending sum on ``zero_axis`` (FSDP's
-    reduce-scatter, with divide factor 1, does that sum).
+    reduce-scatter, with divide factor 1, does that sum). Under ZeRO-3 each
+    unit of :func:`ir.repeated_blocks.shard_units` is a
+    :class:`codegen.zero3_units.UnitModule` at its module path, owning its
+    parameters (:attr:`zero3_units`), so that FSDP2 gathers them unit by unit.
+    A model built on meta leaves them on meta until FSDP2 has sharded them
+    (:meth:`StageExecutor.materialize_shards`).
 
     With ``zero1`` (a ZeRO-1 stage's :class:`codegen.zero1.StateShards`, made
     from the executor's parameters), the module holds and the executor reads
