@@ -71,6 +71,9 @@ def validate_pipeline_plan(plan: Plan) -> None:
             raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage}; this runtime "
                                     f"runs 0 (as placed), 1 (sharded optimizer states), "
                                     f"2 or 3 (FSDP2)")
+        problem = spec.zero_stage_problem(st.zero_stage)
+        if problem:
+            raise PipelinePlanError(f"stage {i}: {problem}")
         if st.zero_stage and not (isinstance(st.zero_axis, int)
                                                  and 0 <= st.zero_axis < len(shape)):
             raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage} but zero_axis "

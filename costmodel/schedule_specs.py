@@ -50,7 +50,9 @@ class ScheduleSpec:
     stages ``r`` and ``2 pp - 1 - r``); ``microbatch_per_stage``: torch
     refuses fewer micro-batches than stages; ``aliases``: further names it
     is known by (besides the canonical name, the class name and the class
-    name without "Schedule").
+    name without "Schedule"); ``splits_backward``: its backward runs as an
+    input-gradient pass and a later weight-gradient pass (torch's ``I`` and
+    ``W`` actions).
     """
 
     name: str
@@ -58,6 +60,19 @@ class ScheduleSpec:
     style: str = "loop"
     microbatch_per_stage: bool = False
     aliases: tuple[str, ...] = ()
+    splits_backward: bool = False
+
+    def zero_stage_problem(self, zero_stage: int) -> str | None:
+        """Why stages of ZeRO stage ``zero_stage`` cannot run under this schedule
+        (a sentence that ends with what to do), or None: ZeRO-3 reshards each
+        unit after its backward (:mod:`codegen.zero3_units`), which a
+        separate weight-gradient pass would find resharded."""
+        if zero_stage == 3 and self.splits_backward:
+            return (f"ZeRO-3 stages gather and reshard unit by unit in each backward, and "
+                    f"{self.name} computes weight gradients in a separate pass after it; "
+                    f"use ZeRO-2 (or 1) with {self.name}, or a schedule without a split "
+                    f"backward (1f1b, gpipe, interleaved_1f1b)")
+        return None
 
     @property
     def torch_type(self) -> type:
@@ -126,9 +141,10 @@ SCHEDULE_SPECS: Mapping[str, ScheduleSpec] = MappingProxyType({spec.name: spec f
     ScheduleSpec("interleaved_1f1b", "ScheduleInterleaved1F1B"),
     ScheduleSpec("looped_bfs", "ScheduleLoopedBFS"),
     ScheduleSpec("interleaved_zero_bubble", "ScheduleInterleavedZeroBubble",
-                 aliases=("interleavedzb", "zb1p")),
-    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", style="v"),
-    ScheduleSpec("dualpipev", "ScheduleDualPipeV", style="v", microbatch_per_stage=True),
+                 aliases=("interleavedzb", "zb1p"), splits_backward=True),
+    ScheduleSpec("zbv", "ScheduleZBVZeroBubble", style="v", splits_backward=True),
+    ScheduleSpec("dualpipev", "ScheduleDualPipeV", style="v", microbatch_per_stage=True,
+                 splits_backward=True),
 )})
 SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)
 

@@ -13,6 +13,7 @@ import torch
 
 from costmodel.cluster import Cluster
 from costmodel.presets import load_cluster
+from costmodel.schedule_specs import schedule_spec
 from costmodel.schedules import canonical_schedule, default_stages_per_rank
 from ir.device_capture import planned_copy
 from ir.exported_graph import tied_parameters
@@ -555,6 +556,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
             f"{pp * math.prod(stage_mesh)} devices but cluster '{cluster.name}' has "
             f"{cluster.num_devices}")
     schedule = canonical_schedule(schedule)
+    problem = schedule_spec(schedule).zero_stage_problem(zero_stage)
+    if problem:
+        raise PlanningError(problem)
     ctx = SearchContext(model, example_inputs, cluster, dtype=dtype, optimizer=req.optimizer,
                         budget=budget, time_limit_s=req.time_limit_s, fixed=fixed,
                         whole_batch_graph=graph)

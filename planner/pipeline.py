@@ -227,7 +227,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                     continue
                 for schedule in schedules:
                     v = default_stages_per_rank(schedule)
-                    if pp * v > num_layers:
+                    if pp * v > num_layers or schedule_spec(schedule).zero_stage_problem(zero):
                         continue
                     ms = list(opts.num_microbatches) if opts.num_microbatches else \
                         _microbatch_options(sequences, pp, v, schedule,
@@ -290,9 +290,13 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
         return [[] for _ in groups]
 
     def variants(c: PipelineCandidate) -> list[tuple]:
+        spec = schedule_spec(c.schedule)
+        # a schedule that splits the backward runs ZeRO-2 where ZeRO-3 cannot run
+        allowed = [z for z in zeros if not spec.zero_stage_problem(z)]
         return [(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
                  c.schedule, c.num_microbatches)
-                for zero in zero_stages_priced(zeros, ctx.dtype, ctx.optimizer, c.mesh.shape[0])]
+                for zero in zero_stages_priced(allowed, ctx.dtype, ctx.optimizer,
+                                               c.mesh.shape[0])]
 
     per_group = [[v for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
                                      and not c.mesh.zero_stage and c.mesh.shape[0] > 1),

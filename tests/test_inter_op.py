@@ -294,6 +294,27 @@ def test_zero3_counts_whole_only_the_units_fsdp2_holds_gathered_at_once():
     assert mem["params"] < 0.6 * total
 
 
+def test_zero3_is_refused_with_a_split_backward_and_the_search_takes_zero2_there():
+    """ZeRO-3 reshards each unit after its backward, which zbv's separate
+    weight-gradient pass would find resharded: a fixed ZeRO-3 zbv plan is one
+    clear error, and a search allowed ZeRO-2 and 3 gives zbv no ZeRO-3 stage."""
+    import os
+
+    from codegen.launch import REPO_ROOT
+    from planner.api import plan
+
+    model, inputs = build_model(os.path.join(REPO_ROOT, "tests", "pipeline_model.py") + ":gpt8",
+                                device="meta")
+    with pytest.raises(PlanningError, match="zbv computes weight gradients in a separate pass"):
+        pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
+                      schedule="zbv", num_microbatches=4, zero_stage=3)
+    found = plan(model, "local-cpu:4", example_inputs=inputs, pp=[2], schedules=["zbv"],
+                 num_microbatches=[4], zero_stages=[0, 2, 3], time_limit_s=10,
+                 precision="bf16-mixed")
+    assert found.pipeline is not None and found.pipeline.schedule == "zbv"
+    assert {st.zero_stage for st in found.pipeline.stages} <= {0, 2}
+
+
 def test_plan_searches_zero3_stages_and_keeps_them_when_faster():
     """plan() also tries ZeRO for pipeline stages (under bf16-mixed ZeRO-3,
     FSDP2 over stage mesh axis 0): on gpt-tiny, pp=2 x 2 with 4

@@ -448,3 +448,18 @@ def test_no_module_level_memo():
             memos = [name for name, value in vars(module).items()
                      if isinstance(value, functools._lru_cache_wrapper)]
             assert not memos, (info.name, memos)
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_splits_backward_is_what_torch_runs(name):
+    """A schedule's ``splits_backward`` trait says whether torch's order for it
+    has separate input- and weight-gradient actions (``I``/``W``)."""
+    from costmodel.schedule_torch import orders_from_torch
+
+    spec = SCHEDULE_SPECS[name]
+    pp, v = 2, spec.default_stages_per_rank
+    orders, _ = orders_from_torch(name, pp, 2 * pp * v, v)
+    kinds = {op[0] for ops in orders.values() for op in ops}
+    assert spec.splits_backward == bool(kinds & {"I", "W"})
+    assert (spec.zero_stage_problem(3) is not None) == spec.splits_backward
+    assert spec.zero_stage_problem(2) is None
