@@ -109,6 +109,17 @@ def test_one_stage_accumulating_microbatches_with_zero3_and_tensor_parallel(tmp_
 
 
 @pytest.mark.multiprocess
+def test_interleaved_zero3_stages_reshard_unit_by_unit_on_each_of_two_stages_per_rank(tmp_path):
+    """interleaved 1F1B, pp=2 with 2 stages per rank, each a ZeRO-3 stage over
+    2 ranks whose layers are FSDP2 units: every micro-batch's backward of each
+    stage reshards and reduce-scatters, and the step matches one process."""
+    plan = pipeline_test_plan(pp=2, stage_mesh=(2,), schedule="interleaved_1f1b",
+                              num_microbatches=4, zero_stage=3)
+    assert {st.zero_stage for st in plan.pipeline.stages} == {3}
+    _run(plan, tmp_path)
+
+
+@pytest.mark.multiprocess
 def test_one_zero3_stage_of_a_gpt2_wide_model_runs_unit_by_unit(tmp_path):
     """ZeRO-3 over one stage of 4 ranks, 2 micro-batches, on a model of gpt2's
     width: each layer, embedding, final norm and head is an FSDP2 unit of its
