@@ -342,8 +342,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         config = TrainConfig.from_args(p.parse_args(argv))
     rank = int(os.environ.get("RANK", "0"))
+    finished = False
     try:
-        return run(config)
+        code = run(config)
+        finished = True
+        return code
     except _bad_input_errors() as err:
         print(f"[rank {rank}] error: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
@@ -354,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         if dist.is_initialized():
+            if finished:  # no rank tears its process group down under a peer still using it
+                dist.barrier()
             dist.destroy_process_group()
 
 
