@@ -3,7 +3,9 @@
 :func:`checkpoint_segments` finds each checkpointed layer's op nodes (they must
 be contiguous in the program); :func:`run_checkpointed` runs one such segment
 so that its activations are not kept and backward re-runs the same nodes
-(same placements, same reshards), recording nothing the second time.
+(same placements, same reshards), recording nothing the second time
+(:func:`segment_function`, which ZeRO-3's units run through too:
+:mod:`codegen.zero3_units`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from codegen.capture import PlanMismatchError
 from codegen.placement_record import PlacementRecord
 from ir.repeated_blocks import find_layers
 
-__all__ = ["checkpoint_segments", "checkpointed", "run_checkpointed", "segment_boundary"]
+__all__ = ["checkpoint_segments", "checkpointed", "leave_segment", "run_checkpointed",
+           "segment_boundary", "segment_function"]
 
 
 def checkpoint_segments(graph: Any, calls: Sequence[torch.fx.Node],
@@ -62,6 +65,42 @@ def checkpointed(fn: Callable[..., Any], *values: Any) -> Any:
         return torch.utils.checkpoint.checkpoint(fn, *values, use_reentrant=False)
 
 
+def segment_function(segment: Sequence[torch.fx.Node], names: Sequence[str],
+                     outputs: Sequence[str],
+                     run_node: Callable[[torch.fx.Node, dict[str, Any]], Any],
+                     record: PlacementRecord, last_use: dict[str, list[str]]
+                     ) -> Callable[..., tuple]:
+    """``segment`` as a function of the values of ``names`` (in that order)
+    returning those of ``outputs``, each node run with ``run_node``. Its first
+    call records placements; a later one (a checkpointed layer's
+    recomputation in backward) records nothing new. A value read for the last
+    time inside (``last_use``: node name -> values) is let go as it goes."""
+    kept = set(outputs)
+    first_run = [True]
+
+    def run(*values: Any) -> tuple:
+        local = dict(zip(names, values))
+        replay = record.replaying() if not first_run[0] else contextlib.nullcontext()
+        first_run[0] = False
+        with replay:
+            for n in segment:
+                local[n.name] = run_node(n, local)
+                for name in last_use.get(n.name, ()):
+                    if name not in kept:
+                        local.pop(name, None)
+        return tuple(local[o] for o in outputs)
+
+    return run
+
+
+def leave_segment(segment: Sequence[torch.fx.Node], env: dict[str, Any],
+                  last_use: dict[str, list[str]]) -> None:
+    """Let the values read for the last time inside ``segment`` leave ``env``."""
+    for n in segment:
+        for name in last_use.get(n.name, ()):
+            env.pop(name, None)
+
+
 def run_checkpointed(segment: list[torch.fx.Node], env: dict[str, Any],
                      run_node: Callable[[torch.fx.Node, dict[str, Any]], Any],
                      record: PlacementRecord, last_use: dict[str, list[str]]) -> None:
@@ -69,19 +108,6 @@ def run_checkpointed(segment: list[torch.fx.Node], env: dict[str, Any],
     outputs go into ``env``, and the values read for the last time inside it
     (``last_use``: node name -> values) leave ``env``."""
     external, outputs = ([n.name for n in nodes] for nodes in segment_boundary(segment))
-    first_run = [True]
-
-    def run(*values: Any) -> tuple:
-        local = dict(zip(external, values))
-        # the recomputation in backward: nothing new to record
-        replay = record.replaying() if not first_run[0] else contextlib.nullcontext()
-        first_run[0] = False
-        with replay:
-            for n in segment:
-                local[n.name] = run_node(n, local)
-        return tuple(local[o] for o in outputs)
-
+    run = segment_function(segment, external, outputs, run_node, record, last_use)
     env.update(zip(outputs, checkpointed(run, *[env[e] for e in external])))
-    for n in segment:
-        for name in last_use.get(n.name, ()):
-            env.pop(name, None)
+    leave_segment(segment, env, last_use)

@@ -50,11 +50,11 @@ from codegen.capture import (CapturedProgram, PlanMismatchError, capture_program
                              check_plan_fits_program)
 from codegen.checkpointed_layers import (checkpoint_segments, checkpointed, run_checkpointed,
                                          segment_boundary)
-from codegen.zero3_units import UnitRun, run_unit
 from codegen.node_runner import NodeRunner, public_binding
 from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer, Materialize
 from codegen.redistribution import plan_on_mesh
+from codegen.zero3_units import UnitRun, run_unit
 from ir.exported_graph import tied_parameters
 from ir.precision import cast_float
 from ir.torch_compat import fake_store_type, register_fused_attention_sharding, tree_leaves
@@ -123,7 +123,7 @@ class PlanExecutor:
         self._calls = self._program_calls()
         self._last_use = self._last_uses(self._calls, self._kept_values())
         self._segments = checkpoint_segments(self.graph, self._calls, self._checkpoint_layers())
-        # first op name -> a layer run as a ZeRO-3 unit of its own (run_by_layer)
+        # first op name -> the ops of a ZeRO-3 unit, run through its module (run_by_unit)
         self._units: dict[str, UnitRun] = {}
         self._unit_params: set[str] = set()
         placed = self._inputs.place_state(self.ep, self._wants_placeholder,
@@ -303,7 +303,7 @@ class PlanExecutor:
             if node.name in self._units:
                 unit = self._units[node.name]
                 run_unit(unit, env, self._runner.run, self._placeholder_value, self.record,
-                               self._last_use)
+                         self._last_use)
                 skip.update(n.name for n in unit.segment)
                 continue
             if node.name in self._segments:

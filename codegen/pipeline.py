@@ -47,16 +47,16 @@ from torch.distributed.tensor.placement_types import Placement
 
 from codegen.capture import CapturedProgram, PlanMismatchError, capture_program
 from codegen.executor import PlanExecutor
-from codegen.zero3_units import UnitModule, UnitRun
 from codegen.program_inputs import Materialize
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.redistribution import contiguous_strides, redistribute
 from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer, StateShards
+from codegen.zero3_units import UnitModule, UnitRun
 from costmodel.schedule_specs import schedule_spec
 from costmodel.strategy_cost import FSDP_STAGES
 from ir.placements import parse_placements, placement_str
 from ir.precision import cast_float
-from ir.repeated_blocks import find_layers, shard_units
+from ir.repeated_blocks import ShardUnit, find_layers, shard_units
 from ir.torch_compat import from_local_with_grad_placements, is_strided_shard
 from planner.plan_format import Plan, StagePlan
 
@@ -189,25 +189,19 @@ class StageExecutor(PlanExecutor):
                 self._params[fqn] = new
                 self._hold_in_state(fqn, new)
 
-    def unit_params(self) -> dict[str, list[str]]:
-        """Module path -> parameter FQNs of each unit of this stage that ZeRO-3
-        gathers on its own (:func:`ir.repeated_blocks.shard_units`), in program
-        order."""
-        return {u.name: [self.graph[p].fqn for p in u.params]
-                for u in shard_units(self.graph.nodes, within=self.stage.nodes)}
+    def zero3_units(self) -> list[ShardUnit]:
+        """The units of this stage that ZeRO-3 gathers one at a time
+        (:func:`ir.repeated_blocks.shard_units`), in program order."""
+        return shard_units(self.graph, within=self.stage.nodes)
 
-    def run_by_unit(self, modules: dict[str, UnitModule]) -> None:
-        """Run the ops of each unit of ``modules`` (module path -> its
-        :class:`UnitModule`, which owns the unit's parameters) through it,
-        reading the unit's parameters inside it
+    def run_by_unit(self, units: Sequence[tuple[ShardUnit, UnitModule]]) -> None:
+        """Run the ops of each unit through its :class:`UnitModule` (which owns
+        the unit's parameters), reading the unit's parameters inside it
         (:func:`codegen.zero3_units.run_unit`)."""
         placeholder = {f: n for n, f in self._param_fqn.items()}
         checkpointed = set(self._checkpoint_layers())
         position = {n.name: i for i, n in enumerate(self._calls)}
-        for unit in shard_units(self.graph.nodes, within=self.stage.nodes):
-            module = modules.get(unit.name)
-            if module is None:
-                continue
+        for unit, module in units:
             idx = sorted(position[o] for o in unit.ops)
             if idx[-1] - idx[0] + 1 != len(idx):
                 raise PlanMismatchError(f"ZeRO-3 unit '{unit.name}' of stage {self.stage.index} "
@@ -486,13 +480,12 @@ class StageModule(nn.Module):
             executor.replace_parameters(zero1.replaced())
         self._placements: dict[str, tuple[Placement, ...]] = {}
         self._shapes: dict[str, tuple[torch.Size, tuple[int, ...]]] = {}
-        #: ZeRO-3: the units FSDP2 shards one by one (codegen.zero3_units)
-        self.zero3_units: list[UnitModule] = []
-        units: dict[str, UnitModule] = {}
+        units = []  # ZeRO-3: (unit, its module) of each unit FSDP2 shards on its own
         if zero_axis is not None and executor.stage.zero_stage == 3:
-            units = {path: self._add_module_at(path, UnitModule())
-                     for path in executor.unit_params()}
-            self.zero3_units = list(units.values())
+            units = [(u, self._add_module_at(u.name, UnitModule()))
+                     for u in executor.zero3_units()]
+        #: ZeRO-3: the modules FSDP2 shards one by one (codegen.zero3_units)
+        self.zero3_units: list[UnitModule] = [module for _, module in units]
         for fqn, param in executor.named_parameters():
             self._placements[fqn] = tuple(param.placements)
             self._shapes[fqn] = (param.shape, param.stride())
@@ -604,15 +597,10 @@ class _Stage(PipelineStage):
         self._executor.microbatch_index = int(fwd_chunk_id)
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
-    # A ZeRO-1 stage under a mixed precision accumulates its micro-batches'
-    # gradients in fp32 main gradients: the split weight backward sets the
-    # bf16 ``grad`` without autograd's accumulation hook, so it is moved after
-    # each backward chunk, and the schedule's division by the micro-batch
-    # count applies to the main gradients too.
     # torch's stage keeps an FSDP2 stage's parameters gathered and its gradients
     # unreduced from one micro-batch's backward to the next, until the last one.
-    # A ZeRO-3 stage sharded layer by layer does what FSDP2 does outside a
-    # pipeline instead: every backward reshards each layer and reduce-scatters
+    # A ZeRO-3 stage sharded unit by unit does what FSDP2 does outside a
+    # pipeline instead: every backward reshards each unit and reduce-scatters
     # its gradients (accumulated in the shards), so that no rank ever holds the
     # whole stage gathered.
     def backward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
@@ -630,6 +618,11 @@ class _Stage(PipelineStage):
             for name in _NO_SYNC_SETTERS:
                 delattr(module, name)
 
+    # A ZeRO-1 stage under a mixed precision accumulates its micro-batches'
+    # gradients in fp32 main gradients: the split weight backward sets the
+    # bf16 ``grad`` without autograd's accumulation hook, so it is moved after
+    # each backward chunk, and the schedule's division by the micro-batch
+    # count applies to the main gradients too.
     def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         out = super().backward_one_chunk(*args, **kwargs)
         if self.submod.zero1 is not None:

@@ -19,16 +19,17 @@ has just gathered them (:func:`run_unit`); a layer that the plan also
 checkpoints runs under ``torch.utils.checkpoint`` inside it, as in
 :mod:`codegen.checkpointed_layers`.
 """
+
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
-from codegen.checkpointed_layers import checkpointed, segment_boundary
+from codegen.checkpointed_layers import (checkpointed, leave_segment, segment_boundary,
+                                         segment_function)
 from codegen.placement_record import PlacementRecord
 
 __all__ = ["UnitModule", "UnitRun", "run_unit"]
@@ -62,9 +63,9 @@ class UnitRun:
 
 
 def run_unit(unit: UnitRun, env: dict[str, Any],
-                   run_node: Callable[[torch.fx.Node, dict[str, Any]], Any],
-                   param_value: Callable[[str], Any], record: PlacementRecord,
-                   last_use: dict[str, list[str]]) -> None:
+             run_node: Callable[[torch.fx.Node, dict[str, Any]], Any],
+             param_value: Callable[[str], Any], record: PlacementRecord,
+             last_use: dict[str, list[str]]) -> None:
     """Run ``unit``'s ops by calling its module (so that FSDP2's hooks gather
     and reshard its parameters and reduce-scatter their gradients): their
     outputs read later go into ``env``, and the values read for the last time
@@ -73,21 +74,7 @@ def run_unit(unit: UnitRun, env: dict[str, Any],
     external, outputs = ([n.name for n in nodes] for nodes in segment_boundary(unit.segment))
     params = [e for e in external if e in unit.params]
     values = [e for e in external if e not in unit.params]
-    kept = set(outputs)
-    first_run = [True]
-
-    def run(*args: Any) -> tuple:
-        local = dict(zip(values + params, args))
-        # a checkpointed layer's recomputation in backward: nothing new to record
-        replay = record.replaying() if not first_run[0] else contextlib.nullcontext()
-        first_run[0] = False
-        with replay:
-            for n in unit.segment:
-                local[n.name] = run_node(n, local)
-                for name in last_use.get(n.name, ()):
-                    if name not in kept:
-                        local.pop(name, None)
-        return tuple(local[o] for o in outputs)
+    run = segment_function(unit.segment, values + params, outputs, run_node, record, last_use)
 
     def body(*args: Any) -> tuple:
         gathered = [param_value(p) for p in params]
@@ -96,6 +83,4 @@ def run_unit(unit: UnitRun, env: dict[str, Any],
         return run(*args, *gathered)
 
     env.update(zip(outputs, unit.module(body, *[env[v] for v in values])))
-    for n in unit.segment:
-        for name in last_use.get(n.name, ()):
-            env.pop(name, None)
+    leave_segment(unit.segment, env, last_use)

@@ -65,27 +65,26 @@ FSDP_STAGES = (2, 3)
 ZERO3_UNITS_GATHERED = 2
 
 
-def zero3_pass_params(graph: Graph) -> frozenset[str]:
-    """The parameter nodes of ``graph`` (one stage) that FSDP2 keeps gathered
-    for a whole forward and backward under ZeRO-3: those in none of the units
-    :func:`ir.repeated_blocks.shard_units` finds (read across units, such as a
-    tied embedding and head), which the stage's own unit holds."""
-    in_units = {p for u in shard_units(graph.nodes) for p in u.params}
-    return frozenset(n.name for n in graph.nodes if n.kind == PARAM and n.name not in in_units)
+def zero3_param_sets(graph: Graph) -> tuple[frozenset[str], frozenset[str]]:
+    """Under ZeRO-3, the parameter nodes of ``graph`` (one stage) that FSDP2
+    keeps gathered for a whole forward and backward, and those whose whole
+    copy and gradient count toward the step's peak.
 
-
-def zero3_gathered_params(graph: Graph) -> frozenset[str]:
-    """The parameter nodes of ``graph`` (one stage) whose whole copy and gradient
-    count toward a ZeRO-3 step's peak: :func:`zero3_pass_params` and those of
-    the :data:`ZERO3_UNITS_GATHERED` consecutive units (in program order, the
+    The first: those in none of the units :func:`ir.repeated_blocks.shard_units`
+    finds (read across units, such as a tied embedding and head), which the
+    stage's own unit holds. The second: those and the parameters of the
+    :data:`ZERO3_UNITS_GATHERED` consecutive units (in program order, the
     order FSDP2 gathers them, forward and backward) that hold the most bytes
     (the first such run on ties)."""
-    units = shard_units(graph.nodes)
+    units = shard_units(graph)
+    in_units = {p for u in units for p in u.params}
+    whole_pass = frozenset(n.name for n in graph.nodes
+                           if n.kind == PARAM and n.name not in in_units)
     k = min(ZERO3_UNITS_GATHERED, len(units))
     runs = [units[i: i + k] for i in range(len(units) - k + 1)]
     largest = max(runs, key=lambda run: sum(graph[p].output.nbytes for u in run
                                             for p in u.params), default=[])
-    return zero3_pass_params(graph).union(*(u.params for u in largest))
+    return whole_pass, whole_pass.union(*(u.params for u in largest))
 
 
 @dataclass
@@ -188,13 +187,15 @@ class IntraOpCost:
         # whether the master parameters are stored sharded over axis 0 (FSDP2),
         # gathered whole in the compute dtype for the step
         self.params_sharded = zero_stage in FSDP_STAGES
+        # ZeRO-3: the parameters gathered for the whole pass, not unit by unit
+        self.pass_params: frozenset[str] = frozenset()
         # the parameters whose whole copy and gradient count toward the peak:
-        # all under ZeRO-2 (the stage is one FSDP2 unit), under ZeRO-3 those
-        # FSDP2 keeps gathered at once (zero3_gathered_params)
-        self.gathered_params = None if zero_stage != 3 else (
-            zero3_gathered_params(graph) if units_gathered else zero3_pass_params(graph))
-        # ZeRO-3: the parameters gathered for the whole pass, not layer by layer
-        self.pass_params = zero3_pass_params(graph) if zero_stage == 3 else frozenset()
+        # all (None) under ZeRO-2, whose stage is one FSDP2 unit; under ZeRO-3
+        # those FSDP2 keeps gathered at once (zero3_param_sets)
+        self.gathered_params: frozenset[str] | None = None
+        if zero_stage == 3:
+            self.pass_params, at_peak = zero3_param_sets(graph)
+            self.gathered_params = at_peak if units_gathered else self.pass_params
         # ranks whose gradient sums on mesh axis 0 wait for the end of the step
         self.step_sync_ranks = int(mesh_shape[0]) if zero_stage or reduce_once else 1
         # micro-batches whose saved activations are alive at once (pipeline in-flight)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 from ir.node import OP, PARAM, Node
+
+if TYPE_CHECKING:
+    from ir.graph import Graph
 
 
 @dataclass(frozen=True)
@@ -100,9 +103,10 @@ class ShardUnit:
     params: tuple[str, ...]
 
 
-def shard_units(nodes: Iterable[Node], within: Iterable[str] | None = None) -> list[ShardUnit]:
-    """The units of ``nodes`` (a program, in program order) that ZeRO-3 gathers
-    one at a time, in program order, as torchtitan shards a transformer:
+def shard_units(graph: "Graph", within: Iterable[str] | None = None) -> list[ShardUnit]:
+    """The units of ``graph`` (a program: :class:`ir.graph.Graph`, whose layers
+    it finds once) that ZeRO-3 gathers one at a time, in program order, as
+    torchtitan shards a transformer:
 
     * each layer whose op nodes are contiguous, with the parameters that no
       op outside the layer reads;
@@ -114,7 +118,7 @@ def shard_units(nodes: Iterable[Node], within: Iterable[str] | None = None) -> l
     across units (a tied embedding and head) belongs to none:
     FSDP2 keeps it gathered for the whole pass. ``within``: the op names of
     one pipeline stage, whose units alone are wanted."""
-    nodes = list(nodes)
+    nodes = list(graph.nodes)
     stage = None if within is None else set(within)
     ops = [n.name for n in nodes if n.kind == OP and (stage is None or n.name in stage)]
     position = {name: i for i, name in enumerate(ops)}
@@ -135,7 +139,7 @@ def shard_units(nodes: Iterable[Node], within: Iterable[str] | None = None) -> l
     # (first op, last op, name, params) of each candidate
     layers: list[tuple[int, int, str, tuple[str, ...]]] = []
     in_layers: set[str] = set()
-    for layer in find_layers(nodes):
+    for layer in graph.layers:
         layer_ops = [m for m in layer.nodes if kinds.get(m) == OP]
         layer_params = [p for p in params if block_of(p.fqn or "") == layer.name]
         in_layers.update(p.name for p in layer_params)

@@ -20,7 +20,7 @@ from costmodel.collectives import axis_links
 from costmodel.resharding import ReshardPricer
 from costmodel.schedules import ScheduleBook
 from costmodel.memory import training_state_bytes
-from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost, zero3_gathered_params
+from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost, zero3_param_sets
 from ir.graph import PARAM, Graph
 from ir.subgraph import subgraph
 from planner.context_parallel import layout_allows, pinned_strategies
@@ -221,12 +221,12 @@ class SearchContext:
         """Bytes per device a ZeRO-3 stage on ``mesh`` holds beyond its layers'
         profiles (which count its units as shards): the whole parameters and
         gradients FSDP2 holds gathered at once
-        (:func:`costmodel.strategy_cost.zero3_gathered_params` of the whole
+        (:func:`costmodel.strategy_cost.zero3_param_sets` of the whole
         program, unsharded on the other mesh axes: an upper bound). 0 for
         other stages."""
         if mesh.zero_stage != 3 or mesh.shape[0] == 1:
             return 0.0
-        numel = sum(prog.graph[p].output.numel for p in zero3_gathered_params(prog.graph))
+        numel = sum(prog.graph[p].output.numel for p in zero3_param_sets(prog.graph)[1])
         state = {gathered: training_state_bytes(numel, precision=self.dtype,
                                                 optimizer=self.optimizer, zero_stage=3,
                                                 dp_size=int(mesh.shape[0]), gathered=gathered)

@@ -21,7 +21,7 @@ def test_gpt_units_are_its_embeddings_layers_final_norm_and_head_in_program_orde
     reads a unit's parameter."""
     model, inputs = build_model("gpt-tiny", device="meta")
     graph = trace(model, inputs)
-    units = shard_units(graph.nodes)
+    units = shard_units(graph)
     assert [u.name for u in units] == ["transformer.wte", "transformer.wpe", "transformer.h.0",
                                        "transformer.h.1", "transformer.ln_f", "lm_head"]
     assert _fqns(graph, units[-1]) == ["lm_head.weight"]
@@ -58,11 +58,11 @@ def test_a_parameter_read_across_units_belongs_to_none_and_a_stage_keeps_its_own
     ops are all in the stage."""
     model = _Tied()
     graph = trace(model, (torch.randint(0, 16, (2, 4)),))
-    units = shard_units(graph.nodes)
+    units = shard_units(graph)
     assert [u.name for u in units] == ["blocks.0", "blocks.1", "norm"]
     ops = [n.name for n in graph.nodes if n.kind == "op"]
     first = set(units[0].ops)
     stage = [op for op in ops if op not in set(units[1].ops) | set(units[2].ops)][:ops.index(
         units[0].ops[-1]) + 1]
-    assert [u.name for u in shard_units(graph.nodes, within=stage)] == ["blocks.0"]
+    assert [u.name for u in shard_units(graph, within=stage)] == ["blocks.0"]
     assert first <= set(stage)
