@@ -142,9 +142,10 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         if n.kind == INPUT:
             f += cost.prices(n, s).compute_s
         if n.kind == PARAM:
-            zero_bytes += cost.zero_bytes(n, s)
+            nbytes = cost.zero_bytes(n, s)
+            zero_bytes += nbytes
             if n.name not in cost.pass_params:
-                layer_bytes += cost.zero_bytes(n, s)
+                layer_bytes += nbytes
             update += cost.prices(n, s).compute_s  # optimizer update and casts, once a step
         if n.kind != OP:
             continue
@@ -343,8 +344,9 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
     L, S, m = num_layers, num_stages, num_microbatches
     if S > L:
         return None
-    prefix = _prefix_times(layer_times, L, levels)
-    cost, level = _stage_costs(prefix, S, copies, budget)
+    layers = [[layer_times(i, lv) for i in range(L)] for lv in range(levels)]
+    prefix = _prefix_times(layers)
+    cost, level = _stage_costs(layers, prefix, S, copies, budget)
     candidates, allowed = _stage_bounds(cost, L, S)
     lo = _least_feasible(allowed, candidates)
     if lo == len(candidates):
@@ -364,20 +366,21 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
     return best
 
 
-def _prefix_times(layer_times: Callable[[int, int], StageTimes], num_layers: int,
-                  levels: int) -> list[list[StageTimes]]:
+def _prefix_times(layers: list[list[StageTimes]]) -> list[list[StageTimes]]:
     """``prefix[lv][i]``: the StageTimes of layers ``0 .. i - 1`` at level
-    ``lv``, summed in layer order."""
-    prefix = [[ZERO_TIMES] for _ in range(levels)]
-    for lv in range(levels):
-        for i in range(num_layers):
-            prefix[lv].append(prefix[lv][-1] + layer_times(i, lv))
+    ``lv`` (``layers[lv]``), summed in layer order."""
+    prefix = [[ZERO_TIMES] for _ in layers]
+    for lv, row in enumerate(layers):
+        for t in row:
+            prefix[lv].append(prefix[lv][-1] + t)
     return prefix
 
 
-def _stage_costs(prefix: list[list[StageTimes]], num_stages: int, copies: Sequence[float],
+def _stage_costs(layers: list[list[StageTimes]], prefix: list[list[StageTimes]],
+                 num_stages: int, copies: Sequence[float],
                  budget: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(cost, level)``, each ``num_stages x (L + 1) x (L + 1)``:
+    """``(cost, level)``, each ``num_stages x (L + 1) x (L + 1)``, from each
+    layer's times (``layers[lv][k]``) and their prefix sums:
     ``cost[s, i, j]`` the seconds of layers ``[i, j)`` as stage ``s`` at its
     fastest level that fits ``budget`` bytes with its in-flight ``copies``
     (inf when none fits, or ``j <= i``), ``level[s, i, j]`` that level."""
@@ -386,7 +389,14 @@ def _stage_costs(prefix: list[list[StageTimes]], num_stages: int, copies: Sequen
     p = np.array([[t._values() for t in row] for row in prefix])  # levels x (L+1) x 6
     d = p[:, None, :, :] - p[:, :, None, :]  # [lv, i, j] = prefix[j] - prefix[i]
     seconds = d[..., 0] + d[..., 1] + d[..., 2]
-    state, activations = d[..., 4], d[..., 5]
+    # the bytes each range's stage sums itself (layer by layer from i, as
+    # StageTimes adds them), not a difference of prefix sums, whose rounding
+    # would decide a stage exactly at the budget otherwise than the stage does
+    layer = np.array([[t._values() for t in row] for row in layers])  # levels x L x 6
+    state, activations = np.zeros_like(d[..., 4]), np.zeros_like(d[..., 5])
+    for i in range(L):
+        state[:, i, i + 1:] = np.cumsum(layer[:, i:, 4], axis=1)
+        activations[:, i, i + 1:] = np.cumsum(layer[:, i:, 5], axis=1)
     ranges = _ranges(L)[2]
     cost = np.full((num_stages, L + 1, L + 1), math.inf)
     level = np.zeros((num_stages, L + 1, L + 1), dtype=np.int64)
