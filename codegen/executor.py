@@ -50,6 +50,7 @@ from codegen.capture import (CapturedProgram, PlanMismatchError, capture_program
                              check_plan_fits_program)
 from codegen.checkpointed_layers import (checkpoint_segments, checkpointed, run_checkpointed,
                                          segment_boundary)
+from codegen.context_parallel import ContextParallelRuntime, cut_sequences, layout_of
 from codegen.node_runner import NodeRunner, public_binding
 from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer, Materialize
@@ -105,13 +106,19 @@ class PlanExecutor:
         self.local = self._runs_locally()
         self.precision = plan.precision
         register_fused_attention_sharding()
+        # context parallelism: the program is one cp rank's, fed whole
+        # sequences cut into its rows (codegen.context_parallel)
+        self._cp_layout = layout_of(self.plan)
+        if self._cp_layout is not None and program is None:
+            example_inputs = cut_sequences(tree_leaves(example_inputs), self._cp_layout)
         if program is None:
             program = capture_program(model, example_inputs, self.precision,
                                       torch.device(mesh.device_type))
         check_plan_fits_program(plan, program, model)
         self.ep, self.graph = program.ep, program.graph
         self.record = PlacementRecord()
-        self._runner = NodeRunner(self.plan, mesh, self.record, local=self.local)
+        self._runner = NodeRunner(self.plan, mesh, self.record, local=self.local,
+                                  context_parallel=self._context_parallel(example_inputs))
         self._inputs = InputPlacer(self.plan, mesh, self.record.placeholder_placements,
                                    local=self.local, materialize=materialize,
                                    parameters_on_meta=self._parameters_on_meta())
@@ -132,6 +139,17 @@ class PlanExecutor:
         self._placeholders = placed.placeholders
         self.user_input_names = placed.user_input_names
         self._hold_only_placed(placed.params)
+
+    def _context_parallel(self, cut_inputs: Any) -> ContextParallelRuntime | None:
+        """The plan's context parallelism at run time (its cp groups made
+        here, on every rank alike), or None without; ``cut_inputs``: the
+        program's example inputs, one cp rank's rows."""
+        if self._cp_layout is None:
+            return None
+        tokens = next(t.shape[1] for t in tree_leaves(cut_inputs)
+                      if isinstance(t, torch.Tensor) and t.dim() >= 2)
+        return ContextParallelRuntime(self.plan, self.mesh, self.ep.graph, self.graph,
+                                      self._cp_layout, int(tokens))
 
     def _hold_only_placed(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Point the program's state at the parameters placed here, so that it no
@@ -230,6 +248,8 @@ class PlanExecutor:
         """Run the program; returns its user outputs (one value, or a tuple)."""
         self._begin_forward()
         flat_inputs = tree_leaves(inputs)
+        if self._cp_layout is not None:
+            flat_inputs = list(cut_sequences(flat_inputs, self._cp_layout))
         if len(flat_inputs) != len(self.user_input_names):
             raise ValueError(f"program takes {len(self.user_input_names)} inputs "
                              f"({', '.join(self.user_input_names)}), got {len(flat_inputs)}")

@@ -313,13 +313,18 @@ class NodeRunner:
         mesh: the DeviceMesh the DTensors live on.
         record: where the placements met are recorded.
         local: the mesh has one device: run on plain tensors, every placement ``R``.
+        context_parallel: the plan's context parallelism at run time
+            (:class:`codegen.context_parallel.ContextParallelRuntime`): its token
+            positions and attention across a cp group; None without.
     """
 
-    def __init__(self, plan: Plan, mesh: DeviceMesh, record: PlacementRecord, *, local: bool):
+    def __init__(self, plan: Plan, mesh: DeviceMesh, record: PlacementRecord, *, local: bool,
+                 context_parallel: Any = None):
         self.plan = plan
         self.mesh = mesh
         self.record = record
         self.local = local
+        self.context_parallel = context_parallel
         self._replicate = [Replicate()] * mesh.ndim
         self._parsed_placements: dict[tuple[str, ...], Any] = {}
         self._fallback_nodes: set[str] = set()
@@ -353,6 +358,11 @@ class NodeRunner:
             return self._finish(node, entry, out, self._replicated_obs(values), constant=False)
         if self.record.recording:
             self._record_dtensor_choice(node, entry, arg_nodes, values, args, kwargs, in_obs)
+        cp = self.context_parallel
+        if cp is not None and (node.target is SDPA or node.name in cp.position_values):
+            out = (cp.attention(node, args, kwargs) if node.target is SDPA
+                   else cp.run_positions(node, args, kwargs))
+            return self._finish(node, entry, out, in_obs, constant=False)
         try:
             out = node.target(*args, **kwargs)
             _check_output(node, out)
@@ -436,6 +446,8 @@ class NodeRunner:
         """Run an op none of whose arguments is a DTensor, on plain tensors."""
         args, kwargs = _with_values(node, values)
         out = node.target(*args, **kwargs)
+        if self.context_parallel is not None:
+            out = self.context_parallel.constant(node, out)
         in_obs = ([list(p) for p in entry.inputs] if entry else
                   [["R"] * self.mesh.ndim if isinstance(v, torch.Tensor) else [] for v in values])
         return self._finish(node, entry, out, in_obs, constant=True)

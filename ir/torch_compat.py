@@ -17,7 +17,8 @@ import torch.fx.config
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
-    "KEPT_FUSED_OPS", "OpOverload", "SDPA", "aot_export_module", "autograd_redistribute",
+    "KEPT_FUSED_OPS", "OpOverload", "SDPA", "all_gather_autograd", "aot_export_module",
+    "autograd_redistribute",
     "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
     "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
     "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
@@ -371,6 +372,15 @@ def cpu_flash_attention_ops() -> tuple[Any, Any]:
     aten = torch.ops.aten
     return (aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def all_gather_autograd(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """``tensor`` of every rank of process group ``group`` concatenated along
+    ``dim``, through autograd: the backward reduce-scatters (sums) the
+    gradient back to each rank's part (torch's functional collective)."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    return all_gather_tensor_autograd(tensor, gather_dim=dim, group=group)
 
 
 @functools.lru_cache(maxsize=1)

@@ -35,7 +35,8 @@ from planner.megatron_layout import CP_COMM_TYPES
 from planner.request import PlanningError
 
 __all__ = ["CP_COMM_TYPES", "CP_MIN_CHUNK", "CP_MIN_SEQ", "context_parallel_inputs",
-           "context_parallel_record", "context_parallel_seconds", "cp_link", "kv_block_bytes",
+           "carries_rows", "context_parallel_record", "context_parallel_seconds", "cp_link",
+           "kv_block_bytes",
            "kv_buffer_bound", "layout_allows", "pinned_strategies", "search_sizes",
            "sequence_length"]
 
@@ -246,26 +247,54 @@ def layout_allows(cp: int, mesh_shape: Sequence[int], rows: int) -> bool:
     return cp == 1 or (mesh_shape[0] % cp == 0 and rows % mesh_shape[0] == 0)
 
 
+def carries_rows(node: Any, rows: int, carried: set[str]) -> bool:
+    """Whether graph ``node`` of a cp rank's program holds token rows: it is
+    computed from an input of ``rows`` batch rows (``carried``: the names of
+    the nodes before it that do, which it adds itself to) and its first
+    output's dim 0 is a multiple of ``rows`` (the rows, or rows x tokens)."""
+    if node.kind == INPUT:
+        held = bool(node.output.shape) and node.output.shape[0] == rows
+    else:
+        held = any(a in carried for a in node.args)
+    if held:
+        carried.add(node.name)
+    out = node.outputs[0].shape if node.outputs else ()
+    return held and bool(out) and out[0] % rows == 0
+
+
 def pinned_strategies(strategies: list[Any], rows: int) -> list[Any]:
     """``strategies`` (:class:`planner.strategies.NodeStrategies` of a stage on
-    a mesh :func:`layout_allows`) with the program's batch rows pinned to
-    axis 0: every input of ``rows`` rows (the tokens, the targets, a stage's
-    incoming activations) and every attention op's q, k and v take ``S(0)``
-    on mesh axis 0 (the other axes stay the ILP's choice). The rows of one
-    sequence are then on ranks of axis 0, the cp group being cp of them at
-    the stride of the other axes (:func:`cp_link`), and the attention each
-    rank runs is over its own s / cp tokens of its sequences, as
-    :func:`context_parallel_seconds` assumes. Which rows a rank holds (the
-    runtime places chunks i and 2 cp - 1 - i of a sequence on the i-th rank
-    of its cp group) changes no shape and no price."""
+    a mesh :func:`layout_allows`) with the program's token rows kept split
+    over axis 0: every value computed from the ``rows`` batch rows that still
+    holds them (:func:`carries_rows`: the tokens, the targets, a stage's
+    incoming activations and all that follows them token by token) takes
+    ``S(0)`` on mesh axis 0, and every attention op's q, k and v too (the
+    other axes stay the ILP's choice). The rows of one sequence are then on
+    ranks of axis 0, the cp group being cp of them at the stride of the other
+    axes (:func:`cp_link`), and the attention each rank runs is over its own
+    s / cp tokens of its sequences, as :func:`context_parallel_seconds`
+    assumes.
+
+    Why every row-holding value and not only the inputs: each rank computes
+    its own chunks' positions (:mod:`codegen.context_parallel`), so a value
+    of the token rows replicated over axis 0 would be computed on each rank
+    for every rank's rows with that rank's positions: right only for its own
+    rows. Kept split, every row is computed by the rank that holds its
+    positions. Reductions over the rows (the loss) are free to be partial or
+    replicated. Which rows a rank holds (chunks i and 2 cp - 1 - i of a
+    sequence on the i-th rank of its cp group) changes no shape and no
+    price."""
     batch = Shard(0)
+    carried: set[str] = set()
     out = []
     for ns in strategies:
         n = ns.node
-        if n.kind == INPUT and n.output.shape and n.output.shape[0] == rows:
+        if n.target == FUSED_ATTENTION:
+            keep = [s for s in ns.strategies if all(p[0] == batch for p in s.inputs[:3])
+                    and s.outputs[0][0] == batch]
+            carries_rows(n, rows, carried)
+        elif carries_rows(n, rows, carried):
             keep = [s for s in ns.strategies if s.outputs[0][0] == batch]
-        elif n.target == FUSED_ATTENTION:
-            keep = [s for s in ns.strategies if all(p[0] == batch for p in s.inputs[:3])]
         else:
             out.append(ns)
             continue

@@ -80,14 +80,6 @@ def test_the_search_picks_context_parallelism_at_a_long_sequence(plans):
     assert peak <= auto.training["memory_budget_bytes"]
 
 
-def test_a_searched_context_parallel_plan_is_refused_by_the_runtime(plans):
-    from codegen.runnable import unrunnable_reason
-
-    _, auto, without = plans
-    assert "context parallelism" in unrunnable_reason(auto)
-    assert unrunnable_reason(without) is None
-
-
 def test_context_parallel_plans_are_deterministic(tmp_path):
     model, inputs = _model()
     paths = []

@@ -1,0 +1,404 @@
+"""Context parallelism at run time: each sequence split over a cp group of
+ranks, attention across the group's chunks (:mod:`planner.context_parallel`
+prices it).
+
+A plan with ``training["context_parallel"]`` (cp, and the exchange
+``comm_type``) is a plan of one cp rank's program: the model's inputs
+``[batch, seq]`` cut into ``[batch x cp, seq / cp]`` rows whose batch rows mesh
+axis 0 shards (its ranks are ``outer x cp``: ``a0 = o cp + c``). This module
+makes that program compute the whole sequences' training step:
+
+* :func:`cut_sequences` lays a whole batch out as those rows, with torch's
+  causal load balancing: each sequence is cut into 2 cp chunks, and the row
+  that lands on the rank of cp index ``c`` holds chunks ``c`` and
+  ``2 cp - 1 - c``; the ranks of one cp group (the same ``o`` and the same
+  place on the other mesh axes) hold the same sequences, in the same order;
+* :class:`ContextParallelRuntime` gives the program's token positions (an
+  ``arange`` over the rank's ``seq / cp`` tokens) the positions of the rank's
+  two chunks, and runs each fused attention over the whole sequence:
+
+  - ``p2p``: ring attention (:class:`_RingAttention`): K/V blocks passed
+    around the cp group, one block's attention while the next one travels,
+    the partial outputs merged by their log-sum-exp; the backward passes
+    the K/V blocks again with their dK/dV accumulators;
+  - ``all_gather``: K/V all-gathered over the cp group (autograd's backward
+    reduce-scatters dK/dV), attention of the rank's queries under the causal
+    mask of their positions.
+
+Each attention block runs the device's fused kernel: on CPU ranks the flash
+kernel ``F.scaled_dot_product_attention`` runs there
+(:func:`ir.torch_compat.cpu_flash_attention_ops`); it returns the
+log-sum-exp the merge needs. torch's own ``context_parallel`` handles only
+the CUDA kernels, so CPU ranks run this one. The checks that a plan can run so
+(:meth:`ContextParallelRuntime.check`) are made before any step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+from codegen.capture import PlanMismatchError
+from codegen.redistribution import contiguous_strides, redistribute
+from ir.graph import Graph
+from ir.torch_compat import (SDPA, all_gather_autograd, cpu_flash_attention_ops,
+                             from_local_with_grad_placements, is_assertion_op, tree_leaves,
+                             tree_map)
+from planner.context_parallel import carries_rows
+from planner.plan_format import Plan
+
+__all__ = ["ContextParallelLayout", "ContextParallelRuntime", "chunk_positions",
+           "cut_sequences", "layout_of"]
+
+_ARANGES = {torch.ops.aten.arange.default, torch.ops.aten.arange.start,
+            torch.ops.aten.arange.start_step}
+
+
+@dataclass(frozen=True)
+class ContextParallelLayout:
+    """How a plan's cp groups lie on its mesh: ``size`` (cp) ranks of mesh
+    axis 0 at consecutive places ``o cp .. o cp + cp - 1`` (``outer`` groups
+    of them along the axis), exchanging K/V by ``comm_type``."""
+
+    size: int
+    outer: int
+    comm_type: str
+
+
+def layout_of(plan: Plan) -> ContextParallelLayout | None:
+    """The plan's cp layout, or None for a plan without context parallelism.
+
+    Raises:
+        PlanMismatchError: mesh axis 0 does not hold whole cp groups.
+    """
+    record = (plan.training or {}).get("context_parallel")
+    if not record or int(record.get("size", 1)) <= 1:
+        return None
+    cp = int(record["size"])
+    axis0 = int(plan.mesh_shape[0])
+    if axis0 % cp:
+        raise PlanMismatchError(f"context parallel size {cp} does not divide mesh axis 0 "
+                                f"({axis0} ranks), which holds the cp groups; re-plan")
+    return ContextParallelLayout(cp, axis0 // cp, str(record.get("comm_type", "p2p")))
+
+
+def cut_sequences(inputs: Sequence[Any], layout: ContextParallelLayout) -> tuple:
+    """A whole batch's ``[batch, seq, ...]`` tensors as one cp rank's program
+    takes them, ``[batch x cp, seq / cp, ...]``: row ``(o cp + c) b + j``
+    (``b = batch / outer``) holds chunks ``c`` and ``2 cp - 1 - c`` (of
+    ``seq / 2 cp`` tokens each) of sequence ``o b + j``. Sharded by rows over
+    mesh axis 0 (its place ``o cp + c`` outermost), each rank of a cp group
+    gets its two chunks of the same sequences. Other values pass unchanged.
+
+    Raises:
+        ValueError: a tensor's batch or sequence does not divide so.
+    """
+    cp, outer = layout.size, layout.outer
+    out = []
+    for t in inputs:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            out.append(t)
+            continue
+        batch, seq = t.shape[:2]
+        if batch % outer or seq % (2 * cp):
+            raise ValueError(f"a batch of {batch} sequences of {seq} tokens does not split into "
+                             f"{outer} groups of 2 x {cp} chunks each (context parallelism)")
+        rest = t.shape[2:]
+        chunks = t.reshape(outer, batch // outer, 2 * cp, seq // (2 * cp), *rest)
+        pairs = [torch.cat([chunks[:, :, c], chunks[:, :, 2 * cp - 1 - c]], dim=2)
+                 for c in range(cp)]  # each [outer, b, seq / cp, ...]
+        out.append(torch.stack(pairs, dim=1).reshape(batch * cp, seq // cp, *rest))
+    return tuple(out)
+
+
+def chunk_positions(local_tokens: int, cp: int, index: int,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+    """The positions in its sequence of the ``local_tokens`` (``seq / cp``)
+    tokens the rank of cp index ``index`` holds: chunks ``index`` and
+    ``2 cp - 1 - index``, int64."""
+    half = local_tokens // 2
+    return torch.cat([torch.arange(index * half, (index + 1) * half, device=device),
+                      torch.arange((2 * cp - 1 - index) * half, (2 * cp - index) * half,
+                               device=device)])
+
+
+def _is_positions(node: torch.fx.Node, local_tokens: int) -> bool:
+    """Whether ``node`` is ``arange(local_tokens)``: the program's token
+    positions (start 0, step 1, as many as a rank's tokens of a sequence)."""
+    if node.op != "call_function" or node.target not in _ARANGES:
+        return False
+    args = [a for a in node.args if not isinstance(a, torch.fx.Node)]
+    if node.target is torch.ops.aten.arange.default:
+        start, end, step = 0, args[0] if args else None, 1
+    else:
+        start, end = args[0], args[1]
+        step = args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+    return start == 0 and step == 1 and end == local_tokens
+
+
+class ContextParallelRuntime:
+    """The cp group of this rank, and what its program runs differently.
+
+    Args:
+        plan: the plan, read on the mesh.
+        mesh: its DeviceMesh (every rank builds this in the same order: the cp
+            groups are made here).
+        program: the captured program's graph.
+        graph: its :class:`ir.graph.Graph`.
+        layout: :func:`layout_of` the plan.
+        local_tokens: tokens of a sequence per rank (``seq / cp``).
+    """
+
+    def __init__(self, plan: Plan, mesh: DeviceMesh, program: torch.fx.Graph, graph: Graph,
+                 layout: ContextParallelLayout, local_tokens: int):
+        if mesh.device_type != "cpu":
+            raise PlanMismatchError(
+                f"context parallelism runs on CPU ranks only so far (ring attention over the "
+                f"CPU flash kernel), not on {mesh.device_type}; plan without it for this device")
+        self.layout = layout
+        self.local_tokens = local_tokens
+        #: ops computing from the token positions and not from the rows
+        self.position_values: set[str] = set()
+        self.check(plan, program, graph)
+        cp = layout.size
+        ranks = mesh.mesh.reshape(layout.outer, cp, -1)  # (o, c, the other axes' places)
+        groups = [ranks[o, :, i].tolist() for o in range(layout.outer)
+                  for i in range(ranks.shape[2])]
+        me = dist.get_rank()
+        self.group_ranks = next(g for g in groups if me in g)
+        self.index = self.group_ranks.index(me)
+        self.group, _ = dist.new_subgroups_by_enumeration(groups)
+        self.positions = chunk_positions(local_tokens, cp, self.index, mesh.device_type)
+
+    def check(self, plan: Plan, program: torch.fx.Graph, graph: Graph) -> None:
+        """Refuse (:class:`PlanMismatchError`) what this runtime cannot run as
+        one program over whole sequences (``program``: the captured program,
+        ``graph``: its :class:`ir.graph.Graph`): attention other than causal
+        fused attention, token rows not split over mesh axis 0
+        (:func:`planner.context_parallel.pinned_strategies` says why), and
+        values of the token positions split or gathered over it (each rank
+        holds its own positions under one name)."""
+        rows = next(n.output.shape[0] for n in graph.nodes if n.name in plan.inputs)
+        carried: set[str] = set()
+        for n in graph.nodes:
+            entry = plan.nodes.get(n.name)
+            if n.name in plan.inputs:
+                placements = [plan.inputs[n.name]]
+            else:
+                placements = list(entry.outputs[:1]) if entry is not None else []
+            if carries_rows(n, rows, carried) and any(p[0] != "S(0)" for p in placements):
+                raise PlanMismatchError(
+                    f"the plan holds the token rows of {n.name} as {placements[0]} on mesh axis "
+                    f"0; context parallelism needs them S(0) there; re-plan")
+        positions: set[str] = set()
+        for n in program.nodes:
+            if n.op != "call_function":
+                continue
+            reads = {a.name for a in n.all_input_nodes}
+            if n.target is SDPA:
+                self._check_attention(plan, n)
+            if n.name in carried or is_assertion_op(n.target):  # checks move no data
+                continue
+            if _is_positions(n, self.local_tokens) or reads & positions:
+                positions.add(n.name)
+            entry = plan.nodes.get(n.name)
+            if entry is None:
+                continue
+            placed = [p for a, p in zip(n.all_input_nodes, entry.inputs) if a.name in positions]
+            if n.name in positions:
+                placed += list(entry.outputs)
+            if any(p and p[0] != "R" for p in placed):
+                raise PlanMismatchError(
+                    f"the plan splits values of the token positions over mesh axis 0 (at "
+                    f"{n.name}), whose ranks each hold other positions under context "
+                    f"parallelism; re-plan")
+        self.position_values = positions
+
+    @staticmethod
+    def _check_attention(plan: Plan, node: torch.fx.Node) -> None:
+        args = list(node.args) + [None] * (6 - len(node.args))
+        mask = node.kwargs.get("attn_mask", args[3])
+        dropout = node.kwargs.get("dropout_p", args[4] or 0.0)
+        causal = node.kwargs.get("is_causal", args[5])
+        if mask is not None or dropout or not causal or node.kwargs.get("enable_gqa"):
+            raise PlanMismatchError(
+                f"attention {node.name} is not causal fused attention without a mask or "
+                f"dropout, which is all context parallelism runs; plan without it")
+        entry = plan.nodes.get(node.name)
+        if entry is None or any(not p or p[0] != "S(0)" for p in entry.inputs[:3]):
+            raise PlanMismatchError(f"attention {node.name}'s q, k and v must be S(0) on mesh "
+                                    f"axis 0 under context parallelism; re-plan")
+
+    # ------------------------------------------------------------ at run time
+    def constant(self, node: torch.fx.Node, value: Any) -> Any:
+        """``value`` of constant op ``node``; the token positions this rank
+        holds where ``node`` is the program's positions."""
+        if _is_positions(node, self.local_tokens):
+            return self.positions.to(device=value.device, dtype=value.dtype)
+        return value
+
+    def run_positions(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+        """Op ``node`` of the token positions' values (a position embedding's
+        lookup, say) on this rank's own positions: run on whole local tensors,
+        its outputs replicated DTensors that differ along mesh axis 0. The
+        gradient reaching them is each rank's own (a partial sum over mesh
+        axis 0) and is taken back to the parameters as such, to be summed
+        with the other ranks' there, not before: summed before, the ranks'
+        gradients would meet at other ranks' positions."""
+        mesh = next(v for v in tree_leaves((args, kwargs)) if isinstance(v, DTensor)).device_mesh
+        whole = (Replicate(),) * mesh.ndim
+        own = (Partial(),) + (Replicate(),) * (mesh.ndim - 1)
+
+        def local(v: Any) -> Any:
+            if not isinstance(v, DTensor):
+                return v
+            return redistribute(v, mesh, whole).to_local(grad_placements=own)
+
+        local_args, local_kwargs = tree_map(local, (args, kwargs))
+        out = node.target(*local_args, **local_kwargs)
+        return tree_map(lambda t: from_local_with_grad_placements(
+            t, mesh, whole, shape=t.shape, stride=t.stride(), grad_placements=own)
+            if isinstance(t, torch.Tensor) else t, out)
+
+    def attention(self, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+        """Causal attention of this rank's queries over the whole sequences of
+        its cp group (``args``/``kwargs`` of fused attention op ``node``, q, k,
+        v DTensors split over mesh axis 0); a DTensor placed as q, laid out in
+        memory as the capture gave ``node``'s output."""
+        q, k, v = args[:3]
+        scale = kwargs.get("scale")
+        ql, kl, vl = (t.to_local() for t in (q, k, v))
+        if self.layout.comm_type == "p2p":
+            out = _RingAttention.apply(ql, kl, vl, _Ring(self), scale)
+        else:
+            out = self._gathered_attention(ql, kl, vl, scale)
+        shape = torch.Size((*q.shape[:-1], v.shape[-1]))
+        captured = node.meta.get("val")
+        stride = contiguous_strides(shape)
+        if (isinstance(captured, torch.Tensor) and not captured.is_contiguous()
+                and captured.transpose(1, 2).is_contiguous()):
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+            stride = tuple(captured.stride())
+        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False,
+                                  shape=shape, stride=stride)
+
+    def _gathered_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            scale: float | None) -> torch.Tensor:
+        """Attention over K/V all-gathered from the cp group, put in sequence
+        order, under the causal mask of this rank's query positions."""
+        cp, half = self.layout.size, q.shape[2] // 2
+
+        def whole(t: torch.Tensor) -> torch.Tensor:
+            blocks = all_gather_autograd(t.contiguous(), 0, self.group).chunk(cp, dim=0)
+            return torch.cat([b[:, :, :half] for b in blocks]
+                             + [b[:, :, half:] for b in reversed(blocks)], dim=2)
+
+        keys = torch.arange(2 * cp * half, device=q.device)
+        mask = self.positions.to(q.device)[:, None] >= keys[None, :]
+        return F.scaled_dot_product_attention(q, whole(k), whole(v), attn_mask=mask, scale=scale)
+
+
+class _Ring:
+    """Passing blocks to the next rank of a cp group while taking the
+    previous rank's (point-to-point, asynchronous)."""
+
+    def __init__(self, runtime: ContextParallelRuntime):
+        ranks, i = runtime.group_ranks, runtime.index
+        self.size, self.index, self.group = len(ranks), i, runtime.group
+        self.next, self.prev = ranks[(i + 1) % len(ranks)], ranks[(i - 1) % len(ranks)]
+
+    def pass_on(self, tensors: Sequence[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+        """Start sending ``tensors`` on and receiving the previous rank's
+        blocks of the same shapes; returns a wait that gives them."""
+        sent = [t.contiguous() for t in tensors]
+        got = [torch.empty_like(t) for t in sent]
+        ops = ([dist.P2POp(dist.isend, t, self.next, self.group) for t in sent]
+               + [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in got])
+        requests = dist.batch_isend_irecv(ops)
+
+        def wait() -> list[torch.Tensor]:
+            for r in requests:
+                r.wait()
+            return got
+        return wait
+
+
+def _block(index: int, source: int, half: int) -> tuple[slice, slice, bool]:
+    """Which of this rank's query rows attend to which keys of the K/V block
+    of cp rank ``source`` (each rank: chunks i and 2 cp - 1 - i, ``half``
+    tokens each), and whether causally: its own block causally; an earlier
+    rank's first chunk by all queries (its second chunk lies after both of
+    this rank's); a later rank's whole block by this rank's second chunk."""
+    every = slice(None)
+    if source == index:
+        return every, every, True
+    if source < index:
+        return every, slice(0, half), False
+    return slice(half, None), every, False
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
+           block_lse: torch.Tensor) -> None:
+    """Fold one block's attention (``block_out``, its log-sum-exp) into the
+    running ``out`` and ``lse`` (float32, in place)."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention over a cp group's load-balanced chunks, K/V passed
+    around the ring (local tensors ``[rows, heads, seq / cp, dim]``)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
+                scale: float | None) -> torch.Tensor:
+        kernel, _ = cpu_flash_attention_ops()
+        half = q.shape[2] // 2
+        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        kv = [k, v]
+        for step in range(ring.size):
+            arriving = ring.pass_on(kv) if step < ring.size - 1 else None
+            rows, keys, causal = _block(ring.index, (ring.index - step) % ring.size, half)
+            block_out, block_lse = kernel(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                                          0.0, causal, scale=scale)
+            _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
+            if arriving is not None:
+                kv = arriving()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
+        _, kernel_backward = cpu_flash_attention_ops()
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, half = ctx.ring, q.shape[2] // 2
+        grad_out = grad_out.to(q.dtype)
+        dq = torch.zeros_like(q, dtype=torch.float32)
+        kv = [k, v]
+        dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        for step in range(ring.size):
+            arriving = ring.pass_on(kv) if step < ring.size - 1 else None
+            rows, keys, causal = _block(ring.index, (ring.index - step) % ring.size, half)
+            gq, gk, gv = kernel_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
+                                         kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
+                                         0.0, causal, scale=ctx.scale)
+            dq[:, :, rows] += gq
+            dkv[0][:, :, keys] += gk
+            dkv[1][:, :, keys] += gv
+            # the accumulators travel with their block; after the last step
+            # they take one more hop, to the block's own rank
+            dkv = ring.pass_on(dkv)()
+            if arriving is not None:
+                kv = arriving()
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None

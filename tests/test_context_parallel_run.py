@@ -1,0 +1,88 @@
+"""Context-parallel plans run (issue 39): each sequence split over a cp group,
+ring attention (or K/V all-gathered) across it, against one process on the
+whole sequences (``planner run --check``, :mod:`codegen.context_parallel`)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from codegen.context_parallel import ContextParallelLayout, chunk_positions, cut_sequences
+from codegen.launch import launch
+from codegen.runnable import unrunnable_reason
+from planner.api import plan
+from planner.plan_format import load_plan
+from ir.source import build_model
+
+
+def test_cut_sequences_gives_each_rank_of_a_cp_group_its_two_chunks_of_the_same_sequences():
+    cp, outer, batch, seq = 2, 2, 4, 16
+    layout = ContextParallelLayout(cp, outer, "p2p")
+    tokens = torch.arange(batch * seq).reshape(batch, seq)  # token = sequence x seq + position
+    (cut,) = cut_sequences([tokens], layout)
+    assert cut.shape == (batch * cp, seq // cp)
+    rows = batch * cp // (outer * cp)  # rows per place of mesh axis 0
+    for a0 in range(outer * cp):
+        o, c = divmod(a0, cp)
+        held = cut[a0 * rows:(a0 + 1) * rows]
+        sequences = held // seq
+        # the ranks of one cp group (same o) hold the same sequences ...
+        assert torch.equal(sequences[:, 0], torch.arange(o * rows, (o + 1) * rows))
+        assert bool((sequences == sequences[:, :1]).all())
+        # ... each its two load-balanced chunks, at the positions the runtime gives it
+        assert torch.equal(held[0] % seq, chunk_positions(seq // cp, cp, c))
+    assert sorted(cut.flatten().tolist()) == list(range(batch * seq))
+
+
+def test_chunk_positions_are_chunks_i_and_2cp_minus_1_minus_i():
+    assert chunk_positions(4, 4, 1).tolist() == [2, 3, 12, 13]
+    every = torch.cat([chunk_positions(4, 4, c) for c in range(4)])
+    assert sorted(every.tolist()) == list(range(16))
+
+
+def _cp_plan(tmp_path: Any, model: str, devices: int, cp: int, *, precision: str = "fp32",
+             comm_type: str | None = None, pp: tuple[int, ...] = (1,)) -> Any:
+    """A searched plan of zoo ``model`` with context parallel size ``cp`` on
+    ``local-cpu:devices`` (its exchange set to ``comm_type`` where given: the
+    runtime runs what the plan says), saved; returns its path."""
+    m, inputs = build_model(model, device="meta", seed=0)
+    p = plan(m, f"local-cpu:{devices}", example_inputs=inputs, context_parallel=(cp,), pp=pp,
+             precision=precision, model_source=model, time_limit_s=5.0)
+    path = tmp_path / f"{model}_{devices}_{cp}.json"
+    p.save(path)
+    if comm_type is not None:
+        record = json.loads(path.read_text())
+        record["training"]["context_parallel"]["comm_type"] = comm_type
+        path.write_text(json.dumps(record))
+    return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model,devices,cp,precision,comm_type", [
+    ("gpt-tiny", 4, 4, "fp32", None),             # cp alone, 4 ranks, ring
+    ("llama-tiny", 2, 2, "fp32", "all_gather"),   # grouped-query heads, 2 ranks, K/V gathered
+    ("llama-tiny", 4, 2, "bf16-mixed", None),     # cp x tensor parallel on a 2x2 mesh
+])
+def test_context_parallel_plans_train_as_one_process_does(tmp_path, model, devices, cp,
+                                                          precision, comm_type):
+    path = _cp_plan(tmp_path, model, devices, cp, precision=precision, comm_type=comm_type)
+    p = load_plan(path)
+    assert p.training["context_parallel"]["size"] == cp and unrunnable_reason(p) is None
+    if devices == 4 and cp == 2:  # the other mesh axis splits weights (tensor parallelism)
+        assert tuple(p.mesh_shape) == (2, 2)
+        assert any(pl[1] != "R" for pl in p.parameters.values())
+    result = launch(path, check=True, steps=2, timeout_s=240)
+    tolerance = 1e-5 if precision == "fp32" else 5e-2
+    assert result["passed"], result["output"]
+    assert result["max_loss_rel_err"] <= tolerance
+    assert result["max_rel_grad_err"] <= tolerance and not result["missing_grads"]
+
+
+def test_a_context_parallel_pipeline_is_refused_before_any_rank_starts(tmp_path):
+    path = _cp_plan(tmp_path, "gpt-tiny", 4, 2, pp=(2,))
+    p = load_plan(path)
+    assert p.pipeline is not None
+    assert "in a pipeline" in unrunnable_reason(p)
