@@ -129,10 +129,65 @@ def _build(name: str, device: str, batch: int, seq: int) -> tuple[torch.nn.Modul
     return zoo.build_from_config(cfg(), device=device, batch_size=batch, seq_len=seq)
 
 
+def _cpu_takes_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                    scale: float | None) -> bool:
+    """Whether the CPU's ``scaled_dot_product_attention`` runs the math path for
+    these head sizes and dtype: its own choice (``torch._fused_sdp_choice``, 0 is
+    math) asked on small real tensors of the same dtype and head sizes (under
+    FakeTensorMode the op answers math for any shape)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        small = [torch.zeros(1, 1, 8, t.shape[-1], dtype=t.dtype) for t in (q, k, v)]
+        return int(torch._fused_sdp_choice(*small, None, 0.0, is_causal, scale=scale)) == 0
+
+
 @contextlib.contextmanager
-def _attention(kind: str) -> Iterator[None]:
-    if kind == "default":
+def _target_attention() -> Iterator[None]:
+    """Fake models are priced on an H100: where the CPU has no fused attention
+    kernel for a shape (DeepSeek-V3's value heads of 128 beside query/key heads
+    of 192: CPU's flash kernel needs equal head sizes) and would take the math
+    path (an s x s score matrix, in fp32 for bf16 inputs), which no GPU runs,
+    ``F.scaled_dot_product_attention`` runs CUDA's memory-efficient kernel
+    instead, what SDPA picks there for unequal head sizes (flash needs them
+    equal), through its meta kernels on the fake tensors. It saves what the
+    planner prices for the fused node: q, k, v, the output and a float32
+    log-sum-exp. Shapes the CPU runs fused are left alone (CPU's flash kernel
+    saves what CUDA's does). The function is replaced for the duration, not
+    hooked through a mode, so that a checkpointed layer's recomputation (run
+    by the autograd engine) calls the same kernel."""
+    import torch.nn.functional as F
+
+    original = F.scaled_dot_product_attention
+
+    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+             is_causal: bool = False, scale: float | None = None,
+             enable_gqa: bool = False) -> torch.Tensor:
+        if (attn_mask is None and not dropout_p and not enable_gqa and query.dim() == 4
+                and query.shape[-1] % 8 == 0 and value.shape[-1] % 8 == 0
+                and _cpu_takes_math(query, key, value, is_causal, scale)):
+            grad = any(t.requires_grad for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, None, grad, 0.0, is_causal, scale=scale)[0]
+        return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
         yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def _attention(kind: str, fake: bool = False) -> Iterator[None]:
+    """``default``: the kernel SDPA picks (for ``fake`` models, the target GPU's
+    where the CPU would take the math path: :func:`_target_attention`);
+    ``math``: the math kernel forced."""
+    if kind == "default":
+        with _target_attention() if fake else contextlib.nullcontext():
+            yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -150,7 +205,7 @@ def measure_step(name: str, precision: str, checkpoint: list[str], attention: st
         from torch._subclasses.fake_tensor import FakeTensorMode
 
         mode = FakeTensorMode()
-    with mode, _attention(attention):
+    with mode, _attention(attention, fake):
         model, inputs = _build(name, "cpu", batch, seq)
         loop = PlainLoop(model, inputs, precision=precision, checkpoint=checkpoint)
         out = tracked_peak_memory(loop, warmup=1)
