@@ -60,7 +60,7 @@ with 16-bit activations: ``sbh(34 + 5as/h)`` bytes without recomputation.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Mapping, Union
+from typing import TYPE_CHECKING, Iterable, Mapping, Union
 
 if TYPE_CHECKING:
     from ir.precision import Precision
@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = [
     "OPTIMIZER_ACCESSES",
     "OPTIMIZER_STATES",
+    "backward_timeline_excess",
     "step_copy_bytes",
     "step_peak_bytes",
     "training_state_bytes",
@@ -192,7 +193,8 @@ def step_copy_bytes(num_params: int, *, precision: "str | Precision" = "fp32",
 
 
 def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
-                    state_bytes: float | None = None, step_copy: float = 0.0) -> float:
+                    state_bytes: float | None = None, step_copy: float = 0.0,
+                    backward_excess: float | None = None) -> float:
     """Peak bytes per device of a step that runs the whole batch at once (no
     gradient accumulation), from its parts by kind (bytes: ``params``,
     ``optimizer``, ``grads``, ``activations``, ``backward_transient``,
@@ -215,6 +217,14 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
     ``step_copy``: bytes of ``params`` that the step frees before the optimizer
     step (:func:`step_copy_bytes`: the compute-dtype copy under a mixed
     precision), not alive at it.
+    ``backward_excess``: the backward's timeline
+    (:meth:`costmodel.strategy_cost.IntraOpCost.backward_excess`): the most
+    the backward holds beyond the saved activations at any of its ops (the
+    gradients made so far and that op's transient, less the activations
+    already freed). The backward's peak is then not only at its start: a
+    mixture-of-experts layer at the end of the model makes its experts'
+    gradients, many GB at once, while nearly every activation is still alive.
+    None: the start alone (the largest transient).
     """
     states = OPTIMIZER_STATES.get(optimizer, 0)
     if not states:
@@ -225,10 +235,25 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
         step_temporaries = parts.get("optimizer", 0.0) / states
     # the loss's transient comes first; a checkpointed layer is recomputed after it
     backward_start = parts.get("activations", 0.0) + max(parts.get("backward_transient", 0.0),
-                                                         parts.get("recomputed_layer", 0.0))
+                                                         parts.get("recomputed_layer", 0.0),
+                                                         backward_excess or 0.0)
     optimizer_step = parts.get("grads", 0.0) + step_temporaries - step_copy
     return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + max(backward_start,
                                                                         optimizer_step)
+
+
+def backward_timeline_excess(steps: "Iterable[tuple[float, float, float]]") -> float:
+    """The most bytes a backward holds beyond the saved activations, from its
+    ops in the order they run: per op ``(gradients it makes, its transient,
+    activations freed once it has run)``. At an op the gradients made so far
+    (its own too) and its transient are alive, and the activations of the ops
+    that ran before it are freed. 0 for no op."""
+    made = freed = best = 0.0
+    for grads, transient, released in steps:
+        made += grads
+        best = max(best, made + transient - freed)
+        freed += released
+    return best
 
 
 Recompute = Union[bool, str]

@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 from costmodel.compute import FUSED_ATTENTION
 from ir.graph import OP, Graph, Node
 
-__all__ = ["SavedRule", "SAVED", "saved_outputs", "extra_saved_bytes"]
+__all__ = ["SavedRule", "SAVED", "saved_outputs", "release_points", "extra_saved_bytes"]
 
 
 @dataclass(frozen=True)
@@ -123,22 +123,13 @@ def _rule(node: Node) -> SavedRule:
     return SavedRule(inputs=tuple(i for i, t in enumerate(node.inputs) if t.is_float))
 
 
-def saved_outputs(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
-                  ) -> dict[str, frozenset[int]]:
-    """Node name -> indices of its outputs that autograd keeps for backward.
-
-    ``requires_grad``: the names of the values on the gradient path (a set, or
-    a predicate). Only ops whose output is on it record anything for backward.
-    Parameters and user inputs appear too when an op saves them (their memory
-    is counted with the training state and the batch)."""
+def _savers(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
+            ) -> list[tuple[str, str, int]]:
+    """(saving op, base node, output index) for every tensor an op's backward
+    keeps (:func:`saved_outputs`), in the forward's order."""
     needs = requires_grad.__contains__ if isinstance(requires_grad, (set, frozenset)) \
         else requires_grad
-    saved: dict[str, set[int]] = {}
-
-    def keep(name: str, index: int) -> None:
-        base, idx = _base_of(graph, name, index)
-        saved.setdefault(base, set()).add(idx)
-
+    out: list[tuple[str, str, int]] = []
     for node in graph.nodes:
         if node.kind != OP or node.is_view or not needs(node.name):
             continue
@@ -152,11 +143,38 @@ def saved_outputs(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
                 positions.add(b)
         for i in sorted(positions):  # masks and indices count as much as floats
             if i < len(node.args):
-                keep(node.args[i], 0)
+                out.append((node.name, *_base_of(graph, node.args[i], 0)))
         for i in rule.outputs:
             if i < len(node.outputs):
-                saved.setdefault(node.name, set()).add(i)
+                out.append((node.name, node.name, i))
+    return out
+
+
+def saved_outputs(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
+                  ) -> dict[str, frozenset[int]]:
+    """Node name -> indices of its outputs that autograd keeps for backward.
+
+    ``requires_grad``: the names of the values on the gradient path (a set, or
+    a predicate). Only ops whose output is on it record anything for backward.
+    Parameters and user inputs appear too when an op saves them (their memory
+    is counted with the training state and the batch)."""
+    saved: dict[str, set[int]] = {}
+    for _, base, idx in _savers(graph, requires_grad):
+        saved.setdefault(base, set()).add(idx)
     return {k: frozenset(v) for k, v in saved.items()}
+
+
+def release_points(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
+                   ) -> dict[str, str]:
+    """Node name (a base of :func:`saved_outputs`) -> the op whose backward
+    frees it: of the ops that keep it, the first in the forward. Autograd
+    drops a node's saved tensors once the node has run (no ``retain_graph``),
+    and the backward runs the ops in the reverse of the forward's order, so a
+    tensor that several ops keep lives until the earliest of them has run."""
+    out: dict[str, str] = {}
+    for saver, base, _ in _savers(graph, requires_grad):
+        out.setdefault(base, saver)
+    return out
 
 
 def extra_saved_bytes(node: Node) -> float:

@@ -27,9 +27,10 @@ from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import (FUSED_ATTENTION, attention_times, backward_kernels,
                                backward_op_times, gemm_aligned, op_time)
-from costmodel.memory import OPTIMIZER_ACCESSES, step_copy_bytes, training_state_bytes
+from costmodel.memory import (OPTIMIZER_ACCESSES, backward_timeline_excess, step_copy_bytes,
+                              training_state_bytes)
 from costmodel.resharding import ReshardPricer
-from costmodel.saved_tensors import extra_saved_bytes, saved_outputs
+from costmodel.saved_tensors import extra_saved_bytes, release_points, saved_outputs
 from ir.graph import INPUT, OP, PARAM, Graph, Node, TensorInfo
 from ir.precision import get_precision
 from ir.repeated_blocks import shard_units
@@ -572,6 +573,86 @@ class IntraOpCost:
                   for a, t, p in zip(node.args, node.inputs, s.inputs)
                   if t.is_float and a in self.requires_grad and a not in self.param_derived)
         return float(out + ins)
+
+    def backward_excess(self, chosen: Mapping[str, Strategy] | None = None,
+                        checkpointed: Sequence[str] = ()) -> float:
+        """Bytes per device, at the worst op of the backward, that the backward
+        holds beyond the saved activations (the backward's timeline,
+        :func:`costmodel.memory.backward_timeline_excess`): the gradients made so
+        far, that op's :meth:`backward_transient`, less the activations freed by
+        the ops that ran before it. The backward runs the ops in the reverse of
+        the forward's order; an op makes the gradient of a parameter it is the
+        last reader of, and frees the saved tensors it is the first keeper of
+        (:func:`costmodel.saved_tensors.release_points`). At the loss it is the
+        loss's transient; at a mixture-of-experts layer near the end of the model
+        its experts' gradients, made at once while the earlier layers'
+        activations are alive, can lift it far above that (DeepSeek-V3's MoE
+        layer: 22 GB of bf16 gradients). Under the ``chosen`` strategies (None:
+        every value whole, as captured). Ops of ``checkpointed`` layers (module
+        paths) free nothing: their activations were not kept (their
+        recomputation is :func:`costmodel.memory.step_peak_bytes`'
+        ``recomputed_layer``).
+
+        Gradients count as :meth:`memory_breakdown` has them, less the fp32
+        main-gradient slice of ZeRO-1 under a mixed precision, which exists at
+        the optimizer step only; the compute-dtype copy of a parameter
+        (:meth:`step_copy`) is freed by the first op in the forward that reads
+        it, the last of its readers to run backward."""
+        graph = self.graph
+
+        def strategy(node: Node) -> Strategy:
+            if chosen is not None:
+                return chosen[node.name]
+            whole = tuple(Replicate() for _ in self.mesh_shape)
+            return Strategy(inputs=tuple(whole for _ in node.args),
+                            outputs=tuple(whole for _ in node.outputs))
+
+        def in_checkpointed(node: Node) -> bool:
+            path = node.module_path or ""
+            return any(path == c or path.startswith(c + ".") for c in checkpointed)
+
+        # the parameter a value is (through views)
+        root: dict[str, str] = {}
+        for n in graph.nodes:
+            if n.kind == PARAM:
+                root[n.name] = n.name
+            elif n.name in self.param_derived and n.args and n.args[0] in root:
+                root[n.name] = root[n.args[0]]
+        ops = [n for n in graph.nodes
+               if n.kind == OP and not n.is_view and n.name in self.requires_grad]
+        last_reader: dict[str, str] = {}
+        first_reader: dict[str, str] = {}
+        for n in ops:
+            for a in n.args:
+                if a in root:
+                    last_reader[root[a]] = n.name
+                    first_reader.setdefault(root[a], n.name)
+        freed: dict[str, float] = {}
+        for param, op in first_reader.items():
+            # the compute-dtype copy the step made (a mixed precision's cast, FSDP2's
+            # gathered parameters) is freed once the last op that reads it has run
+            copy = self.step_copy(graph[param], strategy(graph[param]))
+            if copy:
+                freed[op] = freed.get(op, 0.0) + copy
+        made: dict[str, float] = {}
+        for param, op in last_reader.items():
+            node = graph[param]
+            s = strategy(node)
+            grads = self.memory_breakdown(node, s).get("grads", 0.0)
+            numel, zero, _ = self._state_layout(node, s)
+            p = self.precision
+            if zero == 1 and p.mixed and not self.params_sharded:
+                grads = float(p.reduce_dtype.itemsize * numel)  # the main-grad slice: at the step
+            made[op] = made.get(op, 0.0) + grads
+        for base, op in release_points(graph, self.requires_grad).items():
+            node = graph[base]
+            if node.kind != OP or in_checkpointed(node):
+                continue
+            kept = self.memory_breakdown(node, strategy(node)).get("activations", 0.0)
+            freed[op] = freed.get(op, 0.0) + kept
+        return backward_timeline_excess(
+            (made.get(n.name, 0.0), self.backward_transient(n, strategy(n)),
+             freed.get(n.name, 0.0)) for n in reversed(ops))
 
     def memory(self, node: Node, s: Strategy) -> float:
         """Bytes per device of :meth:`memory_breakdown`, activations counted once per
