@@ -98,7 +98,8 @@ from costmodel.presets import load_cluster
 from costmodel.memory import step_peak_bytes, training_state_bytes
 from costmodel.strategy_cost import IntraOpCost, local_numel
 from costmodel.schedule_specs import schedule_spec
-from costmodel.schedules import ScheduleBook
+from costmodel.schedule_peaks import stage_counts_at_peak
+from costmodel.schedules import ScheduleBook, rank_orders
 from ir.device_capture import planned_copy
 from ir.graph import PARAM, Graph, TensorInfo
 from ir.layers import block_count
@@ -113,7 +114,7 @@ from planner.inter_op import PipelineCandidate, StageMeshOption, StageTimes, sta
 from planner.intra_op import (FixedPlacementError, IntraOpResult, MemoryInfeasibleError,
                               solve_intra_op)
 from planner.megatron_layout import MegatronConfig, expert_weights, megatron_layout, num_experts
-from planner.pipeline import p2p_seconds, simulate_step, stage_in_flight
+from planner.pipeline import p2p_seconds, simulate_step
 from planner.plan_format import Plan
 from planner.request import PlanningError, default_memory_budget, resolve_precision
 from planner.search_context import SearchContext, global_batch_of
@@ -465,6 +466,25 @@ def megatron_plan(model: torch.nn.Module, cluster: Cluster | str, cfg: MegatronC
     return plan
 
 
+def _stage_copies(schedule: str, pp: int, m: int, v: int, book: ScheduleBook,
+                  act_b: dict[int, float] | None = None) -> list[float]:
+    """In-flight micro-batches of each chunk: its live activations at its
+    rank's peak in torch's order (:func:`costmodel.schedule_peaks.stage_counts_at_peak`;
+    weighted by the chunks' activation bytes per micro-batch ``act_b`` when
+    given), at least one.
+
+    Not the rank's peak shared evenly among its chunks (what the automatic
+    search's :func:`planner.inter_op.in_flight` assumes of its uniform
+    stages): under torch's interleaved 1F1B, which is Llama 3's schedule with
+    N = m / max(1, m // pp) micro-batches per round, the last rank's head
+    chunk holds one micro-batch at a time, and an even share counted 14 of
+    its logits (31 GB of Llama 3 405B's row 1), which made every other
+    chunk recompute."""
+    orders, _ = rank_orders(schedule, pp, m, v, book=book)
+    counts = stage_counts_at_peak(orders, pp, act_b)
+    return [float(max(1, counts.get(s, 0))) for s in range(pp * v)]
+
+
 def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs: tuple,
                    graph: Graph, layout: dict[str, tuple], experts: Collection[str], m: int,
                    dtype: str, optimizer: str, budget: float, time_limit_s: float, cache: dict,
@@ -499,7 +519,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
     v = cfg.stages_per_rank
     bounds = _chunk_bounds(prog.layers, cfg.layer_split(block_count(prog.layers)))
     try:
-        copies = stage_in_flight(cfg.schedule, cfg.pp, m, v, ctx.schedule_book)
+        copies = _stage_copies(cfg.schedule, cfg.pp, m, v, ctx.schedule_book)
     except ValueError as err:
         raise PlanningError(f"{cfg.label()}: torch's {cfg.schedule} schedule rejects pp={cfg.pp} "
                             f"with {m} micro-batches: {err}") from None
@@ -527,41 +547,58 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
         _correct(r.memory, correction)
         return r
 
-    need: dict[int, float] = {}  # a short chunk's least share of its rank's memory
-    for s in range(len(bounds)):
-        try:
-            solved[s] = solve(s, budget / v)
-        except MemoryInfeasibleError as err:
-            if v == 1:
-                raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit: {err}") from None
-            # the ILP's least, plus what solve() kept back from the share
-            need[s] = err.least_bytes + (budget / v - err.budget_bytes)
-    # a rank's chunks share its memory: a chunk that needs more than an even
-    # share (the head of an uneven layout) takes its least, the rank's other
-    # chunks are solved again in what is left, evenly, and the short chunk then
-    # gets all the others leave
-    for rank in sorted({ranks[s] for s in need}):
-        mine = [s for s in range(len(bounds)) if ranks[s] == rank]
-        others = [s for s in mine if s not in need]
-        rest = budget - sum(need[s] for s in mine if s in need)
-        for s in others:
-            if others and sum(solved[s].memory.values()) > rest / len(others):
-                try:
-                    solved[s] = solve(s, rest / len(others))
-                except MemoryInfeasibleError as err:
-                    raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit beside its "
-                                             f"rank's larger stages: {err}") from None
-        for s in mine:
-            if s in need:
-                left = budget - sum(sum(solved[o].memory.values()) for o in mine
-                                    if o in solved) - sum(need[o] for o in mine
-                                                          if o in need and o not in solved and o != s)
-                try:
-                    solved[s] = solve(s, left)
-                except MemoryInfeasibleError as err:
-                    raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit in the "
-                                             f"{left / 2**30:.1f} GiB its rank's other stages "
-                                             f"leave: {err}") from None
+    def solve_all() -> None:
+        """Every chunk solved in an even share of its rank's memory; a chunk
+        that needs more takes its least and the rank's others share the rest."""
+        solved.clear()
+        need: dict[int, float] = {}  # a short chunk's least share of its rank's memory
+        for s in range(len(bounds)):
+            try:
+                solved[s] = solve(s, budget / v)
+            except MemoryInfeasibleError as err:
+                if v == 1:
+                    raise MegatronDoesNotFit(
+                        f"{cfg.label()}: stage {s} does not fit: {err}") from None
+                # the ILP's least, plus what solve() kept back from the share
+                need[s] = err.least_bytes + (budget / v - err.budget_bytes)
+        # a rank's chunks share its memory: a chunk that needs more than an even
+        # share (the head of an uneven layout) takes its least, the rank's other
+        # chunks are solved again in what is left, evenly, and the short chunk then
+        # gets all the others leave
+        for rank in sorted({ranks[s] for s in need}):
+            mine = [s for s in range(len(bounds)) if ranks[s] == rank]
+            others = [s for s in mine if s not in need]
+            rest = budget - sum(need[s] for s in mine if s in need)
+            for s in others:
+                if others and sum(solved[s].memory.values()) > rest / len(others):
+                    try:
+                        solved[s] = solve(s, rest / len(others))
+                    except MemoryInfeasibleError as err:
+                        raise MegatronDoesNotFit(
+                            f"{cfg.label()}: stage {s} does not fit beside its "
+                            f"rank's larger stages: {err}") from None
+            for s in mine:
+                if s in need:
+                    left = (budget - sum(sum(solved[o].memory.values()) for o in mine
+                                         if o in solved)
+                            - sum(need[o] for o in mine
+                                  if o in need and o not in solved and o != s))
+                    try:
+                        solved[s] = solve(s, left)
+                    except MemoryInfeasibleError as err:
+                        raise MegatronDoesNotFit(f"{cfg.label()}: stage {s} does not fit in the "
+                                                 f"{left / 2**30:.1f} GiB its rank's other stages "
+                                                 f"leave: {err}") from None
+
+    solve_all()
+    if v > 1:
+        # the rank's peak weighted by each chunk's own activation bytes per
+        # micro-batch: the counts at that moment, solved again where they differ
+        act_b = {s: r.memory.get("activations", 0.0) / copies[s] for s, r in solved.items()}
+        weighted = _stage_copies(cfg.schedule, cfg.pp, m, v, ctx.schedule_book, act_b)
+        if weighted != copies:
+            copies = weighted
+            solve_all()
     for s in range(len(bounds)):
         r = solved[s]
         results.append(r)

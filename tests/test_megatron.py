@@ -653,3 +653,29 @@ def test_uneven_layout_may_leave_the_first_and_last_chunk_only_embedding_and_hea
         MegatronConfig(1, 1, pipeline_model_parallel_size=2,
                        virtual_pipeline_model_parallel_size=2,
                        pipeline_model_parallel_layout=(1, 0, 1, 0))
+
+
+def test_the_head_chunk_of_an_uneven_layout_holds_one_microbatch_in_flight():
+    """Each chunk is priced with its own micro-batches at its rank's peak:
+    under interleaved 1F1B the last chunk (head and loss alone) runs each
+    micro-batch's backward right after its forward, while the rank's other
+    chunk holds several; an even share of the rank's peak would count the
+    head's logits more than once."""
+    from costmodel.schedule_peaks import stage_counts_at_peak
+    from costmodel.schedules import peak_activations, rank_orders
+
+    model, inputs = build_model("llama-tiny", device="meta")
+    cfg = MegatronConfig(1, 1, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, micro_batch_size=1,
+                         pipeline_model_parallel_layout=(0, 1, 1, 0))
+    plan = megatron_plan(model, load_cluster("dgx-h100:1").sub_cluster(1, 2), cfg,
+                         example_inputs=inputs)
+    stages = plan.pipeline.stages
+    m = plan.pipeline.num_microbatches
+    assert m >= 4
+    in_flight = [st.predicted["in_flight_microbatches"] for st in stages]
+    assert in_flight[-1] == 1
+    assert in_flight[1] > 1  # the last rank's layer chunk
+    orders, _ = rank_orders("interleaved_1f1b", 2, m, 2)
+    peaks, _ = peak_activations("interleaved_1f1b", 2, m, 2)
+    assert stage_counts_at_peak(orders, 2)[3] == 1 and peaks[1] > 2

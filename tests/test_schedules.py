@@ -463,3 +463,46 @@ def test_splits_backward_is_what_torch_runs(name):
     assert spec.splits_backward == bool(kinds & {"I", "W"})
     assert (spec.zero_stage_problem(3) is not None) == spec.splits_backward
     assert spec.zero_stage_problem(2) is None
+
+
+# ---------------------------------------------------------------------------------------
+# Each stage's share of its rank's peak
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp,m,v", [(4, 8, 2), (4, 4, 3), (16, 32, 8)])
+def test_stage_counts_at_peak_add_up_to_the_ranks_peak(pp, m, v):
+    """The stages' counts at their rank's peak sum to the rank's peak count,
+    and the last stage (the loss) holds one micro-batch at a time under
+    interleaved 1F1B, whatever the rank's other stages hold."""
+    from costmodel.schedule_peaks import stage_counts_at_peak
+
+    orders, s2r = rank_orders("interleaved_1f1b", pp, m, v)
+    peaks, _ = peak_activations("interleaved_1f1b", pp, m, v)
+    counts = stage_counts_at_peak(orders, pp)
+    for r in range(pp):
+        assert sum(c for s, c in counts.items() if s2r[s] == r) == peaks[r]
+    assert counts[pp * v - 1] == 1
+    assert counts[0] > 1
+
+
+def test_stage_counts_follow_the_bytes_weighted_peak():
+    """With one stage far heavier per micro-batch, the peak is where it holds
+    most: its own maximum, not the count peak's share."""
+    from costmodel.schedule_peaks import live_activation_peaks, stage_counts_at_peak
+
+    pp, m, v = 4, 8, 2
+    orders, s2r = rank_orders("interleaved_1f1b", pp, m, v)
+    heavy = 0  # rank 0's first stage
+    act_b = {s: (1000.0 if s == heavy else 1.0) for s in s2r}
+    counts = stage_counts_at_peak(orders, pp, act_b)
+    own_max, alive = 0, 0
+    for op in orders[0]:
+        if op[1] == heavy and op[0] == "F":
+            alive += 1
+            own_max = max(own_max, alive)
+        elif op[1] == heavy and op[0] in ("B", "W"):
+            alive -= 1
+    assert counts[heavy] == own_max
+    _, peak_b = live_activation_peaks(orders, pp, [act_b[s] for s in range(pp * v)])
+    assert sum(act_b[s] * c for s, c in counts.items() if s2r[s] == 0) == peak_b[0]
