@@ -283,8 +283,11 @@ class ContextParallelRuntime:
         stride = contiguous_strides(shape)
         if (isinstance(captured, torch.Tensor) and not captured.is_contiguous()
                 and captured.transpose(1, 2).is_contiguous()):
-            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+            if not out.transpose(1, 2).is_contiguous():
+                out = out.transpose(1, 2).contiguous().transpose(1, 2)
             stride = tuple(captured.stride())
+        elif not out.is_contiguous():
+            out = out.contiguous()
         return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False,
                                   shape=shape, stride=stride)
 
@@ -362,7 +365,10 @@ class _RingAttention(torch.autograd.Function):
                 scale: float | None) -> torch.Tensor:
         kernel, _ = cpu_flash_attention_ops()
         half = q.shape[2] // 2
-        out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=torch.float32, device=q.device)
+        # laid out [rows, tokens, heads, dim], as fused kernels write it (the
+        # layout the capture gives attention's output): no copy to relay it
+        out = torch.zeros((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]),
+                          dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         kv = [k, v]
         for step in range(ring.size):

@@ -58,7 +58,8 @@ from codegen.redistribution import plan_on_mesh
 from codegen.zero3_units import UnitRun, run_unit
 from ir.exported_graph import tied_parameters
 from ir.precision import cast_float
-from ir.torch_compat import fake_store_type, register_fused_attention_sharding, tree_leaves
+from ir.torch_compat import (fake_store_type, register_fused_attention_sharding,
+                             register_zeros_like_input_sharding, tree_leaves)
 from planner.plan_format import Plan
 
 __all__ = ["PlanExecutor", "record_plan"]
@@ -106,6 +107,7 @@ class PlanExecutor:
         self.local = self._runs_locally()
         self.precision = plan.precision
         register_fused_attention_sharding()
+        register_zeros_like_input_sharding()
         # context parallelism: the program is one cp rank's, fed whole
         # sequences cut into its rows (codegen.context_parallel)
         self._cp_layout = layout_of(self.plan)

@@ -24,7 +24,8 @@ __all__ = [
     "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
     "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
     "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
-    "op_strategy_functions", "register_fused_attention_sharding", "sharding_propagator",
+    "op_strategy_functions", "register_fused_attention_sharding",
+    "register_zeros_like_input_sharding", "sharding_propagator",
     "single_dim_expansion", "strided_shard", "strided_shard_type",
     "without_dtensor_redistribute_costs", "zero_masked_rows",
 ]
@@ -413,6 +414,28 @@ def register_fused_attention_sharding() -> None:
         return [([Replicate()] * 3, [Replicate()] * 6 + mask(Replicate())),
                 ([Shard(0)] * 3, [Shard(0)] * 6 + mask(Shard(0))),
                 ([Shard(1)] * 3, [Shard(1)] * 6 + mask(Shard(1)))]
+
+
+@functools.lru_cache(maxsize=1)
+def register_zeros_like_input_sharding() -> None:
+    """Let DTensor's ``new_zeros`` shard its zeros as its input is sharded on
+    every mesh axis where the two have the same size on the input's shard dim.
+    DTensor's own rule follows the input only when the whole shapes are
+    equal and otherwise replicates: autograd's backward of ``gather``
+    (``grad.new_zeros(input's shape).scatter_add(...)``, the loss's pick of
+    the target logits) then allocates the zeros of the whole global
+    ``[tokens, vocabulary]`` on every rank, mesh-size times the rank's own.
+    Zeros are zeros in any placement, so sharding them is exact. Registered
+    once per process, through DTensor's public ``register_sharding``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.aten.new_zeros.default)
+    def _new_zeros(self, size, *args, **kwargs):  # noqa: ARG001 - op signature
+        same = [d for d in range(min(self.ndim, len(size))) if int(size[d]) == self.shape[d]]
+        return ([([Shard(d)], [Shard(d)]) for d in same]
+                + [([Replicate()], [p]) for p in (Replicate(), Partial())]
+                + [([Replicate()], [Shard(d)]) for d in range(self.ndim) if d not in same])
 
 
 def decomposition_registry_size() -> tuple[int, int]:

@@ -344,3 +344,31 @@ def test_rank_device_follows_the_plans_cluster(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert runtime_device({"name": "dgx-h100:1", "backend": "nccl"}, 1) == \
         ("gloo", torch.device("cpu"))
+
+
+def test_the_gradient_of_a_sharded_gather_holds_only_this_ranks_rows():
+    """The loss picks the target logits with ``gather``, whose backward is
+    ``grad.new_zeros(logits' shape).scatter_add(...)``: on a rank of 4 with
+    the rows split, the zeros are its own quarter of the logits, not the whole
+    global tensor (DTensor's own rule replicates them)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ir.torch_compat import fake_store_type, register_zeros_like_input_sharding
+
+    register_zeros_like_input_sharding()
+    dist.init_process_group("fake", store=fake_store_type()(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        logits = distribute_tensor(torch.randn(64, 10), mesh, [Shard(0)]).requires_grad_()
+        index = distribute_tensor(torch.randint(0, 10, (64, 1)), mesh, [Shard(0)])
+        picked = logits.gather(1, index)
+        zeros = picked.new_zeros((64, 10))
+        assert zeros.placements == (Shard(0),) and zeros.to_local().shape == (16, 10)
+        picked.sum().backward()
+        assert logits.grad.to_local().shape == (16, 10)
+        assert float(logits.grad.to_local().sum()) == 16.0
+    finally:
+        dist.destroy_process_group()
