@@ -1,6 +1,7 @@
 """Megatron-LM manual plans in the Plan format, and `planner compare`."""
 
 import json
+from typing import Any
 
 import pytest
 
@@ -639,14 +640,20 @@ def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
         2 * _m.prod(k.shape) * k.itemsize / 2)
 
 
-def test_uneven_layout_may_leave_the_first_and_last_chunk_only_embedding_and_head():
-    """Llama 3's layout: the first chunk the embedding alone, the last the head and loss."""
+def _llama3_uneven_layout_plan() -> Any:
+    """llama-tiny on 2 H100s, pp 2 with 2 chunks each, Llama 3's layout: the
+    first chunk the embedding alone, the last the head and loss."""
     model, inputs = build_model("llama-tiny", device="meta")
     cfg = MegatronConfig(1, 1, pipeline_model_parallel_size=2,
                          virtual_pipeline_model_parallel_size=2, micro_batch_size=1,
                          pipeline_model_parallel_layout=(0, 1, 1, 0))
-    plan = megatron_plan(model, load_cluster("dgx-h100:1").sub_cluster(1, 2), cfg,
+    return megatron_plan(model, load_cluster("dgx-h100:1").sub_cluster(1, 2), cfg,
                          example_inputs=inputs)
+
+
+def test_uneven_layout_may_leave_the_first_and_last_chunk_only_embedding_and_head():
+    """Llama 3's layout: the first chunk the embedding alone, the last the head and loss."""
+    plan = _llama3_uneven_layout_plan()
     layers = [st.layers for st in plan.pipeline.stages]
     assert len(layers) == 4 and not any("layers." in l for l in layers[0] + layers[-1])
     with pytest.raises(ValueError, match="at least one"):
@@ -664,12 +671,7 @@ def test_the_head_chunk_of_an_uneven_layout_holds_one_microbatch_in_flight():
     from costmodel.schedule_peaks import stage_counts_at_peak
     from costmodel.schedules import peak_activations, rank_orders
 
-    model, inputs = build_model("llama-tiny", device="meta")
-    cfg = MegatronConfig(1, 1, pipeline_model_parallel_size=2,
-                         virtual_pipeline_model_parallel_size=2, micro_batch_size=1,
-                         pipeline_model_parallel_layout=(0, 1, 1, 0))
-    plan = megatron_plan(model, load_cluster("dgx-h100:1").sub_cluster(1, 2), cfg,
-                         example_inputs=inputs)
+    plan = _llama3_uneven_layout_plan()
     stages = plan.pipeline.stages
     m = plan.pipeline.num_microbatches
     assert m >= 4
