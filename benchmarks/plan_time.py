@@ -5,12 +5,20 @@ Writes ``benchmarks/results/plan_time.json`` with the machine it ran on.
 Targets: trace of gpt3-175b < 15 s and ILP for one gpt3-175b block on an (8, 8)
 mesh < 5 s (issue 2); full ``plan()`` of gpt3-175b on 128 x dgx-a100-80g
 (1024 GPUs) <= 60 s and of llama3-8b on 8 x dgx-h100 <= 10 s (issue 5).
+
+``--full-models llama3-405b deepseek-v3`` times the searches of
+:data:`LONG_PLANS` as ``planner plan`` runs them (its 60 s ILP limit; issue
+39: each <= 60 s): llama3-405b at 131,072 tokens on 2048 H100s, whose search
+also tries context parallelism, and deepseek-v3 with its zoo batch on 256 x
+h800. Each row records wall and CPU seconds (this process and its forked
+search workers) and the load average, since the machine is shared.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 import warnings
@@ -74,28 +82,49 @@ def time_block_ilp(name: str, cluster_spec: str, mesh_shape: tuple[int, ...]) ->
 # (model, cluster, global batch, sequence length) of the full-search benchmark
 FULL_PLANS = (("llama3-8b", "dgx-h100:8", 256, 8192),
               ("gpt3-175b", "dgx-a100-80g:128", 1536, 2048))
+# run only when named in --full-models, with the planner command's ILP limit:
+# `planner plan --model llama3-405b --cluster dgx-h100:2048 --seq-len 131072
+# --batch-size 128` and `planner plan --model deepseek-v3 --cluster h800:256`
+# (None: the zoo's batch and sequence)
+LONG_PLANS = (("llama3-405b", "dgx-h100:2048", 128, 131072),
+              ("deepseek-v3", "h800:256", None, None))
+CLI_TIME_LIMIT_S = 60.0
 
 
-def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its waited-for children (the
+    search's forked workers) so far."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(
+        resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def time_full_plan(name: str, cluster_spec: str, batch: int | None, seq_len: int | None,
                    time_limit_s: float = 10.0) -> dict:
-    """Wall time of ``planner.plan`` (trace + every single-stage and pipeline
-    candidate + exact stage ILPs), and what it chose."""
+    """Wall and CPU time of ``planner.plan`` (trace + every single-stage and
+    pipeline candidate + exact stage ILPs), and what it chose. ``batch``,
+    ``seq_len``: None keeps the zoo model's own."""
     from planner.api import plan
 
-    model, inputs = build_model(name, device="meta", batch_size=batch, seq_len=seq_len)
+    sizes = {k: v for k, v in (("batch_size", batch), ("seq_len", seq_len)) if v is not None}
+    model, inputs = build_model(name, device="meta", **sizes)
     steps: list[tuple[float, str]] = []
     load_before = load_average()
     speed = cpu_speed_probe()
     pair_speed = cpu_pair_probe()
+    cpu0 = _cpu_seconds()
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         p = plan(model, cluster_spec, example_inputs=inputs, model_source=name,
-                 time_limit_s=time_limit_s,
+                 time_limit_s=time_limit_s, zoo_kwargs=sizes,
                  progress=lambda msg: steps.append((time.perf_counter() - t0, msg)))
     total = time.perf_counter() - t0
+    cpu = _cpu_seconds() - cpu0
     chosen = {"mesh": p.mesh["shape"], "step_time_s": p.predicted["step_time_s"],
-              "memory_bytes_per_device": p.predicted["memory_bytes_per_device"]["total"]}
+              "memory_bytes_per_device": p.predicted["memory_bytes_per_device"]["total"],
+              "context_parallel": int(((p.training or {}).get("context_parallel") or {})
+                                      .get("size", 1))}
     if p.pipeline is not None:
         chosen.update(schedule=p.pipeline.schedule, microbatches=p.pipeline.num_microbatches,
                       layers_per_stage=[len(s.layers) for s in p.pipeline.stages],
@@ -105,10 +134,21 @@ def time_full_plan(name: str, cluster_spec: str, batch: int, seq_len: int,
     exact_from = next((t for t, msg in steps if msg.startswith("exact stage solves")), total)
     # the first message comes once the whole batch is traced
     traced_at = steps[0][0] if steps else total
-    return {"model": name, "cluster": cluster_spec, "global_batch": batch, "seq_len": seq_len,
-            "plan_s": total, "trace_s": traced_at, "search_s": exact_from - traced_at,
-            "exact_stages_s": total - exact_from,
+    # each context-parallel search starts with "context parallel <cp>: ..."; the
+    # search without cp (and the first trace) runs before the first of them
+    starts = [(t, msg.split()[2].rstrip(":")) for t, msg in steps
+              if msg.startswith("context parallel ")]
+    ends = [t for t, _ in starts[1:]] + [total]
+    cp_searches = {cp: end - t for (t, cp), end in zip(starts, ends)}
+    shape = list(inputs[0].shape) if isinstance(inputs, (tuple, list)) else list(inputs.shape)
+    # exact_stages_s: from the first exact solve on, so with context-parallel
+    # searches also every search after the one without cp
+    return {"model": name, "cluster": cluster_spec, "global_batch": shape[0],
+            "seq_len": shape[1], "plan_s": total, "plan_cpu_s": cpu, "trace_s": traced_at,
+            "search_s": exact_from - traced_at, "exact_stages_s": total - exact_from,
             "captures": sum(msg.startswith("tracing") for _, msg in steps),
+            "before_context_parallel_s": starts[0][0] if starts else total,
+            "context_parallel_search_s": cp_searches,
             "ilp_time_limit_s": time_limit_s, "search_steps": len(steps),
             "loadavg_before": load_before, "loadavg_after": load_average(),
             "cpu_speed_probe_s": speed, "cpu_pair_probe_s": pair_speed, "chosen": chosen}
@@ -121,21 +161,28 @@ def main() -> None:
     parser.add_argument("--skip-trace", action="store_true", help="no trace benchmark")
     parser.add_argument("--only-full", action="store_true", help="only the full plan() searches")
     parser.add_argument("--full-models", nargs="+", default=[m for m, *_ in FULL_PLANS],
-                        help="which full plan() searches to run (default: all)")
+                        help=f"which full plan() searches to run (default: "
+                             f"{' '.join(m for m, *_ in FULL_PLANS)}; also "
+                             f"{' '.join(m for m, *_ in LONG_PLANS)})")
     args = parser.parse_args()
     # sections not re-run keep their earlier results (each carries its machine)
     results = read_results(args.out)
     results["targets"] = {"trace_gpt3_175b_s": 15.0, "ilp_block_8x8_s": 5.0,
-                          "plan_gpt3_175b_1024_gpus_s": 60.0, "plan_llama3_8b_64_gpus_s": 10.0}
+                          "plan_gpt3_175b_1024_gpus_s": 60.0, "plan_llama3_8b_64_gpus_s": 10.0,
+                          "plan_llama3_405b_131072_tokens_s": 60.0,
+                          "plan_deepseek_v3_2048_gpus_s": 60.0}
     machine = machine_info(brief=True)
     full = {r["model"]: r for r in results.get("full_plan", [])}
-    for name, cluster_spec, batch, seq_len in FULL_PLANS:
+    long_names = {m for m, *_ in LONG_PLANS}
+    for name, cluster_spec, batch, seq_len in (*FULL_PLANS, *LONG_PLANS):
         if name not in args.full_models:
             continue
-        r = time_full_plan(name, cluster_spec, batch, seq_len)
+        r = time_full_plan(name, cluster_spec, batch, seq_len,
+                           **({"time_limit_s": CLI_TIME_LIMIT_S} if name in long_names else {}))
         full[name] = {**r, "machine": machine}
-        results["full_plan"] = [full[m] for m, *_ in FULL_PLANS if m in full]
-        print(f"plan() {name} on {cluster_spec}: {r['plan_s']:.1f} s -> {r['chosen']}", flush=True)
+        results["full_plan"] = [full[m] for m, *_ in (*FULL_PLANS, *LONG_PLANS) if m in full]
+        print(f"plan() {name} on {cluster_spec}: {r['plan_s']:.1f} s ({r['plan_cpu_s']:.1f} s "
+              f"CPU) -> {r['chosen']}", flush=True)
         write_results(args.out, results)
     if args.only_full:
         args.skip_trace = True
