@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.capture import PlanMismatchError
 from codegen.redistribution import contiguous_strides, redistribute
-from ir.graph import Graph
+from ir.graph import INPUT, Graph
 from ir.torch_compat import (SDPA, all_gather_autograd, cpu_flash_attention_ops,
                              from_local_with_grad_placements, is_assertion_op, tree_leaves,
                              tree_map)
@@ -62,7 +62,7 @@ _ARANGES = {torch.ops.aten.arange.default, torch.ops.aten.arange.start,
 
 @dataclass(frozen=True)
 class ContextParallelLayout:
-    """How a plan's cp groups lie on its mesh: ``size`` (cp) ranks of mesh
+    """How a plan's cp groups lie on its (stage) mesh: ``size`` (cp) ranks of mesh
     axis 0 at consecutive places ``o cp .. o cp + cp - 1`` (``outer`` groups
     of them along the axis), exchanging K/V by ``comm_type``."""
 
@@ -81,7 +81,8 @@ def layout_of(plan: Plan) -> ContextParallelLayout | None:
     if not record or int(record.get("size", 1)) <= 1:
         return None
     cp = int(record["size"])
-    axis0 = int(plan.mesh_shape[0])
+    stage_mesh = plan.pipeline.stage_mesh["shape"] if plan.pipeline is not None else plan.mesh_shape
+    axis0 = int(stage_mesh[0])
     if axis0 % cp:
         raise PlanMismatchError(f"context parallel size {cp} does not divide mesh axis 0 "
                                 f"({axis0} ranks), which holds the cp groups; re-plan")
@@ -166,15 +167,9 @@ class ContextParallelRuntime:
         #: ops computing from the token positions and not from the rows
         self.position_values: set[str] = set()
         self.check(plan, program, graph)
-        cp = layout.size
-        ranks = mesh.mesh.reshape(layout.outer, cp, -1)  # (o, c, the other axes' places)
-        groups = [ranks[o, :, i].tolist() for o in range(layout.outer)
-                  for i in range(ranks.shape[2])]
-        me = dist.get_rank()
-        self.group_ranks = next(g for g in groups if me in g)
-        self.index = self.group_ranks.index(me)
-        self.group, _ = dist.new_subgroups_by_enumeration(groups)
-        self.positions = chunk_positions(local_tokens, cp, self.index, mesh.device_type)
+        self.group_ranks, self.index, self.group = _cp_group(mesh, layout)
+        self.positions = chunk_positions(local_tokens, layout.size, self.index,
+                                         mesh.device_type)
 
     def check(self, plan: Plan, program: torch.fx.Graph, graph: Graph) -> None:
         """Refuse (:class:`PlanMismatchError`) what this runtime cannot run as
@@ -184,12 +179,16 @@ class ContextParallelRuntime:
         (:func:`planner.context_parallel.pinned_strategies` says why), and
         values of the token positions split or gathered over it (each rank
         holds its own positions under one name)."""
-        rows = next(n.output.shape[0] for n in graph.nodes if n.name in plan.inputs)
+        users = [n for n in graph.nodes if n.kind == INPUT]
+        inputs = dict(plan.inputs)  # a pipeline's first stage places them
+        for st in (plan.pipeline.stages if plan.pipeline is not None else ()):
+            inputs.update({k: v for k, v in st.inputs.items() if k in {n.name for n in users}})
+        rows = users[0].output.shape[0]
         carried: set[str] = set()
         for n in graph.nodes:
             entry = plan.nodes.get(n.name)
-            if n.name in plan.inputs:
-                placements = [plan.inputs[n.name]]
+            if n.name in inputs:
+                placements = [inputs[n.name]]
             else:
                 placements = list(entry.outputs[:1]) if entry is not None else []
             if carries_rows(n, rows, carried) and any(p[0] != "S(0)" for p in placements):
@@ -305,6 +304,31 @@ class ContextParallelRuntime:
         keys = torch.arange(2 * cp * half, device=q.device)
         mask = self.positions.to(q.device)[:, None] >= keys[None, :]
         return F.scaled_dot_product_attention(q, whole(k), whole(v), attn_mask=mask, scale=scale)
+
+
+def _cp_group(mesh: DeviceMesh, layout: ContextParallelLayout) -> tuple[list[int], int, Any]:
+    """This rank's cp group on (stage) ``mesh``: its global ranks, this rank's
+    cp index in it, and its process group. Every rank of the job makes every
+    group, in one order (a process group is made by all ranks): the job's
+    ranks laid out as ``(pipeline ranks, *mesh.shape)``, row-major, as
+    ``init_device_mesh`` lays out a plan's world mesh; per stage mesh, axis 0
+    is ``(outer, cp)``.
+
+    Raises:
+        PlanMismatchError: ``mesh`` is not one of those stage meshes.
+    """
+    cp = layout.size
+    world = torch.arange(dist.get_world_size()).reshape(-1, *mesh.shape)
+    if not any(torch.equal(stage, mesh.mesh.cpu()) for stage in world):
+        raise PlanMismatchError(f"the ranks of mesh {mesh.mesh.tolist()} are not one stage mesh "
+                                f"of a world laid out as {list(world.shape)}; relaunch the plan")
+    groups = [stage.reshape(layout.outer, cp, -1)[o, :, i].tolist()
+              for stage in world for o in range(layout.outer)
+              for i in range(stage.numel() // (layout.outer * cp))]
+    me = dist.get_rank()
+    mine = next(g for g in groups if me in g)
+    group, _ = dist.new_subgroups_by_enumeration(groups)
+    return mine, mine.index(me), group
 
 
 class _Ring:

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement
 
 from codegen.capture import CapturedProgram, PlanMismatchError, capture_program
+from codegen.context_parallel import cut_sequences, layout_of
 from codegen.executor import PlanExecutor
 from codegen.program_inputs import Materialize
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
@@ -690,6 +691,9 @@ class PipelineRuntime:
         pp_rank = int(world.get_coordinate()[0])
         m = pipe.num_microbatches
         microbatch = split_microbatch(global_inputs, m)
+        layout = layout_of(plan)
+        if layout is not None:  # each stage runs one cp rank's program
+            microbatch = cut_sequences(microbatch, layout)
         mb_size = plan.training.get("microbatch_size")
         if mb_size is not None and microbatch and int(microbatch[0].shape[0]) != int(mb_size):
             raise PipelinePlanError(f"the plan's micro-batch is {mb_size} but the model's batch "
@@ -757,6 +761,14 @@ class PipelineRuntime:
         ranks of the last stage (local scalars), None elsewhere."""
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         microbatches = split_microbatches(global_inputs, self.num_microbatches)
+        layout = layout_of(self.plan)
+        if layout is not None:
+            # each micro-batch's sequences cut over the cp groups, then put back
+            # in one batch that the schedule splits into exactly those
+            microbatches = [cut_sequences(mb, layout) for mb in microbatches]
+            global_inputs = tuple(torch.cat(parts) if isinstance(parts[0], torch.Tensor)
+                                  and parts[0].dim() > 0 else parts[0]
+                                  for parts in zip(*microbatches))
         for executor in self.executors:
             executor.microbatches = microbatches
         args = tuple(global_inputs) if self.has_first else ()

@@ -18,9 +18,4 @@ def unrunnable_reason(plan: Any) -> str | None:
     if plan.precision.compute_dtype_name == "float16":
         return (f"it trains in {plan.precision.name}, which needs loss scaling that this "
                 f"runtime does not do; re-plan with --precision bf16-mixed to run it")
-    cp = (plan.training or {}).get("context_parallel")
-    if cp and int(cp.get("size", 1)) > 1 and plan.pipeline is not None:
-        return (f"it splits each sequence over {cp.get('size')} ranks (context "
-                f"parallelism) in a pipeline, which is priced but not run yet; plan it with "
-                f"--pp 1, or without context parallelism, to run it")
     return None

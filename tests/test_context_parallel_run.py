@@ -44,13 +44,16 @@ def test_chunk_positions_are_chunks_i_and_2cp_minus_1_minus_i():
 
 
 def _cp_plan(tmp_path: Any, model: str, devices: int, cp: int, *, precision: str = "fp32",
-             comm_type: str | None = None, pp: tuple[int, ...] = (1,)) -> Any:
+             comm_type: str | None = None, pp: tuple[int, ...] = (1,),
+             schedule: str | None = None, zero: int | None = None) -> Any:
     """A searched plan of zoo ``model`` with context parallel size ``cp`` on
     ``local-cpu:devices`` (its exchange set to ``comm_type`` where given: the
     runtime runs what the plan says), saved; returns its path."""
     m, inputs = build_model(model, device="meta", seed=0)
     p = plan(m, f"local-cpu:{devices}", example_inputs=inputs, context_parallel=(cp,), pp=pp,
-             precision=precision, model_source=model, time_limit_s=5.0)
+             precision=precision, model_source=model, time_limit_s=5.0,
+             schedules=(schedule,) if schedule else None,
+             zero_stages=(zero,) if zero is not None else None)
     path = tmp_path / f"{model}_{devices}_{cp}.json"
     p.save(path)
     if comm_type is not None:
@@ -81,8 +84,16 @@ def test_context_parallel_plans_train_as_one_process_does(tmp_path, model, devic
     assert result["max_rel_grad_err"] <= tolerance and not result["missing_grads"]
 
 
-def test_a_context_parallel_pipeline_is_refused_before_any_rank_starts(tmp_path):
-    path = _cp_plan(tmp_path, "gpt-tiny", 4, 2, pp=(2,))
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model,schedule,zero", [
+    ("gpt-tiny", "zbv", 0),            # the backward split in two (input, then weights)
+    ("llama-tiny", "1f1b", 3),         # FSDP2 stages, gathered unit by unit
+])
+def test_context_parallel_pipelines_train_as_one_process_does(tmp_path, model, schedule, zero):
+    path = _cp_plan(tmp_path, model, 4, 2, pp=(2,), schedule=schedule, zero=zero)
     p = load_plan(path)
-    assert p.pipeline is not None
-    assert "in a pipeline" in unrunnable_reason(p)
+    assert p.pipeline is not None and p.pipeline.schedule == schedule
+    assert unrunnable_reason(p) is None
+    result = launch(path, check=True, steps=2, timeout_s=240)
+    assert result["passed"], result["output"]
+    assert result["max_loss_rel_err"] <= 1e-5 and result["max_rel_grad_err"] <= 1e-5
