@@ -98,7 +98,8 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
             result.memory, step_peak_bytes(
                 result.memory, training.get("optimizer", "adam"),
                 step_copy=sum(cost.step_copy(n, chosen[n.name])
-                              for n in graph.nodes if n.kind == PARAM))
+                              for n in graph.nodes if n.kind == PARAM),
+                backward_excess=cost.backward_excess(chosen, result.checkpointed))
             if whole_batch else None),
     }
     return Plan(
