@@ -514,7 +514,7 @@ def _pipeline_plan(model, cluster: Cluster, cfg: MegatronConfig, example_inputs:
                                          programs=cache.setdefault("programs", {}),
                                          schedule_book=cache.setdefault("schedule_book",
                                                                         ScheduleBook()),
-                                         whole_batch_graph=graph)
+                                         whole_batch_graph=graph, context_parallel=cfg.cp)
     prog = ctx.program(m, traced=True)
     v = cfg.stages_per_rank
     bounds = _chunk_bounds(prog.layers, cfg.layer_split(block_count(prog.layers)))

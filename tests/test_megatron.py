@@ -589,18 +589,20 @@ def test_context_parallel_plan_prices_one_cp_ranks_program(llama_cp_plans):
         ring.predicted["context_parallel"]["kv_buffer_bytes"]  # cp = 2: 2 cp = 4
 
 
-def test_a_context_parallel_plan_is_refused_by_the_runtime(llama_cp_plans, tmp_path):
-    """The runtime has no ring attention yet: a cp plan would run as plain data
-    parallelism over dp x cp, so it is refused in one line before any rank starts."""
-    from codegen.launch import LaunchError, runnable_world
-
-    _, (plain, ring, _) = llama_cp_plans
+@pytest.mark.multiprocess
+def test_a_megatron_context_parallel_plan_trains_as_one_process_does(tmp_path):
+    """Megatron's cp layout (rows over dp x cp, heads over tp) runs with the ring
+    (:mod:`codegen.context_parallel`) and matches one process on the whole
+    sequences."""
+    model, inputs = build_model("llama-tiny", device="meta")
+    plan = megatron_plan(model, load_cluster("local-cpu:4"),
+                         MegatronConfig(2, 1, context_parallel_size=2),
+                         example_inputs=inputs, model_source="llama-tiny")
     path = tmp_path / "cp.json"
-    ring.save(path)
-    with pytest.raises(LaunchError, match="context parallelism") as err:
-        runnable_world(ring, str(path), None)
-    assert err.value.user_error and "\n" not in str(err.value)
-    assert runnable_world(plain, "plain.json", None) == 4
+    plan.save(path)
+    result = launch(path, check=True, steps=1, timeout_s=240)
+    assert result["passed"], result["output"]
+    assert result["max_loss_rel_err"] <= 1e-5 and result["max_rel_grad_err"] <= 1e-5
 
 
 def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
