@@ -588,8 +588,8 @@ class IntraOpCost:
         its experts' gradients, made at once while the earlier layers'
         activations are alive, can lift it far above that (DeepSeek-V3's MoE
         layer: 22 GB of bf16 gradients). Under the ``chosen`` strategies (None:
-        every value whole, as captured). Ops of ``checkpointed`` layers (module
-        paths) free nothing: their activations were not kept (their
+        every value whole, as captured). Ops of ``checkpointed`` layers (names
+        of the graph's layers) free nothing: their activations were not kept (their
         recomputation is :func:`costmodel.memory.step_peak_bytes`'
         ``recomputed_layer``).
 
@@ -607,10 +607,7 @@ class IntraOpCost:
             return Strategy(inputs=tuple(whole for _ in node.args),
                             outputs=tuple(whole for _ in node.outputs))
 
-        def in_checkpointed(node: Node) -> bool:
-            path = node.module_path or ""
-            return any(path == c or path.startswith(c + ".") for c in checkpointed)
-
+        recomputed = graph.layer_ops(checkpointed)
         # the parameter a value is (through views)
         root: dict[str, str] = {}
         for n in graph.nodes:
@@ -646,7 +643,7 @@ class IntraOpCost:
             made[op] = made.get(op, 0.0) + grads
         for base, op in release_points(graph, self.requires_grad).items():
             node = graph[base]
-            if node.kind != OP or in_checkpointed(node):
+            if node.kind != OP or base in recomputed:
                 continue
             kept = self.memory_breakdown(node, strategy(node)).get("activations", 0.0)
             freed[op] = freed.get(op, 0.0) + kept

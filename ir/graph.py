@@ -13,7 +13,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import networkx as nx
 
@@ -57,6 +57,12 @@ class Graph:
         """:func:`ir.repeated_blocks.find_layers` of this graph, found once (the
         planner prices each stage graph on many meshes)."""
         return find_layers(self)
+
+    def layer_ops(self, names: Iterable[str]) -> set[str]:
+        """Names of the ops in the :attr:`layers` named ``names`` (a plan's
+        checkpointed layers, say)."""
+        wanted = set(names)
+        return {op for layer in self.layers if layer.name in wanted for op in layer.nodes}
 
     def __getitem__(self, name: str) -> Node:
         return self.by_name[name]

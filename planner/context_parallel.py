@@ -173,8 +173,7 @@ def context_parallel_seconds(result: IntraOpResult, cost: IntraOpCost, cp: int, 
     if cp == 1:
         return 0.0, 0.0, 0.0
     graph = result.graph
-    recomputed = {op for layer in graph.layers if layer.name in set(result.checkpointed)
-                  for op in layer.nodes}
+    recomputed = graph.layer_ops(result.checkpointed)
     forward = backward = buffers = 0.0
     for n in graph.nodes:
         if n.target != FUSED_ATTENTION:
