@@ -164,21 +164,24 @@ class ContextParallelRuntime:
                 f"CPU flash kernel), not on {mesh.device_type}; plan without it for this device")
         self.layout = layout
         self.local_tokens = local_tokens
-        #: ops computing from the token positions and not from the rows
-        self.position_values: set[str] = set()
-        self.check(plan, program, graph)
+        #: the program's token positions (aranges), and the ops computing from
+        #: them and not from the rows (the positions among them)
+        self.position_aranges, self.position_values = self.check(plan, program, graph)
         self.group_ranks, self.index, self.group = _cp_group(mesh, layout)
         self.positions = chunk_positions(local_tokens, layout.size, self.index,
                                          mesh.device_type)
 
-    def check(self, plan: Plan, program: torch.fx.Graph, graph: Graph) -> None:
+    def check(self, plan: Plan, program: torch.fx.Graph, graph: Graph
+              ) -> tuple[set[str], set[str]]:
         """Refuse (:class:`PlanMismatchError`) what this runtime cannot run as
         one program over whole sequences (``program``: the captured program,
         ``graph``: its :class:`ir.graph.Graph`): attention other than causal
         fused attention, token rows not split over mesh axis 0
         (:func:`planner.context_parallel.pinned_strategies` says why), and
         values of the token positions split or gathered over it (each rank
-        holds its own positions under one name)."""
+        holds its own positions under one name). Returns the names of the
+        program's positions (its ``arange`` over a rank's tokens) and of the
+        ops computing from them and not from the rows."""
         users = [n for n in graph.nodes if n.kind == INPUT]
         inputs = dict(plan.inputs)  # a pipeline's first stage places them
         for st in (plan.pipeline.stages if plan.pipeline is not None else ()):
@@ -195,6 +198,7 @@ class ContextParallelRuntime:
                 raise PlanMismatchError(
                     f"the plan holds the token rows of {n.name} as {placements[0]} on mesh axis "
                     f"0; context parallelism needs them S(0) there; re-plan")
+        aranges: set[str] = set()
         positions: set[str] = set()
         for n in program.nodes:
             if n.op != "call_function":
@@ -204,7 +208,9 @@ class ContextParallelRuntime:
                 self._check_attention(plan, n)
             if n.name in carried or is_assertion_op(n.target):  # checks move no data
                 continue
-            if _is_positions(n, self.local_tokens) or reads & positions:
+            if _is_positions(n, self.local_tokens):
+                aranges.add(n.name)
+            if n.name in aranges or reads & positions:
                 positions.add(n.name)
             entry = plan.nodes.get(n.name)
             if entry is None:
@@ -217,7 +223,7 @@ class ContextParallelRuntime:
                     f"the plan splits values of the token positions over mesh axis 0 (at "
                     f"{n.name}), whose ranks each hold other positions under context "
                     f"parallelism; re-plan")
-        self.position_values = positions
+        return aranges, positions
 
     @staticmethod
     def _check_attention(plan: Plan, node: torch.fx.Node) -> None:
@@ -238,7 +244,7 @@ class ContextParallelRuntime:
     def constant(self, node: torch.fx.Node, value: Any) -> Any:
         """``value`` of constant op ``node``; the token positions this rank
         holds where ``node`` is the program's positions."""
-        if _is_positions(node, self.local_tokens):
+        if node.name in self.position_aranges:
             return self.positions.to(device=value.device, dtype=value.dtype)
         return value
 

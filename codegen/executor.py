@@ -91,6 +91,8 @@ class PlanExecutor:
             last forward: the placements each op consumed and produced, the
             reshards (explicit, by DTensor, of mismatched outputs), the
             mismatches and the ops that ran replicated.
+        context_parallel_layout: the plan's cp groups
+            (:func:`codegen.context_parallel.layout_of`); None without cp.
     """
 
     def __init__(self, plan: Plan, model: torch.nn.Module, example_inputs: Any,
@@ -110,9 +112,10 @@ class PlanExecutor:
         register_zeros_like_input_sharding()
         # context parallelism: the program is one cp rank's, fed whole
         # sequences cut into its rows (codegen.context_parallel)
-        self._cp_layout = layout_of(self.plan)
-        if self._cp_layout is not None and program is None:
-            example_inputs = cut_sequences(tree_leaves(example_inputs), self._cp_layout)
+        self.context_parallel_layout = layout_of(self.plan)
+        if self.context_parallel_layout is not None and program is None:
+            example_inputs = cut_sequences(tree_leaves(example_inputs),
+                                           self.context_parallel_layout)
         if program is None:
             program = capture_program(model, example_inputs, self.precision,
                                       torch.device(mesh.device_type))
@@ -146,12 +149,12 @@ class PlanExecutor:
         """The plan's context parallelism at run time (its cp groups made
         here, on every rank alike), or None without; ``cut_inputs``: the
         program's example inputs, one cp rank's rows."""
-        if self._cp_layout is None:
+        if self.context_parallel_layout is None:
             return None
         tokens = next(t.shape[1] for t in tree_leaves(cut_inputs)
                       if isinstance(t, torch.Tensor) and t.dim() >= 2)
         return ContextParallelRuntime(self.plan, self.mesh, self.ep.graph, self.graph,
-                                      self._cp_layout, int(tokens))
+                                      self.context_parallel_layout, int(tokens))
 
     def _hold_only_placed(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Point the program's state at the parameters placed here, so that it no
@@ -250,8 +253,8 @@ class PlanExecutor:
         """Run the program; returns its user outputs (one value, or a tuple)."""
         self._begin_forward()
         flat_inputs = tree_leaves(inputs)
-        if self._cp_layout is not None:
-            flat_inputs = list(cut_sequences(flat_inputs, self._cp_layout))
+        if self.context_parallel_layout is not None:
+            flat_inputs = list(cut_sequences(flat_inputs, self.context_parallel_layout))
         if len(flat_inputs) != len(self.user_input_names):
             raise ValueError(f"program takes {len(self.user_input_names)} inputs "
                              f"({', '.join(self.user_input_names)}), got {len(flat_inputs)}")

@@ -761,7 +761,7 @@ class PipelineRuntime:
         ranks of the last stage (local scalars), None elsewhere."""
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         microbatches = split_microbatches(global_inputs, self.num_microbatches)
-        layout = layout_of(self.plan)
+        layout = self.executors[0].context_parallel_layout
         if layout is not None:
             # each micro-batch's sequences cut over the cp groups, then put back
             # in one batch that the schedule splits into exactly those
