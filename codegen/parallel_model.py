@@ -330,6 +330,13 @@ class ParallelModel:
         return self._executor.graph.forward_flops
 
     # ---------------------------------------------------------------- step
+    @property
+    def input_shapes(self) -> list[tuple[int, ...] | None]:
+        """The shape of each input :meth:`step` takes (None for a non-tensor):
+        the model's own, whole sequences under context parallelism (the
+        plan's ``training["input_shapes"]`` are then one cp rank's)."""
+        return [spec.shape if spec is not None else None for spec in self._inputs]
+
     def check_batch(self, batch: Sequence[Any]) -> None:
         """Refuse (:class:`BatchShapeError`) a batch of other shapes or dtypes
         than the plan's inputs."""
