@@ -33,6 +33,7 @@ them and loads them under another plan).
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -94,10 +95,22 @@ def _ensure_process_group(plan: Plan) -> torch.device:
             raise RuntimeError(f"parallelize needs torchrun's environment: start the script with "
                                f"torchrun --nproc_per_node {plan.world_size}")
         dist.init_process_group(backend, **_restart_store())
+        atexit.register(_close_process_group)
     if dist.get_world_size() != plan.world_size:
         raise PlanMismatchError(f"the plan is for {plan.world_size} devices (mesh "
                                 f"{list(plan.mesh_shape)}) but {dist.get_world_size()} ranks run")
     return device
+
+
+def _close_process_group() -> None:
+    """At interpreter exit, close the process group :func:`parallelize` started.
+
+    Left to interpreter finalization, gloo's worker threads can still hold
+    work whose tensors need the GIL of an interpreter being torn down, and the
+    rank aborts (SIGABRT) after its last step. No barrier first: a rank leaving
+    on an error must not wait for peers blocked in a collective with it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _restart_store() -> dict[str, Any]:

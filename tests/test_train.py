@@ -187,7 +187,7 @@ def test_bad_input_is_one_line_and_touches_nothing(plans, tokens, tmp_path, caps
 @pytest.mark.multiprocess
 def test_readme_training_loop_runs(plans, tokens, tmp_path):
     """The README's own training loop (``# train_loop.py``) trains a 2x2 plan on
-    4 ranks and saves a DCP checkpoint of the model by its FQNs."""
+    4 ranks, saves a DCP checkpoint of the model by its FQNs, and exits cleanly."""
     import shutil
     import subprocess
     import sys
@@ -195,7 +195,11 @@ def test_readme_training_loop_runs(plans, tokens, tmp_path):
     from codegen.launch import rank_env
     from tests.test_readme import _readme_file
 
-    (tmp_path / "train_loop.py").write_text(_readme_file("train_loop.py"))
+    # registered before parallelize's own exit handler, so it runs after it
+    report_at_exit = ("import atexit\nimport torch.distributed\n"
+                      "atexit.register(lambda: print('group open at exit:', "
+                      "torch.distributed.is_initialized()))\n")
+    (tmp_path / "train_loop.py").write_text(report_at_exit + _readme_file("train_loop.py"))
     shutil.copy(plans["2x2"], tmp_path / "plan.json")
     shutil.copy(tokens, tmp_path / "train.bin")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -206,6 +210,9 @@ def test_readme_training_loop_runs(plans, tokens, tmp_path):
               if line.startswith("step ")]
     assert len(losses) == 5 and losses[-1] < losses[0]
     assert (tmp_path / "my_checkpoint" / ".metadata").exists()
+    # every rank closed the group before interpreter finalization (a group left
+    # to it can abort a rank after its last step)
+    assert proc.stdout.count("group open at exit: False") == 4, proc.stdout[-2000:]
 
 
 @pytest.mark.multiprocess
