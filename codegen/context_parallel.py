@@ -46,11 +46,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.capture import PlanMismatchError
 from codegen.redistribution import contiguous_strides, redistribute
+from costmodel.compute import FUSED_ATTENTION
 from ir.graph import INPUT, Graph
 from ir.torch_compat import (SDPA, all_gather_autograd, cpu_flash_attention_ops,
                              from_local_with_grad_placements, is_assertion_op, tree_leaves,
                              tree_map)
-from planner.context_parallel import carries_rows
+from planner.context_parallel import carries_rows, kv_head_repeats, local_kv_repeats
 from planner.plan_format import Plan
 
 __all__ = ["ContextParallelLayout", "ContextParallelRuntime", "chunk_positions",
@@ -167,6 +168,10 @@ class ContextParallelRuntime:
         #: the program's token positions (aranges), and the ops computing from
         #: them and not from the rows (the positions among them)
         self.position_aranges, self.position_values = self.check(plan, program, graph)
+        #: per attention op, how often each K/V head repeats in its k and v
+        #: (grouped-query attention): the ranks exchange each K/V head once
+        self.kv_repeats = {n.name: (kv_head_repeats(graph, n, 1), kv_head_repeats(graph, n, 2))
+                           for n in graph.nodes if n.target == FUSED_ATTENTION}
         self.group_ranks, self.index, self.group = _cp_group(mesh, layout)
         self.positions = chunk_positions(local_tokens, layout.size, self.index,
                                          mesh.device_type)
@@ -278,7 +283,10 @@ class ContextParallelRuntime:
         memory as the capture gave ``node``'s output."""
         q, k, v = args[:3]
         scale = kwargs.get("scale")
-        ql, kl, vl = (t.to_local() for t in (q, k, v))
+        ql = q.to_local()
+        # each K/V head once: its copies' gradients meet at the repeat upstream
+        kl, vl = (_one_per_head(t.to_local(), local_kv_repeats(n_rep, t.to_local().shape[1]))
+                  for t, n_rep in zip((k, v), self.kv_repeats.get(node.name, (1, 1))))
         if self.layout.comm_type == "p2p":
             out = _RingAttention.apply(ql, kl, vl, _Ring(self), scale)
         else:
@@ -299,13 +307,15 @@ class ContextParallelRuntime:
     def _gathered_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             scale: float | None) -> torch.Tensor:
         """Attention over K/V all-gathered from the cp group, put in sequence
-        order, under the causal mask of this rank's query positions."""
+        order, under the causal mask of this rank's query positions (``k``,
+        ``v``: each K/V head once, :func:`_one_per_head`)."""
         cp, half = self.layout.size, q.shape[2] // 2
 
         def whole(t: torch.Tensor) -> torch.Tensor:
             blocks = all_gather_autograd(t.contiguous(), 0, self.group).chunk(cp, dim=0)
-            return torch.cat([b[:, :, :half] for b in blocks]
-                             + [b[:, :, half:] for b in reversed(blocks)], dim=2)
+            ordered = torch.cat([b[:, :, :half] for b in blocks]
+                                + [b[:, :, half:] for b in reversed(blocks)], dim=2)
+            return _repeated(ordered, q.shape[1])
 
         keys = torch.arange(2 * cp * half, device=q.device)
         mask = self.positions.to(q.device)[:, None] >= keys[None, :]
@@ -376,6 +386,28 @@ def _block(index: int, source: int, half: int) -> tuple[slice, slice, bool]:
     return slice(half, None), every, False
 
 
+def _one_per_head(t: torch.Tensor, copies: int) -> torch.Tensor:
+    """``[rows, heads, tokens, dim]`` block ``t`` whose runs of ``copies``
+    heads repeat one K/V head, each K/V head once (the run's first; autograd
+    gives the others no gradient, as the repeat upstream sums the run's)."""
+    return t if copies == 1 else t.unflatten(1, (-1, copies))[:, :, 0]
+
+
+def _repeated(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """Block ``t`` of :func:`_one_per_head` with each head repeated side by
+    side up to ``heads`` heads, as attention reads it."""
+    copies = heads // t.shape[1]
+    if copies == 1:
+        return t
+    rows, kv, tokens, dim = t.shape
+    return t[:, :, None].expand(rows, kv, copies, tokens, dim).reshape(rows, heads, tokens, dim)
+
+
+def _per_kv_head(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of a :func:`_repeated` block: each run of copies summed."""
+    return grad if grad.shape[1] == kv_heads else grad.unflatten(1, (kv_heads, -1)).sum(2)
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
            block_lse: torch.Tensor) -> None:
     """Fold one block's attention (``block_out``, its log-sum-exp) into the
@@ -388,7 +420,9 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
 
 class _RingAttention(torch.autograd.Function):
     """Causal attention over a cp group's load-balanced chunks, K/V passed
-    around the ring (local tensors ``[rows, heads, seq / cp, dim]``)."""
+    around the ring (local tensors ``[rows, heads, seq / cp, dim]``; k and v
+    may hold each of grouped-query attention's K/V heads once,
+    :func:`_one_per_head`)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
@@ -404,8 +438,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             arriving = ring.pass_on(kv) if step < ring.size - 1 else None
             rows, keys, causal = _block(ring.index, (ring.index - step) % ring.size, half)
-            block_out, block_lse = kernel(q[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                          0.0, causal, scale=scale)
+            heads = q.shape[1]
+            block_out, block_lse = kernel(q[:, :, rows], _repeated(kv[0][:, :, keys], heads),
+                                          _repeated(kv[1][:, :, keys], heads), 0.0, causal,
+                                          scale=scale)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
             if arriving is not None:
                 kv = arriving()
@@ -426,12 +462,14 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             arriving = ring.pass_on(kv) if step < ring.size - 1 else None
             rows, keys, causal = _block(ring.index, (ring.index - step) % ring.size, half)
-            gq, gk, gv = kernel_backward(grad_out[:, :, rows], q[:, :, rows], kv[0][:, :, keys],
-                                         kv[1][:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                         0.0, causal, scale=ctx.scale)
+            heads = q.shape[1]
+            gq, gk, gv = kernel_backward(grad_out[:, :, rows], q[:, :, rows],
+                                         _repeated(kv[0][:, :, keys], heads),
+                                         _repeated(kv[1][:, :, keys], heads), out[:, :, rows],
+                                         lse[:, :, rows], 0.0, causal, scale=ctx.scale)
             dq[:, :, rows] += gq
-            dkv[0][:, :, keys] += gk
-            dkv[1][:, :, keys] += gv
+            dkv[0][:, :, keys] += _per_kv_head(gk, k.shape[1])
+            dkv[1][:, :, keys] += _per_kv_head(gv, v.shape[1])
             # the accumulators travel with their block; after the last step
             # they take one more hop, to the block's own rank
             dkv = ring.pass_on(dkv)()

@@ -37,8 +37,8 @@ from planner.request import PlanningError
 __all__ = ["CP_COMM_TYPES", "CP_MIN_CHUNK", "CP_MIN_SEQ", "context_parallel_inputs",
            "carries_rows", "context_parallel_record", "context_parallel_seconds", "cp_link",
            "kv_block_bytes",
-           "kv_buffer_bound", "layout_allows", "pinned_strategies", "search_sizes",
-           "sequence_length"]
+           "kv_buffer_bound", "kv_head_repeats", "layout_allows", "local_kv_repeats",
+           "pinned_strategies", "search_sizes", "sequence_length"]
 
 #: Sequence length from which the automatic search also tries cp > 1 (shorter
 #: sequences try it only when no plan without it fits).
@@ -102,33 +102,77 @@ def cp_link(stage_cluster: Cluster, outer: int, cp: int, inner: int) -> Link:
     return axis_links(stage_cluster, (outer, cp, inner))[1]
 
 
-# ops between the key/value projection and what the attention reads that only
-# view, repeat or copy it (grouped-query heads repeated for the attention)
-_KV_REPEATS = {"aten.expand.default", "aten.clone.default", "aten._unsafe_view.default",
-               "aten.repeat_interleave.self_int", "aten.repeat.default"}
+# ops that pass K or V on unchanged in value between grouped-query attention's
+# repeat and the attention (views aside)
+_KV_COPIES = {"aten.clone.default", "aten._unsafe_view.default"}
+
+
+def kv_head_repeats(graph: Graph, node: Any, index: int) -> int:
+    """How many times, side by side, each K/V head appears in input ``index``
+    (1: k, 2: v) of attention op ``node``: ``n_rep`` where the input is
+    grouped-query attention's repeat, an ``expand`` of ``[..., kv, 1, d]`` to
+    ``[..., kv, n_rep, d]`` whose two head dims a reshape then merges into the
+    attention's heads (head ``g n_rep + r`` is K/V head ``g``), with only
+    views and copies between; 1 for any other input. A cp rank sends each K/V
+    head once (:func:`local_kv_repeats`; codegen.context_parallel)."""
+    heads = (node.inputs[index] if node.inputs else graph[node.args[index]].outputs[0]).shape[1]
+    name, after = node.args[index], []  # shapes between the op reached and the attention
+    while True:
+        n = graph[name]
+        shape = tuple(n.outputs[0].shape)
+        if n.target == "aten.expand.default" and n.args:
+            merged = next((s for s in reversed(after) if len(s) != len(shape)), None)
+            return _merged_repeat(tuple(graph[n.args[0]].outputs[0].shape), shape, merged, heads)
+        if not n.args or not (n.is_view or n.target in _KV_COPIES):
+            return 1
+        after.append(shape)
+        name = n.args[0]
+
+
+def _merged_repeat(source: tuple[int, ...], expanded: tuple[int, ...],
+                   merged: tuple[int, ...] | None, heads: int) -> int:
+    """``n_rep`` where ``expanded`` grows one size-1 dim of ``source`` right
+    after a dim of K/V heads and ``merged`` joins the two, minor-most the
+    repeat, into one dim of ``heads``; else 1."""
+    grown = [d for d, (a, b) in enumerate(zip(source, expanded)) if a != b]
+    if merged is None or len(source) != len(expanded) or len(grown) != 1:
+        return 1
+    e = grown[0]
+    if e == 0 or source[e] != 1 or expanded[e - 1] * expanded[e] != heads:
+        return 1
+    outer, inner = math.prod(expanded[:e - 1]), math.prod(expanded[e + 1:])
+    for j, size in enumerate(merged):
+        if size == heads and math.prod(merged[:j]) == outer and math.prod(merged[j + 1:]) == inner:
+            return expanded[e]
+    return 1
+
+
+def local_kv_repeats(n_rep: int, local_heads: int) -> int:
+    """Copies of each K/V head among a device's ``local_heads`` consecutive
+    heads of an input with ``n_rep`` (:func:`kv_head_repeats`): the devices'
+    blocks of heads begin at multiples of ``local_heads``, so runs of
+    ``gcd(n_rep, local_heads)`` heads are one K/V head."""
+    return math.gcd(n_rep, local_heads)
 
 
 def kv_block_bytes(graph: Graph, node: Any, placements: Sequence[Any] | None,
                    mesh_shape: tuple[int, ...]) -> float:
     """Bytes per device of the K and V one attention op ``node`` reads, as its
     inputs are placed (``placements``: of q, k, v; None: split evenly over the
-    ``mesh_shape`` devices), counted before grouped-query heads are repeated:
-    the block a cp rank sends."""
+    ``mesh_shape`` devices, heads whole K/V heads), each K/V head counted once
+    (:func:`local_kv_repeats`): the block a cp rank sends."""
     total = 0.0
     for k in (1, 2):
         info = node.inputs[k] if node.inputs else graph[node.args[k]].outputs[0]
-        numel = math.prod(info.shape)
-        smallest = numel
-        name = node.args[k]
-        while True:  # walk back through views and repeats to the projection
-            n = graph[name]
-            smallest = min(smallest, math.prod(n.outputs[0].shape))
-            if not n.args or not (n.is_view or n.target in _KV_REPEATS):
-                break
-            name = n.args[0]
-        local = (numel / math.prod(mesh_shape) if placements is None
-                 else local_numel(info, placements[k], mesh_shape))
-        total += local * (smallest / numel) * info.itemsize
+        n_rep = kv_head_repeats(graph, node, k)
+        if placements is None:
+            local, copies = info.numel / math.prod(mesh_shape), n_rep
+        else:
+            local = local_numel(info, placements[k], mesh_shape)
+            split = math.prod(size for p, size in zip(placements[k], mesh_shape)
+                              if isinstance(p, Shard) and p.dim == 1)
+            copies = local_kv_repeats(n_rep, info.shape[1] // split)
+        total += local / copies * info.itemsize
     return total
 
 

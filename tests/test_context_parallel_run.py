@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 from codegen.context_parallel import ContextParallelLayout, chunk_positions, cut_sequences
 from codegen.launch import launch
@@ -41,6 +43,66 @@ def test_chunk_positions_are_chunks_i_and_2cp_minus_1_minus_i():
     assert chunk_positions(4, 4, 1).tolist() == [2, 3, 12, 13]
     every = torch.cat([chunk_positions(4, 4, c) for c in range(4)])
     assert sorted(every.tolist()) == list(range(16))
+
+
+class _Attention(torch.nn.Module):
+    """Causal attention of 4 query heads over 2 K/V heads, repeated either side
+    by side (grouped-query attention's ``expand``) or tiled (``repeat``)."""
+
+    def __init__(self, tiled: bool):
+        super().__init__()
+        self.tiled = tiled
+        self.kv = torch.nn.Linear(8, 2 * 2 * 4)
+
+    def forward(self, q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        k, v = self.kv(x).view(b, t, 2, 2, 4).unbind(2)  # [b, t, kv heads, dim] each
+        if self.tiled:
+            k, v = k.repeat(1, 1, 2, 1), v.repeat(1, 1, 2, 1)
+        else:
+            k, v = (z[:, :, :, None].expand(b, t, 2, 2, 4).reshape(b, t, 4, 4) for z in (k, v))
+        return F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True)
+
+
+def test_the_exchange_counts_and_sends_each_kv_head_once():
+    """Grouped-query attention's repeated K/V heads are priced and exchanged once
+    each where the repeat puts a K/V head's copies side by side; the runtime's
+    block of each head once gives the attention and gradients of the repeat."""
+    from codegen.context_parallel import _one_per_head, _repeated
+    from ir import trace
+    from planner.context_parallel import kv_block_bytes, kv_head_repeats, local_kv_repeats
+
+    def attention_node(graph: Any) -> Any:
+        return next(n for n in graph.nodes if n.target == "aten.scaled_dot_product_attention.default")
+
+    model, inputs = build_model("llama-tiny", device="meta")  # 4 heads, 2 K/V heads
+    graph = trace(model, inputs)
+    n = attention_node(graph)
+    assert (kv_head_repeats(graph, n, 1), kv_head_repeats(graph, n, 2)) == (2, 2)
+    k = graph[n.args[1]].outputs[0]
+    whole = 2 * k.numel * k.itemsize
+    assert kv_block_bytes(graph, n, None, (1,)) == whole / 2
+    heads_split = [[Shard(1)]] * 3  # q, k and v: heads over the one mesh axis
+    assert kv_block_bytes(graph, n, heads_split, (2,)) == whole / 2 / 2  # one K/V head each
+    assert kv_block_bytes(graph, n, heads_split, (4,)) == whole / 4  # one query head each
+    assert (local_kv_repeats(16, 16), local_kv_repeats(2, 1), local_kv_repeats(6, 4)) == (16, 1, 2)
+    gpt, gpt_inputs = build_model("gpt-tiny", device="meta")
+    gpt_graph = trace(gpt, gpt_inputs)
+    assert kv_head_repeats(gpt_graph, attention_node(gpt_graph), 1) == 1
+    q, x = torch.randn(2, 4, 6, 4), torch.randn(2, 6, 8)
+    for tiled, want in ((False, 2), (True, 1)):
+        g = trace(_Attention(tiled), (q, x))
+        assert kv_head_repeats(g, attention_node(g), 1) == want, tiled
+
+    kv = torch.randn(2, 2, 6, 4, requires_grad=True)  # [rows, K/V heads, tokens, dim]
+    repeated = kv[:, :, None].expand(2, 2, 2, 6, 4).reshape(2, 4, 6, 4)
+    grads = []
+    for k_read in (repeated, _repeated(_one_per_head(repeated, 2), 4)):
+        out = F.scaled_dot_product_attention(q, k_read, k_read, is_causal=True)
+        grads.append(torch.autograd.grad(out.square().sum(), kv)[0])
+        assert torch.equal(k_read, repeated)
+    assert torch.allclose(grads[0], grads[1], rtol=1e-6, atol=1e-6)
 
 
 def _cp_plan(tmp_path: Any, model: str, devices: int, cp: int, *, precision: str = "fp32",
