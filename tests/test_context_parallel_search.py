@@ -21,10 +21,10 @@ from planner.request import PlanningError, PlanRequest
 SEQ = 65536
 
 
-def _model():
-    cfg = LlamaConfig(n_layers=2, dim=256, n_heads=1, n_kv_heads=1, ffn_dim=256, vocab_size=256,
-                      max_seq_len=SEQ, rope_theta=10000.0)
-    return build_from_config(cfg, device="meta", batch_size=1, seq_len=SEQ)
+def _model(seq: int = SEQ, dim: int = 256):
+    cfg = LlamaConfig(n_layers=2, dim=dim, n_heads=1, n_kv_heads=1, ffn_dim=256, vocab_size=256,
+                      max_seq_len=seq, rope_theta=10000.0)
+    return build_from_config(cfg, device="meta", batch_size=1, seq_len=seq)
 
 
 def _cluster():
@@ -78,6 +78,21 @@ def test_the_search_picks_context_parallelism_at_a_long_sequence(plans):
     assert stage_axis0 % cp["size"] == 0
     peak = auto.predicted["memory_bytes_per_device"]["peak"]
     assert peak <= auto.training["memory_budget_bytes"]
+
+
+def test_a_sequence_that_fits_only_split_is_planned_with_context_parallelism():
+    """Below CP_MIN_SEQ cp is tried only where nothing fits without it: with the
+    memory a cp plan needs and no more, the search without cp answers "does not
+    fit" and the automatic search finds a cp plan within it."""
+    model, inputs = _model(seq=CP_MIN_SEQ // 2, dim=1024)
+    split = plan(model, _cluster(), example_inputs=inputs, time_limit_s=5, context_parallel=(8,))
+    budget = split.predicted["memory_bytes_per_device"]["peak"]
+    with pytest.raises(PlanningError, match="fits"):
+        plan(model, _cluster(), example_inputs=inputs, time_limit_s=5, context_parallel=(1,),
+             memory_budget=budget)
+    auto = plan(model, _cluster(), example_inputs=inputs, time_limit_s=5, memory_budget=budget)
+    assert auto.training["context_parallel"]["size"] > 1
+    assert auto.predicted["memory_bytes_per_device"]["peak"] <= budget
 
 
 def test_context_parallel_plans_are_deterministic(tmp_path):
