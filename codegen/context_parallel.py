@@ -45,12 +45,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.capture import PlanMismatchError
-from codegen.redistribution import contiguous_strides, redistribute
+from codegen.node_runner import has_fused_attention_layout
+from codegen.redistribution import laid_out, redistribute
 from costmodel.compute import FUSED_ATTENTION
 from ir.graph import INPUT, Graph
-from ir.torch_compat import (SDPA, all_gather_autograd, cpu_flash_attention_ops,
-                             from_local_with_grad_placements, is_assertion_op, tree_leaves,
-                             tree_map)
+from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, all_gather_autograd,
+                             cpu_flash_attention_ops, from_local_with_grad_placements,
+                             is_assertion_op, tree_leaves, tree_map)
 from planner.context_parallel import carries_rows, kv_head_repeats, local_kv_repeats
 from planner.plan_format import Plan
 
@@ -291,18 +292,9 @@ class ContextParallelRuntime:
             out = _RingAttention.apply(ql, kl, vl, _Ring(self), scale)
         else:
             out = self._gathered_attention(ql, kl, vl, scale)
-        shape = torch.Size((*q.shape[:-1], v.shape[-1]))
-        captured = node.meta.get("val")
-        stride = contiguous_strides(shape)
-        if (isinstance(captured, torch.Tensor) and not captured.is_contiguous()
-                and captured.transpose(1, 2).is_contiguous()):
-            if not out.transpose(1, 2).is_contiguous():
-                out = out.transpose(1, 2).contiguous().transpose(1, 2)
-            stride = tuple(captured.stride())
-        elif not out.is_contiguous():
-            out = out.contiguous()
-        return DTensor.from_local(out, q.device_mesh, q.placements, run_check=False,
-                                  shape=shape, stride=stride)
+        shape = (*q.shape[:-1], v.shape[-1])
+        order = FUSED_ATTENTION_ORDER if has_fused_attention_layout(node) else range(4)
+        return laid_out(out, q.device_mesh, q.placements, shape, tuple(order))
 
     def _gathered_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             scale: float | None) -> torch.Tensor:

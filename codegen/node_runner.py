@@ -34,11 +34,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from codegen.placement_record import PlacementRecord
-from codegen.redistribution import (contiguous_strides, keep_layout, placements_of,
+from codegen.redistribution import (contiguous_strides, keep_layout, laid_out, placements_of,
                                     reachable_target, redistribute, same_placements, unmask)
 from ir.placements import parse_placement, parse_placements, placement_str
-from ir.torch_compat import (SDPA, dispatcher_input_reshards, is_assertion_op,
-                             is_mask_partial, op_overload_name, tree_leaves, tree_map)
+from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, dispatcher_input_reshards,
+                             is_assertion_op, is_mask_partial, op_overload_name, tree_leaves,
+                             tree_map)
 from planner.plan_format import OpPlacement, Plan
 
 __all__ = ["DTensorResultError", "NodeRunner", "public_binding", "tensor_leaves"]
@@ -122,18 +123,23 @@ def _captured_attention_layout(node: torch.fx.Node, out: Any) -> Any:
     merging the heads relies on it. Where the device's kernel writes it
     contiguous instead (a CPU rank's math path, with some masks or
     cross-attention), it is laid out as captured: one local copy, through
-    autograd."""
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.is_contiguous():
+    autograd, and a DTensor's global strides say so."""
+    if not has_fused_attention_layout(node):
         return out
     local = out.to_local() if isinstance(out, DTensor) else out
-    if not local.is_contiguous() or local.transpose(1, 2).is_contiguous():
+    if not local.is_contiguous() or local.permute(*FUSED_ATTENTION_ORDER).is_contiguous():
         return out
-    relaid = local.transpose(1, 2).contiguous().transpose(1, 2)
     if not isinstance(out, DTensor):
-        return relaid
-    return DTensor.from_local(relaid, out.device_mesh, out.placements, run_check=False,
-                              shape=out.shape, stride=out.stride())
+        return local.permute(*FUSED_ATTENTION_ORDER).contiguous().permute(*FUSED_ATTENTION_ORDER)
+    return laid_out(local, out.device_mesh, out.placements, out.shape, FUSED_ATTENTION_ORDER)
+
+
+def has_fused_attention_layout(node: torch.fx.Node) -> bool:
+    """Whether the capture gave attention op ``node``'s output the fused
+    kernels' memory layout (:data:`ir.torch_compat.FUSED_ATTENTION_ORDER`)."""
+    val = node.meta.get("val")
+    return (isinstance(val, torch.Tensor) and val.dim() == 4 and not val.is_contiguous()
+            and val.permute(*FUSED_ATTENTION_ORDER).is_contiguous())
 
 
 #: views whose backward reshapes the gradient to the input's shape

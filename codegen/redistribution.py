@@ -25,8 +25,9 @@ from ir.placements import MASKED_PARTIAL, parse_placement, placement_str
 from ir.torch_compat import autograd_redistribute, is_mask_partial, local_tensor, zero_masked_rows
 from planner.plan_format import Plan
 
-__all__ = ["contiguous_strides", "keep_layout", "on_mesh", "placements_of", "plan_on_mesh",
-           "reachable_target", "redistribute", "same_placements", "unmask"]
+__all__ = ["contiguous_strides", "keep_layout", "laid_out", "on_mesh", "permuted_strides",
+           "placements_of", "plan_on_mesh", "reachable_target", "redistribute", "same_placements",
+           "unmask"]
 
 
 def placements_of(value: Any) -> list[str]:
@@ -85,10 +86,20 @@ def keep_layout(src: DTensor, out: DTensor) -> DTensor:
     order = sorted(range(a.ndim), key=lambda d: -a.stride(d))
     if not a.permute(order).is_contiguous() or b.permute(order).is_contiguous():
         return out
-    inverse = sorted(range(a.ndim), key=lambda d: order[d])
-    local = out.to_local().permute(order).contiguous().permute(inverse)
-    return DTensor.from_local(local, out.device_mesh, out.placements, run_check=False,
-                              shape=out.shape, stride=out.stride())
+    return laid_out(out.to_local(), out.device_mesh, out.placements, out.shape, order)
+
+
+def laid_out(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement],
+             shape: Sequence[int], order: Sequence[int]) -> DTensor:
+    """A DTensor of global ``shape`` from this rank's block ``local``, laid out
+    densely in memory with its dims in ``order`` (outermost first; one local
+    copy where ``local`` is not), its global strides saying so: DTensor
+    decides by them whether a later ``view`` runs on the shards."""
+    inverse = sorted(range(len(order)), key=lambda d: order[d])
+    if not local.permute(*order).is_contiguous():
+        local = local.permute(*order).contiguous().permute(*inverse)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=permuted_strides(shape, order))
 
 
 def on_mesh(placements: Sequence[str], mesh_shape: Sequence[int]) -> list[str]:
@@ -170,8 +181,14 @@ def unmask(value: DTensor) -> DTensor:
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Strides of a contiguous tensor of ``shape``, in elements."""
-    strides, step = [], 1
-    for size in reversed(list(shape)):
-        strides.append(step)
-        step *= max(int(size), 1)
-    return tuple(reversed(strides))
+    return permuted_strides(shape, range(len(shape)))
+
+
+def permuted_strides(shape: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
+    """Strides, in elements, of a dense tensor of ``shape`` whose dims lie in
+    memory in ``order``, outermost first (contiguous: ``0 .. n - 1``)."""
+    strides, step = [0] * len(shape), 1
+    for d in reversed(list(order)):
+        strides[d] = step
+        step *= max(int(shape[d]), 1)
+    return tuple(strides)

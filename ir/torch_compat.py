@@ -17,7 +17,8 @@ import torch.fx.config
 from torch.utils._pytree import tree_leaves, tree_map
 
 __all__ = [
-    "KEPT_FUSED_OPS", "OpOverload", "SDPA", "all_gather_autograd", "aot_export_module",
+    "FUSED_ATTENTION_ORDER", "KEPT_FUSED_OPS", "OpOverload", "SDPA", "all_gather_autograd",
+    "aot_export_module",
     "autograd_redistribute",
     "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
     "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
@@ -104,6 +105,11 @@ def kept_fused_ops() -> Iterator[None]:
         yield
 
 
+#: dims of a fused attention's [batch, heads, seq, head dim] output in the
+#: order its kernels lay them out in memory, outermost first
+FUSED_ATTENTION_ORDER = (0, 2, 1, 3)
+
+
 def _fused_attention_fake(fake_mode: Any, func: Any, query: Any, key: Any, value: Any,
                           *args: Any, **kwargs: Any) -> Any:
     """The fake (shape-only) result of the kept attention node, laid out as the
@@ -118,7 +124,7 @@ def _fused_attention_fake(fake_mode: Any, func: Any, query: Any, key: Any, value
                                device=query.device)
         b, h, s, _ = query.shape
         return torch.empty(b, s, h, value.shape[-1], dtype=query.dtype,
-                           device=query.device).transpose(1, 2)
+                           device=query.device).permute(*FUSED_ATTENTION_ORDER)
 
 
 @contextlib.contextmanager

@@ -110,8 +110,10 @@ def test_resharding_keeps_the_fused_attention_layout():
         out = keep_layout(src, gathered)
         assert out.placements == (Replicate(),) and out.shape == (8, 4, 32, 16)
         assert out.to_local().stride() == (2048, 16, 64, 1)
-        merged = out.to_local().transpose(1, 2).view(8, 32, 64)  # the program's view
-        merged.sum().backward()
+        assert out.stride() == (2048, 16, 64, 1)  # the global strides say so too
+        merged = out.transpose(1, 2).view(8, 32, 64)  # the program's view, on the DTensor
+        assert merged.to_local().data_ptr() == out.to_local().data_ptr()  # a view, no copy
+        merged.to_local().sum().backward()
         assert local.grad is not None and local.grad.shape == local.shape
         # contiguous sources and partial sums are left alone
         plain = DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0)], run_check=False)
