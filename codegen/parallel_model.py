@@ -569,7 +569,8 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
 
     Call it in every rank of a ``torchrun`` job of ``plan.world_size``
     processes (it starts the default process group from torchrun's
-    environment if none is started).
+    environment if none is started, and closes the group it started at
+    interpreter exit).
 
     Args:
         plan: a Plan or a plan.json path.
