@@ -34,8 +34,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from codegen.placement_record import PlacementRecord
-from codegen.redistribution import (contiguous_strides, keep_layout, laid_out, placements_of,
-                                    reachable_target, redistribute, same_placements, unmask)
+from codegen.redistribution import (contiguous_strides, keep_layout, laid_out,
+                                    permuted_strides, placements_of, reachable_target,
+                                    redistribute, same_placements, unmask)
 from ir.placements import parse_placement, parse_placements, placement_str
 from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, dispatcher_input_reshards,
                              is_assertion_op, is_mask_partial, op_overload_name, tree_leaves,
@@ -136,10 +137,17 @@ def _captured_attention_layout(node: torch.fx.Node, out: Any) -> Any:
 
 def has_fused_attention_layout(node: torch.fx.Node) -> bool:
     """Whether the capture gave attention op ``node``'s output the fused
-    kernels' memory layout (:data:`ir.torch_compat.FUSED_ATTENTION_ORDER`)."""
+    kernels' memory layout (:data:`ir.torch_compat.FUSED_ATTENTION_ORDER`).
+    Read from its shape and strides alone: an op on the captured fake value
+    would run under whatever dispatch mode the step runs in (torch's
+    MemTracker counts the fake value's bytes as allocated, once per
+    attention op)."""
     val = node.meta.get("val")
-    return (isinstance(val, torch.Tensor) and val.dim() == 4 and not val.is_contiguous()
-            and val.permute(*FUSED_ATTENTION_ORDER).is_contiguous())
+    if not isinstance(val, torch.Tensor) or val.dim() != 4 or val.is_contiguous():
+        return False
+    dense = permuted_strides(val.shape, FUSED_ATTENTION_ORDER)
+    return all(size == 1 or stride == want
+               for size, stride, want in zip(val.shape, val.stride(), dense))
 
 
 #: views whose backward reshapes the gradient to the input's shape

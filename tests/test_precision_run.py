@@ -121,3 +121,34 @@ def test_resharding_keeps_the_fused_attention_layout():
         assert keep_layout(plain, again) is again
     finally:
         dist.destroy_process_group()
+
+
+def test_the_captured_attention_layout_is_read_without_running_an_op():
+    """Whether attention's output was captured in the fused kernels' layout is
+    read from the fake value's shape and strides: an op on it would run under
+    the step's dispatch modes (torch's MemTracker then counts the fake value's
+    bytes as allocated, 16 MiB per attention op of cp_memory's model)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from codegen.node_runner import has_fused_attention_layout
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    graph = torch.fx.Graph()
+    fused, contiguous, other = (graph.placeholder(n) for n in ("fused", "contiguous", "other"))
+    with FakeTensorMode():
+        fused.meta["val"] = torch.empty(2, 16, 4, 8).transpose(1, 2)  # [b, s, h, d] memory
+        contiguous.meta["val"] = torch.empty(2, 4, 16, 8)
+        other.meta["val"] = torch.empty(2, 8, 4, 16).permute(0, 2, 3, 1)
+    with Ops() as ops:
+        found = [has_fused_attention_layout(n) for n in (fused, contiguous, other)]
+    assert found == [True, False, False] and ops.seen == []
