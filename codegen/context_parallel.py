@@ -17,13 +17,15 @@ makes that program compute the whole sequences' training step:
   ``arange`` over the rank's ``seq / cp`` tokens) the positions of the rank's
   two chunks, and runs each fused attention over the whole sequence:
 
-  - ``p2p``: ring attention (:class:`_RingAttention`): K/V blocks passed
-    around the cp group, one block's attention while the next one travels,
-    the partial outputs merged by their log-sum-exp; the backward passes
-    the K/V blocks again with their dK/dV accumulators;
-  - ``all_gather``: K/V all-gathered over the cp group (autograd's backward
-    reduce-scatters dK/dV), attention of the rank's queries under the causal
-    mask of their positions.
+  - ``p2p``: ring attention (:class:`_Ring`): K/V blocks passed around the
+    cp group, one block's attention while the next one travels; the
+    backward passes the K/V blocks again with their dK/dV accumulators;
+  - ``all_gather``: K/V all-gathered over the cp group (:class:`_Gathered`;
+    autograd's backward reduce-scatters dK/dV);
+
+  either way attention runs block by block (:class:`_BlockedAttention`): a
+  rank's queries over each rank's K/V block, causally over its own, the
+  partial outputs merged by their log-sum-exp.
 
 Each attention block runs the device's fused kernel: on CPU ranks the flash
 kernel ``F.scaled_dot_product_attention`` runs there
@@ -36,11 +38,10 @@ the CUDA kernels, so CPU ranks run this one. The checks that a plan can run so
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
@@ -289,29 +290,14 @@ class ContextParallelRuntime:
         kl, vl = (_one_per_head(t.to_local(), local_kv_repeats(n_rep, t.to_local().shape[1]))
                   for t, n_rep in zip((k, v), self.kv_repeats.get(node.name, (1, 1))))
         if self.layout.comm_type == "p2p":
-            out = _RingAttention.apply(ql, kl, vl, _Ring(self), scale)
-        else:
-            out = self._gathered_attention(ql, kl, vl, scale)
+            exchange: _Ring | _Gathered = _Ring(self)
+        else:  # autograd's backward of the gather reduce-scatters dK/dV
+            exchange = _Gathered(self.index, self.layout.size)
+            kl, vl = (all_gather_autograd(t.contiguous(), 0, self.group) for t in (kl, vl))
+        out = _BlockedAttention.apply(ql, kl, vl, exchange, scale)
         shape = (*q.shape[:-1], v.shape[-1])
         order = FUSED_ATTENTION_ORDER if has_fused_attention_layout(node) else range(4)
         return laid_out(out, q.device_mesh, q.placements, shape, tuple(order))
-
-    def _gathered_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            scale: float | None) -> torch.Tensor:
-        """Attention over K/V all-gathered from the cp group, put in sequence
-        order, under the causal mask of this rank's query positions (``k``,
-        ``v``: each K/V head once, :func:`_one_per_head`)."""
-        cp, half = self.layout.size, q.shape[2] // 2
-
-        def whole(t: torch.Tensor) -> torch.Tensor:
-            blocks = all_gather_autograd(t.contiguous(), 0, self.group).chunk(cp, dim=0)
-            ordered = torch.cat([b[:, :, :half] for b in blocks]
-                                + [b[:, :, half:] for b in reversed(blocks)], dim=2)
-            return _repeated(ordered, q.shape[1])
-
-        keys = torch.arange(2 * cp * half, device=q.device)
-        mask = self.positions.to(q.device)[:, None] >= keys[None, :]
-        return F.scaled_dot_product_attention(q, whole(k), whole(v), attn_mask=mask, scale=scale)
 
 
 def _cp_group(mesh: DeviceMesh, layout: ContextParallelLayout) -> tuple[list[int], int, Any]:
@@ -363,6 +349,59 @@ class _Ring:
             return got
         return wait
 
+    def forward_blocks(self, k: torch.Tensor, v: torch.Tensor
+                       ) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Each cp rank's K/V block with that rank's cp index: this rank's own
+        first, then each one arriving from the previous rank, sent on while
+        the one before it is in use."""
+        kv = [k, v]
+        for step in range(self.size):
+            arriving = self.pass_on(kv) if step < self.size - 1 else None
+            yield (self.index - step) % self.size, kv
+            if arriving is not None:
+                kv = arriving()
+
+    def backward_blocks(self, k: torch.Tensor, v: torch.Tensor, grads: list[torch.Tensor]
+                        ) -> Iterator[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
+        """:meth:`forward_blocks` again, each block with float32 dK/dV
+        accumulators to add into; they travel with their block and, one hop
+        after the last, reach its own rank: then ``grads`` holds this rank's."""
+        kv = [k, v]
+        dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
+        for step in range(self.size):
+            arriving = self.pass_on(kv) if step < self.size - 1 else None
+            yield (self.index - step) % self.size, kv, dkv
+            dkv = self.pass_on(dkv)()
+            if arriving is not None:
+                kv = arriving()
+        grads[:] = dkv
+
+
+class _Gathered:
+    """The K/V blocks of a cp group all-gathered along the rows (cp index
+    ``index`` of ``size``): each block indexed where it lies."""
+
+    def __init__(self, index: int, size: int):
+        self.index, self.size = index, size
+
+    def forward_blocks(self, k: torch.Tensor, v: torch.Tensor
+                       ) -> Iterator[tuple[int, list[torch.Tensor]]]:
+        """Each cp rank's K/V block (of gathered ``k``, ``v``) with its cp index."""
+        blocks = list(zip(k.chunk(self.size, dim=0), v.chunk(self.size, dim=0)))
+        for step in range(self.size):
+            source = (self.index - step) % self.size
+            yield source, list(blocks[source])
+
+    def backward_blocks(self, k: torch.Tensor, v: torch.Tensor, grads: list[torch.Tensor]
+                        ) -> Iterator[tuple[int, list[torch.Tensor], list[torch.Tensor]]]:
+        """:meth:`forward_blocks` with each block's part of the float32 dK/dV
+        of the gathered K/V, which ``grads`` holds."""
+        grads[:] = [torch.zeros_like(k, dtype=torch.float32),
+                    torch.zeros_like(v, dtype=torch.float32)]
+        parts = list(zip(grads[0].chunk(self.size, dim=0), grads[1].chunk(self.size, dim=0)))
+        for source, kv in self.forward_blocks(k, v):
+            yield source, kv, list(parts[source])
+
 
 def _block(index: int, source: int, half: int) -> tuple[slice, slice, bool]:
     """Which of this rank's query rows attend to which keys of the K/V block
@@ -410,51 +449,45 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     lse.copy_(merged)
 
 
-class _RingAttention(torch.autograd.Function):
-    """Causal attention over a cp group's load-balanced chunks, K/V passed
-    around the ring (local tensors ``[rows, heads, seq / cp, dim]``; k and v
-    may hold each of grouped-query attention's K/V heads once,
-    :func:`_one_per_head`)."""
+class _BlockedAttention(torch.autograd.Function):
+    """Causal attention over a cp group's load-balanced chunks, block by
+    block, each block's K/V from ``exchange`` (:class:`_Ring` or
+    :class:`_Gathered`); local tensors ``[rows, heads, seq / cp, dim]`` (k and
+    v: as ``exchange`` takes them, each of grouped-query attention's K/V
+    heads once, :func:`_one_per_head`). Each block runs the fused kernel and
+    the partial outputs are merged by their log-sum-exp."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
-                scale: float | None) -> torch.Tensor:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                exchange: _Ring | _Gathered, scale: float | None) -> torch.Tensor:
         kernel, _ = cpu_flash_attention_ops()
-        half = q.shape[2] // 2
+        half, heads = q.shape[2] // 2, q.shape[1]
         # laid out [rows, tokens, heads, dim], as fused kernels write it (the
         # layout the capture gives attention's output): no copy to relay it
         out = torch.zeros((q.shape[0], q.shape[2], q.shape[1], v.shape[-1]),
                           dtype=torch.float32, device=q.device).transpose(1, 2)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        kv = [k, v]
-        for step in range(ring.size):
-            arriving = ring.pass_on(kv) if step < ring.size - 1 else None
-            rows, keys, causal = _block(ring.index, (ring.index - step) % ring.size, half)
-            heads = q.shape[1]
+        for source, kv in exchange.forward_blocks(k, v):
+            rows, keys, causal = _block(exchange.index, source, half)
             block_out, block_lse = kernel(q[:, :, rows], _repeated(kv[0][:, :, keys], heads),
                                           _repeated(kv[1][:, :, keys], heads), 0.0, causal,
                                           scale=scale)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
-            if arriving is not None:
-                kv = arriving()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.exchange, ctx.scale = exchange, scale
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
         _, kernel_backward = cpu_flash_attention_ops()
         q, k, v, out, lse = ctx.saved_tensors
-        ring, half = ctx.ring, q.shape[2] // 2
+        exchange, half, heads = ctx.exchange, q.shape[2] // 2, q.shape[1]
         grad_out = grad_out.to(q.dtype)
         dq = torch.zeros_like(q, dtype=torch.float32)
-        kv = [k, v]
-        dkv = [torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
-        for step in range(ring.size):
-            arriving = ring.pass_on(kv) if step < ring.size - 1 else None
-            rows, keys, causal = _block(ring.index, (ring.index - step) % ring.size, half)
-            heads = q.shape[1]
+        grads: list[torch.Tensor] = []
+        for source, kv, dkv in exchange.backward_blocks(k, v, grads):
+            rows, keys, causal = _block(exchange.index, source, half)
             gq, gk, gv = kernel_backward(grad_out[:, :, rows], q[:, :, rows],
                                          _repeated(kv[0][:, :, keys], heads),
                                          _repeated(kv[1][:, :, keys], heads), out[:, :, rows],
@@ -462,9 +495,4 @@ class _RingAttention(torch.autograd.Function):
             dq[:, :, rows] += gq
             dkv[0][:, :, keys] += _per_kv_head(gk, k.shape[1])
             dkv[1][:, :, keys] += _per_kv_head(gv, v.shape[1])
-            # the accumulators travel with their block; after the last step
-            # they take one more hop, to the block's own rank
-            dkv = ring.pass_on(dkv)()
-            if arriving is not None:
-                kv = arriving()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
