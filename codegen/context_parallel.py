@@ -287,8 +287,9 @@ class ContextParallelRuntime:
         scale = kwargs.get("scale")
         ql = q.to_local()
         # each K/V head once: its copies' gradients meet at the repeat upstream
-        kl, vl = (_one_per_head(t.to_local(), local_kv_repeats(n_rep, t.to_local().shape[1]))
-                  for t, n_rep in zip((k, v), self.kv_repeats.get(node.name, (1, 1))))
+        kl, vl = (_one_per_head(t, local_kv_repeats(n_rep, t.shape[1]))
+                  for t, n_rep in zip((k.to_local(), v.to_local()),
+                                      self.kv_repeats.get(node.name, (1, 1))))
         if self.layout.comm_type == "p2p":
             exchange: _Ring | _Gathered = _Ring(self)
         else:  # autograd's backward of the gather reduce-scatters dK/dV
