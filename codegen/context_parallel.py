@@ -190,9 +190,10 @@ class ContextParallelRuntime:
         program's positions (its ``arange`` over a rank's tokens) and of the
         ops computing from them and not from the rows."""
         users = [n for n in graph.nodes if n.kind == INPUT]
+        user_names = {n.name for n in users}
         inputs = dict(plan.inputs)  # a pipeline's first stage places them
         for st in (plan.pipeline.stages if plan.pipeline is not None else ()):
-            inputs.update({k: v for k, v in st.inputs.items() if k in {n.name for n in users}})
+            inputs.update({k: v for k, v in st.inputs.items() if k in user_names})
         rows = users[0].output.shape[0]
         carried: set[str] = set()
         for n in graph.nodes:

@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 from codegen.placement_record import PlacementRecord
 from codegen.redistribution import (contiguous_strides, keep_layout, laid_out,
                                     permuted_strides, placements_of, reachable_target,
-                                    redistribute, same_placements, unmask)
+                                    redistribute, relaid, same_placements, unmask)
 from ir.placements import parse_placement, parse_placements, placement_str
 from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, dispatcher_input_reshards,
                              is_assertion_op, is_mask_partial, op_overload_name, tree_leaves,
@@ -131,7 +131,7 @@ def _captured_attention_layout(node: torch.fx.Node, out: Any) -> Any:
     if not local.is_contiguous() or local.permute(*FUSED_ATTENTION_ORDER).is_contiguous():
         return out
     if not isinstance(out, DTensor):
-        return local.permute(*FUSED_ATTENTION_ORDER).contiguous().permute(*FUSED_ATTENTION_ORDER)
+        return relaid(local, FUSED_ATTENTION_ORDER)
     return laid_out(local, out.device_mesh, out.placements, out.shape, FUSED_ATTENTION_ORDER)
 
 

@@ -26,8 +26,8 @@ from ir.torch_compat import autograd_redistribute, is_mask_partial, local_tensor
 from planner.plan_format import Plan
 
 __all__ = ["contiguous_strides", "keep_layout", "laid_out", "on_mesh", "permuted_strides",
-           "placements_of", "plan_on_mesh", "reachable_target", "redistribute", "same_placements",
-           "unmask"]
+           "placements_of", "plan_on_mesh", "reachable_target", "redistribute", "relaid",
+           "same_placements", "unmask"]
 
 
 def placements_of(value: Any) -> list[str]:
@@ -95,11 +95,18 @@ def laid_out(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placeme
     densely in memory with its dims in ``order`` (outermost first; one local
     copy where ``local`` is not), its global strides saying so: DTensor
     decides by them whether a later ``view`` runs on the shards."""
+    return DTensor.from_local(relaid(local, order), mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=permuted_strides(shape, order))
+
+
+def relaid(local: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
+    """``local`` laid out densely in memory with its dims in ``order``
+    (outermost first): itself where it already is, else one copy (through
+    autograd)."""
+    if local.permute(*order).is_contiguous():
+        return local
     inverse = sorted(range(len(order)), key=lambda d: order[d])
-    if not local.permute(*order).is_contiguous():
-        local = local.permute(*order).contiguous().permute(*inverse)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=permuted_strides(shape, order))
+    return local.permute(*order).contiguous().permute(*inverse)
 
 
 def on_mesh(placements: Sequence[str], mesh_shape: Sequence[int]) -> list[str]:
