@@ -57,10 +57,10 @@ def _output_folder(path: str) -> None:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from costmodel.cluster import ClusterError
     from ir.program_capture import TraceError
-    from ir.source import ModelSourceError
-    from ir.zoo import ExampleStepError, UnknownModelError
+    from models.source import ModelSourceError
+    from models.zoo import ExampleStepError, UnknownModelError
     from planner.request import PlanningError
-    from planner.plan_format import PlanError
+    from plan.format import PlanError
 
     errors: list[type[BaseException]] = [ClusterError, ModelSourceError, TraceError,
                                          UnknownModelError, ExampleStepError, PlanningError,
@@ -160,7 +160,7 @@ def _plan_request(args: argparse.Namespace) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ir.source import build_model
+    from models.source import build_model
     from planner.api import plan
     from planner.report import format_plan
 
@@ -210,7 +210,7 @@ def warning_summary(caught: Sequence[warnings.WarningMessage]) -> list[str]:
     """One line per kind of warning raised while planning: ops planned
     replicated for want of a DTensor strategy, one line per op type with its
     count of nodes; any other warning once, however often it was raised."""
-    from planner.strategies import ReplicateFallbackWarning
+    from planner.ilp.strategies import ReplicateFallbackWarning
 
     fallbacks: dict[str, int] = {}
     others: dict[str, None] = {}
@@ -236,7 +236,7 @@ def _warn_near_memory_edge(plan: Any) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from planner.plan_format import PlanError, load_plan, placement_error
+    from plan.format import PlanError, load_plan, placement_error
     from planner.report import format_plan
 
     plan = load_plan(args.plan)
@@ -260,7 +260,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
 
     plan = load_plan(args.plan)  # validates before any process starts
     from codegen.launch import LaunchError, cpu_fallback_note, launch, runnable_world
@@ -347,7 +347,7 @@ def _nodes(args: argparse.Namespace) -> Any:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from app.compare import compare, format_comparison, write_outputs
+    from planner.baselines.compare import compare, format_comparison, write_outputs
 
     _check_step_sizes(args)
     _output_folder(args.output)
@@ -366,7 +366,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from costmodel.profile import ProfileError, load_profile, profile_local, profile_path, summary_rows
+    from costmodel.profiling.measure import ProfileError, load_profile, profile_local, profile_path, summary_rows
 
     if args.ranks < 1:
         print(f"planner: error: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)

@@ -13,7 +13,7 @@ import sys
 import time
 
 from codegen.launch import launch
-from ir.source import build_model
+from models.source import build_model
 from planner.api import plan
 from planner.report import format_plan
 

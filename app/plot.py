@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from planner.plan_format import Plan
+from plan.format import Plan
 
 __all__ = ["plot_plan", "PlotError"]
 

@@ -22,7 +22,7 @@ import statistics
 import subprocess
 from typing import Any, Sequence
 
-from costmodel.profile_machine import load_average
+from costmodel.profiling.machine import load_average
 
 __all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
            "cpu_pair_probe", "cpu_speed_probe", "git_commit", "median", "read_results",
@@ -33,12 +33,12 @@ BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
 
 
 def machine_info(*, brief: bool = False) -> dict[str, Any]:
-    """This machine: ``costmodel.profile.machine_info()`` (platform, python,
+    """This machine: ``costmodel.profiling.measure.machine_info()`` (platform, python,
     processor, cpus, torch, memory_bytes, loadavg and, with CUDA, gpu and gpus).
 
     ``brief``: only platform, python, torch, cpus and processor (no load, memory or GPU).
     """
-    from costmodel.profile import machine_info as full_machine_info
+    from costmodel.profiling.measure import machine_info as full_machine_info
 
     info = full_machine_info()
     if brief:
@@ -77,7 +77,7 @@ def cpu_pair_probe(repeats: int = 3) -> float:
     one-core probe where there is one CPU or no fork."""
     import multiprocessing
 
-    from planner.forked import can_fork  # the search's own test for a second core
+    from planner.search.forked_workers import can_fork  # the search's own test for a second core
 
     if not can_fork():
         return cpu_speed_probe(repeats)

@@ -3,7 +3,7 @@
     python benchmarks/costmodel_fidelity.py                  # profile 2 and 4 ranks, then measure
     python benchmarks/costmodel_fidelity.py --profile local-cpu.profile.json   # reuse profile(s)
 
-1. Profile this machine with ``costmodel.profile.profile_local`` for each
+1. Profile this machine with ``costmodel.profiling.measure.profile_local`` for each
    world size (default 2 and 4 ranks: ``local-cpu:2`` and ``local-cpu:4``), or
    load existing profiles (``--profile``). The largest fresh profile is copied
    to ``benchmarks/results/local_cpu_profile.json``.
@@ -17,7 +17,7 @@
    ``costmodel.collectives.collective_time(kind, bytes, group, cluster.intra_node)``
    (the profiled cluster's link); GEMMs with ``costmodel.compute.op_time`` on
    the profiled ``cluster.device``, which carries the fitted size curve
-   (``half_saturation_flops``), exactly as ``planner.intra_op`` calls it. The
+   (``half_saturation_flops``), exactly as ``planner.ilp.intra_op`` calls it. The
    cluster's link holds the per-collective fits as exceptions. Two reference
    figures are reported too, not used for the targets: each collective on its
    own fitted link alone, and ``op_time`` with a constant ``flop_efficiency``.
@@ -47,7 +47,7 @@ from benchmarks.common import load_average, machine_block, median, write_results
 from costmodel.cluster import Cluster, Link  # noqa: E402
 from costmodel.collectives import collective_time  # noqa: E402
 from costmodel.compute import op_time  # noqa: E402
-from costmodel.profile import (  # noqa: E402
+from costmodel.profiling.measure import (  # noqa: E402
     ProfileError,
     group_sizes,
     load_profile,
@@ -55,7 +55,7 @@ from costmodel.profile import (  # noqa: E402
     profile_local,
     profile_path,
 )
-from costmodel.profile_worker import COLLECTIVE_KINDS  # noqa: E402
+from costmodel.profiling.worker import COLLECTIVE_KINDS  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 

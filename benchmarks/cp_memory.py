@@ -56,8 +56,8 @@ def make_model(batch_size: int | None = None, seq_len: int | None = None) -> tup
     ``SEQ / CP`` (each rank's tokens as many as under cp)."""
     batch_size = batch_size or (WORLD if _baseline() else 1)
     seq_len = seq_len or (SEQ // CP if _baseline() else SEQ)
-    from ir.zoo import build_from_config
-    from ir.zoo.llama import LlamaConfig
+    from models.zoo import build_from_config
+    from models.zoo.llama import LlamaConfig
 
     cfg = LlamaConfig(n_layers=2, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=688,
                       vocab_size=1024, max_seq_len=SEQ, rope_theta=10000.0)
@@ -72,7 +72,7 @@ def make_plan(path: str) -> dict[str, Any]:
     """Plan the model on the meta device with cp = :data:`CP`; returns what it predicts."""
     from planner.api import plan
 
-    from ir.source import build_model
+    from models.source import build_model
 
     model, inputs = build_model(SOURCE, device="meta")
     cp = 1 if _baseline() else CP
@@ -92,8 +92,8 @@ def rank_main(plan_path: str, out_dir: str) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from codegen.parallel_model import parallelize
-    from ir.source import build_model
-    from planner.plan_format import load_plan
+    from models.source import build_model
+    from plan.format import load_plan
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

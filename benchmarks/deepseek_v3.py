@@ -4,7 +4,7 @@ published layout, both priced by the same cost model.
 The published layout (DeepSeek-V3 technical report, section 3.2): 16-way
 pipeline parallelism with DualPipe (``dualpipev``), 64-way expert parallelism
 over 8 nodes, ZeRO-1 data parallelism, no tensor parallelism
-(:mod:`planner.deepseek_layout`). The automatic plan is :func:`planner.plan`
+(:mod:`planner.baselines.deepseek_layout`). The automatic plan is :func:`planner.plan`
 with its defaults. Each side's predicted step, memory per device by kind and
 communication are recorded; a side that does not fit the device is recorded
 with the error, and priced once more with the memory budget lifted
@@ -70,8 +70,8 @@ def _auto(model: Any, inputs: tuple, repeats: int) -> dict[str, Any]:
 
 
 def _published(model: Any, inputs: tuple, lifted_gib: float) -> dict[str, Any]:
-    from planner.deepseek_layout import deepseek_plan
-    from planner.megatron import MegatronDoesNotFit
+    from planner.baselines.deepseek_layout import deepseek_plan
+    from planner.baselines.megatron import MegatronDoesNotFit
 
     t0 = time.perf_counter()
     try:
@@ -91,7 +91,7 @@ def _published(model: Any, inputs: tuple, lifted_gib: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ir.source import build_model
+    from models.source import build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4096,

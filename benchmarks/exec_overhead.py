@@ -6,7 +6,7 @@
 For one Megatron tensor-parallel configuration (tp = world size, no data
 parallelism) of the same model and batch:
 
-* *generated*: ``planner.megatron.megatron_plan`` run by the code generator
+* *generated*: ``planner.baselines.megatron.megatron_plan`` run by the code generator
   (``codegen.launch.launch``: torchrun, ``codegen.rank_main``, the plan's
   placements and explicit redistributes);
 * *hand-written*: ``benchmarks/handwritten_tp.py``, the same layout written with
@@ -43,8 +43,8 @@ if ROOT not in sys.path:
 from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
 from codegen.launch import LaunchError, end_group, _tail, launch  # noqa: E402
 from costmodel.presets import load_cluster  # noqa: E402
-from ir.source import build_model  # noqa: E402
-from planner.megatron import MegatronConfig, megatron_plan  # noqa: E402
+from models.source import build_model  # noqa: E402
+from planner.baselines.megatron import MegatronConfig, megatron_plan  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 

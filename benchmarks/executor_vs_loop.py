@@ -44,8 +44,8 @@ CASES = [("gpt-tiny", 8, 32, ("fp32", "bf16-mixed"), None),
 
 
 def _model(name: str, batch: int, seq: int, device: str) -> tuple[Any, tuple]:
-    from ir import zoo
-    from ir.zoo.gpt import GPTConfig
+    from models import zoo
+    from models.zoo.gpt import GPTConfig
 
     if name == "gpt2-small-4l":  # gpt2's width, 4 blocks: big enough for the kernels to matter
         cfg = GPTConfig(n_layer=4, n_embd=768, n_head=12, vocab_size=50304, block_size=seq)

@@ -94,8 +94,7 @@ class Case:
 
     def __init__(self, model: str, precision: str, recompute: bool | None, *, main: bool,
                  batch: int | None = None, seq: int | None = None) -> None:
-        from ir import zoo
-
+        from models import zoo
         d = zoo.describe(model)
         b, s = SHAPES.get(model, (d["batch_size"], d["seq_len"]))
         self.model, self.precision, self.recompute, self.main = model, precision, recompute, main
@@ -228,8 +227,7 @@ def profile(out_dir: str, quick: bool) -> tuple[str, dict[str, Any]]:
 
 def plan_case(case: Case, cluster: str, out_dir: str, time_limit_s: float) -> None:
     from benchmarks.plain_loop import plan_one_device, predicted_of
-    from ir import zoo
-
+    from models import zoo
     model, inputs = zoo.build(case.model, device="meta", batch_size=case.batch,
                               seq_len=case.seq)
     t0 = time.perf_counter()

@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.tensor.parallel import loss_parallel
 
     from codegen.reference import make_optimizer, reference_step
-    from ir.source import build_model
-    from ir.zoo import GPT
+    from models.source import build_model
+    from models.zoo import GPT
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -42,7 +42,7 @@ SEQ_LEN = 32
 def run_model(spec: str, ranks: int, workdir: str) -> dict[str, Any]:
     """Plan and check one model; a failure is recorded, not raised."""
     from codegen.launch import LaunchError, launch
-    from ir.source import build_model
+    from models.source import build_model
     from planner.api import plan
 
     row: dict[str, Any] = {"spec": spec, "ranks": ranks, "passed": False}

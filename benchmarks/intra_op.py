@@ -7,8 +7,8 @@ trace is reported separately). A 3-D case (gpt-tiny on a (2, 2, 2) mesh) measure
 how large N-D meshes make the problem, also under a memory budget.
 
 Sizes (variables, constraints) are those of the MIP: before tying (every node its
-own variables), after tying, and after tying plus :func:`planner.ilp.eliminate`
-(what :func:`planner.ilp.solve` builds), without and with the budget.
+own variables), after tying, and after tying plus :func:`planner.ilp.solve.eliminate`
+(what :func:`planner.ilp.solve.solve` builds), without and with the budget.
 ``--cases`` reruns some cases and keeps the others' recorded numbers.
 """
 
@@ -23,9 +23,9 @@ from benchmarks.common import machine_info, read_results, write_results
 from benchmarks.plan_time import timed_problem
 from costmodel.presets import load_cluster
 from ir import trace
-from ir.source import build_model
-from planner.ilp import SOLVERS, reduced_size, solve
-from planner.intra_op import build_problem, least_memory
+from models.source import build_model
+from planner.ilp.solve import SOLVERS, reduced_size, solve
+from planner.ilp.intra_op import build_problem, least_memory
 
 # (model, cluster, mesh, target seconds, budget fraction or None): the budgeted
 # run gives least + fraction x (unconstrained - least) bytes per device.

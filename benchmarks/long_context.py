@@ -8,12 +8,12 @@ batch of 16 sequences of 131,072 tokens (2M tokens), bf16-mixed, Adam:
 
 * auto: ``planner.plan`` with the default search, which at this length also
   searches context parallelism (cp = 2, 4, ... with everything else its own
-  choice, priced as Megatron's cp is: :mod:`planner.context_parallel`), and
+  choice, priced as Megatron's cp is: :mod:`planner.search.cp_search`), and
   the same search without it (``context_parallel=(1,)``) beside it;
 * Megatron: the configurations a practitioner tries at this length: tp = 8 with
   sequence parallelism, micro-batches of one sequence, pp in 1, 2, 4 and cp in
   1, 2, 4, 8 (the distributed optimizer; Megatron's ring exchange,
-  ``cp_comm_type="p2p"``), each priced by :func:`planner.megatron.megatron_plan`.
+  ``cp_comm_type="p2p"``), each priced by :func:`planner.baselines.megatron.megatron_plan`.
   A configuration that does not fit is recorded with its reason.
 
 Writes ``benchmarks/results/long_context.json``: every configuration's predicted
@@ -61,8 +61,8 @@ def _summary(plan: Any) -> dict[str, Any]:
 def megatron_rows(time_limit_s: float) -> list[dict[str, Any]]:
     """Each configuration of the grid, priced or with the reason it does not fit."""
     from costmodel.presets import load_cluster
-    from ir.source import build_model
-    from planner.megatron import MegatronDoesNotFit, megatron_configs, megatron_plan
+    from models.source import build_model
+    from planner.baselines.megatron import MegatronDoesNotFit, megatron_configs, megatron_plan
     from planner.request import PlanningError
 
     cluster = load_cluster(CLUSTER)
@@ -95,7 +95,7 @@ def auto_row(time_limit_s: float, context_parallel: tuple[int, ...] | None = Non
              ) -> dict[str, Any]:
     """The automatic plan (``context_parallel``: as :class:`planner.api.PlanRequest`;
     None searches cp as the planner does by default)."""
-    from ir.source import build_model
+    from models.source import build_model
     from planner.api import plan
 
     model, inputs = build_model(MODEL, device="meta", batch_size=BATCH, seq_len=SEQ)

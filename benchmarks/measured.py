@@ -5,13 +5,13 @@
     python -m benchmarks.measured --quick              # fewer plans and steps (smoke test)
 
 1. Price plans on a profiled cluster: for each world size (default 2 and 4
-   ranks) a fresh ``costmodel.profile.profile_local`` of this machine, or a
+   ranks) a fresh ``costmodel.profiling.measure.profile_local`` of this machine, or a
    cached profile given with ``--profile`` (matched by its rank count; the
    result JSON records which was used, its fits and when it was made).
 2. Make the plans: automatic plans (``planner.plan``, every 1-D and 2-D mesh
    tried; single-stage unless ``--pipeline``) for the tiny zoo models at two
    batch sizes, and every Megatron configuration
-   (``planner.megatron.megatron_configs`` / ``megatron_plan``) at the default
+   (``planner.baselines.megatron.megatron_configs`` / ``megatron_plan``) at the default
    batch. Plans that come out identical (same placements everywhere) are run
    once.
 3. Run each for real: ``codegen.launch.launch(plan, steps=N, check=True)``
@@ -51,12 +51,12 @@ from benchmarks.common import load_average, load_average_1min, machine_block, wr
 from benchmarks.stats import mape, median_after_warmup, spearman  # noqa: E402
 from codegen.launch import LaunchError, launch  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
-from costmodel.profile import ProfileError, load_profile, profile_local, profile_path  # noqa: E402
-from ir.source import build_model  # noqa: E402
+from costmodel.profiling.measure import ProfileError, load_profile, profile_local, profile_path  # noqa: E402
+from models.source import build_model  # noqa: E402
 from ir.trace import trace  # noqa: E402
 from planner.api import PlanningError, plan  # noqa: E402
-from planner.megatron import megatron_configs, megatron_plan  # noqa: E402
-from planner.plan_format import Plan  # noqa: E402
+from planner.baselines.megatron import megatron_configs, megatron_plan  # noqa: E402
+from plan.format import Plan  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 

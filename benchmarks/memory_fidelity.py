@@ -76,7 +76,7 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def _cpu_small_config() -> Any:
-    from ir.zoo import GPTConfig
+    from models.zoo import GPTConfig
 
     return GPTConfig(n_layer=4, n_embd=256, n_head=8, vocab_size=2048, block_size=256)
 
@@ -87,8 +87,7 @@ def _cut(zoo_name: str, layers: int, **more: int) -> Any:
     def config() -> Any:
         import dataclasses
 
-        from ir import zoo
-
+        from models import zoo
         cfg = zoo.config(zoo_name)
         field = "n_layer" if hasattr(cfg, "n_layer") else "n_layers"
         return dataclasses.replace(cfg, **{field: layers}, **more)
@@ -121,8 +120,7 @@ def _cluster(spec: str) -> Any:
 
 
 def _build(name: str, device: str, batch: int, seq: int) -> tuple[torch.nn.Module, tuple]:
-    from ir import zoo
-
+    from models import zoo
     zoo_name, cfg, _, _, _, _ = MODELS[name]
     if zoo_name is not None:
         return zoo.build(zoo_name, device=device, batch_size=batch, seq_len=seq)
@@ -226,7 +224,7 @@ def make_plan(name: str, precision: str, recompute: bool | None, batch: int, seq
     """The row's one-device plan (unbounded memory budget), and whether it was
     loaded: from ``plans_dir`` when it holds the row's plan, else planned here
     (and saved there when given)."""
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
 
     path = _plan_file(plans_dir, name, precision, recompute, batch, seq) if plans_dir else None
     if path and os.path.exists(path):

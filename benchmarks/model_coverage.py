@@ -2,7 +2,7 @@
 
 Tiny configs of ``transformers`` families (the library's defaults, dropout 0 so
 that ``--check`` can compare with one process) and a BatchNorm CNN of our own:
-decoder-only LMs through ``--model hf:SPEC`` (:mod:`ir.hf`), the others through
+decoder-only LMs through ``--model hf:SPEC`` (:mod:`models.hf`), the others through
 the factories of ``tests/coverage_models.py``. Each model is planned twice by
 the ``planner`` command for ``local-cpu:4``, on a 2x2 mesh and with the
 search's own choice, and each plan run by ``planner run --check`` in fp32 on 4
@@ -91,7 +91,7 @@ def run_mode(name: str, mode: str, workdir: str, timeout_s: float) -> dict[str, 
     if code != 0:
         row["error"] = _error_line(err) or f"planner plan exited {code}: {err.strip()[-300:]}"
         return row
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
 
     plan = load_plan(path)
     row.update(plan=True, mesh=list(plan.mesh_shape),

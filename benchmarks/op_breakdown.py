@@ -136,11 +136,11 @@ def predict_case(model_name: str, batch: int, seq: int, precision: str,
     """The cost model's seconds of the same step, by op and category (mesh ``(1,)``)."""
     from costmodel.presets import load_cluster
     from costmodel.strategy_cost import IntraOpCost
-    from ir import zoo
+    from models import zoo
     from ir.graph import OP, PARAM
     from ir.precision import compute_copy, get_precision
     from ir.trace import trace
-    from planner.strategies import build_strategies
+    from planner.ilp.strategies import build_strategies
 
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
@@ -196,8 +196,7 @@ def print_case(measured: dict[str, Any] | None, predicted: dict[str, Any] | None
 
 
 def _cases(models: list[str], precisions: list[str]) -> list[tuple[str, int, int, str]]:
-    from ir import zoo
-
+    from models import zoo
     out = []
     for m in models:
         d = zoo.describe(m)

@@ -156,10 +156,9 @@ class PlainLoop:
     def from_zoo(cls, name: str, *, precision: Any = "fp32", checkpoint: Sequence[str] = (),
                  device: torch.device | str = "cpu", batch_size: int | None = None,
                  seq_len: int | None = None) -> "PlainLoop":
-        """A zoo model (:func:`ir.zoo.build`, seed 0, fp32) and its example inputs on
+        """A zoo model (:func:`models.zoo.build`, seed 0, fp32) and its example inputs on
         ``device``. Under ``FakeTensorMode`` nothing is allocated."""
-        from ir import zoo
-
+        from models import zoo
         model, inputs = zoo.build(name, device=device, batch_size=batch_size, seq_len=seq_len)
         return cls(model, inputs, precision=precision, checkpoint=checkpoint)
 

@@ -67,7 +67,7 @@ def _quality_plans(case: Any, best_label: str | None) -> dict[str, Callable[[], 
     from ir.precision import compute_copy, get_precision
     from ir.trace import trace
     from planner.api import plan
-    from planner.megatron import megatron_plan
+    from planner.baselines.megatron import megatron_plan
 
     cluster = build_cluster(case.cluster)
     model, inputs = build_case_model(case)

@@ -51,10 +51,10 @@ from benchmarks.common import git_commit, machine_info, read_results, write_resu
 from costmodel.cluster import Cluster
 from costmodel.presets import preset
 from ir.precision import compute_copy, get_precision
-from ir.zoo import GPTConfig, build, build_from_config
-from ir.zoo import config as zoo_config
-from app.compare import compare
-from planner.megatron import MegatronConfig, megatron_configs, num_experts
+from models.zoo import GPTConfig, build, build_from_config
+from models.zoo import config as zoo_config
+from planner.baselines.compare import compare
+from planner.baselines.megatron import MegatronConfig, megatron_configs, num_experts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results", "plan_quality.json")

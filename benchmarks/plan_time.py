@@ -30,11 +30,11 @@ from benchmarks.common import (cpu_pair_probe, cpu_speed_probe, load_average, ma
 from costmodel.presets import load_cluster
 from costmodel.strategy_cost import IntraOpCost
 from ir import trace
-from ir.source import build_model
-from ir.zoo import GPTConfig, build_from_config, config
-from planner.intra_op import build_problem
-from planner.ilp import solve
-from planner.strategies import build_strategies
+from models.source import build_model
+from models.zoo import GPTConfig, build_from_config, config
+from planner.ilp.intra_op import build_problem
+from planner.ilp.solve import solve
+from planner.ilp.strategies import build_strategies
 
 
 def time_trace(name: str) -> dict:

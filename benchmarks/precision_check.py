@@ -16,7 +16,7 @@ placements each op produced against the plan's.
 Configurations (N = world size); the layout is pinned, not searched, so each
 row really is the parallelism it names:
 
-* ``dp``: Megatron ``tp=1 dp=N`` (:func:`planner.megatron.megatron_plan`):
+* ``dp``: Megatron ``tp=1 dp=N`` (:func:`planner.baselines.megatron.megatron_plan`):
   parameters replicated on mesh (N,), the batch split; gradients all-reduced.
 * ``tp``: Megatron ``tp=N dp=1``: column/row-parallel linears,
   vocabulary-parallel embedding and head on mesh (N,).
@@ -26,7 +26,7 @@ row really is the parallelism it names:
   and 2-D placements with one trivial axis.
 * ``pp2``: Megatron ``pp=2`` with ``tp=1 dp=N/2``, micro-batches of 2
   sequences per data-parallel rank, 1F1B, the layers split evenly
-  (:func:`planner.megatron.megatron_plan`), with Megatron's distributed
+  (:func:`planner.baselines.megatron.megatron_plan`), with Megatron's distributed
   optimizer: ZeRO-1 stages (:mod:`codegen.zero1`).
 * ``zero3``: one stage on mesh (N,) with ZeRO-3 (FSDP2 ``fully_shard`` over
   the mesh, its ``MixedPrecisionPolicy`` all-gathering bf16 parameters and
@@ -81,10 +81,10 @@ PRECISION = "bf16-mixed"
 def make_plan(model_name: str, world: int, config: str, *, precision: str = PRECISION,
               time_limit_s: float = 10.0) -> tuple[Any, str]:
     """The plan of one grid cell and a short description of how it was made."""
-    from ir.source import build_model
+    from models.source import build_model
     from ir.trace import trace
     from planner.api import pipeline_plan, plan
-    from planner.megatron import MegatronConfig, megatron_layout, megatron_plan
+    from planner.baselines.megatron import MegatronConfig, megatron_layout, megatron_plan
 
     model, inputs = build_model(model_name, device="meta")
     cluster = f"local-cpu:{world}"

@@ -22,7 +22,7 @@ accumulation and reduce-scatter), 16M tokens per step. As the paper ran it
   (Figure 6's N), so N = 16 in every row (m = 32 in row 1, 16 in rows 2-3).
   Each chunk is priced with its own micro-batches in flight at its rank's
   peak (the head chunk holds one at a time;
-  ``planner.megatron._stage_copies``);
+  ``planner.baselines.megatron._stage_copies``);
 * CP as Llama 3 ran it: K/V all-gathered over the cp group before attention
   (``cp_comm_type="all_gather"``), each rank two chunks (i and 2 cp - 1 - i);
 * the paper's FSDP sharded optimizer states and gradients and kept the
@@ -115,8 +115,7 @@ class PublishedRun:
     def iteration_flops(self, causal: bool = False) -> float:
         """Model FLOPs of one step (MFU convention: 6 N + 12 L h s per token;
         ``causal``: 6 N + 6 L h s)."""
-        from ir import zoo
-
+        from models import zoo
         c = zoo.config(MODEL)
         n = c.num_params() - c.vocab_size * c.dim  # less the input embedding
         attention = (6 if causal else 12) * c.n_layers * c.dim * self.seq_len
@@ -133,7 +132,7 @@ TABLE_4 = (
 
 def megatron_config(run: PublishedRun):
     """The row's configuration in the Megatron baseline's terms."""
-    from planner.megatron import MegatronConfig
+    from planner.baselines.megatron import MegatronConfig
 
     layers = 126
     chunks = PP * CHUNKS_PER_RANK
@@ -164,9 +163,9 @@ def row_cluster(run: PublishedRun, device: str = "measured"):
 
 def price_row(run: PublishedRun, time_limit_s: float, device: str = "measured") -> dict[str, Any]:
     """The row priced as published: under the default budget, and at 80 GB."""
-    from ir import zoo
+    from models import zoo
     from ir.precision import get_precision
-    from planner.megatron import MegatronDoesNotFit, megatron_plan
+    from planner.baselines.megatron import MegatronDoesNotFit, megatron_plan
 
     model, inputs = zoo.build(MODEL, batch_size=run.global_batch, seq_len=run.seq_len)
     cluster = row_cluster(run, device)

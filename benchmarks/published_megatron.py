@@ -108,7 +108,7 @@ TABLE_1 = (
 
 def megatron_config(run: PublishedRun):
     """The row's Megatron-LM configuration, as it ran."""
-    from planner.megatron import MegatronConfig
+    from planner.baselines.megatron import MegatronConfig
 
     return MegatronConfig(run.tp, run.dp, use_distributed_optimizer=False,
                           pipeline_model_parallel_size=run.pp,
@@ -119,7 +119,7 @@ def megatron_config(run: PublishedRun):
 def build_row(run: PublishedRun):
     """(model on meta, example inputs of the global batch, cluster)."""
     from costmodel.presets import load_cluster
-    from ir.zoo import GPTConfig, build_from_config
+    from models.zoo import GPTConfig, build_from_config
 
     cfg = GPTConfig(run.layers, run.hidden, run.heads, vocab_size=VOCAB, block_size=SEQ_LEN,
                     attention="unfused", dropout=DROPOUT)
@@ -145,8 +145,8 @@ def price_row(run: PublishedRun, auto: bool, time_limit_s: float) -> dict[str, A
     """The row priced as published (and planned automatically with ``auto``)."""
     from ir.precision import get_precision
     from planner.api import plan
-    from app.compare import auto_label
-    from planner.megatron import megatron_plan
+    from planner.baselines.compare import auto_label
+    from planner.baselines.megatron import megatron_plan
 
     model, inputs, cluster = build_row(run)
     cfg = megatron_config(run)

@@ -289,7 +289,7 @@ def _summary(plan: Any) -> dict[str, Any]:
 def make_plan(model_name: str, kind: str, workdir: str) -> tuple[str, dict[str, Any]]:
     """Plan ``kind`` of ``model_name``; (path, summary). Raises RuntimeError
     when planning fails or gives another kind of plan."""
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
 
     spec, kwargs = MODELS[model_name]
     path = os.path.join(workdir, "plans", f"{model_name}-{kind}.json")
@@ -298,7 +298,7 @@ def make_plan(model_name: str, kind: str, workdir: str) -> tuple[str, dict[str, 
     t0 = time.perf_counter()
     how: str
     if kind == "zero3":
-        from ir.source import build_model
+        from models.source import build_model
         from planner.api import pipeline_plan
 
         model, inputs = build_model(spec, device="meta", seed=0, **kwargs)
@@ -342,14 +342,14 @@ def make_plan(model_name: str, kind: str, workdir: str) -> tuple[str, dict[str, 
 def reference(plan_path: str, tokens: str, steps: int) -> Any:
     """:func:`training.single_process.train_one_process` of the job's settings
     on the plan's model, batches and micro-batch count."""
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
     from training.data import TokenFile
     from training.single_process import train_one_process
 
     plan = load_plan(plan_path)
     source = plan.model["source"]
     from codegen.reference import zoo_kwargs
-    from ir.source import build_model
+    from models.source import build_model
 
     _, inputs = build_model(source, device="meta", seed=0, **zoo_kwargs(plan.training))
     batch_size, seq_len = inputs[0].shape

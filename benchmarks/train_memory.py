@@ -52,7 +52,7 @@ again after glibc's ``malloc_trim(0)``, beside the bytes of its shards.
 
 The old runtime's figure (``planner run``'s ``codegen/rank_main.py`` built the
 whole fp32 model on every rank before cutting it) is measured in one process:
-``ir.source.build_model("gpt3-1.3b", device="cpu", seed=0, ...)`` and its peak
+``models.source.build_model("gpt3-1.3b", device="cpu", seed=0, ...)`` and its peak
 resident set; 4 ranks would each hold that before any training.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_memory.py --margin 1.1   # ~12 min on 2 idle cores
@@ -145,7 +145,7 @@ _OLD_BUILD = r"""
 import json, resource, sys, time
 import torch
 from codegen.parallel_model import resident_bytes as rss
-from ir.source import build_model
+from models.source import build_model
 
 baseline = rss()
 t0 = time.perf_counter()
@@ -171,9 +171,9 @@ def old_runtime_figure(model: str) -> dict[str, Any]:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     got.update(model=model, wall_s=round(time.perf_counter() - t0, 1),
                peak_minus_baseline_bytes=got["peak_bytes"] - got["baseline_bytes"],
-               how=f"one process: ir.source.build_model({model!r}, device='cpu', seed=0, "
+               how=f"one process: models.source.build_model({model!r}, device='cpu', seed=0, "
                    f"batch_size={STEP['batch_size']}, seq_len={STEP['seq_len']}); "
-                   "peak = ru_maxrss, baseline = RSS after importing torch, ir.source and "
+                   "peak = ru_maxrss, baseline = RSS after importing torch, models.source and "
                    "codegen.parallel_model",
                note=f"the old runtime (codegen/rank_main.py, `planner run`) built this whole "
                     f"fp32 model on every rank before cutting it: on {RANKS} ranks, {RANKS} x "
@@ -201,7 +201,7 @@ def make_plan(name: str, workdir: str) -> dict[str, Any]:
     memory, and what the plan records of the model and the step. A ZeRO-3
     plan the planner finds no fitting plan for is planned again without a
     budget (``fits_budget`` False)."""
-    from ir.source import build_model
+    from models.source import build_model
     from planner.api import pipeline_plan, plan as search_plan
     from planner.request import PlanningError, default_memory_budget
     from costmodel.presets import load_cluster

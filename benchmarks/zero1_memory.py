@@ -62,10 +62,10 @@ CASES: dict[str, tuple[str, int, tuple[int, ...], tuple[int, int], int]] = {
 
 
 def make_plan(case: str, path: str) -> None:
-    from ir.source import build_model
+    from models.source import build_model
     from ir.trace import trace
     from planner.api import pipeline_plan
-    from planner.megatron_layout import MegatronConfig, megatron_layout
+    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
 
     precision, pp, stage_mesh, layout, micro = CASES[case]
     model, inputs = build_model(MODEL, device="meta")
@@ -111,8 +111,8 @@ def rank_main(plan_path: str, out_dir: str) -> None:
     from codegen.pipeline import PipelineRuntime
     from codegen.reference import zoo_kwargs
     from costmodel.memory import training_state_bytes
-    from ir.source import build_model
-    from planner.plan_format import load_plan
+    from models.source import build_model
+    from plan.format import load_plan
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -16,13 +16,13 @@ from typing import Any
 import torch
 from torch.export.graph_signature import ExportGraphSignature
 
-from ir.fast_trace import SynthesizedProgram
+from ir.block_capture.trace import SynthesizedProgram
 from ir.graph import INPUT, OP, PARAM
 from ir.placements import parse_planned
 from ir.device_capture import planned_copy
 from ir.precision import Precision, compute_copy, get_precision
 from ir.trace import trace
-from planner.plan_format import Plan
+from plan.format import Plan
 
 __all__ = ["CapturedProgram", "PlanMismatchError", "WrittenOutProgram", "capture_program",
            "check_plan_fits_program"]
@@ -34,7 +34,7 @@ class PlanMismatchError(ValueError):
 
 @dataclass
 class WrittenOutProgram:
-    """A fast trace's program (:class:`ir.fast_trace.SynthesizedProgram`) with
+    """A fast trace's program (:class:`ir.block_capture.trace.SynthesizedProgram`) with
     the model's own parameters and buffers: the parts of an ``ExportedProgram``
     the executor reads."""
 

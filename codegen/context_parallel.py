@@ -1,5 +1,5 @@
 """Context parallelism at run time: each sequence split over a cp group of
-ranks, attention across the group's chunks (:mod:`planner.context_parallel`
+ranks, attention across the group's chunks (:mod:`planner.search.cp_search`
 prices it).
 
 A plan with ``training["context_parallel"]`` (cp, and the exchange
@@ -53,8 +53,8 @@ from ir.graph import INPUT, Graph
 from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, all_gather_autograd,
                              cpu_flash_attention_ops, from_local_with_grad_placements,
                              is_assertion_op, tree_leaves, tree_map)
-from planner.context_parallel import carries_rows, kv_head_repeats, local_kv_repeats
-from planner.plan_format import Plan
+from plan.cp_rules import carries_rows, kv_head_repeats, local_kv_repeats
+from plan.format import Plan
 
 __all__ = ["ContextParallelLayout", "ContextParallelRuntime", "chunk_positions",
            "cut_sequences", "layout_of"]
@@ -184,7 +184,7 @@ class ContextParallelRuntime:
         one program over whole sequences (``program``: the captured program,
         ``graph``: its :class:`ir.graph.Graph`): attention other than causal
         fused attention, token rows not split over mesh axis 0
-        (:func:`planner.context_parallel.pinned_strategies` says why), and
+        (:func:`planner.search.cp_search.pinned_strategies` says why), and
         values of the token positions split or gathered over it (each rank
         holds its own positions under one name). Returns the names of the
         program's positions (its ``arange`` over a rank's tokens) and of the

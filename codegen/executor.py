@@ -60,7 +60,7 @@ from ir.exported_graph import tied_parameters
 from ir.precision import cast_float
 from ir.torch_compat import (fake_store_type, register_fused_attention_sharding,
                              register_zeros_like_input_sharding, tree_leaves)
-from planner.plan_format import Plan
+from plan.format import Plan
 
 __all__ = ["PlanExecutor", "record_plan"]
 

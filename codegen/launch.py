@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from ir.node import draws_random
 from codegen.runnable import unrunnable_reason
-from planner.plan_format import load_plan, placement_error
+from plan.format import load_plan, placement_error
 
 __all__ = ["LaunchError", "Nodes", "REPO_ROOT", "cpu_fallback_note", "end_group",
            "first_error_line", "launch", "rank_env", "rank_failure_line", "runnable_world",

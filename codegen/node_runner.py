@@ -41,7 +41,7 @@ from ir.placements import parse_placement, parse_placements, placement_str
 from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, dispatcher_input_reshards,
                              is_assertion_op, is_mask_partial, op_overload_name, tree_leaves,
                              tree_map)
-from planner.plan_format import OpPlacement, Plan
+from plan.format import OpPlacement, Plan
 
 __all__ = ["DTensorResultError", "NodeRunner", "public_binding", "tensor_leaves"]
 

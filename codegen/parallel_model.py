@@ -47,7 +47,7 @@ from codegen.capture import PlanMismatchError
 from codegen.reference import loss_of
 from codegen.runnable import unrunnable_reason
 from codegen.zero1 import StateShards
-from planner.plan_format import Plan, load_plan
+from plan.format import Plan, load_plan
 
 __all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "backward_to_placements",
            "check_batch", "parallelize", "peak_memory", "resident_bytes", "runtime_device"]
@@ -138,7 +138,7 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
     tensor its whole value on ``device`` (:data:`INITS`)."""
     from codegen.deferred_init import record_build
     from codegen.reference import zoo_kwargs
-    from ir.source import build_model
+    from models.source import build_model
 
     def build() -> tuple[nn.Module, tuple]:
         return build_model(plan.model["source"], device="meta", seed=0,

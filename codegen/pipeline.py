@@ -25,7 +25,7 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
   :meth:`PipelineRuntime.make_optimizer`) steps those slices.
 * :class:`PipelineRuntime` builds the stages (``torch.distributed.pipelining.
   PipelineStage``, static shapes) and the plan's schedule class
-  (``costmodel.schedule_specs.SCHEDULE_SPECS``), and runs one step on the
+  (``costmodel.schedules.specs.SCHEDULE_SPECS``), and runs one step on the
   global batch: torch splits it into ``num_microbatches`` micro-batches along
   dim 0, the last stage's output is the micro-batch loss, and the schedule
   averages gradients over micro-batches (``scale_grads``), which gives the
@@ -53,13 +53,13 @@ from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_pla
 from codegen.redistribution import contiguous_strides, redistribute
 from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer, StateShards
 from codegen.zero3_units import UnitModule, UnitRun
-from costmodel.schedule_specs import schedule_spec
+from costmodel.schedules.specs import schedule_spec
 from costmodel.strategy_cost import FSDP_STAGES
 from ir.placements import parse_placements, placement_str
 from ir.precision import cast_float
 from ir.repeated_blocks import ShardUnit, find_layers, shard_units
 from ir.torch_compat import from_local_with_grad_placements, is_strided_shard
-from planner.plan_format import Plan, StagePlan
+from plan.format import Plan, StagePlan
 
 __all__ = ["PipelineRuntime", "StageExecutor", "StageModule", "local_shape", "split_microbatch",
            "split_microbatches"]

@@ -3,7 +3,7 @@
 :func:`validate_pipeline_plan` refuses, with a :class:`PipelinePlanError` that
 says what is wrong, a plan whose pipeline section does not fit the schedule
 torch runs (stages per rank, stage-to-rank placement from
-:mod:`costmodel.schedule_specs`), the world mesh, the ZeRO stages this runtime
+:mod:`costmodel.schedules.specs`), the world mesh, the ZeRO stages this runtime
 runs or the chain of boundary values between stages.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import math
 
-from costmodel.schedule_specs import schedule_spec
+from costmodel.schedules.specs import schedule_spec
 from costmodel.strategy_cost import ZERO_STAGES
-from planner.plan_format import Plan
+from plan.format import Plan
 
 __all__ = ["PipelinePlanError", "validate_pipeline_plan"]
 

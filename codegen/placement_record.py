@@ -20,7 +20,7 @@ import torch
 
 from codegen.redistribution import same_placements
 from ir.placements import MASKED_PARTIAL
-from planner.plan_format import OpPlacement, Plan, Reshard
+from plan.format import OpPlacement, Plan, Reshard
 
 __all__ = ["PlacementRecord", "ReshardEvent"]
 

@@ -22,7 +22,7 @@ from codegen.capture import PlanMismatchError
 from codegen.redistribution import redistribute
 from ir.placements import parse_placements
 from ir.precision import cast_float
-from planner.plan_format import Plan
+from plan.format import Plan
 
 __all__ = ["InputPlacer", "Materialize", "PlacedState"]
 

@@ -120,7 +120,7 @@ class _Exit(Exception):
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.plan_format import PlanError, load_plan
+    from plan.format import PlanError, load_plan
 
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -331,7 +331,7 @@ def _reference(args: argparse.Namespace, plan: Any, rank: int, device: torch.dev
 def _build_model(plan: Any, device: torch.device) -> tuple[torch.nn.Module, Any]:
     """The plan's model and inputs, built with seed 0 on ``device``, in training mode."""
     from codegen.reference import zoo_kwargs
-    from ir.source import build_model
+    from models.source import build_model
 
     model, inputs = build_model(plan.model["source"], device=str(device), seed=0,
                                 **zoo_kwargs(plan.training))

@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ir.placements import MASKED_PARTIAL, parse_placement, placement_str
 from ir.torch_compat import autograd_redistribute, is_mask_partial, local_tensor, zero_masked_rows
-from planner.plan_format import Plan
+from plan.format import Plan
 
 __all__ = ["contiguous_strides", "keep_layout", "laid_out", "on_mesh", "permuted_strides",
            "placements_of", "plan_on_mesh", "reachable_target", "redistribute", "relaid",

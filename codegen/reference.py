@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ir.source import build_model
+from models.source import build_model
 
 __all__ = ["ReferenceResult", "gradient_errors", "loss_of", "make_optimizer", "reference_step",
            "relative_error", "zoo_kwargs"]

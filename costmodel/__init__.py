@@ -20,7 +20,7 @@ from .compute import DEFAULT_HALF_SATURATION_FLOPS, matmul_efficiency, op_time
 from .memory import OPTIMIZER_STATES, gpt_activation_bytes_per_layer, reserve_bytes, training_state_bytes
 from .presets import PRESETS, load_cluster, local_cpu_cluster, preset
 from .resharding import ReshardStep, reshard_steps, reshard_time
-from .schedule_specs import ScheduleSpec, schedule_spec
+from .schedules.specs import ScheduleSpec, schedule_spec
 from .schedules import SCHEDULES, ScheduleBook, ScheduleResult, rank_orders, simulate, simulate_orders
 
 __all__ = [

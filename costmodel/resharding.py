@@ -345,7 +345,7 @@ class ReshardPricer:
     def memo(self, name: str) -> dict:
         """A dict named ``name`` that lives as long as this pricer: for callers
         that derive prices of their own objects on this mesh and keep them
-        beside its prices (e.g. ``planner.intra_op``'s edge matrices)."""
+        beside its prices (e.g. ``planner.ilp.intra_op``'s edge matrices)."""
         return self._memos.setdefault(name, {})
 
     def spec_id(self, placements: Sequence[PlacementLike]) -> int:

@@ -6,7 +6,7 @@ compute, of the collectives its strategy implies (gradient all-reduces over
 the axes its inputs are replicated on, ZeRO's once-per-step
 reduce-scatter/all-gather), of resharding along each edge, and its bytes per
 device by kind (parameters, gradients, optimizer states, activations). The
-intra-op solver (:mod:`planner.intra_op`) turns these prices into its ILP.
+intra-op solver (:mod:`planner.ilp.intra_op`) turns these prices into its ILP.
 
 Units: seconds, bytes. Costs are of one training step (forward, backward and
 gradient synchronisation) on one device.
@@ -464,7 +464,7 @@ class IntraOpCost:
     def state_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds one parameter adds to :meth:`zero_collectives` of its stage:
         those of its bytes less their per-message latency, which the stage's
-        one pair of collectives pays once (:func:`planner.inter_op.stage_times`
+        one pair of collectives pays once (:func:`planner.search.stage_dp.stage_times`
         adds it)."""
         nbytes = self.zero_bytes(node, s)
         if nbytes == 0:

@@ -3,7 +3,7 @@
 :func:`graph_from_exported` gives every placeholder and aten call of an
 ``ExportedProgram`` (or a program with its ``graph`` and ``graph_signature``:
 :class:`ir.program_capture.CapturedProgram`,
-:class:`ir.fast_program.SynthesizedProgram`) one :class:`ir.node.Node` with
+:class:`ir.block_capture.program.SynthesizedProgram`) one :class:`ir.node.Node` with
 its shapes, forward FLOPs, bytes moved, parameters and module path.
 
 Tied parameters (one tensor under several names, such as GPT-2's embedding

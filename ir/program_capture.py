@@ -250,7 +250,7 @@ def capture_in_one_pass(model: torch.nn.Module, example_inputs: Any) -> Any:
     does not fit the one pass: outputs other than a tensor or a tuple of
     tensors, keyword or variadic inputs, attributes lifted as constants.
     Callers that need the equality vouched for compare against a
-    :func:`capture` of the same model (:mod:`ir.fast_trace` checks each new
+    :func:`capture` of the same model (:mod:`ir.block_capture.trace` checks each new
     method on one probe of each kind)."""
     args = as_tuple(example_inputs)
     try:

@@ -3,7 +3,7 @@
 The vocabulary the planner chooses among and the cost model prices:
 :class:`Strategy` (a placement tuple, one DTensor placement per mesh axis, for
 each tensor argument and each output of one op) and :class:`NodeStrategies`
-(every strategy considered for one graph node). :mod:`planner.strategies`
+(every strategy considered for one graph node). :mod:`planner.ilp.strategies`
 enumerates them from DTensor's sharding rules.
 """
 

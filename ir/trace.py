@@ -1,7 +1,7 @@
 """Trace a model: its forward program as the planner's :class:`ir.graph.Graph`.
 
 :func:`trace` is the entry point. It writes out the program of a model of many
-identical blocks from short probe captures (:mod:`ir.fast_trace`) and
+identical blocks from short probe captures (:mod:`ir.block_capture.trace`) and
 otherwise captures the whole model (:func:`ir.program_capture.capture`) and
 reads it with shapes, FLOPs and bytes (:func:`ir.exported_graph.graph_from_exported`);
 either way the Graph is the same. Works on the meta device, so a
@@ -16,8 +16,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ir.exported_graph import graph_from_exported, tied_parameters
-from ir.fast_program import SynthesizedProgram
-from ir.fast_trace import fast_trace
+from ir.block_capture.program import SynthesizedProgram
+from ir.block_capture.trace import fast_trace
 from ir.graph import Graph
 from ir.program_capture import (TraceError, as_tuple, capture, eager_error, torch_output_logged,
                                 value_read, value_read_reason, write_torch_log)
@@ -35,11 +35,11 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
 
     Models whose blocks sit in an ``nn.ModuleList`` of many identical modules
     are captured from two short probes and the rest written out
-    (:mod:`ir.fast_trace`); the Graph is the same, node for node, as the full
+    (:mod:`ir.block_capture.trace`); the Graph is the same, node for node, as the full
     capture's. ``like``: an earlier trace of the same model (other input
     shapes), whose checked method the fast path may reuse with one probe.
     ``beside``: runs two functions at once, the second in another process
-    (:data:`ir.fast_trace.Beside`); the fast path captures its two probes so.
+    (:data:`ir.block_capture.trace.Beside`); the fast path captures its two probes so.
     ``PLANNER_FULL_TRACE=1`` in the environment always captures fully.
 
     What torch prints or logs meanwhile (a failed export's program dumps)

@@ -5,13 +5,13 @@
     >>> p.save("plan.json"); planner.load_plan("plan.json") == p
 
 ``plan`` and ``PlanningError`` are imported when first used: the ranks of
-``planner run`` read plans (:mod:`planner.plan_format`) but never search, and
+``planner run`` read plans (:mod:`plan.format`) but never search, and
 need neither the solver nor OR-Tools.
 """
 
 from typing import Any
 
-from planner.plan_format import FORMAT_VERSION, Plan, PlanError, load_plan
+from plan.format import FORMAT_VERSION, Plan, PlanError, load_plan
 
 __all__ = ["FORMAT_VERSION", "Plan", "PlanError", "PlanningError", "load_plan", "plan"]
 

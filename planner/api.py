@@ -1,4 +1,4 @@
-"""The public entry point: ``plan(model, cluster, ...)`` -> :class:`planner.plan_format.Plan`."""
+"""The public entry point: ``plan(model, cluster, ...)`` -> :class:`plan.format.Plan`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from costmodel.cluster import Cluster
 from costmodel.presets import load_cluster
-from costmodel.schedule_specs import schedule_spec
+from costmodel.schedules.specs import schedule_spec
 from costmodel.schedules import canonical_schedule, default_stages_per_rank
 from ir.device_capture import planned_copy
 from ir.exported_graph import tied_parameters
@@ -21,24 +21,24 @@ from ir.graph import Graph
 from ir.layers import PipelineLayer, block_count, manual_bounds
 from ir.precision import Precision
 from ir.trace import trace
-from planner.assembly import build_plan, model_record, training_record
+from planner.search.plan_assembly import build_plan, model_record, training_record
 from costmodel.strategy_cost import IntraOpCost
-from planner.context_parallel import (context_parallel_inputs, context_parallel_record,
+from planner.search.cp_search import (context_parallel_inputs, context_parallel_record,
                                       context_parallel_seconds, cp_link, kv_buffer_bound,
                                       search_sizes, sequence_length)
-from planner.finalists import (ExactPipeline, assemble, fastest, solve_exact, solve_finalists,
+from planner.search.finalists import (ExactPipeline, assemble, fastest, solve_exact, solve_finalists,
                                split_far_finalists)
-from planner.megatron_layout import CP_COMM_TYPES
-from planner.forked import run_beside
-from planner.inter_op import PipelineCandidate, stage_mesh_options
-from planner.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
-from planner.pipeline import (NO_PIPELINE, SEARCH_ZERO_STAGES, SearchOptions, accumulates,
+from planner.baselines.megatron_layout import CP_COMM_TYPES
+from planner.search.forked_workers import run_beside
+from planner.search.stage_dp import PipelineCandidate, stage_mesh_options
+from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
+from planner.search.pipeline_search import (NO_PIPELINE, SEARCH_ZERO_STAGES, SearchOptions, accumulates,
                               refine, search, simulate_step, zero_variants)
-from planner.plan_format import Plan
+from plan.format import Plan
 from planner.request import (PlanRequest, PlanningError, check_mesh, default_memory_budget,
                              mesh_candidates, resolve_precision)
-from planner.search_context import SearchContext
-from planner.stage_reuse import total_memory
+from planner.search.context import SearchContext
+from planner.search.stage_reuse import total_memory
 
 __all__ = ["PlanRequest", "PlanningError", "pipeline_plan", "plan"]
 
@@ -50,7 +50,7 @@ def _planning(fn: _Fn) -> _Fn:
     """``fn``, a search, with Python's cyclic garbage collector paused while
     it runs (as it was before afterwards). The schedule orders it made
     (~400 MB for gpt3-175b on 1024 GPUs) are its search context's
-    (:attr:`planner.search_context.SearchContext.schedule_book`) and go with it.
+    (:attr:`planner.search.context.SearchContext.schedule_book`) and go with it.
 
     Reference counting still frees almost all a search makes; the objects it
     leaves in reference cycles wait for the next collection after it. Each
@@ -81,7 +81,7 @@ def _request(request: PlanRequest | None, options: dict[str, Any]) -> PlanReques
 
 def _two_processes(here: Callable[[], Any], there: Callable[[], Any]) -> tuple[Any, Any]:
     """``(here(), there())``, ``there`` run by a forked child meanwhile
-    (:func:`planner.forked.run_beside`): the first capture's two probes take
+    (:func:`planner.search.forked_workers.run_beside`): the first capture's two probes take
     both cores, while nothing else can run yet (llama3-8b: ~1 s each)."""
     done_here, done_there, _, _ = run_beside(here, there)
     return done_here, done_there
@@ -255,7 +255,7 @@ def _unpipelinable(model: torch.nn.Module) -> str | None:
 
 def _no_pipeline_reason(ctx: SearchContext, opts: SearchOptions) -> str:
     """Why the search could build no pipeline of the sizes ``opts.pp`` asks for."""
-    from planner.inter_op import SEARCH_SCHEDULES
+    from planner.search.stage_dp import SEARCH_SCHEDULES
 
     layers = len(ctx.program(1).layers)
     sizes = ",".join(map(str, opts.pp))
@@ -279,7 +279,7 @@ def _search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                  training: dict[str, Any]) -> Plan:
     """The two-level search of :func:`plan` (single stages and pipelines), its
     finalists solved exactly, without context parallelism and with each cp
-    size of :func:`planner.context_parallel.search_sizes` (the request's, or
+    size of :func:`planner.search.cp_search.search_sizes` (the request's, or
     automatic); the fastest plan by predicted step time (the smaller cp of
     equal ones). The automatic sizes are tried largest first (the least
     memory per rank), then smaller, until one is slower than (or does not
@@ -425,17 +425,17 @@ def _context_parallel_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cl
                            example_inputs: tuple, dtype: Precision, budget: float,
                            progress: Callable[[str], None] | None, cp: int) -> Plan:
     """The fastest plan with context-parallel size ``cp``, the search choosing
-    everything else, priced as :mod:`planner.context_parallel` prices it.
+    everything else, priced as :mod:`planner.search.cp_search` prices it.
 
     The program searched is one cp rank's (each sequence cut into cp rows of
     s / cp tokens), its batch rows pinned to stage mesh axis 0, which holds
     whole cp groups (:meth:`SearchContext.allows`,
-    :func:`planner.context_parallel.pinned_strategies`): the weights are
+    :func:`planner.search.cp_search.pinned_strategies`): the weights are
     replicated or sharded over axis 0 as the search decides (ZeRO over axis
     0 shards over dp x cp, as Megatron's distributed optimizer with cp).
     The candidates are ranked without the exchange (it is the same work on
     every candidate that places the attention alike); each finalist, solved
-    exactly, then gets :func:`planner.context_parallel.context_parallel_seconds`
+    exactly, then gets :func:`planner.search.cp_search.context_parallel_seconds`
     of both exchanges added to its stages' forward and backward, is dropped
     where a stage and its K/V buffers exceed the memory budget, and keeps the
     faster exchange. The stage ILPs get the budget less the buffers with K/V

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from planner.plan_format import Plan
+from plan.format import Plan
 
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:

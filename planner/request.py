@@ -59,7 +59,7 @@ class PlanRequest:
             (FSDP2 over it without resharding after forward: optimizer states
             and gradients sharded), 3 (FSDP2, parameters sharded too); None:
             all four (which of them the search prices:
-            :func:`planner.pipeline.zero_stages_priced`).
+            :func:`planner.search.pipeline_search.zero_stages_priced`).
         precision: a training precision name (:mod:`ir.precision`) or a
             :class:`Precision`; None: :func:`default_precision`.
         recompute: None: the search checkpoints where that is fastest; True:
@@ -67,7 +67,7 @@ class PlanRequest:
         context_parallel: context-parallel sizes (cp) to search, e.g. ``(1, 2, 4)``
             (powers of two dividing the devices whose 2 cp chunks cut the
             sequence; 1 = without); None: automatic
-            (:func:`planner.context_parallel.search_sizes`: cp > 1 at sequences
+            (:func:`planner.search.cp_search.search_sizes`: cp > 1 at sequences
             of at least 32,768 tokens, or where no plan without it fits).
     """
 

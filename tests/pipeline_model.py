@@ -6,9 +6,7 @@ of 32 tokens, vocabulary 128, hidden 64, 4 heads.
 
 import torch
 
-from ir.zoo import gpt
-
-
+from models.zoo import gpt
 def gpt8():
     """(model, (idx, targets)) built on the current default device."""
     cfg = gpt.GPTConfig(n_layer=8, n_embd=64, n_head=4, vocab_size=128, block_size=32)

@@ -22,8 +22,7 @@ def _build(device: str):
     gradients outweigh the activations; value heads padded: CPU's fused kernel)."""
     import dataclasses
 
-    from ir import zoo
-
+    from models import zoo
     cfg = dataclasses.replace(zoo.config("deepseek-tiny"), n_layers=2, n_routed_experts=64,
                               moe_ffn_dim=128)
     return zoo.build_from_config(cfg, device=device, batch_size=BATCH, seq_len=SEQ)

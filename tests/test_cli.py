@@ -204,7 +204,7 @@ def test_run_and_show_refuse_unreadable_placements(tmp_path, capsys):
     """`planner run` (before torchrun starts) and `planner show` read every
     placement: the plans the planner writes pass, a hand-edited "X" or a
     missing axis is one line, exit 2."""
-    from planner.plan_format import load_plan, placement_error
+    from plan.format import load_plan, placement_error
 
     single, pipe = tmp_path / "single.json", tmp_path / "pipe.json"
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:4", "--mesh", "2x2",
@@ -255,7 +255,7 @@ def test_show_plot_draws_memory_and_the_schedule_of_an_interleaved_pipeline(tmp_
     """`planner show PLAN --plot DIR` of a pp=4 interleaved plan writes memory.png
     (a bar per pipeline rank), schedule.png (one step's timeline) and stages.png
     (each stage's time)."""
-    from ir.zoo import GPTConfig, build_from_config
+    from models.zoo import GPTConfig, build_from_config
     from planner.api import pipeline_plan
 
     model, inputs = build_from_config(GPTConfig(8, 64, 4, vocab_size=256, block_size=32),
@@ -340,7 +340,7 @@ def test_warnings_while_planning_are_summarised_one_line_per_kind():
     import warnings
 
     from app.cli import warning_summary
-    from planner.strategies import ReplicateFallbackWarning
+    from planner.ilp.strategies import ReplicateFallbackWarning
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -362,9 +362,9 @@ def test_warnings_while_planning_are_summarised_one_line_per_kind():
 def test_the_summary_states_the_step_and_a_plan_without_parallelism(tmp_path):
     """The summary names the step planned, and says so when nothing is split
     over the devices (every parameter and input whole everywhere)."""
-    from ir import zoo
+    from models import zoo
     from planner.api import plan
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
     from planner.report import format_plan
 
     model, inputs = zoo.build("gpt-tiny", device="meta", batch_size=8)

@@ -22,8 +22,8 @@ from codegen.capture import PlanMismatchError
 from codegen.executor import record_plan
 from codegen.launch import LaunchError, launch
 from ir.placements import parse_placement, placement_str
-from ir.source import build_model
-from planner.plan_format import Plan, SolverReport, load_plan
+from models.source import build_model
+from plan.format import Plan, SolverReport, load_plan
 
 MODEL = "gpt-tiny"
 RTOL = 1e-5

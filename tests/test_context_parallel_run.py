@@ -16,8 +16,8 @@ from codegen.context_parallel import ContextParallelLayout, chunk_positions, cut
 from codegen.launch import launch
 from codegen.runnable import unrunnable_reason
 from planner.api import plan
-from planner.plan_format import load_plan
-from ir.source import build_model
+from plan.format import load_plan
+from models.source import build_model
 
 
 def test_cut_sequences_gives_each_rank_of_a_cp_group_its_two_chunks_of_the_same_sequences():
@@ -71,7 +71,8 @@ def test_the_exchange_counts_and_sends_each_kv_head_once():
     block of each head once gives the attention and gradients of the repeat."""
     from codegen.context_parallel import _one_per_head, _repeated
     from ir import trace
-    from planner.context_parallel import kv_block_bytes, kv_head_repeats, local_kv_repeats
+    from plan.cp_rules import kv_head_repeats, local_kv_repeats
+    from planner.search.cp_search import kv_block_bytes
 
     def attention_node(graph: Any) -> Any:
         return next(n for n in graph.nodes if n.target == "aten.scaled_dot_product_attention.default")

@@ -2,7 +2,7 @@
 
 A small Llama (one attention head, so that heads cannot split the attention)
 at 65,536 tokens on 8 H100s, planned on the meta device: the search tries cp
-as Megatron's pricing does (:mod:`planner.context_parallel`), with everything
+as Megatron's pricing does (:mod:`planner.search.cp_search`), with everything
 else its own choice.
 """
 
@@ -12,10 +12,10 @@ import pytest
 
 from app.cli import main
 from costmodel.presets import load_cluster
-from ir.zoo import build_from_config
-from ir.zoo.llama import LlamaConfig
+from models.zoo import build_from_config
+from models.zoo.llama import LlamaConfig
 from planner.api import plan
-from planner.context_parallel import CP_MIN_CHUNK, CP_MIN_SEQ, search_sizes
+from planner.search.cp_search import CP_MIN_CHUNK, CP_MIN_SEQ, search_sizes
 from planner.request import PlanningError, PlanRequest
 
 SEQ = 65536
@@ -127,6 +127,6 @@ def test_the_cli_plans_with_the_sizes_given(capsys, tmp_path):
                  "--quiet", "--time-limit", "5", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "context parallelism: each sequence over 2 ranks" in text
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
 
     assert load_plan(out).training["context_parallel"]["size"] == 2

@@ -394,7 +394,7 @@ def test_unaligned_gemm_is_priced_at_the_profiled_fraction():
 def test_unaligned_efficiency_from_profile_timings():
     """planner profile's figure: the fitted aligned curve's time over the
     unaligned GEMMs' measured times (overhead removed), median; 1 if unmeasured."""
-    from costmodel.profile_build import unaligned_gemm_efficiency
+    from costmodel.profiling.build import unaligned_gemm_efficiency
 
     curve = {"peak_flops": 1e15, "max_efficiency": 1.0, "half_saturation_flops": 0.0}
     flops = 2 * 8192 * 1024 * 8191
@@ -407,7 +407,7 @@ def test_host_bounds_the_step_not_each_op():
     """The host queues kernels ahead of a busy GPU: no op is charged the host's
     time per op; the host's sum is a separate lower bound on the step."""
     from costmodel.compute import host_pass_counts, host_passes, host_seconds
-    from ir import zoo
+    from models import zoo
     from ir.trace import trace
 
     dev = dataclasses.replace(load_cluster("dgx-h100").device, host_overhead=20e-6)
@@ -668,7 +668,7 @@ def test_backward_runs_one_kernel_per_operand_of_a_contraction():
     each, so two gradient kernels; a linear has one for x and one for W."""
     from costmodel.compute import backward_kernels
     from ir.trace import trace
-    from ir.zoo import GPTConfig, build_from_config
+    from models.zoo import GPTConfig, build_from_config
 
     model, inputs = build_from_config(GPTConfig(1, 32, 2, vocab_size=64, block_size=16,
                                                 attention="unfused"), batch_size=2, seq_len=16)

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from codegen.deferred_init import DeferredInitError, InitRecord, record_build
-from ir.source import build_model
-from ir.zoo import TINY
+from models.source import build_model
+from models.zoo import TINY
 
 HF_QWEN2 = ("hf:qwen2,num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
             "num_attention_heads=4,num_key_value_heads=2,vocab_size=256,tie_word_embeddings=true")

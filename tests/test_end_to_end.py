@@ -3,7 +3,7 @@
 import pytest
 
 from codegen.launch import launch
-from ir.source import build_model
+from models.source import build_model
 from planner.api import plan
 
 pytestmark = pytest.mark.multiprocess

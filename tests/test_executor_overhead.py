@@ -24,9 +24,9 @@ from codegen.executor import PlanExecutor
 from codegen.launch import REPO_ROOT
 from codegen.node_runner import public_binding
 from codegen.reference import loss_of
-from ir.source import build_model
+from models.source import build_model
 from ir.torch_compat import op_overload_name
-from planner.plan_format import Plan
+from plan.format import Plan
 
 GPT8 = f"{REPO_ROOT}/tests/pipeline_model.py:gpt8"
 

@@ -1,4 +1,4 @@
-"""ir.fast_trace: the Graph written out from short probe captures equals the full capture."""
+"""ir.block_capture.trace: the Graph written out from short probe captures equals the full capture."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-import ir.fast_trace as fast_trace_module
-from ir import zoo
+import ir.block_capture.trace as fast_trace_module
+from models import zoo
 from ir.exported_graph import graph_from_exported, module_path as _module_path
-from ir.fast_trace import SynthesizedProgram, fast_trace, rescaled_trace
+from ir.block_capture.trace import SynthesizedProgram, fast_trace, rescaled_trace
 from ir.probe_rescale import RescaleError, rescale_program
 from ir.program_capture import CapturedProgram, capture, capture_in_one_pass
 from ir.trace import trace
-from ir.zoo import GPTConfig, LlamaConfig, MoEConfig
+from models.zoo import GPTConfig, LlamaConfig, MoEConfig
 from planner.api import plan
 
 
@@ -51,7 +51,7 @@ def _assert_same(fast, ep, full):
     assert fast.output_names == full.output_names
     assert fast.model_name == full.model_name
     assert fast.fingerprint() == full.fingerprint()
-    # The fx program planner.strategies reads: every node, same target and wiring.
+    # The fx program planner.ilp.strategies reads: every node, same target and wiring.
     got = list(fast.exported.graph.nodes)
     want = list(ep.graph.nodes)
     assert [_fx_record(n) for n in got] == [_fx_record(n) for n in want]
@@ -109,7 +109,7 @@ def _counting_captures(monkeypatch) -> list:
 def test_long_probe_captured_in_another_process_gives_the_full_capture(monkeypatch,
                                                                        full_capture):
     from planner.api import _two_processes
-    from planner.forked import can_fork
+    from planner.search.forked_workers import can_fork
 
     model, inputs = zoo.build_from_config(LLAMA5, batch_size=2, seq_len=16)
     ep, full = full_capture(LLAMA5, 2)

@@ -1,5 +1,5 @@
-"""Finalists solved and profiles refined on two cores (planner.forked, through
-planner.search_executor's ForkedExecutor) give what doing it in order
+"""Finalists solved and profiles refined on two cores (planner.search.forked_workers, through
+planner.search.phase_runner's ForkedExecutor) give what doing it in order
 (SerialExecutor) gives, and failures in the forked child are reported, not
 lost."""
 
@@ -13,16 +13,16 @@ import dataclasses
 import pytest
 
 from costmodel.presets import local_cpu_cluster
-from ir.source import build_model
-from ir.zoo import GPTConfig, build_from_config
+from models.source import build_model
+from models.zoo import GPTConfig, build_from_config
 from ir.trace import trace
-from planner import microbatch_programs
-from planner import pipeline as ps
-from planner import search_context
-from planner import search_phases
-from planner.finalists import solve_exact, solve_finalists
-from planner.forked import ForkedTaskError, can_fork, run_beside, run_forked
-from planner.search_executor import ForkedExecutor, Phase, PhaseTask, SerialExecutor
+from planner.search import microbatch_programs
+from planner.search import pipeline_search as ps
+from planner.search import context as search_context
+from planner.search import phases as search_phases
+from planner.search.finalists import solve_exact, solve_finalists
+from planner.search.forked_workers import ForkedTaskError, can_fork, run_beside, run_forked
+from planner.search.phase_runner import ForkedExecutor, Phase, PhaseTask, SerialExecutor
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="needs os.fork and two CPUs")
 
@@ -354,7 +354,7 @@ def test_schedule_orders_made_on_two_cores_are_filed_here():
     gives here and, filed, are held here; a shape torch rejects gives None,
     not an error."""
     from costmodel import schedules
-    from costmodel.schedule_torch import orders_from_torch
+    from costmodel.schedules.torch_orders import orders_from_torch
 
     shapes = [("1f1b", 3, 7, 1), ("interleaved_1f1b", 3, 9, 2), ("zbv", 3, 11, 2),
               ("gpipe", 5, 13, 1), ("interleaved_zero_bubble", 3, 15, 2)]

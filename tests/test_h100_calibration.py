@@ -15,7 +15,7 @@ import os
 import pytest
 
 from costmodel.presets import load_cluster
-from ir import zoo
+from models import zoo
 from planner.api import plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))

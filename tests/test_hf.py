@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="Hugging Face transformers is not ins
 from codegen.launch import LaunchError, launch  # noqa: E402
 from ir.device_capture import on_device_type  # noqa: E402
 from ir.exported_graph import tied_parameters  # noqa: E402
-from ir.source import ModelSourceError, build_model  # noqa: E402
+from models.source import ModelSourceError, build_model  # noqa: E402
 from ir.trace import trace  # noqa: E402
 from planner.api import plan  # noqa: E402
 from planner.request import PlanRequest  # noqa: E402

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from ir.exported_graph import tied_parameters  # noqa: E402
-from ir.source import build_model  # noqa: E402
+from models.source import build_model  # noqa: E402
 from training.hf_checkpoint import (  # noqa: E402
     CheckpointError, check_export_target, export_hf, export_plain, is_hf_folder,
     load_hf_weights,

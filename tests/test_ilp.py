@@ -6,7 +6,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from planner.ilp import (SOLVERS, AssignmentProblem, InfeasibleError, brute_force, reduced_size,
+from planner.ilp.solve import (SOLVERS, AssignmentProblem, InfeasibleError, brute_force, reduced_size,
                          solve)
 
 costs = st.sampled_from([0.0, 0.0, 1e-6, 1e-3, 0.25, 0.5, 1.0, 2.0])
@@ -84,7 +84,7 @@ def test_ilp_with_memory_budget_equals_brute_force(problem):
 
 
 def test_time_limit_without_solution_returns_the_warm_start(monkeypatch):
-    import planner.ilp_solver as ilp
+    import planner.ilp.solver as ilp
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])])
@@ -97,7 +97,7 @@ def test_time_limit_without_solution_returns_the_warm_start(monkeypatch):
 
 @st.composite
 def checkpoint_problems(draw):
-    from planner.ilp import CheckpointGroup
+    from planner.ilp.solve import CheckpointGroup
 
     problem = draw(memory_problems())
     n = len(problem.node_costs)
@@ -126,7 +126,7 @@ def test_ilp_with_checkpointing_decision_equals_brute_force(problem):
 def weighted_checkpoint_problems(draw):
     """Memory priced at a weight (no budget) and up to two checkpoint groups:
     how the search's layer profiles trade time for memory."""
-    from planner.ilp import CheckpointGroup
+    from planner.ilp.solve import CheckpointGroup
 
     problem = draw(memory_problems())
     problem.memory_budget = None
@@ -152,7 +152,7 @@ def test_weighted_checkpointing_skips_only_combinations_that_cannot_win(problem)
     """Without a budget, checkpoint combinations that cannot beat the
     all-checkpointed optimum go unsolved: the answer is the weighted optimum
     (brute force), and the same one as solving every combination."""
-    import planner.ilp_checkpointing as ilp
+    import planner.ilp.checkpointing as ilp
 
     best = min(problem.weighted(list(choice), list(ckpt))
                for choice in itertools.product(*(range(len(c)) for c in problem.node_costs))
@@ -173,7 +173,7 @@ def _fake_backend(monkeypatch, status):
     """CreateSolver returns solvers whose Solve only reports ``status`` (all
     variables stay 0, so every node reads as taking strategy 0), and the LP
     relaxation never answers, so that the MIP backend decides."""
-    import planner.ilp_solver as ilp
+    import planner.ilp.solver as ilp
 
     monkeypatch.setattr(ilp, "_integral_relaxation", lambda *args: None)
 
@@ -194,7 +194,7 @@ def _fake_backend(monkeypatch, status):
 
 def test_time_limited_answer_is_never_worse_than_the_warm_start(monkeypatch):
     """A search cut off with a FEASIBLE answer worse than the hint returns the hint."""
-    import planner.ilp_solver as ilp
+    import planner.ilp.solver as ilp
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.FEASIBLE)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[2.0, 5.0], [1.0, 0.0]])])
@@ -207,8 +207,8 @@ def test_time_limited_answer_is_never_worse_than_the_warm_start(monkeypatch):
 
 
 def test_warm_start_checkpoints_when_that_is_what_fits(monkeypatch):
-    import planner.ilp_solver as ilp
-    from planner.ilp import CheckpointGroup
+    import planner.ilp.solver as ilp
+    from planner.ilp.solve import CheckpointGroup
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])],
@@ -221,7 +221,7 @@ def test_warm_start_checkpoints_when_that_is_what_fits(monkeypatch):
 
 
 def test_greedy_assignment_follows_allowed_and_producers():
-    from planner.ilp import greedy_assignment
+    from planner.ilp.solve import greedy_assignment
 
     problem = AssignmentProblem(
         node_costs=[[0.0, 0.0], [1.0, 1.0, 0.5], [0.0, 0.0]],
@@ -253,7 +253,7 @@ def test_elimination_keeps_the_optimum(problem):
 
 
 def test_elimination_collapses_a_chain_but_not_memory_under_a_budget():
-    from planner.ilp import eliminate
+    from planner.ilp.solve import eliminate
 
     swap = [[0.0, 1.0, 2.0], [1.0, 0.0, 1.0], [2.0, 1.0, 0.0]]
     problem = AssignmentProblem(

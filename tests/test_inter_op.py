@@ -12,17 +12,17 @@ from hypothesis import strategies as st
 from costmodel.presets import load_cluster
 from costmodel.collectives import axis_links, collective_time
 from ir.layers import block_count, cluster_layers, manual_bounds, pipeline_layers
-from ir.source import build_model
+from models.source import build_model
 from ir.subgraph import boundary_values
 from ir.trace import trace
 from planner import api as planner_api
-from planner import finalists as finalists_of_search
-from planner import pipeline as pipeline_search
-from planner.search_context import SearchContext
+from planner.search import finalists as finalists_of_search
+from planner.search import pipeline_search as pipeline_search
+from planner.search.context import SearchContext
 from planner.api import PlanningError, pipeline_plan, plan
-from planner.inter_op import (PipelineCandidate, StageTimes, exhaustive_split, in_flight,
+from planner.search.stage_dp import (PipelineCandidate, StageTimes, exhaustive_split, in_flight,
                               layer_signature, split_layers)
-from planner.intra_op import (MemoryInfeasibleError, prepare_intra_op, solve_intra_op,
+from planner.ilp.intra_op import (MemoryInfeasibleError, prepare_intra_op, solve_intra_op,
                               solve_prepared)
 
 
@@ -209,7 +209,7 @@ def test_pipeline_plan_records_stages_on_the_world_mesh(pp_plan):
 
 def test_pipeline_plan_json_round_trips_and_is_deterministic(pp_plan, tmp_path):
     pp_plan.save(tmp_path / "plan.json")
-    from planner.plan_format import load_plan
+    from plan.format import load_plan
 
     again = load_plan(tmp_path / "plan.json")
     assert again.to_json() == pp_plan.to_json()
@@ -225,7 +225,7 @@ def test_stage_times_with_a_shared_pricer_are_the_same(gpt_graph):
     seconds with the mesh's shared ReshardPricer: the same seconds as with
     a pricer of its own, whatever that pricer priced before."""
     from costmodel.resharding import ReshardPricer
-    from planner.inter_op import stage_times
+    from planner.search.stage_dp import stage_times
 
     cluster = load_cluster("local-cpu:4")
     result = solve_intra_op(gpt_graph, cluster, (2, 2), dtype="float32", time_limit_s=30)
@@ -249,7 +249,7 @@ def test_zero3_stages_count_sharded_states_and_gather_in_every_microbatch():
     holds gathered at once. Every micro-batch all-gathers the parameters in
     its forward and reduce-scatters the gradients in its backward, overlapped
     with the compute: nothing is left to synchronise at the end of the step."""
-    from planner.megatron_layout import MegatronConfig, megatron_layout
+    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model("gpt-tiny")
     layout = megatron_layout(trace(model, inputs), MegatronConfig(1, 2))  # params replicated
@@ -396,8 +396,7 @@ def test_the_cycle_collector_is_paused_while_planning_and_restored_after(monkeyp
     import weakref
 
     from costmodel.schedules import ScheduleBook
-    from planner import search_context
-
+    from planner.search import context as search_context
     books = []
 
     def recorded_book():

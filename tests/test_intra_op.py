@@ -9,11 +9,11 @@ from torch import nn
 from costmodel.presets import load_cluster
 from costmodel.strategy_cost import IntraOpCost
 from ir import trace
-from ir.zoo import GPTConfig, build_from_config
+from models.zoo import GPTConfig, build_from_config
 from planner.api import plan
-from planner.ilp import brute_force, solve
-from planner.intra_op import build_problem
-from planner.strategies import build_strategies, fake_mesh
+from planner.ilp.solve import brute_force, solve
+from planner.ilp.intra_op import build_problem
+from planner.ilp.strategies import build_strategies, fake_mesh
 
 
 class _Linear(nn.Module):
@@ -50,7 +50,7 @@ def test_small_batch_gpt_block_is_no_slower_than_megatron():
     core and gathering once can beat Megatron's all-reduce."""
     from torch.distributed.tensor import Shard
 
-    from planner.intra_op import solve_intra_op
+    from planner.ilp.intra_op import solve_intra_op
 
     model, inputs = build_from_config(GPTConfig(1, 1024, 16, vocab_size=50304, block_size=1024),
                                       batch_size=1)
@@ -134,7 +134,7 @@ def test_megatron_warm_start_and_time_limited_solve():
     """The Megatron-style warm start pins the Megatron parameter layout, is far
     cheaper than replicating everything on a small-batch model, and a solve cut off
     by a tiny time limit is never worse than it."""
-    from planner.intra_op import best_warm_start, prepare_intra_op, solve_prepared, warm_starts
+    from planner.ilp.intra_op import best_warm_start, prepare_intra_op, solve_prepared, warm_starts
 
     model, inputs = build_from_config(GPTConfig(1, 1024, 16, vocab_size=50304, block_size=1024),
                                       batch_size=1)
@@ -165,7 +165,7 @@ def test_restricted_problem_prices_a_known_assignment_without_repricing():
     """restrict() keeps the priced costs: solving a problem narrowed to one strategy
     per variable gives exactly that assignment's seconds on the full problem, and
     with a weight on memory it decides checkpointing by the weighted objective."""
-    from planner.intra_op import prepare_intra_op, restrict, solve_prepared
+    from planner.ilp.intra_op import prepare_intra_op, restrict, solve_prepared
 
     model, inputs = build_from_config(GPTConfig(2, 256, 4, vocab_size=512, block_size=64),
                                       batch_size=8)
@@ -192,7 +192,7 @@ def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh(m
     """Problems priced one after another on one mesh may share a ReshardPricer
     (the search does): the prices are the same as with a pricer of their own,
     and an edge between strategy lists priced before is not priced again."""
-    from planner import intra_op
+    from planner.ilp.solve import intra_op
     from costmodel.collectives import axis_links
     from costmodel.resharding import ReshardPricer
 
@@ -220,8 +220,8 @@ def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh(m
 def test_checkpointed_layers_keep_their_inputs_per_device():
     """A checkpointed layer keeps its input as this device holds it: on a
     data-parallel mesh of 4, a quarter of the one-device bytes (batch split)."""
-    from planner.intra_op import solve_intra_op
-    from planner.megatron_layout import MegatronConfig, megatron_layout
+    from planner.ilp.intra_op import solve_intra_op
+    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_from_config(GPTConfig(4, 1024, 8, vocab_size=512, block_size=512),
                                       batch_size=64, seq_len=512)

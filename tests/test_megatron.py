@@ -8,12 +8,12 @@ import pytest
 from codegen.launch import launch
 from costmodel.presets import load_cluster
 from ir import trace
-from ir.source import build_model
+from models.source import build_model
 from planner.api import PlanningError, pipeline_plan
-from app.compare import compare
-from planner.megatron import (MegatronConfig, MegatronDoesNotFit, megatron_configs,
+from planner.baselines.compare import compare
+from planner.baselines.megatron import (MegatronConfig, MegatronDoesNotFit, megatron_configs,
                               megatron_layout, megatron_plan)
-from planner.megatron_layout import _classify_linears
+from planner.baselines.megatron_layout import _classify_linears
 
 
 @pytest.mark.parametrize("name, column, row", [
@@ -34,7 +34,7 @@ def test_linears_are_classified_as_megatron_would(name, column, row):
 
 def test_row_parallel_linears_are_found_through_dropout():
     """Megatron's GPT drops out each block's projection before the residual add."""
-    from ir.zoo import GPTConfig, build_from_config
+    from models.zoo import GPTConfig, build_from_config
 
     model, inputs = build_from_config(GPTConfig(2, 64, 4, vocab_size=128, block_size=32,
                                                 attention="unfused", dropout=0.1),
@@ -364,7 +364,7 @@ def test_megatron_plans_hold_the_distributed_optimizers_bytes(cfg, d, reduce, wh
 
 
 def test_uneven_first_stage_is_planned_with_its_layer_count():
-    from ir.zoo import GPTConfig, build_from_config
+    from models.zoo import GPTConfig, build_from_config
 
     model, inputs = build_from_config(GPTConfig(4, 64, 4, vocab_size=128, block_size=32),
                                       batch_size=4, seq_len=32)
@@ -384,7 +384,7 @@ def moe_tiny():
 
 
 def test_expert_parallel_configs_are_in_the_grid_of_moe_models_only(moe_tiny):
-    from planner.megatron import num_experts
+    from planner.baselines.megatron import num_experts
 
     cluster = load_cluster("local-cpu:4")
     experts = num_experts(moe_tiny[2])
@@ -435,7 +435,7 @@ def test_invalid_expert_parallel_sizes_are_refused(moe_tiny):
 
 def _expert_param_bytes(graph, precision) -> float:
     from costmodel.memory import training_state_bytes
-    from planner.megatron_layout import expert_weights
+    from planner.baselines.megatron_layout import expert_weights
 
     fqns = expert_weights(graph)
     return sum(training_state_bytes(int(n.output.numel), precision=precision)["params"]
@@ -469,8 +469,8 @@ def test_expert_gradients_are_reduced_over_expert_data_parallel_ranks_only(moe_t
     the weight is replicated: expert weights S(0) on the expert-parallel axes
     reduce over the other axes only (none when ep = dp x tp)."""
     from costmodel.strategy_cost import IntraOpCost
-    from planner.intra_op import solve_intra_op
-    from planner.megatron_layout import expert_weights
+    from planner.ilp.intra_op import solve_intra_op
+    from planner.baselines.megatron_layout import expert_weights
 
     _, _, graph = moe_tiny
     cluster = load_cluster("local-cpu:4")
@@ -503,8 +503,8 @@ def test_pipelined_expert_parallelism_counts_the_distributed_optimizer_exactly(m
 def test_deepseek_layout_on_a_small_moe():
     """DeepSeek-V3's layout (DualPipeV, expert parallel, ZeRO-1, no tp) with
     small pp and ep, priced like a Megatron configuration."""
-    from ir.zoo import MoEConfig, build_from_config
-    from planner.deepseek_layout import balanced_layer_split, deepseek_config, deepseek_plan
+    from models.zoo import MoEConfig, build_from_config
+    from planner.baselines.deepseek_layout import balanced_layer_split, deepseek_config, deepseek_plan
 
     assert balanced_layer_split(61, 32) == (1,) + (2,) * 29 + (1, 1)
     assert balanced_layer_split(8, 4) == (2, 2, 2, 2)
@@ -543,7 +543,7 @@ def test_context_parallel_config_counts_cp_in_the_world_and_the_weights_dp_group
 
 def test_context_parallel_inputs_cut_each_sequence_into_cp_rows():
     import torch
-    from planner.megatron import context_parallel_inputs
+    from planner.baselines.megatron import context_parallel_inputs
     idx = torch.empty(4, 32, dtype=torch.long, device="meta")
     cut = context_parallel_inputs((idx, idx), 4)
     assert [tuple(t.shape) for t in cut] == [(16, 8), (16, 8)]
@@ -610,10 +610,10 @@ def test_ring_exchange_is_the_overlapped_max_of_compute_and_transfer():
     import math as _m
     from costmodel.collectives import collective_time
     from costmodel.strategy_cost import IntraOpCost
-    from planner.context_parallel import context_parallel_seconds, kv_block_bytes
-    from planner.megatron import _cp_link
-    from planner.intra_op import solve_intra_op
-    from planner.megatron import context_parallel_inputs
+    from planner.search.cp_search import context_parallel_seconds, kv_block_bytes
+    from planner.baselines.megatron import _cp_link
+    from planner.ilp.intra_op import solve_intra_op
+    from planner.baselines.megatron import context_parallel_inputs
     from ir import trace as _trace
     model, inputs = build_model("llama-tiny", device="meta")
     cut = context_parallel_inputs(inputs, 4)
@@ -670,7 +670,7 @@ def test_the_head_chunk_of_an_uneven_layout_holds_one_microbatch_in_flight():
     micro-batch's backward right after its forward, while the rank's other
     chunk holds several; an even share of the rank's peak would count the
     head's logits more than once."""
-    from costmodel.schedule_peaks import stage_counts_at_peak
+    from costmodel.schedules.peaks import stage_counts_at_peak
     from costmodel.schedules import peak_activations, rank_orders
 
     plan = _llama3_uneven_layout_plan()

@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from planner.ilp import solve
+from planner.ilp.solve import solve
 from test_ilp import checkpoint_problems, memory_problems
 
 
@@ -38,7 +38,7 @@ def test_weighted_optimum_equals_enumeration(problem, weight):
 
 def test_a_larger_weight_never_uses_more_memory():
     """The weighted optimum's memory falls as the weight grows (a Pareto sweep)."""
-    from planner.ilp import AssignmentProblem, CheckpointGroup
+    from planner.ilp.solve import AssignmentProblem, CheckpointGroup
     problem = AssignmentProblem(
         node_costs=[[1.0, 1.5, 3.0], [0.5, 0.5]],
         edges=[(0, 1, [[0.0, 0.1], [0.1, 0.0], [0.2, 0.2]])],

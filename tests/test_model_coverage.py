@@ -189,8 +189,8 @@ def test_the_views_of_the_attention_output_follow_it_unresharded():
     from costmodel.presets import load_cluster
     from costmodel.strategy_cost import IntraOpCost
     from ir import trace
-    from planner.intra_op import _edge_matrix
-    from planner.strategies import build_strategies
+    from planner.ilp.intra_op import _edge_matrix
+    from planner.ilp.strategies import build_strategies
 
     model, inputs = _on_meta("attention")
     graph = trace(model, inputs)

@@ -16,7 +16,7 @@ import pytest
 
 from codegen.launch import REPO_ROOT, launch
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
-from planner.plan_format import PipelinePlan, Plan, SolverReport, StagePlan
+from plan.format import PipelinePlan, Plan, SolverReport, StagePlan
 
 SOURCE = os.path.join(REPO_ROOT, "tests", "pipeline_model.py") + ":gpt8"
 RTOL = 1e-5
@@ -28,10 +28,10 @@ def pipeline_test_plan(*, pp: int, stage_mesh: tuple[int, ...], schedule: str,
     """The planner's fixed-configuration pipeline plan of the 8-block GPT on 4 CPU
     ranks; ``megatron=(tp, dp)`` fixes a Megatron layout on every stage (the ILP
     places the activations)."""
-    from ir.source import build_model
+    from models.source import build_model
     from ir.trace import trace
     from planner.api import pipeline_plan
-    from planner.megatron_layout import MegatronConfig, megatron_layout
+    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model(SOURCE, device="meta")
     fixed = None
@@ -127,7 +127,7 @@ def test_one_zero3_stage_of_a_gpt2_wide_model_runs_unit_by_unit(tmp_path):
     gradients as the CPU kernel lays them out. The step matches one process;
     the plan holds a quarter of every parameter and, whole, only the two
     layers gathered at once (the embeddings and head are resharded)."""
-    from ir.source import build_model
+    from models.source import build_model
     from planner.api import pipeline_plan
 
     source = os.path.join(REPO_ROOT, "tests", "pipeline_model.py") + ":gpt_wide"
@@ -160,7 +160,7 @@ def test_pp4_schedules(tmp_path, schedule, num_microbatches):
 
 def _synthetic_plan(schedule: str = "1f1b", pp: int = 2, v: int = 1) -> Plan:
     """A pipeline section over made-up node names (enough for the static checks)."""
-    from costmodel.schedule_specs import schedule_spec
+    from costmodel.schedules.specs import schedule_spec
 
     n = pp * v
     stage_to_rank = schedule_spec(schedule).stage_to_rank(pp, v)

@@ -19,7 +19,7 @@ from costmodel.resharding import reshard_steps
 from ir.placements import (MASKED_PARTIAL, parse_placement, parse_placements, parse_planned,
                            placement_str)
 from ir.torch_compat import mask_partial_type, strided_shard
-from planner.plan_format import Plan, SolverReport, placement_error
+from plan.format import Plan, SolverReport, placement_error
 
 #: (plan string, a factory of the torch placement it stands for)
 WRITTEN = [

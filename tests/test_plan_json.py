@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from ir.source import build_model
+from models.source import build_model
 from planner.api import PlanningError, plan
-from planner.plan_format import FORMAT_VERSION, PlanError, load_plan
+from plan.format import FORMAT_VERSION, PlanError, load_plan
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,6 @@ def test_public_api_names():
     import planner
 
     assert planner.plan is plan and planner.load_plan is load_plan
-    from planner.plan_format import Plan
+    from plan.format import Plan
 
     assert planner.Plan is Plan

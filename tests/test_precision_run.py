@@ -19,7 +19,7 @@ import pytest
 from benchmarks.precision_check import make_plan
 from codegen.launch import launch
 from codegen.reference import check_tolerance
-from planner.plan_format import load_plan
+from plan.format import load_plan
 
 
 def _run(model_name: str, world: int, config: str, tmp_path) -> dict:
@@ -62,7 +62,7 @@ def test_format_2_plan_loads_as_fp32(tmp_path):
     """A plan written before training precisions existed (format 2: the
     ``training`` section names only the dtype) still loads, and trains in that
     dtype throughout: fp32 for float32, bf16 for bfloat16."""
-    from ir.source import build_model
+    from models.source import build_model
     from planner.api import plan
 
     model, inputs = build_model("mlp-tiny", device="meta")

@@ -10,7 +10,7 @@ from costmodel.cluster import Link
 from costmodel.presets import load_cluster
 from costmodel.collectives import collective_time
 from costmodel.compute import matmul_efficiency, op_time
-from costmodel.profile import (
+from costmodel.profiling.measure import (
     COLLECTIVE_SIZES,
     ProfileError,
     alpha_beta_terms,
@@ -23,7 +23,7 @@ from costmodel.profile import (
     summary_rows,
     write_profile,
 )
-from costmodel.profile_worker import COLLECTIVE_KINDS, count_steps
+from costmodel.profiling.worker import COLLECTIVE_KINDS, count_steps
 from app.cli import main
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")

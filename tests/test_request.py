@@ -5,7 +5,7 @@ import pytest
 from app.cli import _plan_request, build_parser
 from costmodel.cluster import ClusterError, check_mesh_shape
 from costmodel.presets import load_cluster
-from ir.source import build_model
+from models.source import build_model
 from planner.api import plan
 from planner.request import PlanningError, PlanRequest, check_mesh
 

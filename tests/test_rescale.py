@@ -10,9 +10,9 @@ import pytest
 from costmodel.presets import load_cluster
 from ir import trace
 from ir.rescale import batch_rule
-from ir.source import build_model
-from ir.zoo import GPTConfig, build_from_config
-from planner.search_context import SearchContext, microbatch_inputs
+from models.source import build_model
+from models.zoo import GPTConfig, build_from_config
+from planner.search.context import SearchContext, microbatch_inputs
 
 
 @functools.lru_cache(maxsize=None)  # the tests only read the Graphs: capture each once
@@ -68,7 +68,7 @@ def test_search_derives_programs_after_a_confirming_capture():
 def test_search_writes_out_programs_for_strategy_queries_once_the_rule_is_confirmed():
     """After the confirming capture, a program that strategy enumeration needs
     at a new micro-batch size is written out from the first two captures'
-    probes (ir.fast_trace.rescaled_trace) instead of captured, and equals the
+    probes (ir.block_capture.trace.rescaled_trace) instead of captured, and equals the
     capture node for node."""
     model, inputs = build_from_config(GPTConfig(8, 64, 4, vocab_size=128, block_size=32),
                                       batch_size=16, seq_len=16)

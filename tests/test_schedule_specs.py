@@ -1,4 +1,4 @@
-"""The schedule registry (costmodel.schedule_specs) against torch's classes and orders."""
+"""The schedule registry (costmodel.schedules.specs) against torch's classes and orders."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch.distributed.pipelining.schedules as tsched
 from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
-from costmodel.schedule_specs import (SCHEDULE_SPECS, SCHEDULES, canonical_schedule,
+from costmodel.schedules.specs import (SCHEDULE_SPECS, SCHEDULES, canonical_schedule,
                                       default_stages_per_rank, schedule_spec)
 from costmodel.schedules import ScheduleBook, rank_orders
 

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch.distributed.pipelining.schedules as tsched
 
-from costmodel.schedule_specs import SCHEDULE_SPECS
-from costmodel.schedule_torch import _RecordingStage
+from costmodel.schedules.specs import SCHEDULE_SPECS
+from costmodel.schedules.torch_orders import _RecordingStage
 from costmodel.schedules import (
     SCHEDULES,
     ScheduleBook,
@@ -105,7 +105,7 @@ def test_multi_stage_orders_are_torch_pipeline_order(name, pp, m):
         assert any(op.kind == "W" for op in orders[0])
     # the order read without torch's lowering is the compute order torch runs:
     # the compute actions of the lowered pipeline_order_with_comms
-    from costmodel.schedule_torch import _stub_stages
+    from costmodel.schedules.torch_orders import _stub_stages
 
     lowered = cls(_stub_stages(name, pp, 2), n_microbatches=m).pipeline_order_with_comms
     for r, ops in orders.items():
@@ -388,8 +388,7 @@ def test_adopted_orders_stand_in_for_torchs(monkeypatch):
     # orders made in another process (here: a pickled copy) are used as torch's
     import pickle
 
-    from costmodel import schedule_book
-
+    from costmodel.schedules import book as schedule_book
     shape = ("interleaved_1f1b", 3, 12, 2)
     made = pickle.loads(pickle.dumps(schedule_book.orders_from_torch(*shape)))
     book = ScheduleBook()
@@ -411,8 +410,7 @@ def test_adopted_orders_stand_in_for_torchs(monkeypatch):
 def test_a_book_asks_torch_once_per_shape(monkeypatch):
     """Orders, dependency order and peaks are made once per shape in a book
     (the same objects come back) and afresh without one."""
-    from costmodel import schedule_book
-
+    from costmodel.schedules import book as schedule_book
     asked = []
     made = schedule_book.orders_from_torch
     monkeypatch.setattr(schedule_book, "orders_from_torch",
@@ -454,7 +452,7 @@ def test_no_module_level_memo():
 def test_splits_backward_is_what_torch_runs(name):
     """A schedule's ``splits_backward`` trait says whether torch's order for it
     has separate input- and weight-gradient actions (``I``/``W``)."""
-    from costmodel.schedule_torch import orders_from_torch
+    from costmodel.schedules.torch_orders import orders_from_torch
 
     spec = SCHEDULE_SPECS[name]
     pp, v = 2, spec.default_stages_per_rank
@@ -475,7 +473,7 @@ def test_stage_counts_at_peak_add_up_to_the_ranks_peak(pp, m, v):
     """The stages' counts at their rank's peak sum to the rank's peak count,
     and the last stage (the loss) holds one micro-batch at a time under
     interleaved 1F1B, whatever the rank's other stages hold."""
-    from costmodel.schedule_peaks import stage_counts_at_peak
+    from costmodel.schedules.peaks import stage_counts_at_peak
 
     orders, s2r = rank_orders("interleaved_1f1b", pp, m, v)
     peaks, _ = peak_activations("interleaved_1f1b", pp, m, v)
@@ -489,7 +487,7 @@ def test_stage_counts_at_peak_add_up_to_the_ranks_peak(pp, m, v):
 def test_stage_counts_follow_the_bytes_weighted_peak():
     """With one stage far heavier per micro-batch, the peak is where it holds
     most: its own maximum, not the count peak's share."""
-    from costmodel.schedule_peaks import live_activation_peaks, stage_counts_at_peak
+    from costmodel.schedules.peaks import live_activation_peaks, stage_counts_at_peak
 
     pp, m, v = 4, 8, 2
     orders, s2r = rank_orders("interleaved_1f1b", pp, m, v)

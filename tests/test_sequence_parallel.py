@@ -6,9 +6,9 @@ from torch.distributed.tensor.placement_types import Shard
 from codegen.launch import launch
 from ir import trace
 from ir.repeated_blocks import find_layers
-from ir.source import build_model
+from models.source import build_model
 from planner.api import PlanningError
-from planner.megatron import MegatronConfig, megatron_layout, megatron_plan
+from planner.baselines.megatron import MegatronConfig, megatron_layout, megatron_plan
 
 
 def _pinned(graph, cfg):

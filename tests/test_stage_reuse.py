@@ -1,15 +1,15 @@
 """Exact stage solutions carried over between stages of the same layers
-(planner.stage_reuse) equal solving each stage on its own."""
+(planner.search.stage_reuse) equal solving each stage on its own."""
 
 from __future__ import annotations
 
 import pytest
 
 from costmodel.presets import local_cpu_cluster
-from ir.source import build_model
-from planner import pipeline as ps
-from planner.search_context import SearchContext
-from planner.stage_reuse import node_map, total_memory
+from models.source import build_model
+from planner.search import pipeline_search as ps
+from planner.search.context import SearchContext
+from planner.search.stage_reuse import node_map, total_memory
 
 
 def _context(budget: float) -> SearchContext:

@@ -3,9 +3,9 @@
 import pytest
 
 from ir import trace
-from ir.zoo import GPTConfig, build_from_config
-from ir.zoo.llama import LlamaConfig
-from planner.strategies import StrategyBuilder, _rows, build_strategies, fake_mesh
+from models.zoo import GPTConfig, build_from_config
+from models.zoo.llama import LlamaConfig
+from planner.ilp.strategies import StrategyBuilder, _rows, build_strategies, fake_mesh
 
 # Small dims (batch 2, sequence 6, 2 heads) so that the larger meshes cannot
 # shard some of them: DTensor's own shardability check then drops strategies.
@@ -51,8 +51,7 @@ def test_a_mesh_shape_makes_a_fake_mesh_only_for_what_the_caches_lack(monkeypatc
     strategies are all in the caches makes no mesh, and none is left up."""
     import torch.distributed as dist
 
-    from planner import strategies
-
+    from planner.ilp.solve import strategies
     model, inputs = build_from_config(_MODELS["gpt"], batch_size=2)
     graph = trace(model, inputs)
     with fake_mesh((2, 4)) as mesh:
@@ -79,8 +78,7 @@ def test_expansions_that_came_back_pickled_from_a_forked_search_give_the_same_st
 
     from torch.distributed.tensor.placement_types import Replicate, Shard
 
-    from planner import forked
-
+    from planner.search import forked_workers as forked
     model, inputs = build_from_config(_MODELS["gpt"], batch_size=2)
     graph = trace(model, inputs)
     shared: dict = {}
@@ -111,9 +109,9 @@ def test_zoo_transformers_have_a_dtensor_strategy_for_every_op(name):
     otherwise plan it replicated, silently but for a warning)."""
     import warnings
 
-    from ir import zoo
+    from models import zoo
     from ir.precision import compute_copy, get_precision
-    from planner.strategies import ReplicateFallbackWarning
+    from planner.ilp.strategies import ReplicateFallbackWarning
 
     for precision in ("fp32", "bf16-mixed"):
         model, inputs = compute_copy(*zoo.build(name), get_precision(precision))

@@ -14,7 +14,7 @@ import torch
 
 from app.cli import main as planner
 from codegen.reference import relative_error
-from planner.plan_format import load_plan
+from plan.format import load_plan
 
 GPT_TINY_VOCAB = 128
 
@@ -83,7 +83,7 @@ def _batch(plan_path: str, tokens: str, step: int) -> tuple:
 
 def _loss(state: dict[str, torch.Tensor], batch: tuple) -> float:
     """gpt-tiny's loss on ``batch`` with the weights ``state``."""
-    from ir.source import build_model
+    from models.source import build_model
 
     model, _ = build_model("gpt-tiny", device="cpu", seed=0)
     model.load_state_dict(state, strict=False)

@@ -20,10 +20,10 @@ from codegen.zero1 import slice_bounds
 from costmodel.presets import load_cluster
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import PARAM
-from ir.source import build_model
+from models.source import build_model
 from ir.strategy import Strategy
 from ir.trace import trace
-from planner.pipeline import zero_stages_priced
+from planner.search.pipeline_search import zero_stages_priced
 from planner.request import PlanningError
 
 
@@ -125,7 +125,7 @@ def _mixed_zero1_plan(pp: int, stage_mesh: tuple[int, ...], megatron: tuple[int,
     Megatron layout ``megatron=(tp, dp)`` pinned on every stage."""
     from codegen.launch import REPO_ROOT
     from planner.api import pipeline_plan
-    from planner.megatron_layout import MegatronConfig, megatron_layout
+    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
 
     source = f"{REPO_ROOT}/tests/pipeline_model.py:gpt8"
     model, inputs = build_model(source, device="meta")

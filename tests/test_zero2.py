@@ -23,7 +23,7 @@ from costmodel.collectives import axis_links, collective_time
 from costmodel.memory import training_state_bytes
 from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost
 from ir.graph import PARAM
-from ir.source import build_model
+from models.source import build_model
 from ir.strategy import Strategy
 from ir.trace import trace
 from planner.request import PlanningError

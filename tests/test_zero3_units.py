@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ir.repeated_blocks import shard_units
-from ir.source import build_model
+from models.source import build_model
 from ir.trace import trace
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import ir
-from ir import zoo
-from ir.zoo.gpt import GPT, Block, GPTConfig
-from ir.zoo.llama import Attention, LlamaConfig, apply_rope, rope_cos_sin
-from ir.zoo.moe import MoEConfig, MoELayer, top2_combine_weights, top2_dispatch
+from models import zoo
+from models.zoo.gpt import GPT, Block, GPTConfig
+from models.zoo.llama import Attention, LlamaConfig, apply_rope, rope_cos_sin
+from models.zoo.moe import MoEConfig, MoELayer, top2_combine_weights, top2_dispatch
 
 
 def _numel(module: torch.nn.Module) -> int:
@@ -95,7 +95,7 @@ def test_llama31_rope_scaling_matches_the_reference_bands():
     """Llama 3.1's scaling keeps the short wavelengths, divides the long ones by
     the factor (8) and interpolates between (Meta's reference ``apply_scaling``)."""
     import math
-    from ir.zoo.llama import LLAMA31_ROPE_SCALING as s
+    from models.zoo.llama import LLAMA31_ROPE_SCALING as s
     inv = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
     out = s.apply(inv)
     wavelen = 2 * math.pi / inv
@@ -291,7 +291,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
 
 
 def test_rmsnorm_formula():
-    from ir.zoo.llama import RMSNorm
+    from models.zoo.llama import RMSNorm
     norm = RMSNorm(8, eps=1e-6)
     x = torch.randn(3, 8)
     torch.testing.assert_close(norm(x), x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6))

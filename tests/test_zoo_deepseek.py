@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import ir
-from ir import zoo
-from ir.zoo.deepseek import (MLA, DeepSeekConfig, MoE, expert_positions, route,
+from models import zoo
+from models.zoo.deepseek import (MLA, DeepSeekConfig, MoE, expert_positions, route,
                              topk_sigmoid)
 
 SMALL = dict(n_layers=2, n_dense_layers=1, dim=16, n_heads=2, q_lora_rank=8, kv_lora_rank=8,
@@ -214,7 +214,7 @@ def test_fast_trace_of_the_moe_list_equals_the_full_capture():
     import dataclasses
 
     from ir.exported_graph import graph_from_exported
-    from ir.fast_trace import fast_trace
+    from ir.block_capture.trace import fast_trace
     from ir.program_capture import capture
 
     cfg = dataclasses.replace(zoo.config("deepseek-tiny"), n_layers=5)

@@ -215,7 +215,7 @@ def load_user_batches(spec: str) -> Callable[[int], tuple]:
         DataError: a malformed spec, a missing file, an import that fails, or a
             name that is not callable (one line each).
     """
-    from ir.source import ModelSourceError, _load_factory
+    from models.source import ModelSourceError, _load_factory
 
     target, _, attr = spec.rpartition(":")
     if not target or not attr:

@@ -17,7 +17,7 @@ single-process: the caller's rank 0 calls them with a generator of full
 tensors (``DTensor.full_tensor()``, gathered on every rank one at a time), and
 at most one of them is held here.
 
-Our names are Hugging Face's with a prefix (``hf.``: :class:`ir.hf.CausalLMStep`
+Our names are Hugging Face's with a prefix (``hf.``: :class:`models.hf.CausalLMStep`
 holds the model as ``hf``). A tied parameter is held once, under its first
 name (:func:`ir.exported_graph.tied_parameters`).
 
@@ -295,7 +295,7 @@ def export_hf(folder: str, named_full_tensors: Iterable[tuple[str, torch.Tensor]
         named_full_tensors: ``(our name, full tensor)``, read one at a time
             (so at most one tensor is held); non-persistent buffers are skipped.
         config_source: the model spec after ``hf:`` (a config.json, a folder
-            with one, or ``type,field=value,...``; :mod:`ir.hf`).
+            with one, or ``type,field=value,...``; :mod:`models.hf`).
         prefix: what our names add to Hugging Face's.
         tied: our tied parameters, further name -> first name
             (:func:`ir.exported_graph.tied_parameters`); None: those the
@@ -397,7 +397,7 @@ def _generation_config(source: str, config: Any, model: torch.nn.Module) -> Any:
 def _meta_model(spec: str) -> tuple[Any, torch.nn.Module]:
     """``(config, model)`` of the Hugging Face model ``spec`` names, the model
     on the meta device (no memory; for its names and ties)."""
-    from ir.hf import HFModelError, _config, _transformers
+    from models.hf import HFModelError, _config, _transformers
 
     try:
         auto_config, auto_model = _transformers()

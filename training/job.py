@@ -50,7 +50,7 @@ FAULT_ENV = "PLANNER_TRAIN_FAULT"
 class JobInputs:
     """What :func:`prepare` found: the plan, the data, where the weights come from."""
 
-    plan: Any  # planner.plan_format.Plan
+    plan: Any  # plan.format.Plan
     batches: Callable[[int], tuple]  # step -> the global batch
     tokens_per_step: int
     shapes: dict[str, list[int]]  # every parameter's FQN -> global shape
@@ -62,8 +62,8 @@ class JobInputs:
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from codegen.capture import PlanMismatchError
     from codegen.parallel_model import BatchShapeError
-    from ir.source import ModelSourceError
-    from planner.plan_format import PlanError
+    from models.source import ModelSourceError
+    from plan.format import PlanError
     from training.checkpoint import CheckpointError
     from training.data import DataError
 
@@ -102,7 +102,7 @@ def _example_batches(plan: Any) -> Callable[[int], tuple]:
     meta: :mod:`codegen.deferred_init`)."""
     from codegen.deferred_init import record_build
     from codegen.reference import zoo_kwargs
-    from ir.source import build_model
+    from models.source import build_model
 
     (_, inputs), record = record_build(
         lambda: build_model(plan.model["source"], device="meta", seed=0,
@@ -168,8 +168,8 @@ def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
     weights and the checkpoint to resume, the export folder. Raises one of
     :func:`_bad_input_errors` with a one-line message."""
     from codegen.reference import zoo_kwargs
-    from ir.source import build_model
-    from planner.plan_format import load_plan
+    from models.source import build_model
+    from plan.format import load_plan
     from codegen.parallel_model import InputSpec, check_batch
     from training.data import load_user_batches
     from training.hf_checkpoint import check_export_target

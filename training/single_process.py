@@ -40,7 +40,7 @@ def train_one_process(plan: Any, batches: Callable[[int], tuple], *, steps: int,
     arguments are :class:`training.config.TrainConfig`'s.
     """
     from codegen.reference import loss_of, zoo_kwargs
-    from ir.source import build_model
+    from models.source import build_model
     from training.lr_schedule import warmup_cosine
 
     model, _ = build_model(plan.model["source"], device=device, seed=0,

@@ -1,0 +1,1 @@
+"""Machine profiling: ``planner profile`` measures this machine and writes a cluster JSON."""

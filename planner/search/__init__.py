@@ -1,0 +1,1 @@
+"""The two-level search: stage DP over layer profiles, finalists, forked workers."""

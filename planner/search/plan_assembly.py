@@ -1,0 +1,115 @@
+"""Plan assembly: an intra-op solution written as a :class:`Plan`.
+
+The sections of plan.json that say what a plan was made for (``model``,
+``training``) and what it predicts (``predicted``: seconds, and bytes per
+device), from one solved single-stage program; pipelines assemble their
+stages' plans (:func:`planner.search.finalists.assemble`) from these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from costmodel.cluster import Cluster
+from costmodel.compute import host_seconds
+from costmodel.memory import step_peak_bytes
+from costmodel.strategy_cost import IntraOpCost
+from ir.graph import INPUT, OP, PARAM, Graph
+from ir.placements import placement_strs
+from ir.precision import Precision, get_precision
+from planner.ilp.intra_op import IntraOpResult
+from plan.format import (ModelRecord, OpPlacement, Plan, Reshard, SolverReport,
+                                 TrainingRecord, training_precision)
+
+__all__ = ["build_plan", "model_record", "training_record"]
+
+
+def _memory_report(memory: dict[str, float], peak: float | None = None) -> dict[str, int]:
+    """Bytes per device by kind; ``total`` their sum (what the plan's memory
+    budget bounds), ``peak`` the predicted peak of the step (``total`` unless
+    given: see :func:`costmodel.memory.step_peak_bytes`)."""
+    out = {k: int(round(v)) for k, v in sorted(memory.items())}
+    out["total"] = sum(out.values())
+    out["peak"] = out["total"] if peak is None else int(round(peak))
+    return out
+
+
+def model_record(model: torch.nn.Module, graph: Graph, model_source: str | None) -> ModelRecord:
+    """The plan's ``model`` section: what the plan was made for."""
+    return {"name": model_source or type(model).__name__, "source": model_source,
+            "class": type(model).__name__, "fingerprint": graph.fingerprint(),
+            "num_parameters": graph.num_parameters}
+
+
+def training_record(precision: str | Precision, optimizer: str, example_inputs: Sequence[Any],
+                    zoo_kwargs: dict[str, Any] | None, **extra: Any) -> TrainingRecord:
+    """The plan's ``training`` section: step shapes and settings the prediction
+    assumed. ``dtype`` is the compute dtype, ``precision`` the training
+    precision's name and ``reduce_dtype`` the gradient reduction dtype."""
+    p = get_precision(precision)
+    return {"dtype": p.compute_dtype_name, "precision": p.name,
+            "reduce_dtype": str(p.reduce_dtype).replace("torch.", ""), "optimizer": optimizer,
+            "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
+                             for t in example_inputs],
+            "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())), **extra}
+
+
+def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
+               training: TrainingRecord, whole_batch: bool = False) -> Plan:
+    """Turn an intra-op solution into a Plan. ``whole_batch``: the step runs
+    the whole batch at once (no micro-batches), which lets gradients and
+    activations peak apart (:func:`costmodel.memory.step_peak_bytes`)."""
+    graph, chosen = result.graph, result.chosen
+    parameters = {n.fqn: placement_strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == PARAM}
+    inputs = {n.name: placement_strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == INPUT}
+    nodes: dict[str, OpPlacement] = {}
+    reshards: list[Reshard] = []
+    cost = IntraOpCost(graph, cluster, result.mesh_shape, training_precision(training))
+    for n in graph.nodes:
+        if n.kind != OP:
+            continue
+        s = chosen[n.name]
+        nodes[n.name] = OpPlacement(op=n.target, module=n.module_path,
+                                    inputs=[placement_strs(p) for p in s.inputs],
+                                    outputs=[placement_strs(p) for p in s.outputs])
+        for k, arg in enumerate(n.args):
+            producer = graph[arg]
+            idx = n.arg_index if n.target == "getitem" else 0
+            src = chosen[arg].outputs[idx]
+            if src != s.inputs[k]:
+                info = producer.outputs[idx]
+                reshards.append(Reshard(node=n.name, arg=arg, module=n.module_path,
+                                        src=placement_strs(src), dst=placement_strs(s.inputs[k]),
+                                        time_s=cost.reshard(src, s.inputs[k], info)))
+    sol = result.solution
+    b = result.breakdown
+    # the device's time (the ILP's objective), unless the host issues the step's
+    # ops more slowly than the device runs them
+    host_s = sum(host_seconds(graph, cluster.device))
+    predicted = {
+        "step_time_s": max(sol.objective_s, host_s),
+        "compute_s": b.compute_s,
+        "communication_s": b.communication_s,
+        "resharding_s": b.resharding_s,
+        **({"host_s": host_s} if host_s > 0 else {}),
+        "memory_bytes_per_device": _memory_report(
+            result.memory, step_peak_bytes(
+                result.memory, training.get("optimizer", "adam"),
+                step_copy=sum(cost.step_copy(n, chosen[n.name])
+                              for n in graph.nodes if n.kind == PARAM),
+                backward_excess=cost.backward_excess(chosen, result.checkpointed))
+            if whole_batch else None),
+    }
+    return Plan(
+        model=model_info, cluster=cluster.to_dict(),
+        mesh={"shape": list(result.mesh_shape),
+              "axis_names": [f"mesh{i}" for i in range(len(result.mesh_shape))]},
+        parameters=parameters, inputs=inputs, nodes=nodes, reshards=reshards,
+        predicted=predicted,
+        solver=SolverReport(solver=sol.solver, status=sol.status, objective_s=sol.objective_s,
+                            bound_s=sol.bound_s, gap=sol.gap, time_limit_s=result.time_limit_s,
+                            num_variables=sol.num_variables,
+                            num_constraints=sol.num_constraints),
+        training=training, checkpoint=list(result.checkpointed))
