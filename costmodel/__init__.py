@@ -1,5 +1,16 @@
 """Cost model: cluster description, communication, compute and memory costs.
 
+* the cluster: :mod:`costmodel.cluster` (devices and links),
+  :mod:`costmodel.presets` (published hardware, :func:`load_cluster`);
+* prices of one thing: :mod:`costmodel.collectives`, :mod:`costmodel.resharding`,
+  :mod:`costmodel.compute`, :mod:`costmodel.memory`, :mod:`costmodel.saved_tensors`;
+* prices of a sharding strategy of an op on a mesh:
+  :class:`costmodel.strategy_cost.IntraOpCost` (its settings
+  :mod:`costmodel.strategy_settings`, its parts :mod:`costmodel.strategy_compute`,
+  :mod:`costmodel.strategy_sync` and :mod:`costmodel.strategy_memory`);
+* :mod:`costmodel.schedules`: pipeline schedule models;
+* :mod:`costmodel.profiling`: ``planner profile``, measuring this machine.
+
 Units everywhere: seconds, bytes, FLOPs, bytes/s, FLOP/s. This package never
 imports ``planner`` or ``codegen``.
 """

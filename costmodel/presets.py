@@ -105,35 +105,31 @@ H800_SXM5_80GB = replace(H100_SXM5_80GB, name="H800-SXM5-80GB")
 
 # --- GPU presets ---------------------------------------------------------
 
-def _p3_16xlarge(nodes: int) -> Cluster:
-    # 8 V100 per node, NVLink 300 GB/s aggregate per GPU; 25 Gb/s Ethernet per node.
-    intra, inter = _gpu_links(300 * GB, 25 * Gbps, 8, "ethernet", 25e-6)
-    return Cluster(f"p3.16xlarge:{nodes}", nodes, 8, V100_SXM2_16GB, intra, inter, "nccl")
+def _gpu_cluster(name: str, device: DeviceSpec, nvlink_bidir: float, node_nic: float,
+                 net_name: str, net_latency: float) -> Callable[[int], Cluster]:
+    """The preset ``name``: ``nodes`` nodes of 8 ``device`` GPUs joined by NVLink
+    (``nvlink_bidir``, the bidirectional total per GPU) and, across nodes, by
+    ``net_name`` NICs (``node_nic``, the total per node; ``net_latency`` s)."""
+    def cluster(nodes: int) -> Cluster:
+        intra, inter = _gpu_links(nvlink_bidir, node_nic, 8, net_name, net_latency)
+        return Cluster(f"{name}:{nodes}", nodes, 8, device, intra, inter, "nccl")
+    return cluster
 
 
-def _dgx_a100_80g(nodes: int) -> Cluster:
-    # 8 A100, NVSwitch 600 GB/s aggregate per GPU; 8 x 200 Gb/s HDR InfiniBand per node.
-    intra, inter = _gpu_links(600 * GB, 8 * 200 * Gbps, 8, "infiniband", 5e-6)
-    return Cluster(f"dgx-a100-80g:{nodes}", nodes, 8, A100_SXM4_80GB, intra, inter, "nccl")
-
-
-def _dgx_h100(nodes: int) -> Cluster:
-    # 8 H100, NVLink4 900 GB/s aggregate per GPU; 8 x 400 Gb/s NDR InfiniBand per node.
-    intra, inter = _gpu_links(900 * GB, 8 * 400 * Gbps, 8, "infiniband", 5e-6)
-    return Cluster(f"dgx-h100:{nodes}", nodes, 8, H100_SXM5_80GB, intra, inter, "nccl")
-
-
-def _h200(nodes: int) -> Cluster:
-    # As DGX H100 (same NVLink and NICs) with H200 memory.
-    intra, inter = _gpu_links(900 * GB, 8 * 400 * Gbps, 8, "infiniband", 5e-6)
-    return Cluster(f"h200:{nodes}", nodes, 8, H200_SXM5_141GB, intra, inter, "nccl")
-
-
-def _h800(nodes: int) -> Cluster:
-    # 8 H800, NVLink 400 GB/s aggregate per GPU; 8 x 400 Gb/s NDR InfiniBand per node
-    # (the cluster DeepSeek-V3 was trained on: 2048 GPUs = h800:256).
-    intra, inter = _gpu_links(400 * GB, 8 * 400 * Gbps, 8, "infiniband", 5e-6)
-    return Cluster(f"h800:{nodes}", nodes, 8, H800_SXM5_80GB, intra, inter, "nccl")
+# 8 V100 per node, NVLink 300 GB/s aggregate per GPU; 25 Gb/s Ethernet per node.
+_p3_16xlarge = _gpu_cluster("p3.16xlarge", V100_SXM2_16GB, 300 * GB, 25 * Gbps, "ethernet",
+                            25e-6)
+# 8 A100, NVSwitch 600 GB/s aggregate per GPU; 8 x 200 Gb/s HDR InfiniBand per node.
+_dgx_a100_80g = _gpu_cluster("dgx-a100-80g", A100_SXM4_80GB, 600 * GB, 8 * 200 * Gbps,
+                             "infiniband", 5e-6)
+# 8 H100, NVLink4 900 GB/s aggregate per GPU; 8 x 400 Gb/s NDR InfiniBand per node.
+_dgx_h100 = _gpu_cluster("dgx-h100", H100_SXM5_80GB, 900 * GB, 8 * 400 * Gbps, "infiniband",
+                         5e-6)
+# As DGX H100 (same NVLink and NICs) with H200 memory.
+_h200 = _gpu_cluster("h200", H200_SXM5_141GB, 900 * GB, 8 * 400 * Gbps, "infiniband", 5e-6)
+# 8 H800, NVLink 400 GB/s aggregate per GPU; 8 x 400 Gb/s NDR InfiniBand per node
+# (the cluster DeepSeek-V3 was trained on: 2048 GPUs = h800:256).
+_h800 = _gpu_cluster("h800", H800_SXM5_80GB, 400 * GB, 8 * 400 * Gbps, "infiniband", 5e-6)
 
 
 # --- this machine ----------------------------------------------------------

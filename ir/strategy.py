@@ -4,7 +4,8 @@ The vocabulary the planner chooses among and the cost model prices:
 :class:`Strategy` (a placement tuple, one DTensor placement per mesh axis, for
 each tensor argument and each output of one op) and :class:`NodeStrategies`
 (every strategy considered for one graph node). :mod:`planner.ilp.strategies`
-enumerates them from DTensor's sharding rules.
+enumerates them from DTensor's sharding rules. :func:`local_numel`: the
+elements of a tensor one device holds under its placements.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from typing import Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from ir.graph import Node
+from ir.graph import Node, TensorInfo
 
-__all__ = ["NodeStrategies", "Placements", "Strategy", "is_replicate", "is_shard"]
+__all__ = ["NodeStrategies", "Placements", "Strategy", "is_replicate", "is_shard", "local_numel"]
 
 Placements = tuple[Placement, ...]
 
@@ -84,3 +85,13 @@ def is_replicate(p: Placement) -> bool:
     kind = type(p)
     return kind is Replicate or (kind is not Shard and kind is not Partial
                                  and isinstance(p, Replicate))
+
+
+def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: Sequence[int],
+                skip_axis: int | None = None) -> float:
+    """Elements of ``info`` held by one device (ignoring mesh axis ``skip_axis``)."""
+    n = float(info.numel)
+    for a, (p, size) in enumerate(zip(placements, mesh_shape)):
+        if a != skip_axis and is_shard(p):
+            n /= size
+    return n

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 
 
-class MaskedLMStep(nn.Module):
-    """``forward(input_ids, labels)``: a Hugging Face masked LM's own loss (a scalar)."""
+class HFLossStep(nn.Module):
+    """``forward(input_ids, labels)``: a Hugging Face model's own loss (a scalar):
+    a masked LM's, or an encoder-decoder's, whose decoder inputs are the labels
+    shifted right, as the model makes them itself."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -31,7 +33,7 @@ def bert_mlm(batch_size: int = 4, seq_len: int = 16) -> tuple[nn.Module, tuple[t
                         max_position_embeddings=64, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, attn_implementation="eager")
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len))
-    return MaskedLMStep(BertForMaskedLM(config)), (ids, ids.clone())
+    return HFLossStep(BertForMaskedLM(config)), (ids, ids.clone())
 
 
 class BatchNormCNN(nn.Module):
@@ -102,19 +104,6 @@ def item_in_forward(batch_size: int = 4) -> tuple[nn.Module, tuple[torch.Tensor,
     return ItemInForward(), (torch.randn(batch_size, 16),)
 
 
-class Seq2SeqLMStep(nn.Module):
-    """``forward(input_ids, labels)``: a Hugging Face encoder-decoder's own loss
-    (a scalar); the decoder's inputs are the labels shifted right, as the model
-    makes them itself."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.hf = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=input_ids, labels=labels).loss
-
-
 def bart(batch_size: int = 8, seq_len: int = 16) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """A BART encoder-decoder (2 + 2 layers, d_model 64, 4 heads, vocabulary
     128, dropout 0) on random token ids that are also its labels."""
@@ -125,7 +114,7 @@ def bart(batch_size: int = 8, seq_len: int = 16) -> tuple[nn.Module, tuple[torch
                         encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64,
                         dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     ids = torch.randint(3, config.vocab_size, (batch_size, seq_len))
-    return Seq2SeqLMStep(BartForConditionalGeneration(config)), (ids, ids.clone())
+    return HFLossStep(BartForConditionalGeneration(config)), (ids, ids.clone())
 
 
 def deberta_v2_mlm(batch_size: int = 8, seq_len: int = 16
@@ -139,7 +128,7 @@ def deberta_v2_mlm(batch_size: int = 8, seq_len: int = 16
                              max_position_embeddings=64, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0)
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len))
-    return MaskedLMStep(DebertaV2ForMaskedLM(config)), (ids, ids.clone())
+    return HFLossStep(DebertaV2ForMaskedLM(config)), (ids, ids.clone())
 
 
 class LabelledStep(nn.Module):

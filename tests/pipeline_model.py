@@ -7,11 +7,14 @@ of 32 tokens, vocabulary 128, hidden 64, 4 heads.
 import torch
 
 from models.zoo import gpt
+from models.zoo.tokens import token_inputs
+
+
 def gpt8():
     """(model, (idx, targets)) built on the current default device."""
     cfg = gpt.GPTConfig(n_layer=8, n_embd=64, n_head=4, vocab_size=128, block_size=32)
     device = torch.get_default_device()
-    return gpt.GPT(cfg), gpt.example_inputs(cfg, 8, 32, device=device)
+    return gpt.GPT(cfg), token_inputs(cfg, 8, 32, device=device)
 
 
 def gpt_wide():
@@ -21,4 +24,4 @@ def gpt_wide():
     hands back gradients laid out otherwise than gpt-tiny's."""
     cfg = gpt.GPTConfig(n_layer=2, n_embd=768, n_head=12, vocab_size=128, block_size=64)
     device = torch.get_default_device()
-    return gpt.GPT(cfg), gpt.example_inputs(cfg, 4, 64, device=device)
+    return gpt.GPT(cfg), token_inputs(cfg, 4, 64, device=device)

@@ -26,26 +26,28 @@ def problems(draw, allow_inf=True):
     return AssignmentProblem(node_costs, edges)
 
 
-def _solve_and_enumerate(problem):
-    """(solver's solution, brute-force optimum); None when both find it infeasible."""
+def _solved_to_optimum(problem):
+    """(solver's solution, brute-force optimum), the solution's objective checked
+    to be the optimum; None when both find ``problem`` infeasible."""
     try:
         _, best = brute_force(problem)
     except InfeasibleError:
         with pytest.raises(InfeasibleError):
             solve(problem)
         return None
-    return solve(problem), best
+    solution = solve(problem)
+    assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    return solution, best
 
 
 @settings(max_examples=150, deadline=None)
 @given(problems())
 def test_ilp_optimum_equals_brute_force(problem):
-    solved = _solve_and_enumerate(problem)
+    solved = _solved_to_optimum(problem)
     if solved is None:
         return
     solution, best = solved
     assert solution.status == "OPTIMAL"
-    assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert problem.evaluate(solution.choice) == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert solution.gap == pytest.approx(0.0, abs=1e-9)
 
@@ -84,7 +86,7 @@ def test_ilp_with_memory_budget_equals_brute_force(problem):
 
 
 def test_time_limit_without_solution_returns_the_warm_start(monkeypatch):
-    import planner.ilp.solver as ilp
+    import planner.ilp.backends as ilp
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[0.0, 1.0], [1.0, 0.0]])])
@@ -114,12 +116,9 @@ def checkpoint_problems(draw):
 @settings(max_examples=150, deadline=None)
 @given(checkpoint_problems())
 def test_ilp_with_checkpointing_decision_equals_brute_force(problem):
-    solved = _solve_and_enumerate(problem)
-    if solved is None:
-        return
-    solution, best = solved
-    assert problem.fits(solution.choice, solution.checkpoint)
-    assert solution.objective_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    solved = _solved_to_optimum(problem)
+    if solved is not None:
+        assert problem.fits(solved[0].choice, solved[0].checkpoint)
 
 
 @st.composite
@@ -173,7 +172,7 @@ def _fake_backend(monkeypatch, status):
     """CreateSolver returns solvers whose Solve only reports ``status`` (all
     variables stay 0, so every node reads as taking strategy 0), and the LP
     relaxation never answers, so that the MIP backend decides."""
-    import planner.ilp.solver as ilp
+    import planner.ilp.backends as ilp
 
     monkeypatch.setattr(ilp, "_integral_relaxation", lambda *args: None)
 
@@ -194,7 +193,7 @@ def _fake_backend(monkeypatch, status):
 
 def test_time_limited_answer_is_never_worse_than_the_warm_start(monkeypatch):
     """A search cut off with a FEASIBLE answer worse than the hint returns the hint."""
-    import planner.ilp.solver as ilp
+    import planner.ilp.backends as ilp
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.FEASIBLE)
     problem = AssignmentProblem([[1.0, 0.0], [0.0, 1.0]], [(0, 1, [[2.0, 5.0], [1.0, 0.0]])])
@@ -207,7 +206,7 @@ def test_time_limited_answer_is_never_worse_than_the_warm_start(monkeypatch):
 
 
 def test_warm_start_checkpoints_when_that_is_what_fits(monkeypatch):
-    import planner.ilp.solver as ilp
+    import planner.ilp.backends as ilp
     from planner.ilp.solve import CheckpointGroup
 
     _fake_backend(monkeypatch, ilp.pywraplp.Solver.NOT_SOLVED)

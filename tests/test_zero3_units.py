@@ -1,11 +1,11 @@
-"""ZeRO-3 units (ir.repeated_blocks.shard_units): what FSDP2 gathers one at a time."""
+"""ZeRO-3 units (ir.shard_units.shard_units): what FSDP2 gathers one at a time."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ir.repeated_blocks import shard_units
+from ir.shard_units import shard_units
 from models.source import build_model
 from ir.trace import trace
 

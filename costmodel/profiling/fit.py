@@ -1,4 +1,4 @@
-"""The fits of ``planner profile`` (the method is in :mod:`costmodel.profiling.measure`).
+"""The fits of ``planner profile`` (the method is in :mod:`costmodel.profiling`).
 
 Units: seconds, bytes, FLOPs, bytes/s, FLOP/s.
 

@@ -1,4 +1,4 @@
-"""Per-rank measurement loop of ``planner profile`` (see :mod:`costmodel.profiling.measure`).
+"""Per-rank measurement loop of ``planner profile`` (see :mod:`costmodel.profiling`).
 
 One process ``python -m costmodel.profiling.worker SPEC.json RANK WORLD`` is one
 rank, started by :func:`costmodel.profiling.run.measure`. Every rank runs the same

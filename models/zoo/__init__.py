@@ -24,12 +24,13 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from models.zoo import deepseek, gpt, llama, mlp, moe
+from models.zoo import llama, mlp
 from models.zoo.deepseek import DeepSeek, DeepSeekConfig
 from models.zoo.gpt import GPT, GPTConfig
 from models.zoo.llama import Llama, LlamaConfig
 from models.zoo.mlp import MLP, MLPConfig
 from models.zoo.moe import MoEConfig, MoEGPT
+from models.zoo.tokens import token_inputs
 
 __all__ = [
     "DeepSeek", "DeepSeekConfig", "GPT", "GPTConfig", "Llama", "LlamaConfig", "MLP", "MLPConfig",
@@ -199,14 +200,8 @@ def build_from_config(cfg: Any, *, device: torch.device | str = "meta",
             inputs = mlp.example_inputs(cfg, b, device=dev, dtype=dtype)
         else:
             s = cfg.max_seq_len if seq_len is None else int(seq_len)
-            if fam == "gpt":
-                model, inputs = GPT(cfg), gpt.example_inputs(cfg, b, s, device=dev)
-            elif fam == "llama":
-                model, inputs = Llama(cfg), llama.example_inputs(cfg, b, s, device=dev)
-            elif fam == "deepseek":
-                model, inputs = DeepSeek(cfg), deepseek.example_inputs(cfg, b, s, device=dev)
-            else:
-                model, inputs = MoEGPT(cfg), moe.example_inputs(cfg, b, s, device=dev)
+            model = {"gpt": GPT, "llama": Llama, "deepseek": DeepSeek, "moe": MoEGPT}[fam](cfg)
+            inputs = token_inputs(cfg, b, s, device=dev)
     if dtype != torch.float32:
         model = model.to(dtype=dtype)
     return model, tuple(inputs)

@@ -75,7 +75,6 @@ Parameter counts (elements), with ``a = n_heads``, ``q = q_lora_rank``,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -83,7 +82,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.zoo.llama import RMSNorm, apply_rope, example_inputs, rope_cos_sin  # noqa: F401
+from models.zoo.llama import RMSNorm, apply_rope, rope_cos_sin
+from models.zoo.routing import expert_capacity, expert_weights, routing_groups
+from models.zoo.tokens import next_token_loss
 
 # DeepSeekConfig fields that must be >= 1 (n_dense_layers and n_shared_experts may be 0).
 _POSITIVE_SIZES = ("n_layers", "dim", "n_heads", "q_lora_rank", "kv_lora_rank",
@@ -186,16 +187,15 @@ class DeepSeekConfig:
 
     def group_shape(self, num_tokens: int, seq_len: int) -> tuple[int, int]:
         """(G, S): routing groups and tokens per group for ``num_tokens`` tokens."""
-        s = self.group_size if num_tokens % self.group_size == 0 else seq_len
-        return num_tokens // s, s
+        return routing_groups(self.group_size, num_tokens, seq_len)
 
     def capacity(self, group_size: int) -> int:
         """Slots per expert and group (C): ``S`` when dropless, else
         ``min(S, ceil(capacity_factor * k * S / E))``."""
         if self.dropless:
             return group_size
-        c = math.ceil(self.capacity_factor * self.top_k * group_size / self.n_routed_experts)
-        return max(1, min(group_size, c))
+        return expert_capacity(self.capacity_factor, self.top_k, group_size,
+                               self.n_routed_experts)
 
     # -- parameter counts (elements) -------------------------------------------------
     def attention_params(self) -> int:
@@ -438,9 +438,7 @@ class MoE(nn.Module):
         self.config = config
         h, e, f = config.dim, config.n_routed_experts, config.moe_ffn_dim
         self.gate = nn.Linear(h, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, h, f))
-        self.w2 = nn.Parameter(torch.empty(e, f, h))
-        self.w3 = nn.Parameter(torch.empty(e, h, f))
+        self.w1, self.w2, self.w3 = expert_weights(e, (h, f), (f, h), (h, f))
         self.shared_experts = (SwiGLU(h, f * config.n_shared_experts)
                                if config.n_shared_experts else None)
 
@@ -521,7 +519,4 @@ class DeepSeek(nn.Module):
         x = self.tok_embeddings(idx)
         for layer in (*self.dense_layers, *self.moe_layers):
             x = layer(x)
-        logits = self.output(self.norm(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return next_token_loss(self.output(self.norm(x)), targets)

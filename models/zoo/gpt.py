@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.zoo.tokens import next_token_loss
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -158,18 +160,30 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: ``12 h^2 + 13 h`` parameters."""
+    """Pre-LayerNorm transformer block, ``x + attn(ln_1(x))`` then
+    ``x + mlp(ln_2(x))``: ``12 h^2 + 13 h`` parameters.
 
-    def __init__(self, config: GPTConfig) -> None:
+    A subclass may put another feed-forward module in the MLP's place: it names
+    it (:attr:`feed_forward_name`) and builds it (:meth:`feed_forward`).
+    ``attention``: the attention's config (default ``config``).
+    """
+
+    feed_forward_name = "mlp"
+
+    def __init__(self, config: GPTConfig, attention: GPTConfig | None = None) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config if attention is None else attention)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True)
-        self.mlp = MLP(config)
+        self.add_module(self.feed_forward_name, self.feed_forward(config))
+
+    def feed_forward(self, config: GPTConfig) -> nn.Module:
+        """The module after ``ln_2``: the dense :class:`MLP`."""
+        return MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
+        x = x + self.get_submodule(self.feed_forward_name)(self.ln_2(x))
         return x
 
 
@@ -231,18 +245,5 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         x = self.transformer.ln_f(x)
-        logits = self.lm_head(x)
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return next_token_loss(self.lm_head(x), targets)
 
-
-def example_inputs(config: GPTConfig, batch_size: int, seq_len: int,
-                   device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
-    """(idx, targets): int64 [batch_size, seq_len] token ids in [0, vocab_size)."""
-    if seq_len > config.block_size:
-        raise ValueError(f"seq_len={seq_len} exceeds block_size={config.block_size}")
-    shape = (batch_size, seq_len)
-    idx = torch.randint(0, config.vocab_size, shape, dtype=torch.long, device=device)
-    targets = torch.randint(0, config.vocab_size, shape, dtype=torch.long, device=device)
-    return idx, targets

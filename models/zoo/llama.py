@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.zoo.tokens import next_token_loss
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -266,18 +268,5 @@ class Llama(nn.Module):
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x)
-        logits = self.output(self.norm(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return next_token_loss(self.output(self.norm(x)), targets)
 
-
-def example_inputs(config: LlamaConfig, batch_size: int, seq_len: int,
-                   device: torch.device | str = "meta") -> tuple[torch.Tensor, torch.Tensor]:
-    """(idx, targets): int64 [batch_size, seq_len] token ids in [0, vocab_size)."""
-    if seq_len > config.max_seq_len:
-        raise ValueError(f"seq_len={seq_len} exceeds max_seq_len={config.max_seq_len}")
-    shape = (batch_size, seq_len)
-    idx = torch.randint(0, config.vocab_size, shape, dtype=torch.long, device=device)
-    targets = torch.randint(0, config.vocab_size, shape, dtype=torch.long, device=device)
-    return idx, targets

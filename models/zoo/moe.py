@@ -31,14 +31,14 @@ gates for callers that want it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.zoo.gpt import GPT, CausalSelfAttention, GPTConfig, example_inputs  # noqa: F401
+from models.zoo.gpt import GPT, Block, GPTConfig
+from models.zoo.routing import expert_capacity, expert_weights, routing_groups
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,11 @@ class MoEConfig:
 
     def group_shape(self, num_tokens: int, seq_len: int) -> tuple[int, int]:
         """(G, S): routing groups and tokens per group for ``num_tokens`` tokens."""
-        s = self.group_size if num_tokens % self.group_size == 0 else seq_len
-        return num_tokens // s, s
+        return routing_groups(self.group_size, num_tokens, seq_len)
 
     def capacity(self, group_size: int) -> int:
         """Tokens one expert accepts per group (C)."""
-        c = math.ceil(self.capacity_factor * self.top_k * group_size / self.n_expert)
-        return max(1, min(group_size, c))
+        return expert_capacity(self.capacity_factor, self.top_k, group_size, self.n_expert)
 
 
 def top2_combine_weights(logits: torch.Tensor) -> torch.Tensor:
@@ -194,8 +192,7 @@ class MoELayer(nn.Module):
         self.config = config
         h, e, f = config.n_embd, config.n_expert, config.expert_hidden
         self.router = nn.Linear(h, e, bias=False)
-        self.w_in = nn.Parameter(torch.empty(e, h, f))
-        self.w_out = nn.Parameter(torch.empty(e, f, h))
+        self.w_in, self.w_out = expert_weights(e, (h, f), (f, h))
         self.gelu = nn.GELU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -213,20 +210,17 @@ class MoELayer(nn.Module):
         return y.reshape(B, T, h)
 
 
-class MoEBlock(nn.Module):
+class MoEBlock(Block):
     """Pre-LayerNorm block: ``x + attn(ln_1(x))`` then ``x + moe(ln_2(x))``."""
 
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True)
-        self.attn = CausalSelfAttention(config.attention_config())
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True)
-        self.moe = MoELayer(config)
+    feed_forward_name = "moe"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.moe(self.ln_2(x))
-        return x
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__(config, config.attention_config())
+
+    def feed_forward(self, config: MoEConfig) -> nn.Module:
+        """The top-2 routed :class:`MoELayer`."""
+        return MoELayer(config)
 
 
 class MoEGPT(GPT):

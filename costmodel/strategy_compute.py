@@ -1,0 +1,150 @@
+"""Per-strategy compute prices: the seconds of one op's kernels on one device.
+
+:class:`ComputePricing` is the part of :class:`costmodel.strategy_cost.IntraOpCost`
+that prices a node's own work under one sharding strategy: an op's forward and
+backward kernels (split over the devices its strategy spreads it on), the
+re-run of its forward in a checkpointed layer, a parameter's optimizer update
+and mixed-precision casts, and a user input's load into memory.
+
+Units: seconds, of one training step on one device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from torch.distributed.tensor.placement_types import Partial
+
+from costmodel.collectives import collective_time
+from costmodel.compute import (FUSED_ATTENTION, attention_times, backward_kernels,
+                               backward_op_times, gemm_aligned, op_time)
+from costmodel.memory import OPTIMIZER_ACCESSES
+from costmodel.strategy_settings import StrategySettings
+from ir.graph import INPUT, OP, PARAM, Node
+from ir.strategy import Strategy, local_numel
+
+__all__ = ["ComputePricing"]
+
+
+class ComputePricing(StrategySettings):
+    """Compute seconds of a node under a strategy; a part of
+    :class:`costmodel.strategy_cost.IntraOpCost`."""
+
+    def compute(self, node: Node, s: Strategy) -> float:
+        """Seconds of the node's forward and backward on one device."""
+        if node.kind == INPUT:  # each device loads its part of the batch into memory
+            local = local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
+            return local / self.cluster.device.memory_bandwidth
+        if node.kind == PARAM:
+            return self.cast_time(node, s) + self.optimizer_time(node, s)
+        if node.kind != OP:
+            return 0.0
+        b, w = self.backward_times(node, s)
+        return self.forward_time(node, s) + b + w
+
+    def compute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
+        """:meth:`compute` of ``node`` under each of ``strategies``: an op's
+        depends on its strategy only through :meth:`shard_factor`, so each
+        factor is priced once (a layer's ops have tens of strategies and a
+        few factors)."""
+        return self._per_shard_factor(node, strategies, self.compute)
+
+    def forward_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
+        """:meth:`forward_time` of ``node`` under each of ``strategies``
+        (each shard factor priced once, as :meth:`compute_each`)."""
+        return self._per_shard_factor(node, strategies, self.forward_time)
+
+    def recompute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
+        """Seconds of re-running ``node``'s forward in a checkpointed layer's
+        backward, under each of ``strategies``: its kernel (:meth:`forward_time`)
+        and the reduction of each output it leaves partial on a mesh axis (a
+        row-parallel linear's all-reduce), which the re-run issues again."""
+        out = []
+        for t, s in zip(self.forward_each(node, strategies), strategies):
+            for info, placements in zip(node.outputs, s.outputs):
+                for a, (p, size) in enumerate(zip(placements or (), self.mesh_shape)):
+                    if size > 1 and type(p) is Partial:
+                        nbytes = local_numel(info, placements, self.mesh_shape,
+                                             skip_axis=a) * info.itemsize
+                        t += collective_time("all_reduce", nbytes, size, self.links[a])
+            out.append(t)
+        return out
+
+    def _per_shard_factor(self, node: Node, strategies: Sequence[Strategy],
+                          price: Callable[[Node, Strategy], float]) -> list[float]:
+        if node.kind != OP:
+            return [price(node, s) for s in strategies]
+        by_factor: dict[int, float] = {}
+        out = []
+        for s in strategies:
+            f = self.shard_factor(s)
+            if f not in by_factor:
+                by_factor[f] = price(node, s)
+            out.append(by_factor[f])
+        return out
+
+    def optimizer_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of the optimizer's update of this device's part of a
+        parameter: a memory-bound pass over the tensors of its size the update
+        reads and writes (:data:`costmodel.memory.OPTIMIZER_ACCESSES`), in the
+        master dtype, over the shard ZeRO leaves this device."""
+        numel = local_numel(node.output, s.outputs[0], self.mesh_shape) / self.state_shards
+        nbytes = numel * OPTIMIZER_ACCESSES.get(self.optimizer, 0) * self.precision.master_bytes
+        if nbytes <= 0:
+            return 0.0
+        memory = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
+        return nbytes / memory
+
+    def cast_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of a mixed-precision step's two casts of a parameter: the
+        master copy to the compute dtype before the forward reads it, and its
+        gradient back to the master dtype (each reads one dtype and writes the
+        other); 0 when the parameter is kept in the compute dtype."""
+        if not self.precision.mixed:
+            return 0.0
+        numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
+        one = op_time(0.0, numel * (self.precision.master_bytes
+                                    + self.precision.compute_dtype.itemsize),
+                      self.cluster.device, self.dtype)
+        return 2 * one
+
+    def _dispatch(self, node: Node) -> float:
+        """Host seconds the distributed runtime adds to running the op once."""
+        return 0.0 if node.target == "getitem" else self.cluster.device.dispatch_overhead
+
+    def _view_time(self, node: Node) -> float:
+        """Seconds of a view op in one pass: no kernel, but the distributed
+        runtime dispatches it (the host's own time to issue it counts in
+        :func:`costmodel.compute.host_seconds`)."""
+        return self._dispatch(node)
+
+    def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
+        if node.kind != OP or node.name not in self.requires_grad:
+            return 0.0, 0.0
+        if node.is_view:
+            return self._view_time(node), 0.0
+        f = self.shard_factor(s)
+        input_grad, weight_grad = backward_kernels(node, self.requires_grad, self.param_derived)
+        if node.target == FUSED_ATTENTION:
+            b = attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
+                                self.dtype)[1] if input_grad else 0.0
+            return b + self._dispatch(node), 0.0
+        b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
+                                 self.dtype, input_grad=input_grad, weight_grad=weight_grad,
+                                 aligned=gemm_aligned(node))
+        return b + self._dispatch(node), w
+
+    def forward_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of the op's forward alone (what activation checkpointing re-runs)."""
+        if node.kind != OP:
+            return 0.0
+        if node.is_view:
+            return self._view_time(node)
+        f = self.shard_factor(s)
+        if node.target == FUSED_ATTENTION:
+            return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
+                                    self.dtype)[0] + self._dispatch(node))
+        return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype,
+                        aligned=gemm_aligned(node))
+                + self._dispatch(node))

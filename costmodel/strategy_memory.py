@@ -1,0 +1,224 @@
+"""Per-strategy memory: the bytes one node holds on one device under a strategy.
+
+:class:`MemoryPricing` is the part of :class:`costmodel.strategy_cost.IntraOpCost`
+that prices memory: a parameter's training states (parameters, gradients,
+optimizer states, laid out as the ZeRO stage shards them), a user input's local
+batch, the outputs autograd keeps for an op's backward, the transient gradients
+of the backward's largest op, and the backward's timeline over the saved
+activations (:meth:`MemoryPricing.backward_excess`).
+
+Units: bytes per device.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping, Sequence
+
+from torch.distributed.tensor.placement_types import Replicate
+
+from costmodel.memory import backward_timeline_excess, step_copy_bytes, training_state_bytes
+from costmodel.saved_tensors import extra_saved_bytes, release_points
+from costmodel.strategy_settings import StrategySettings
+from ir.graph import INPUT, OP, PARAM, Node
+from ir.strategy import Strategy, local_numel
+
+__all__ = ["MemoryPricing"]
+
+
+class MemoryPricing(StrategySettings):
+    """Bytes per device of a node under a strategy; a part of
+    :class:`costmodel.strategy_cost.IntraOpCost`."""
+
+    def memory_breakdown(self, node: Node, s: Strategy) -> dict[str, float]:
+        """Bytes per device that ``node`` holds under ``s`` during a training step.
+
+        Parameters bring their gradient and optimizer states (sharded like the
+        parameter); a user input its local batch; an op the outputs that
+        autograd keeps for some op's backward (:mod:`costmodel.saved_tensors`).
+
+        With n ranks on mesh axis 0, for a parameter replicated on it: under
+        ZeRO-1 the optimizer states count ``1/n`` (under a mixed precision
+        with the fp32 master parameters, the model's parameters in the
+        compute dtype: Megatron's distributed optimizer); under ZeRO-2 and ZeRO-3
+        (FSDP2 with the whole stage as one unit, :attr:`params_sharded`)
+        parameters, gradients and optimizer states are kept 1/n each, and on
+        top the stage's parameters are all-gathered whole for the step and its
+        gradients stay whole until they are reduce-scattered: params and grads
+        count ``1 + 1/n`` times, optimizer states ``1/n`` (in fp32; see
+        :func:`costmodel.memory.training_state_bytes` for the dtypes).
+        """
+        if node.kind == PARAM:
+            numel, zero, n = self._state_layout(node, s)
+            state = training_state_bytes(numel, precision=self.precision,
+                                         optimizer=self.optimizer, zero_stage=zero, dp_size=n,
+                                         params_sharded=self.params_sharded,
+                                         gathered=self._gathered(node))
+            return {k: float(v) for k, v in state.items() if k != "total"}
+        if node.kind == INPUT:
+            return {"activations": local_numel(node.output, s.outputs[0], self.mesh_shape)
+                    * node.output.itemsize}
+        out: dict[str, float] = {}
+        kept = self.saved.get(node.name)
+        if node.kind == OP and kept:
+            f = self.shard_factor(s)
+            out["activations"] = sum(local_numel(o, p, self.mesh_shape) * o.itemsize
+                                     for i, (o, p) in enumerate(zip(node.outputs, s.outputs))
+                                     if i in kept) + extra_saved_bytes(node) / f
+        if node.name == self.transient_node:
+            out["backward_transient"] = self.backward_transient(node, s)
+        return out
+
+    def memory(self, node: Node, s: Strategy) -> float:
+        """Bytes per device of :meth:`memory_breakdown`, activations counted once per
+        micro-batch in flight (``activation_copies``)."""
+        return float(sum(v * (self.activation_copies if k == "activations" else 1.0)
+                         for k, v in self.memory_breakdown(node, s).items()))
+
+    def _gathered(self, node: Node) -> bool:
+        """Whether parameter ``node``'s whole copy and gradient count toward the
+        peak when it is sharded (:attr:`gathered_params`)."""
+        return self.gathered_params is None or node.name in self.gathered_params
+
+    def _state_layout(self, node: Node, s: Strategy) -> tuple[int, int, int]:
+        """(parameters this device holds, ZeRO stage, ZeRO group size) of
+        parameter ``node`` under strategy ``s``."""
+        numel = int(math.ceil(local_numel(node.output, s.outputs[0], self.mesh_shape)))
+        # ZeRO shards the states over axis 0 where the parameter is replicated;
+        # a parameter sharded there already holds the states of its shard alone
+        n = self.state_shards if isinstance(s.outputs[0][0], Replicate) else 1
+        # ZeRO-1 under a mixed precision keeps the distributed optimizer's layout
+        # (working params in the compute dtype, the master copy with the states)
+        # for a parameter sharded on axis 0 too, its states then split over 1
+        zero = self.zero_stage if n > 1 or self.zero_stage == 1 else 0
+        return numel, zero, n
+
+    def step_copy(self, node: Node, s: Strategy) -> float:
+        """Bytes of parameter ``node``'s ``params`` under ``s`` that the step frees
+        before the optimizer step (:func:`costmodel.memory.step_copy_bytes`);
+        none at stage 1 under a mixed precision, which stores the compute-dtype
+        parameters."""
+        numel, zero, n = self._state_layout(node, s)
+        if zero == 1 and self.precision.mixed and not self.params_sharded:
+            return 0.0
+        if n > 1 and not self._gathered(node):
+            return 0.0
+        return float(step_copy_bytes(numel, precision=self.precision, dp_size=n,
+                                     params_sharded=self.params_sharded))
+
+    def _largest_transient(self) -> str | None:
+        """The op whose backward holds the most transient gradient bytes,
+        unsharded (in a language model the vocabulary projection and the
+        loss, at the start of the backward, while every activation is alive).
+        Its :meth:`backward_transient` under its chosen strategy counts
+        toward the step's peak memory; a linear term, so the ILP's memory
+        budget covers it exactly (other ops' transients are assumed smaller)."""
+        best, name = 0.0, None
+        for n in self.graph.nodes:
+            if n.kind != OP or n.is_view or n.name not in self.requires_grad:
+                continue
+            nbytes = sum(o.nbytes for o in n.outputs if o.is_float) + sum(
+                t.nbytes for a, t in zip(n.args, n.inputs)
+                if t.is_float and a in self.requires_grad and a not in self.param_derived)
+            if nbytes > best:
+                best, name = nbytes, n.name
+        return name
+
+    def backward_transient(self, node: Node, s: Strategy) -> float:
+        """Bytes per device the backward of ``node`` holds on top of the saved
+        activations while it runs: the gradient of its outputs and the
+        gradients it writes for its activation inputs (the largest of these, at
+        the loss, is what lifts the step's peak above the states and saved
+        activations). 0 off the gradient path and for views."""
+        if node.kind != OP or node.is_view or node.name not in self.requires_grad:
+            return 0.0
+        out = sum(local_numel(o, p, self.mesh_shape) * o.itemsize
+                  for o, p in zip(node.outputs, s.outputs) if o.is_float)
+        ins = sum(local_numel(t, p, self.mesh_shape) * t.itemsize
+                  for a, t, p in zip(node.args, node.inputs, s.inputs)
+                  if t.is_float and a in self.requires_grad and a not in self.param_derived)
+        return float(out + ins)
+
+    def backward_excess(self, chosen: Mapping[str, Strategy] | None = None,
+                        checkpointed: Sequence[str] = ()) -> float:
+        """Bytes per device, at the worst op of the backward, that the backward
+        holds beyond the saved activations (the backward's timeline,
+        :func:`costmodel.memory.backward_timeline_excess`): the gradients made so
+        far, that op's :meth:`backward_transient`, less the activations freed by
+        the ops that ran before it. The backward runs the ops in the reverse of
+        the forward's order; an op makes the gradient of a parameter it is the
+        last reader of, and frees the saved tensors it is the first keeper of
+        (:func:`costmodel.saved_tensors.release_points`). At the loss it is the
+        loss's transient; at a mixture-of-experts layer near the end of the model
+        its experts' gradients, made at once while the earlier layers'
+        activations are alive, can lift it far above that (DeepSeek-V3's MoE
+        layer: 22 GB of bf16 gradients). Under the ``chosen`` strategies (None:
+        every value whole, as captured). Ops of ``checkpointed`` layers (names
+        of the graph's layers) free nothing: their activations were not kept (their
+        recomputation is :func:`costmodel.memory.step_peak_bytes`'
+        ``recomputed_layer``).
+
+        Gradients count as :meth:`memory_breakdown` has them, less the fp32
+        main-gradient slice of ZeRO-1 under a mixed precision, which exists at
+        the optimizer step only; the compute-dtype copy of a parameter
+        (:meth:`step_copy`) is freed by the first op in the forward that reads
+        it, the last of its readers to run backward."""
+        def strategy(node: Node) -> Strategy:
+            if chosen is not None:
+                return chosen[node.name]
+            whole = tuple(Replicate() for _ in self.mesh_shape)
+            return Strategy(inputs=tuple(whole for _ in node.args),
+                            outputs=tuple(whole for _ in node.outputs))
+
+        ops = [n for n in self.graph.nodes
+               if n.kind == OP and not n.is_view and n.name in self.requires_grad]
+        first_reader, last_reader = self._parameter_readers(ops)
+        freed: dict[str, float] = {}
+        for param, op in first_reader.items():
+            # the compute-dtype copy the step made (a mixed precision's cast, FSDP2's
+            # gathered parameters) is freed once the last op that reads it has run
+            copy = self.step_copy(self.graph[param], strategy(self.graph[param]))
+            if copy:
+                freed[op] = freed.get(op, 0.0) + copy
+        made: dict[str, float] = {}
+        for param, op in last_reader.items():
+            made[op] = made.get(op, 0.0) + self._gradient_made(self.graph[param], strategy)
+        recomputed = self.graph.layer_ops(checkpointed)
+        for base, op in release_points(self.graph, self.requires_grad).items():
+            node = self.graph[base]
+            if node.kind != OP or base in recomputed:
+                continue
+            kept = self.memory_breakdown(node, strategy(node)).get("activations", 0.0)
+            freed[op] = freed.get(op, 0.0) + kept
+        return backward_timeline_excess(
+            (made.get(n.name, 0.0), self.backward_transient(n, strategy(n)),
+             freed.get(n.name, 0.0)) for n in reversed(ops))
+
+    def _parameter_readers(self, ops: Sequence[Node]) -> tuple[dict[str, str], dict[str, str]]:
+        """(parameter -> the first of ``ops`` that reads it, parameter -> the
+        last), a read of a view of a parameter being a read of the parameter."""
+        root: dict[str, str] = {}
+        for n in self.graph.nodes:
+            if n.kind == PARAM:
+                root[n.name] = n.name
+            elif n.name in self.param_derived and n.args and n.args[0] in root:
+                root[n.name] = root[n.args[0]]
+        last_reader: dict[str, str] = {}
+        first_reader: dict[str, str] = {}
+        for n in ops:
+            for a in n.args:
+                if a in root:
+                    last_reader[root[a]] = n.name
+                    first_reader.setdefault(root[a], n.name)
+        return first_reader, last_reader
+
+    def _gradient_made(self, node: Node, strategy: Callable[[Node], Strategy]) -> float:
+        """Bytes of parameter ``node``'s gradient its last reader's backward
+        makes, under ``strategy(node)`` (see :meth:`backward_excess`)."""
+        s = strategy(node)
+        grads = self.memory_breakdown(node, s).get("grads", 0.0)
+        numel, zero, _ = self._state_layout(node, s)
+        p = self.precision
+        if zero == 1 and p.mixed and not self.params_sharded:
+            grads = float(p.reduce_dtype.itemsize * numel)  # the main-grad slice: at the step
+        return grads

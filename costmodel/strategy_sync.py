@@ -1,0 +1,125 @@
+"""Per-strategy gradient collectives: all-reduces in each backward, ZeRO's per step.
+
+:class:`GradientSyncPricing` is the part of
+:class:`costmodel.strategy_cost.IntraOpCost` that prices the collectives a
+strategy implies for gradients: the all-reduce of each input gradient that
+comes out partial in a micro-batch's backward, and the collectives over mesh
+axis 0 that ZeRO (or ``reduce_once``) issues once per step instead: the
+reduce-scatter of the gradient sums and the all-gather of the updated
+parameters, or ZeRO-3's layer by layer gathers in every micro-batch.
+
+Gradient communication is not overlapped with backward: the code generator
+reduces gradients after backward, so the model charges it in full.
+
+Units: seconds, bytes.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor.placement_types import Replicate
+
+from costmodel.collectives import collective_time
+from costmodel.strategy_settings import StrategySettings
+from ir.graph import OP, PARAM, Node
+from ir.strategy import Strategy, local_numel
+
+__all__ = ["GradientSyncPricing"]
+
+
+class GradientSyncPricing(StrategySettings):
+    """Gradient collectives of a node under a strategy; a part of
+    :class:`costmodel.strategy_cost.IntraOpCost`."""
+
+    # seconds of zero_collectives(1.0): the per-message latency of the step's pair
+    _zero_latency: float
+
+    def backward_collectives(self, node: Node, s: Strategy) -> float:
+        """Seconds of the all-reduce of input gradients that come out partial
+        under ``s``, in each micro-batch's backward. Under ZeRO
+        (:attr:`zero_stage` > 0) or ``reduce_once`` a parameter's gradient sum
+        on mesh axis 0 waits for the end of the step instead, and the parameter
+        node itself carries that step's collectives over axis 0
+        (:meth:`state_collectives`)."""
+        if node.kind == PARAM:
+            return self.state_collectives(node, s)
+        return sum(t for _, _, t in self._gradient_all_reduces(node, s))
+
+    def weight_sync(self, node: Node, s: Strategy) -> float:
+        """Seconds of the all-reduces of weight gradients over mesh axis 0 in
+        each micro-batch's backward under ``s`` (what ZeRO or ``reduce_once``
+        does once per step instead)."""
+        return sum(t for arg, a, t in self._gradient_all_reduces(node, s)
+                   if a == 0 and arg in self.param_derived)
+
+    def _gradient_all_reduces(self, node: Node, s: Strategy) -> list[tuple[str, int, float]]:
+        """(argument, mesh axis, seconds) of each all-reduce of an input gradient
+        that comes out partial under ``s`` in a micro-batch's backward."""
+        if node.kind != OP:
+            return []
+        out_split = s.output_split_axes
+        if not any(out_split):  # replicated outputs: no input gradient comes out partial
+            return []
+        out = []
+        for arg, info, pin, replicated in zip(node.args, node.inputs, s.inputs,
+                                              s.replicated_inputs):
+            if arg not in self.requires_grad:
+                continue
+            for a, size in enumerate(self.mesh_shape):
+                if a == 0 and self.step_sync_ranks > 1 and arg in self.param_derived:
+                    continue  # a pending sum, reduced once per step
+                if size > 1 and out_split[a] and replicated[a]:
+                    nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
+                    if arg in self.param_derived:  # a weight's gradient, in the reduce dtype
+                        nbytes *= self.reduce_scale
+                    out.append((arg, a, collective_time("all_reduce", nbytes, size,
+                                                        self.links[a])))
+        return out
+
+    def zero_bytes(self, node: Node, s: Strategy) -> float:
+        """Bytes per device of a parameter whose gradient sum on mesh axis 0
+        (where it is replicated) is reduced once per step, under ZeRO or
+        ``reduce_once``; 0 for anything else."""
+        if node.kind != PARAM or self.step_sync_ranks == 1 or not isinstance(s.outputs[0][0],
+                                                                             Replicate):
+            return 0.0
+        return local_numel(node.output, s.outputs[0], self.mesh_shape) * node.output.itemsize
+
+    def zero_collectives(self, nbytes: float) -> float:
+        """Seconds of the once-per-step collectives over mesh axis 0 for
+        ``nbytes`` of parameters in the compute dtype: the reduce-scatter of
+        their gradients (in the reduce dtype) and the all-gather of the
+        parameters (in the compute dtype), one collective each (as FSDP2 issues
+        them for a stage; ring: together the bytes and time of the one
+        all-reduce, in the reduce dtype, Megatron's DDP issues under ``reduce_once``)."""
+        if self.step_sync_ranks == 1 or nbytes <= 0:
+            return 0.0
+        n, link = self.step_sync_ranks, self.links[0]
+        return (collective_time("reduce_scatter", nbytes * self.reduce_scale, n, link)
+                + collective_time("all_gather", nbytes * self.gather_scale, n, link))
+
+    def zero3_layer_collectives(self, nbytes: float, layer_bytes: float) -> tuple[float, float]:
+        """``(forward, backward)`` seconds per micro-batch of ZeRO-3's collectives
+        over mesh axis 0, FSDP2 layer by layer (:mod:`codegen.zero3_units`,
+        every micro-batch's backward resharding and reduce-scattering): the
+        all-gather of ``nbytes`` of parameters (compute dtype) in the forward;
+        in the backward the all-gather again of the ``layer_bytes`` of them in
+        layers (the others stay gathered for the pass) and the reduce-scatter
+        of all their gradients (reduce dtype)."""
+        if self.step_sync_ranks == 1 or nbytes <= 0:
+            return 0.0, 0.0
+        n, link = self.step_sync_ranks, self.links[0]
+        gather = collective_time("all_gather", nbytes * self.gather_scale, n, link)
+        again = (collective_time("all_gather", layer_bytes * self.gather_scale, n, link)
+                 if layer_bytes > 0 else 0.0)
+        return gather, again + collective_time("reduce_scatter", nbytes * self.reduce_scale,
+                                               n, link)
+
+    def state_collectives(self, node: Node, s: Strategy) -> float:
+        """Seconds one parameter adds to :meth:`zero_collectives` of its stage:
+        those of its bytes less their per-message latency, which the stage's
+        one pair of collectives pays once (:func:`planner.search.stage_dp.stage_times`
+        adds it)."""
+        nbytes = self.zero_bytes(node, s)
+        if nbytes == 0:
+            return 0.0
+        return max(0.0, self.zero_collectives(nbytes) - self._zero_latency)
