@@ -22,7 +22,7 @@ accumulation and reduce-scatter), 16M tokens per step. As the paper ran it
   (Figure 6's N), so N = 16 in every row (m = 32 in row 1, 16 in rows 2-3).
   Each chunk is priced with its own micro-batches in flight at its rank's
   peak (the head chunk holds one at a time;
-  ``planner.baselines.megatron._stage_copies``);
+  ``planner.baselines.megatron_pipeline.stage_copies``);
 * CP as Llama 3 ran it: K/V all-gathered over the cp group before attention
   (``cp_comm_type="all_gather"``), each rank two chunks (i and 2 cp - 1 - i);
 * the paper's FSDP sharded optimizer states and gradients and kept the

@@ -108,7 +108,7 @@ def _counting_captures(monkeypatch) -> list:
 
 def test_long_probe_captured_in_another_process_gives_the_full_capture(monkeypatch,
                                                                        full_capture):
-    from planner.api import _two_processes
+    from planner.search.two_level import two_processes as _two_processes
     from planner.search.forked_workers import can_fork
 
     model, inputs = zoo.build_from_config(LLAMA5, batch_size=2, seq_len=16)

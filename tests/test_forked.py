@@ -19,12 +19,20 @@ from ir.trace import trace
 from planner.search import microbatch_programs
 from planner.search import pipeline_search as ps
 from planner.search import context as search_context
+from planner.search import search_caches
+from planner.search.settings import SearchSettings
 from planner.search import phases as search_phases
 from planner.search.finalists import solve_exact, solve_finalists
 from planner.search.forked_workers import ForkedTaskError, can_fork, run_beside, run_forked
 from planner.search.phase_runner import ForkedExecutor, Phase, PhaseTask, SerialExecutor
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="needs os.fork and two CPUs")
+
+
+def _settings() -> SearchSettings:
+    """The settings of these tests' searches: 8 CPU devices, 2 GB each."""
+    return SearchSettings(local_cpu_cluster(8), dtype="float32", optimizer="adam", budget=2e9,
+                          time_limit_s=10)
 
 
 class _Unpicklable(Exception):
@@ -173,8 +181,7 @@ def _gpt8_contexts():
     programs: dict = {}
 
     def context(serial: bool = False) -> search_context.SearchContext:
-        return search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                                optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+        return search_context.SearchContext(model, inputs, _settings(), min_layers=2,
                                 programs=programs,
                                 executor=SerialExecutor() if serial else None)
     return context
@@ -223,10 +230,10 @@ def test_refined_profiles_on_two_cores_equal_refining_in_order():
     assert [(c.label(), c.step_time_s, c.split.bounds) for c in ranked] == \
         [(c.label(), c.step_time_s, c.split.bounds) for c in want]
     profile = lambda p: (p.points, p.weights, p.exhausted, p.mesh)  # noqa: E731
-    assert {k: profile(p) for k, p in ctx._profiles.items()} == \
-        {k: profile(p) for k, p in alone._profiles.items()}
-    assert {k: [profile(p) for p in refs] for k, refs in ctx._reference.items()} == \
-        {k: [profile(p) for p in refs] for k, refs in alone._reference.items()}
+    assert {k: profile(p) for k, p in ctx.caches.profiles.items()} == \
+        {k: profile(p) for k, p in alone.caches.profiles.items()}
+    assert {k: [profile(p) for p in refs] for k, refs in ctx.caches.references.items()} == \
+        {k: [profile(p) for p in refs] for k, refs in alone.caches.references.items()}
     assert ctx.ilp_solves == alone.ilp_solves
 
 
@@ -242,8 +249,7 @@ def test_search_on_two_cores_equals_searching_in_order():
     whole_batch = trace(model, inputs)
 
     def searched(forked: bool):
-        ctx = search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+        ctx = search_context.SearchContext(model, inputs, _settings(), min_layers=2,
                                whole_batch_graph=whole_batch,
                                executor=None if forked else SerialExecutor())
         beside = ctx.will_capture(4)
@@ -265,16 +271,16 @@ def test_search_on_two_cores_equals_searching_in_order():
     assert [key(c) for c in ranked] == [key(c) for c in want]
     assert [key(c) for c in variants] == [key(c) for c in want_variants]
     profile = lambda p: (p.points, p.weights, p.exhausted, p.mesh, p.origin)  # noqa: E731
-    assert {k: profile(p) for k, p in ctx._profiles.items()} == \
-        {k: profile(p) for k, p in alone._profiles.items()}
-    assert {k: [profile(p) for p in refs] for k, refs in ctx._reference.items()} == \
-        {k: [profile(p) for p in refs] for k, refs in alone._reference.items()}
+    assert {k: profile(p) for k, p in ctx.caches.profiles.items()} == \
+        {k: profile(p) for k, p in alone.caches.profiles.items()}
+    assert {k: [profile(p) for p in refs] for k, refs in ctx.caches.references.items()} == \
+        {k: [profile(p) for p in refs] for k, refs in alone.caches.references.items()}
     # a reference is the profile filed under its own key, not a copy of it
-    for refs in ctx._reference.values():
+    for refs in ctx.caches.references.values():
         for ref in refs:
             mb, layer = ref.origin
             prog = ctx.program(ctx.global_batch // mb)
-            assert ctx._profiles[search_context._profile_key(prog, layer, ref.mesh)] is ref
+            assert ctx.caches.profiles[search_caches.profile_key(prog, layer, ref.mesh)] is ref
     assert ctx.ilp_solves == alone.ilp_solves
 
 
@@ -297,8 +303,7 @@ def test_zero_variants_write_out_a_missing_program_once_here(monkeypatch, tmp_pa
     def variants(forked: bool):
         monkeypatch.setattr(microbatch_programs, "rescaled_trace", rescaled_trace)
         said: list[str] = []
-        ctx = search_context.SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                               optimizer="adam", budget=2e9, time_limit_s=10, min_layers=2,
+        ctx = search_context.SearchContext(model, inputs, _settings(), min_layers=2,
                                whole_batch_graph=whole_batch, progress=said.append)
         opts = ps.SearchOptions(pp=[2], schedules=["1f1b"], num_microbatches=[2, 4])
         ranked = ps.search(ctx, opts)  # captures 8 and 4 sequences: the rule is confirmed
@@ -330,7 +335,7 @@ def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here(
     context = _gpt8_contexts()
     def own(ctx, levels):
         prog = ctx.program(4, traced=True)
-        mesh = ps.stage_mesh_options(ctx.cluster, 2)[-1]
+        mesh = ps.stage_mesh_options(ctx.settings.cluster, 2)[-1]
         for layer in range(len(prog.layers)):
             ctx.profile(prog, layer, mesh)
         return prog, ctx.own_profiles(prog, mesh, levels)
@@ -341,7 +346,7 @@ def test_a_profile_sent_back_without_its_problem_is_extended_like_one_made_here(
         ctx.file_own_profile(prog, layer, dataclasses.replace(prof, prepared=None))
     _, want = own(context(), levels=3)
     for (layer, prof), (_, w) in zip(made, want):
-        sent = ctx._profiles[(prog.signatures[layer], prof.mesh.shape, 8)]
+        sent = ctx.caches.profiles[(prog.signatures[layer], prof.mesh.shape, 8)]
         assert sent.prepared is None and sent.origin == (8, layer)
         ctx._extend(sent, 3)
         assert (sent.points, sent.weights, sent.exhausted) == (w.points, w.weights, w.exhausted)
@@ -393,32 +398,33 @@ def test_objects_are_out_of_the_collectors_sight_while_the_child_runs():
 
 
 def test_a_forked_process_sends_back_the_strategies_its_parent_lacks():
-    """scope_caches in a forked process carries the strategies and expansions
+    """SearchCaches.scope in a forked process carries the strategies and expansions
     made since the fork, once each; merged, the parent holds what the
     child holds."""
     context = _gpt8_contexts()
     parent, child = context(), context()
     prog = parent.program(4, traced=True)
-    small = ps.stage_mesh_options(parent.cluster, 4)[-1]
-    big = ps.stage_mesh_options(parent.cluster, 1)[-1]
+    small = ps.stage_mesh_options(parent.settings.cluster, 4)[-1]
+    big = ps.stage_mesh_options(parent.settings.cluster, 1)[-1]
     parent.profile(prog, 0, small)
     # the child starts as a copy of the parent (what a fork gives)
-    for name in ("_strategy_cache", "_expansions"):
-        setattr(child, name, {k: dict(v) if isinstance(v, dict) else v
-                              for k, v in getattr(parent, name).items()})
+    for name in ("strategies", "expansions"):
+        setattr(child.caches, name, {k: dict(v) if isinstance(v, dict) else v
+                                     for k, v in getattr(parent.caches, name).items()})
     child._in_forked_child()
     child.profile(prog, 0, small)  # nothing new: all of it inherited
     child.profile(prog, 0, big)
-    scopes = {search_context.pricing_scope(m.key, prog.microbatch_size, parent.global_batch)
+    scopes = {search_caches.pricing_scope(m.key, prog.microbatch_size, parent.global_batch)
               for m in (small, big)}
-    sent = child.scope_caches(scopes)
+    sent = child.caches.scope(scopes, child.global_batch)
     assert sent["strategies"].get(small.shape, {}) == {}
-    assert sent["strategies"][big.shape] == child._strategy_cache[big.shape]
-    assert sent["expansions"].keys() == child._expansions.keys() - parent._expansions.keys()
+    assert sent["strategies"][big.shape] == child.caches.strategies[big.shape]
+    assert sent["expansions"].keys() == \
+        child.caches.expansions.keys() - parent.caches.expansions.keys()
     assert sent["expansions"]
-    parent.merge_scope_caches(sent)
-    assert parent._strategy_cache.keys() == child._strategy_cache.keys()
-    assert parent._strategy_cache[big.shape] == child._strategy_cache[big.shape]
-    assert parent._expansions.keys() == child._expansions.keys()
-    again = child.scope_caches(scopes)
+    parent.caches.merge(sent)
+    assert parent.caches.strategies.keys() == child.caches.strategies.keys()
+    assert parent.caches.strategies[big.shape] == child.caches.strategies[big.shape]
+    assert parent.caches.expansions.keys() == child.caches.expansions.keys()
+    again = child.caches.scope(scopes, child.global_batch)
     assert not again["expansions"] and not any(again["strategies"].values())

@@ -15,10 +15,11 @@ from ir.layers import block_count, cluster_layers, manual_bounds, pipeline_layer
 from models.source import build_model
 from ir.subgraph import boundary_values
 from ir.trace import trace
-from planner import api as planner_api
+from planner.search import two_level as two_level_search
 from planner.search import finalists as finalists_of_search
 from planner.search import pipeline_search as pipeline_search
 from planner.search.context import SearchContext
+from planner.search.settings import SearchSettings
 from planner.api import PlanningError, pipeline_plan, plan
 from planner.search.stage_dp import (PipelineCandidate, StageTimes, exhaustive_split, in_flight,
                               layer_signature, split_layers)
@@ -116,9 +117,9 @@ def test_search_equals_exhaustive_cuts_and_sub_meshes(monkeypatch):
 
     def best(splitter):
         monkeypatch.setattr(pipeline_search, "split_layers", splitter)
-        ctx = SearchContext(model, inputs, _cluster(8), dtype="float32",
-                                            optimizer="adam", budget=2e9, time_limit_s=10,
-                                            min_layers=6)
+        ctx = SearchContext(model, inputs, SearchSettings(
+            _cluster(8), dtype="float32", optimizer="adam", budget=2e9, time_limit_s=10),
+            min_layers=6)
         cands = pipeline_search.search(ctx, pipeline_search.SearchOptions(
             pp=[2, 4], schedules=["1f1b", "gpipe"], microbatch_options=2))
         return [(c.label(), c.split.bounds, round(c.step_time_s, 12)) for c in cands]
@@ -133,9 +134,9 @@ def test_pipelines_of_more_stages_than_layers_are_not_searched():
     """Configurations whose stages outnumber the layers are left out before
     their micro-batch programs are made: nothing is captured for them."""
     model, inputs = build_model("mlp-tiny", batch_size=16)
-    ctx = SearchContext(model, inputs, _cluster(8), dtype="float32",
-                                        optimizer="adam", budget=2e9, time_limit_s=10,
-                                        min_layers=4)
+    ctx = SearchContext(model, inputs, SearchSettings(
+        _cluster(8), dtype="float32", optimizer="adam", budget=2e9, time_limit_s=10),
+        min_layers=4)
     num_layers = len(ctx.program(1).layers)
     assert num_layers == 4
     configs = pipeline_search.configurations(ctx, pipeline_search.SearchOptions(
@@ -170,9 +171,9 @@ def test_far_finalists_are_solved_when_no_close_one_has_a_plan(monkeypatch):
         results = real_solve(ctx, finalists)
         return [None] * len(results) if len(asked) == 1 else results  # the close ones: no plan
 
-    monkeypatch.setattr(planner_api, "solve_finalists", solve)  # as plan() calls them
+    monkeypatch.setattr(two_level_search, "solve_finalists", solve)  # as plan() calls them
     # only the fastest prediction is close
-    monkeypatch.setattr(planner_api, "split_far_finalists", lambda f: real_split(f, 1.0))
+    monkeypatch.setattr(two_level_search, "split_far_finalists", lambda f: real_split(f, 1.0))
     p = plan(model, "local-cpu:4", example_inputs=inputs, model_source="gpt-tiny",
              pp=[2], schedules=["1f1b"], num_microbatches=[2, 4], zero_stages=[0])
     assert len(asked) == 2 and asked[1] and not set(asked[0]) & set(asked[1])
@@ -249,7 +250,7 @@ def test_zero3_stages_count_sharded_states_and_gather_in_every_microbatch():
     holds gathered at once. Every micro-batch all-gathers the parameters in
     its forward and reduce-scatters the gradients in its backward, overlapped
     with the compute: nothing is left to synchronise at the end of the step."""
-    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model("gpt-tiny")
     layout = megatron_layout(trace(model, inputs), MegatronConfig(1, 2))  # params replicated
@@ -278,7 +279,7 @@ def test_zero3_counts_whole_only_the_units_fsdp2_holds_gathered_at_once():
     one computing and the one prefetched), not the whole model."""
     import os
 
-    from codegen.launch import REPO_ROOT
+    from training.torchrun import REPO_ROOT
 
     model, inputs = build_model(os.path.join(REPO_ROOT, "tests", "pipeline_model.py") + ":gpt8",
                                 device="meta")
@@ -300,7 +301,7 @@ def test_zero3_is_refused_with_a_split_backward_and_the_search_takes_zero2_there
     clear error, and a search allowed ZeRO-2 and 3 gives zbv no ZeRO-3 stage."""
     import os
 
-    from codegen.launch import REPO_ROOT
+    from training.torchrun import REPO_ROOT
     from planner.api import plan
 
     model, inputs = build_model(os.path.join(REPO_ROOT, "tests", "pipeline_model.py") + ":gpt8",

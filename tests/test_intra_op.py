@@ -192,7 +192,7 @@ def test_a_shared_resharding_pricer_gives_the_same_problem_and_checks_its_mesh(m
     """Problems priced one after another on one mesh may share a ReshardPricer
     (the search does): the prices are the same as with a pricer of their own,
     and an edge between strategy lists priced before is not priced again."""
-    from planner.ilp.solve import intra_op
+    from planner.ilp import intra_op
     from costmodel.collectives import axis_links
     from costmodel.resharding import ReshardPricer
 
@@ -221,7 +221,7 @@ def test_checkpointed_layers_keep_their_inputs_per_device():
     """A checkpointed layer keeps its input as this device holds it: on a
     data-parallel mesh of 4, a quarter of the one-device bytes (batch split)."""
     from planner.ilp.intra_op import solve_intra_op
-    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_from_config(GPTConfig(4, 1024, 8, vocab_size=512, block_size=512),
                                       batch_size=64, seq_len=512)

@@ -13,6 +13,13 @@ from ir.rescale import batch_rule
 from models.source import build_model
 from models.zoo import GPTConfig, build_from_config
 from planner.search.context import SearchContext, microbatch_inputs
+from planner.search.settings import SearchSettings
+
+
+def _settings() -> SearchSettings:
+    """The settings of these tests' searches: 4 CPU devices, memory unbounded."""
+    return SearchSettings(load_cluster("local-cpu:4"), dtype="float32", optimizer="adam",
+                          budget=1e12, time_limit_s=10)
 
 
 @functools.lru_cache(maxsize=None)  # the tests only read the Graphs: capture each once
@@ -52,8 +59,7 @@ def test_search_derives_programs_after_a_confirming_capture():
     traced: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ctx = SearchContext(model, inputs, load_cluster("local-cpu:4"), dtype="float32",
-                            optimizer="adam", budget=1e12, time_limit_s=10,
+        ctx = SearchContext(model, inputs, _settings(),
                             whole_batch_graph=trace(model, inputs),
                             progress=lambda msg: traced.append(msg))
         assert ctx.program(2).traced and ctx.program(4).traced  # learn, then confirm
@@ -75,8 +81,7 @@ def test_search_writes_out_programs_for_strategy_queries_once_the_rule_is_confir
     said: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ctx = SearchContext(model, inputs, load_cluster("local-cpu:4"), dtype="float32",
-                            optimizer="adam", budget=1e12, time_limit_s=10,
+        ctx = SearchContext(model, inputs, _settings(),
                             whole_batch_graph=trace(model, inputs), progress=said.append)
         assert ctx.program(2).captured and ctx.program(4).captured  # learn, then confirm
         written = ctx.program(8, traced=True)

@@ -9,13 +9,15 @@ from costmodel.presets import local_cpu_cluster
 from models.source import build_model
 from planner.search import pipeline_search as ps
 from planner.search.context import SearchContext
+from planner.search.settings import SearchSettings
 from planner.search.stage_reuse import node_map, total_memory
 
 
 def _context(budget: float) -> SearchContext:
     model, inputs = build_model("tests/pipeline_model.py:gpt8", device="meta")
-    return SearchContext(model, inputs, local_cpu_cluster(8), dtype="float32",
-                            optimizer="adam", budget=budget, time_limit_s=10, min_layers=2)
+    return SearchContext(model, inputs, SearchSettings(
+        local_cpu_cluster(8), dtype="float32", optimizer="adam", budget=budget, time_limit_s=10),
+        min_layers=2)
 
 
 @pytest.mark.parametrize("budget, reused", [(2e9, 4), pytest.param(1.55e6, 1, marks=pytest.mark.xfail(
@@ -30,7 +32,7 @@ def test_reused_stage_solutions_equal_solving_every_stage(budget, reused):
     stage's answer is what its own ILP gives."""
     ctx = _context(budget)
     prog = ctx.program(4, traced=True)
-    mesh = ps.stage_mesh_options(ctx.cluster, 4)[0]
+    mesh = ps.stage_mesh_options(ctx.settings.cluster, 4)[0]
     copies = ps.stage_in_flight("1f1b", 4, 4, 1)
     bounds = [(0, 2), (2, 4), (4, 6), (6, 8)]
     for s in sorted(range(4), key=lambda s: copies[s]):

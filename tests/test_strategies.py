@@ -51,7 +51,7 @@ def test_a_mesh_shape_makes_a_fake_mesh_only_for_what_the_caches_lack(monkeypatc
     strategies are all in the caches makes no mesh, and none is left up."""
     import torch.distributed as dist
 
-    from planner.ilp.solve import strategies
+    from planner.ilp import strategies
     model, inputs = build_from_config(_MODELS["gpt"], batch_size=2)
     graph = trace(model, inputs)
     with fake_mesh((2, 4)) as mesh:

@@ -114,16 +114,8 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
     tokens = int(inputs[0].numel()) if isinstance(inputs[0], torch.Tensor) else 0
     global_batch = int(inputs[0].shape[0]) if isinstance(inputs[0], torch.Tensor) else None
     if configs is None:
-        num_layers = block_count(pipeline_layers(graph)) if pipeline else None
-        # long sequences: Megatron with the cp sizes the automatic search tries there
-        seq = sequence_length(inputs)
-        cps = (1, *search_sizes(None, seq, cluster.num_devices, fits_without=True))
-        configs = megatron_configs(cluster, global_batch, num_layers,
-                                   micro_batch_sizes=micro_batch_sizes,
-                                   virtual_stages=virtual_stages,
-                                   sequence_parallel=sequence_parallel,
-                                   num_experts=num_experts(graph), context_parallel=cps,
-                                   seq_len=seq)
+        configs = _default_configs(cluster, graph, inputs, global_batch, pipeline,
+                                   micro_batch_sizes, virtual_stages, sequence_parallel)
     request = PlanRequest(model_source=model_spec, time_limit_s=time_limit_s,
                           zoo_kwargs=zoo_kwargs, precision=chosen)
     with warnings.catch_warnings():
@@ -139,10 +131,9 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
     auto_row = next((r for r in feasible if r["name"] == "auto"), None)
     speedup = (best_manual["step_time_s"] / auto_row["step_time_s"]
                if best_manual and auto_row else None)
-    seq_len = (int(inputs[0].shape[1]) if isinstance(inputs[0], torch.Tensor)
-               and inputs[0].ndim > 1 else None)
     return {"model": model_spec, "cluster": cluster.name, "devices": cluster.num_devices,
-            "tokens_per_step": tokens, "global_batch": global_batch, "seq_len": seq_len,
+            "tokens_per_step": tokens, "global_batch": global_batch,
+            "seq_len": _seq_len(inputs),
             "precision": chosen.name,
             "forward_flops": graph.forward_flops,
             "auto_speedup_over_best_megatron": speedup,
@@ -150,6 +141,30 @@ def compare(model_spec: str, cluster_spec: str | Cluster, *,
             "runners_up": [r["config"] for r in manual[1:4]],
             "megatron_configs": len(configs),
             "megatron_feasible": len(manual), "plans": rows}
+
+
+def _seq_len(inputs: tuple) -> int | None:
+    """The sequence length of the first input (its dim 1), None where it has none."""
+    return (int(inputs[0].shape[1]) if isinstance(inputs[0], torch.Tensor)
+            and inputs[0].ndim > 1 else None)
+
+
+def _default_configs(cluster: Cluster, graph: Graph, inputs: tuple, global_batch: int | None,
+                     pipeline: bool, micro_batch_sizes: Sequence[int],
+                     virtual_stages: Sequence[int | None],
+                     sequence_parallel: Sequence[bool]) -> list[MegatronConfig]:
+    """The Megatron grid :func:`compare` prices by default
+    (:func:`planner.baselines.megatron.megatron_configs`)."""
+    num_layers = block_count(pipeline_layers(graph)) if pipeline else None
+    # long sequences: Megatron with the cp sizes the automatic search tries there
+    seq = sequence_length(inputs)
+    cps = (1, *search_sizes(None, seq, cluster.num_devices, fits_without=True))
+    return megatron_configs(cluster, global_batch, num_layers,
+                            micro_batch_sizes=micro_batch_sizes,
+                            virtual_stages=virtual_stages,
+                            sequence_parallel=sequence_parallel,
+                            num_experts=num_experts(graph), context_parallel=cps,
+                            seq_len=seq)
 
 
 def _auto_entry(model: torch.nn.Module, cluster: Cluster, inputs: tuple, request: PlanRequest,

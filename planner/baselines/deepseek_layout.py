@@ -29,7 +29,7 @@ from ir.layers import block_count, pipeline_layers
 from ir.precision import compute_copy
 from ir.trace import trace
 from planner.baselines.megatron import megatron_plan
-from planner.baselines.megatron_layout import MegatronConfig
+from planner.megatron_layout import MegatronConfig
 from plan.format import Plan
 from planner.request import PlanningError, resolve_precision
 from planner.search.context import global_batch_of

@@ -2,7 +2,7 @@
 with the decisions fixed, recomputation (seconds) and the memory a
 checkpoint frees (bytes per device) fold into node costs and node memory,
 and each combination is an assignment problem without checkpoint terms
-(:func:`planner.ilp.solver.solve_assignment`)."""
+(:func:`planner.ilp.backends.solve_assignment`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from planner.ilp.problem import AssignmentProblem, InfeasibleError, Solution
-from planner.ilp.solver import solve_assignment
+from planner.ilp.backends import solve_assignment
 
 # Up to this many checkpoint groups are decided by enumeration when memory
 # matters (each combination is an assignment problem without checkpoint terms).

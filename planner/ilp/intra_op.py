@@ -21,13 +21,13 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from costmodel.cluster import Cluster
 from costmodel.resharding import ReshardPricer
-from costmodel.strategy_cost import CostBreakdown, IntraOpCost, local_numel
+from costmodel.strategy_cost import CostBreakdown, IntraOpCost
 from ir.graph import INPUT, OP, PARAM, Graph, TensorInfo
 from ir.repeated_blocks import Layer
-from ir.strategy import NodeStrategies, Placements, Strategy
+from ir.strategy import NodeStrategies, Placements, Strategy, local_numel
 from planner.ilp.solve import (AssignmentProblem, CheckpointGroup, EdgeMatrix, Hint, Solution,
                          greedy_assignment, solve, warm_start_value)
-from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
+from planner.megatron_layout import MegatronConfig, megatron_layout
 from planner.report import format_bytes
 from planner.ilp.strategies import build_strategies
 
@@ -314,7 +314,7 @@ def megatron_targets(graph: Graph, mesh_shape: Sequence[int]) -> dict[str, list[
     """Megatron-style output placements of parameters (by FQN) and user inputs (by
     name), most wanted first: tensor parallel on the last mesh axis (column-parallel
     weights ``S(0)``, row-parallel ``S(1)``, vocabulary-parallel embedding, as
-    :func:`planner.baselines.megatron.megatron_layout` classifies them) and data parallel on
+    :func:`planner.megatron_layout.megatron_layout` classifies them) and data parallel on
     every other axis (parameters replicated, inputs split on the batch dim); then
     the same without the data-parallel split; then replicated."""
     n = len(tuple(mesh_shape))

@@ -2,7 +2,7 @@
 (node costs in seconds, edge cost matrices in seconds, memory in bytes per
 device, checkpoint groups), a solver's answer, the warm start a caller may
 give, and the exact compression of one edge's cost matrix that both the
-model (:mod:`planner.ilp.model`) and its size count use. Also the answers
+model (:mod:`planner.ilp.formulation`) and its size count use. Also the answers
 that need no solver: a greedy assignment (a warm start) and the exhaustive
 optimum (for tests)."""
 

@@ -13,8 +13,8 @@ The work is in
   ``Hint``), edge compression, :func:`greedy_assignment`, :func:`brute_force`;
 * :mod:`planner.ilp.checkpointing`: a few checkpoint groups decided by enumeration;
 * :mod:`planner.ilp.eliminate`: exact shrinking before the model (:func:`eliminate`);
-* :mod:`planner.ilp.model`: the MIP as arrays, one function per constraint family;
-* :mod:`planner.ilp.solver`: GLOP and the MIP backends on one problem, the warm start.
+* :mod:`planner.ilp.formulation`: the MIP as arrays, one function per constraint family;
+* :mod:`planner.ilp.backends`: GLOP and the MIP backends on one problem, the warm start.
 
 How :func:`solve` gets to an answer (every step exact):
 
@@ -38,12 +38,12 @@ How :func:`solve` gets to an answer (every step exact):
    does not matter the checkpoint groups are dropped (never checkpointed).
 3. Every node down to one strategy (and at most 10 groups): the checkpoint
    decisions are enumerated (``ilp_solver._solve_fixed``).
-4. Otherwise the MIP below (:func:`planner.ilp.model.build_formulation`). With CBC its LP
+4. Otherwise the MIP below (:func:`planner.ilp.formulation.build_formulation`). With CBC its LP
    relaxation goes first (GLOP, ``ilp_solver._integral_relaxation``) and is
    the answer when its optimal vertex is integral; else the MIP backend
    runs, warm-started by the hint (``ilp_solver._solve_mip``).
 
-The MIP (functions in :mod:`planner.ilp.model`). Notation: c_{v,i} seconds
+The MIP (functions in :mod:`planner.ilp.formulation`). Notation: c_{v,i} seconds
 of node v under strategy i; M_uv[i][j] seconds of edge (u, v) when u takes i
 and v takes j (inf: forbidden); m_{v,i} bytes node v holds under i; for node
 v in checkpoint group g, r_{g,v,i} seconds to recompute it and n_{g,v,i}
@@ -52,7 +52,7 @@ kept, may be negative); B the memory budget (bytes), w the memory weight
 (seconds per byte). Edge compression (``ilp_problem.compress_edge``): equal
 rows of M_uv form row groups r(i), equal columns of the distinct rows form
 column groups c(j), and K_uv[r][c] is the compressed cost. Objective
-coefficients are seconds x 1e6 (``planner.ilp.model.SCALE``); the budget row is in
+coefficients are seconds x 1e6 (``planner.ilp.formulation.SCALE``); the budget row is in
 bytes / U with U = max(B, 1).
 
 Variables:
@@ -108,7 +108,7 @@ from planner.ilp.eliminate import Reduction, eliminate, reduced_size
 from planner.ilp.problem import (AssignmentProblem, CheckpointGroup, EdgeMatrix, Hint,
                                  InfeasibleError, Solution, brute_force, greedy_assignment,
                                  made_once)
-from planner.ilp.solver import SOLVERS, solve_assignment, warm_start_value
+from planner.ilp.backends import SOLVERS, solve_assignment, warm_start_value
 
 __all__ = ["SOLVERS", "AssignmentProblem", "CheckpointGroup", "EdgeMatrix", "Hint",
            "InfeasibleError", "Reduction", "Solution", "brute_force", "eliminate",

@@ -1,42 +1,39 @@
-"""What one pipeline search shares: the programs of each micro-batch size
-(:mod:`planner.search.microbatch_programs`), DTensor's strategies per stage mesh, the
-layer profiles (time/memory points of each layer kind on each stage mesh),
-the exact stage solutions, and the executor that runs its independent work
-(:mod:`planner.search.phase_runner`), with what a forked child sends back.
+"""What one pipeline search shares (:class:`SearchContext`): its settings
+(:mod:`planner.search.settings`), the programs of each micro-batch size
+(:mod:`planner.search.microbatch_programs`), its caches and what a forked
+child sends back (:mod:`planner.search.search_caches`), the pricing of its
+stages (:mod:`planner.search.stage_pricing`), the layer profiles (time/memory
+points of each layer kind on each stage mesh), the exact stage solutions, and
+the executor that runs its independent work (:mod:`planner.search.phase_runner`).
 
 Units: seconds, bytes. The search itself is :mod:`planner.search.pipeline_search`.
 """
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Replicate
 
-from costmodel.cluster import Cluster
-from costmodel.collectives import axis_links
-from costmodel.resharding import ReshardPricer
 from costmodel.schedules import ScheduleBook
-from costmodel.memory import training_state_bytes
-from costmodel.strategy_cost import FSDP_STAGES, IntraOpCost, zero3_param_sets
-from ir.graph import PARAM, Graph
+from ir.graph import Graph
 from ir.subgraph import subgraph
-from planner.search.cp_search import layout_allows, pinned_strategies
-from planner.search.stage_dp import (LayerProfile, StageMeshOption, StageTimes, mesh_family, stage_times,
-                              step_collectives)
 from planner.ilp.intra_op import (IntraOpResult, PreparedIntraOp, prepare_intra_op, restrict,
-                              solve_prepared)
+                                  solve_prepared)
 from planner.ilp.solve import InfeasibleError
-from planner.search.microbatch_programs import (MicrobatchProgram, MicrobatchPrograms,
-                                         global_batch_of, microbatch_inputs)
+from planner.ilp.strategies import NodeStrategies, divisible
+from planner.search.cp_search import layout_allows
 from planner.search.memory_levels import PROFILE_LEVELS, add_levels
+from planner.search.microbatch_programs import (MicrobatchProgram, MicrobatchPrograms,
+                                                global_batch_of, microbatch_inputs)
 from planner.search.phase_runner import Phase, SearchExecutor, default_executor
+from planner.search.search_caches import SearchCaches, pricing_scope, profile_key, reference_key
+from planner.search.settings import SearchSettings
+from planner.search.stage_dp import LayerProfile, StageMeshOption, StageTimes
+from planner.search.stage_pricing import StagePricing
 from planner.search.stage_reuse import moved_result, total_memory
-from planner.ilp.strategies import NodeStrategies, build_strategies, divisible
 
-# global_batch_of and microbatch_inputs are imported from here by callers
+# global_batch_of, microbatch_inputs and pricing_scope are imported from here by callers
 __all__ = ["SearchContext", "global_batch_of", "microbatch_inputs", "pricing_scope"]
 
 
@@ -46,63 +43,38 @@ PROFILE_TIME_LIMIT_S = 10.0
 
 
 class SearchContext:
-    """Everything one search shares: programs by micro-batch size, layer profiles
-    by (layer kind, stage mesh, micro-batch size), the schedule orders
-    (:attr:`schedule_book`), and the :attr:`executor` of its independent work
-    (``executor``; by default forked where a second CPU is free,
-    :func:`planner.search.phase_runner.default_executor`). No state outlives it."""
+    """Everything one search shares: its :attr:`settings`, programs by
+    micro-batch size, its :attr:`caches` (layer profiles by (layer kind, stage
+    mesh, micro-batch size), strategies, exact stages), the :attr:`pricing`
+    of its stages, the schedule orders (:attr:`schedule_book`), and the
+    :attr:`executor` of its independent work (by default forked where a
+    second CPU is free, :func:`planner.search.phase_runner.default_executor`).
+    No state outlives it.
 
-    def __init__(self, model: torch.nn.Module, example_inputs: Sequence[Any], cluster: Cluster, *,
-                 dtype: str, optimizer: str, budget: float, time_limit_s: float,
-                 min_layers: int = 2, progress: Callable[[str], None] | None = None,
-                 whole_batch_graph: Graph | None = None,
-                 fixed: dict[str, tuple] | None = None, programs: dict | None = None,
+    ``model`` and ``example_inputs``: the program searched (the whole batch;
+    ``whole_batch_graph`` its capture, if made); ``min_layers``: the fewest
+    pipeline layers its layer detection cuts; ``progress``: called with a
+    short line as the search goes. ``programs``: traced programs by
+    micro-batch size, a dict shared between contexts (e.g. the layouts of a
+    Megatron grid) shares the traces; ``schedule_book``: torch's schedule
+    orders (and what is derived from them) of the shapes this search prices,
+    a book shared between contexts shares them."""
+
+    def __init__(self, model: torch.nn.Module, example_inputs: Sequence[Any],
+                 settings: SearchSettings, *, min_layers: int = 2,
+                 progress: Callable[[str], None] | None = None,
+                 whole_batch_graph: Graph | None = None, programs: dict | None = None,
                  schedule_book: ScheduleBook | None = None,
-                 executor: SearchExecutor | None = None, context_parallel: int = 1):
-        # placements every stage must use (a manual layout), by parameter FQN / input name
-        self.fixed = dict(fixed or {})
-        # cp of the program searched (one cp rank's: planner.search.cp_search);
-        # > 1 pins the batch rows to stage mesh axis 0 (layout_allows, pinned_strategies)
-        self.context_parallel = int(context_parallel)
-        self.cluster = cluster
-        self.dtype = dtype
-        self.optimizer = optimizer
-        self.budget = budget
-        self.time_limit_s = time_limit_s
+                 executor: SearchExecutor | None = None):
+        self.settings = settings
         self.progress = progress or (lambda msg: None)
-        # traced programs by micro-batch size; a dict shared between contexts
-        # (e.g. the layouts of a Megatron grid) shares the traces
         self._programs = MicrobatchPrograms(model, example_inputs, min_layers, programs,
                                             whole_batch_graph)
         self.global_batch = self._programs.global_batch
         self.executor = default_executor() if executor is None else executor
-        # torch's schedule orders (and what is derived from them) of the shapes
-        # this search prices; a book shared between contexts shares them
         self.schedule_book = ScheduleBook() if schedule_book is None else schedule_book
-        self._profiles: dict[tuple, LayerProfile] = {}
-        # DTensor's strategies by node signature, per stage mesh shape
-        self._strategy_cache: dict[tuple, dict] = {}
-        # DTensor's single-dim strategies expanded, by number of mesh axes and
-        # node signature, for every stage mesh shape (planner.ilp.strategies)
-        self._expansions: dict[tuple, list] = {}
-        # how many leading entries of each strategy cache (by mesh shape) and
-        # of the expansions the process this one was forked from holds
-        # (see _in_forked_child and scope_caches; both only ever grow)
-        self._sent_strategies: dict[tuple, int] = {}
-        self._sent_expansions = 0
-        # memoised resharding prices per stage mesh (shape, nodes, devices per node)
-        self._pricers: dict[tuple, ReshardPricer] = {}
-        # stage sub-graphs by (id of the program's graph, first layer, end):
-        # (that graph, kept so that the id stays its own; the sub-graph)
-        self._stage_graphs: dict[tuple, tuple[Graph, Graph]] = {}
-        # (layer kind, pricing scope) -> the profiles with ILPs of their own,
-        # whose placements the scope re-prices (see _reference_key)
-        self._reference: dict[tuple, list[LayerProfile]] = {}
-        # exact stage solutions for exact_stage: by (memory budget, micro-batch
-        # size, stage mesh, layer kinds) the (in-flight copies, solution) pairs,
-        # and by the same key less the budget the fastest plan
-        self._stage_results: dict[tuple, list[tuple[float, IntraOpResult]]] = {}
-        self._fastest_stages: dict[tuple, tuple[float, IntraOpResult]] = {}
+        self.caches = SearchCaches()
+        self.pricing = StagePricing(self.settings, self.caches, self.global_batch)
         self.ilp_solves = 0
         self.stages_reused = 0
 
@@ -131,7 +103,7 @@ class SearchContext:
         here in task order. ``programs``: those its results may refer to
         (default: every program made so far), which come back from a forked
         child as these same objects, with the cluster, their graphs and nodes."""
-        shared: list[object] = [self.cluster]
+        shared: list[object] = [self.settings.cluster]
         for prog in {id(p): p for p in (self.programs() if programs is None else programs)
                      }.values():
             shared += [prog, prog.graph, prog.graph.exported, *prog.graph.nodes]
@@ -139,73 +111,22 @@ class SearchContext:
 
     def _in_forked_child(self) -> None:
         """Called first in a forked child of :meth:`run_phase`: its progress
-        is silenced (its lines would interleave with this process's), and
-        what the strategy caches and expansions hold now, the process it was
-        forked from holds too, so :meth:`scope_caches` leaves it out
-        (pickling it back cost ~0.5 s of a llama3-8b search)."""
+        is silenced (its lines would interleave with this process's), and its
+        caches note what the process it was forked from holds
+        (:meth:`planner.search.search_caches.SearchCaches.forked`)."""
         self.progress = lambda msg: None
-        self._sent_strategies = {shape: len(c) for shape, c in self._strategy_cache.items()}
-        self._sent_expansions = len(self._expansions)
-
-    def scope_caches(self, scopes: set[tuple]) -> dict[str, dict]:
-        """The layer profiles and references of the pricing ``scopes``
-        (:func:`pricing_scope`), the strategies of their meshes and the
-        expansions this process made since it was forked (:meth:`run_phase`)
-        or the last call, for :meth:`merge_scope_caches` in the process it
-        was forked from. The profiles lose their priced problems (too big to
-        send; remade if they are extended)."""
-        profiles = {k: p for k, p in self._profiles.items()
-                    if pricing_scope(k[1], k[2], self.global_batch) in scopes}
-        references = {k: refs for k, refs in self._reference.items()  # see _reference_key
-                      if k[1:] in scopes}
-        for prof in [*profiles.values(), *(p for refs in references.values() for p in refs)]:
-            prof.prepared = None
-        shapes = {mesh_key[0] for _, mesh_key, _ in profiles}
-        strategies = {}
-        for shape in shapes & self._strategy_cache.keys():
-            cache = self._strategy_cache[shape]
-            strategies[shape] = dict(itertools.islice(
-                cache.items(), self._sent_strategies.get(shape, 0), None))
-            self._sent_strategies[shape] = len(cache)
-        expansions = dict(itertools.islice(self._expansions.items(), self._sent_expansions, None))
-        self._sent_expansions = len(self._expansions)
-        return {"profiles": profiles, "references": references,
-                "strategies": strategies, "expansions": expansions}
-
-    def merge_scope_caches(self, caches: dict[str, dict]) -> None:
-        """Keep what :meth:`scope_caches` of a forked child gave."""
-        self._profiles.update(caches["profiles"])
-        self._reference.update(caches["references"])
-        for shape, cache in caches["strategies"].items():
-            self._strategy_cache.setdefault(shape, {}).update(cache)
-        for key, rows in caches["expansions"].items():
-            self._expansions.setdefault(key, rows)
+        self.caches.forked()
 
     def prepare_stage(self, prog: MicrobatchProgram, first: int, end: int,
                       mesh: StageMeshOption, copies: float,
                       profile: bool = False) -> PreparedIntraOp:
         """The priced intra-op problem of layers ``first .. end - 1`` on ``mesh``
-        (on the captured program: strategies come from its fake tensors);
-        ``profile``: of one layer's profile, whose ZeRO-3 units count as shards
-        (the stage DP keeps :meth:`zero3_headroom` for those gathered)."""
+        (:meth:`planner.search.stage_pricing.StagePricing.prepare`, on the
+        captured program: strategies come from its fake tensors)."""
         if not prog.traced:
             prog = self.program(self.global_batch // prog.microbatch_size, traced=True)
-        sub = self.stage_graph(prog, first, end)
-        strategies = build_strategies(sub, mesh.shape,
-                                      self._strategy_cache.setdefault(mesh.shape, {}),
-                                      self._expansions)
-        if mesh.zero_stage in FSDP_STAGES:  # FSDP2 shards parameters replicated on axis 0
-            strategies = [ns if ns.node.kind != PARAM else NodeStrategies(
-                ns.node, [s for s in ns.strategies if isinstance(s.outputs[0][0], Replicate)],
-                ns.fallback) for ns in strategies]
-        if self.context_parallel > 1:
-            strategies = pinned_strategies(strategies, prog.microbatch_size)
-        return prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape, dtype=self.dtype,
-                                optimizer=self.optimizer, fixed=self.fixed or None,
-                                activation_copies=copies, strategies=strategies,
-                                pricer=self.pricer(mesh), zero_stage=mesh.zero_stage,
-                                reduce_once=mesh.reduce_once,
-                                step_share=self.step_share(prog), units_gathered=not profile)
+        return self.pricing.prepare(self.stage_graph(prog, first, end), prog, mesh, copies,
+                                    profile)
 
     def allows(self, mesh_shape: Sequence[int], num_microbatches: int) -> bool:
         """Whether a stage mesh of ``mesh_shape`` running ``num_microbatches``
@@ -213,39 +134,9 @@ class SearchContext:
         parallelism; with it, micro-batches of whole sequences on a mesh
         whose axis 0 holds the cp ranks of each
         (:func:`planner.search.cp_search.layout_allows`)."""
-        cp = self.context_parallel
+        cp = self.settings.context_parallel
         return cp == 1 or ((self.global_batch // cp) % num_microbatches == 0 and layout_allows(
             cp, mesh_shape, self.global_batch // num_microbatches))
-
-    def zero3_headroom(self, prog: MicrobatchProgram, mesh: StageMeshOption) -> float:
-        """Bytes per device a ZeRO-3 stage on ``mesh`` holds beyond its layers'
-        profiles (which count its units as shards): the whole parameters and
-        gradients FSDP2 holds gathered at once
-        (:func:`costmodel.strategy_cost.zero3_param_sets` of the whole
-        program, unsharded on the other mesh axes: an upper bound). 0 for
-        other stages."""
-        if mesh.zero_stage != 3 or mesh.shape[0] == 1:
-            return 0.0
-        numel = sum(prog.graph[p].output.numel for p in zero3_param_sets(prog.graph)[1])
-        state = {gathered: training_state_bytes(numel, precision=self.dtype,
-                                                optimizer=self.optimizer, zero_stage=3,
-                                                dp_size=int(mesh.shape[0]), gathered=gathered)
-                 for gathered in (True, False)}
-        return float(state[True]["total"] - state[False]["total"])
-
-    def step_share(self, prog: MicrobatchProgram) -> float:
-        """The weight of once-per-step seconds against one micro-batch's in the
-        ILPs of ``prog``'s stages (:class:`IntraOpCost`): one over the
-        micro-batches of a step."""
-        return prog.microbatch_size / self.global_batch
-
-    def pricer(self, mesh: StageMeshOption) -> ReshardPricer:
-        """The resharding pricer every problem on ``mesh`` shares."""
-        key = (mesh.shape, mesh.num_nodes, mesh.devices_per_node)
-        if key not in self._pricers:
-            self._pricers[key] = ReshardPricer(
-                mesh.shape, axis_links(mesh.cluster(self.cluster), mesh.shape))
-        return self._pricers[key]
 
     def solve_stage(self, prog: MicrobatchProgram, first: int, end: int, mesh: StageMeshOption,
                     budget: float | None, copies: float,
@@ -254,7 +145,7 @@ class SearchContext:
         bytes; ``recompute`` as :func:`planner.ilp.intra_op.solve_prepared`."""
         self.ilp_solves += 1
         return solve_prepared(self.prepare_stage(prog, first, end, mesh, copies),
-                              memory_budget=budget, time_limit_s=self.time_limit_s,
+                              memory_budget=budget, time_limit_s=self.settings.time_limit_s,
                               recompute=recompute)
 
     def exact_stage(self, prog: MicrobatchProgram, first: int, end: int,
@@ -268,12 +159,12 @@ class SearchContext:
         sub = self.stage_graph(prog, first, end)
         known: list[tuple[float, IntraOpResult]] = []  # (copies ratio, solution)
         if budget is not None and self._fastest_may_fit(prog, first, end, mesh, budget, copies):
-            if layers not in self._fastest_stages:
-                self._fastest_stages[layers] = (
+            if layers not in self.caches.fastest_stages:
+                self.caches.fastest_stages[layers] = (
                     copies, self.solve_stage(prog, first, end, mesh, None, copies))
-            fastest_copies, fastest = self._fastest_stages[layers]
+            fastest_copies, fastest = self.caches.fastest_stages[layers]
             known.append((copies / fastest_copies, fastest))
-        solved = self._stage_results.setdefault((budget, *layers), [])
+        solved = self.caches.stage_results.setdefault((budget, *layers), [])
         known += [(copies / c, r) for c, r in solved if c <= copies]
         for ratio, done in known:
             moved = moved_result(done, sub, ratio)
@@ -298,37 +189,19 @@ class SearchContext:
         where they do not, solving the stage without a budget is not worth it."""
         total = 0.0
         for i in range(first, end):
-            prof = self._profiles.get(_profile_key(prog, i, mesh))
+            prof = self.caches.profiles.get(profile_key(prog, i, mesh))
             if prof is None or not prof.points:
                 return True
             total += prof.points[0].memory(copies)
         return total <= budget
 
-    def times_of(self, result: IntraOpResult, mesh: StageMeshOption,
-                 cost: IntraOpCost | None = None) -> StageTimes:
-        """:func:`stage_times` of a stage on ``mesh`` (with its ZeRO stage);
-        ``cost``: the one ``result`` was solved with, to share."""
-        return stage_times(result, mesh.cluster(self.cluster), self.dtype, self.optimizer,
-                           cost=cost or self._stage_cost(result, mesh))
-
-    def step_collectives_of(self, result: IntraOpResult, mesh: StageMeshOption) -> float:
-        """:func:`planner.search.stage_dp.step_collectives` of a stage solved on ``mesh``."""
-        return step_collectives(result, self._stage_cost(result, mesh))
-
-    def _stage_cost(self, result: IntraOpResult, mesh: StageMeshOption) -> IntraOpCost:
-        """An :class:`IntraOpCost` pricing ``result``'s graph as its stage on
-        ``mesh`` is priced (its ZeRO stage, gradient reduction and pricer)."""
-        return IntraOpCost(result.graph, mesh.cluster(self.cluster), result.mesh_shape,
-                           self.dtype, self.optimizer, zero_stage=mesh.zero_stage,
-                           pricer=self.pricer(mesh), reduce_once=mesh.reduce_once)
-
     def stage_graph(self, prog: MicrobatchProgram, first: int, end: int) -> Graph:
         """The sub-graph of layers ``first .. end - 1``, made once per program."""
         key = (id(prog.graph), first, end)
-        made = self._stage_graphs.get(key)
+        made = self.caches.stage_graphs.get(key)
         if made is None or made[0] is not prog.graph:
             ops = [op for l in prog.layers[first:end] for op in l.ops]
-            made = self._stage_graphs[key] = (prog.graph, subgraph(
+            made = self.caches.stage_graphs[key] = (prog.graph, subgraph(
                 prog.graph, ops, prog.boundaries[first][0], prog.boundaries[end - 1][1]))
         return made[1]
 
@@ -338,31 +211,32 @@ class SearchContext:
         smaller-memory plan exists), shared by all layers of its kind.
 
         The ILP runs at the first (micro-batch size, stage mesh) of each layer
-        kind and pricing scope (:func:`_reference_key`): that profile is a
+        kind and pricing scope
+        (:func:`planner.search.search_caches.reference_key`): that profile is a
         reference of the scope, and elsewhere its placements are re-priced with
         the program's shapes; a level the reference lacks is added to the
         reference first. Where no reference's placements divide the shapes
         (e.g. a batch split more ways than the micro-batch has rows), the ILP
         runs again and makes another reference. The winner's stages are solved
         exactly anyway."""
-        key = _profile_key(prog, layer, mesh)
-        prof = self._profiles.get(key)
+        key = profile_key(prog, layer, mesh)
+        prof = self.caches.profiles.get(key)
         if prof is not None and (len(prof.points) >= levels or prof.exhausted):
             return prof
         if prof is None or prof.mesh is None:  # re-price a reference if one carries over
-            scope = _reference_key(prog, layer, mesh, self.global_batch)
-            for ref in self._reference.setdefault(scope, []):
+            scope = reference_key(prog, layer, mesh, self.global_batch)
+            for ref in self.caches.references.setdefault(scope, []):
                 repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None and len(ref.points) < levels and not ref.exhausted:
                     self._extend(ref, levels)
                     repriced = self._repriced(prog, layer, mesh, ref)
                 if repriced is not None:
-                    self._profiles[key] = repriced
+                    self.caches.profiles[key] = repriced
                     return repriced
             # the first of its family here, or no reference's placements divide
             # this program's shapes: ILPs of its own, a new reference
-            prof = self._profiles[key] = self._own_profile(prog, layer, mesh)
-            self._reference[scope].append(prof)
+            prof = self.caches.profiles[key] = self._own_profile(prog, layer, mesh)
+            self.caches.references[scope].append(prof)
         self._extend(prof, levels)
         return prof
 
@@ -375,7 +249,7 @@ class SearchContext:
         one, which only :meth:`file_own_profile` files."""
         changed = []
         for layer in dict.fromkeys(prog.signatures.index(s) for s in prog.signatures):
-            prof = self._profiles.get(_profile_key(prog, layer, mesh))
+            prof = self.caches.profiles.get(profile_key(prog, layer, mesh))
             if prof is None:
                 continue
             before = len(prof.points)
@@ -393,7 +267,7 @@ class SearchContext:
         (its strategies are enumerated on it), else the one priced so far."""
         prog = self.program(num_microbatches)
         repriced = any(p is not None and p.mesh is None for p in (
-            self._profiles.get(_profile_key(prog, layer, mesh))
+            self.caches.profiles.get(profile_key(prog, layer, mesh))
             for layer in range(len(prog.signatures))))
         return self.program(num_microbatches, traced=True) if repriced else prog
 
@@ -402,11 +276,11 @@ class SearchContext:
         :meth:`own_profiles`, here or in a forked process), as the profile of
         ``layer``'s kind: an extended own profile keeps its place among the
         references of its mesh family, a new one is added after them."""
-        key = _profile_key(prog, layer, prof.mesh)
-        old = self._profiles.get(key)
-        self._profiles[key] = prof
-        refs = self._reference.setdefault(
-            _reference_key(prog, layer, prof.mesh, self.global_batch), [])
+        key = profile_key(prog, layer, prof.mesh)
+        old = self.caches.profiles.get(key)
+        self.caches.profiles[key] = prof
+        refs = self.caches.references.setdefault(
+            reference_key(prog, layer, prof.mesh, self.global_batch), [])
         if old is not None and old.mesh is not None:
             refs[:] = [prof if r is old else r for r in refs]
         else:
@@ -434,10 +308,11 @@ class SearchContext:
         try:
             self.ilp_solves += 1
             result = solve_prepared(prof.prepared, memory_weight=weight,
-                                    time_limit_s=min(self.time_limit_s, PROFILE_TIME_LIMIT_S))
+                                    time_limit_s=min(self.settings.time_limit_s,
+                                                     PROFILE_TIME_LIMIT_S))
         except InfeasibleError:  # nothing found in time
             return None
-        return result, self.times_of(result, prof.mesh, prof.prepared.cost)
+        return result, self.pricing.times_of(result, prof.mesh, prof.prepared.cost)
 
     def _repriced(self, prog: MicrobatchProgram, layer: int, mesh: StageMeshOption,
                   ref: LayerProfile) -> LayerProfile | None:
@@ -458,11 +333,11 @@ class SearchContext:
                 if s not in picks:
                     picks.append(s)
             strategies.append(NodeStrategies(n, picks))
-        prepared = prepare_intra_op(sub, mesh.cluster(self.cluster), mesh.shape,
-                                    dtype=self.dtype, optimizer=self.optimizer,
-                                    strategies=strategies, pricer=self.pricer(mesh),
+        prepared = prepare_intra_op(sub, mesh.cluster(self.settings.cluster), mesh.shape,
+                                    dtype=self.settings.dtype, optimizer=self.settings.optimizer,
+                                    strategies=strategies, pricer=self.pricing.pricer(mesh),
                                     zero_stage=mesh.zero_stage, reduce_once=mesh.reduce_once,
-                                    step_share=self.step_share(prog), units_gathered=False)
+                                    step_share=self.pricing.step_share(prog), units_gathered=False)
         points = []
         for chosen, weight in zip(ref.assignments, ref.weights):
             level = restrict(prepared, [
@@ -470,44 +345,7 @@ class SearchContext:
                     chosen[prepared.strategies[group[0]].node.name])]
                 for group in prepared.built.members])
             # the same price of memory decides checkpointing
-            result = solve_prepared(level, memory_weight=weight, time_limit_s=self.time_limit_s)
-            points.append(self.times_of(result, mesh, level.cost))
+            result = solve_prepared(level, memory_weight=weight,
+                                    time_limit_s=self.settings.time_limit_s)
+            points.append(self.pricing.times_of(result, mesh, level.cost))
         return LayerProfile(points, exhausted=ref.exhausted, weights=list(ref.weights))
-
-
-def _profile_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption) -> tuple:
-    """What a layer's profile is filed under: its kind, the stage mesh (shape
-    and ZeRO stage) and the micro-batch size."""
-    return prog.signatures[layer], mesh.key, prog.microbatch_size
-
-
-def _reference_key(prog: MicrobatchProgram, layer: int, mesh: StageMeshOption,
-                   global_batch: int) -> tuple:
-    """The layer kind (its first layer's index, the same at every micro-batch
-    size) and the :func:`pricing_scope` whose references carry over to it."""
-    return (prog.signatures.index(prog.signatures[layer]),
-            *pricing_scope(mesh.key, prog.microbatch_size, global_batch))
-
-
-def pricing_scope(mesh_key: tuple, microbatch_size: int, global_batch: int) -> tuple:
-    """Where the placements of layer profiles carry over (re-priced) to the
-    stage mesh with :attr:`StageMeshOption.key` ``mesh_key`` at this
-    micro-batch size: its mesh family (:func:`mesh_family`); whether the
-    micro-batch is the whole batch; and at size 1 the mesh itself (its
-    shape, last; None at other sizes).
-
-    * Size 1: torch specialises size-1 dimensions into another program,
-      where placements chosen at other sizes or on other meshes re-price far
-      from the ILP's own (alpa-gpt3-15b, pp=8 x 4 with 512 micro-batches:
-      60.0 s re-priced, 30.7 s by its own ILP).
-    * The whole batch is one stage on every device: its mesh's first axis is
-      larger than any pipeline stage's, and placements that size forced
-      re-price far from a smaller mesh's own. moe-8x on 16 GPUs: 8 experts
-      do not split over 16 data-parallel ranks, and those placements priced
-      a block on an 8-rank stage at 27.7 ms, where its own ILP shards the
-      experts over the 8 ranks (pp=2: 1.6 s a step re-priced, 1.10 s own).
-
-    Configurations of different scopes share no profile, so they may be
-    priced in any order, in either process of a search."""
-    return (*mesh_family(mesh_key), microbatch_size == global_batch,
-            mesh_key[0] if microbatch_size == 1 else None)

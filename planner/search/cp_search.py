@@ -28,10 +28,11 @@ from torch.distributed.tensor.placement_types import Shard
 from costmodel.cluster import Cluster, Link
 from costmodel.collectives import axis_links, collective_time
 from costmodel.compute import FUSED_ATTENTION
-from costmodel.strategy_cost import IntraOpCost, local_numel
+from costmodel.strategy_cost import IntraOpCost
 from ir.graph import Graph
+from ir.strategy import local_numel
 from planner.ilp.intra_op import IntraOpResult
-from planner.baselines.megatron_layout import CP_COMM_TYPES
+from planner.megatron_layout import CP_COMM_TYPES
 from plan.cp_rules import carries_rows, kv_head_repeats, local_kv_repeats
 from planner.request import PlanningError
 

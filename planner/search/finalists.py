@@ -83,7 +83,8 @@ def _exact_stage(ctx: SearchContext, prog: MicrobatchProgram, cand: PipelineCand
                  bounds: tuple[int, int], copies: float, s: int) -> IntraOpResult:
     a, b = bounds
     ctx.progress(f"stage {s}: layers {a}..{b - 1}")
-    return ctx.exact_stage(prog, a, b, cand.mesh, ctx.budget / cand.stages_per_rank, copies)
+    return ctx.exact_stage(prog, a, b, cand.mesh, ctx.settings.budget / cand.stages_per_rank,
+                           copies)
 
 
 def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: MicrobatchProgram,
@@ -93,8 +94,8 @@ def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: Microbatc
     """The step time of ``cand`` with its stages' exact solutions ``results``
     (whose :meth:`SearchContext.times_of` are ``times`` where given)."""
     if times is None:
-        times = [ctx.times_of(r, cand.mesh) for r in results]
-    p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.cluster)
+        times = [ctx.pricing.times_of(r, cand.mesh) for r in results]
+    p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.settings.cluster)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
                                  cand.stages_per_rank, times, p2p, ctx.schedule_book)
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
@@ -159,7 +160,7 @@ class _StageChain(PhaseTask):
             if i not in failed:
                 try:
                     result = _exact_stage(ctx, prog, self.finalists[i], bounds[s], copies[s], s)
-                    solved = result, ctx.times_of(result, self.finalists[i].mesh)
+                    solved = result, ctx.pricing.times_of(result, self.finalists[i].mesh)
                 except (MemoryInfeasibleError, InfeasibleError):  # no plan within limits
                     failed.add(i)
             out.append(solved)
@@ -209,7 +210,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
     mesh_shape = list(cand.mesh.shape)
     world = cand.pp * cand.mesh.size
     s2r = schedule_spec(cand.schedule).stage_to_rank(cand.pp, cand.stages_per_rank)
-    stage_cluster = cand.mesh.cluster(ctx.cluster)
+    stage_cluster = cand.mesh.cluster(ctx.settings.cluster)
     parts = [base_plan(r, stage_cluster) for r in exact.results]
     stages: list[StagePlan] = []
     for s, (r, part) in enumerate(zip(exact.results, parts)):
@@ -237,7 +238,8 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
                        "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))
     first = parts[0]
     plan = Plan(
-        model={**first.model, "fingerprint": prog.graph.fingerprint()}, cluster=ctx.cluster.to_dict(),
+        model={**first.model, "fingerprint": prog.graph.fingerprint()},
+        cluster=ctx.settings.cluster.to_dict(),
         mesh={"shape": [cand.pp] + mesh_shape,
               "axis_names": ["pp"] + [f"mesh{i}" for i in range(len(mesh_shape))]},
         parameters={k: v for p in parts for k, v in p.parameters.items()},
@@ -280,7 +282,7 @@ def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> d
                          + exact.times[s].update_s for s in mine),
         # per micro-batch collectives; the once-per-step ones are grad_sync_s
         "communication_s": m * sum(parts[s].predicted["communication_s"]
-                                   - ctx.step_collectives_of(exact.results[s],
+                                   - ctx.pricing.step_collectives_of(exact.results[s],
                                                              exact.candidate.mesh)
                                    for s in mine),
         "resharding_s": m * sum(parts[s].predicted["resharding_s"] for s in mine),

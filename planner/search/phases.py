@@ -89,8 +89,9 @@ class _Pricing:
 class _PriceScope(PhaseTask):
     """Configurations ``ks`` of a :class:`_Pricing` priced in their order (a
     pricing scope, or the leading configurations). A forked child sends back
-    the profiles of their scopes (:meth:`SearchContext.scope_caches`) and
-    how many ILPs it solved."""
+    the profiles of their scopes
+    (:meth:`planner.search.search_caches.SearchCaches.scope`) and how many
+    ILPs it solved."""
 
     def __init__(self, pricing: _Pricing, ks: Sequence[int]):
         self.pricing = pricing
@@ -104,7 +105,8 @@ class _PriceScope(PhaseTask):
 
     def sent_back(self, result: tuple[list[PipelineCandidate | None], int]) -> tuple:
         scopes = {self.pricing.scope(k) for k in self.ks}
-        return (*result, self.pricing.ctx.scope_caches(scopes))
+        ctx = self.pricing.ctx
+        return (*result, ctx.caches.scope(scopes, ctx.global_batch))
 
     def file(self, result: tuple) -> None:
         for k, cand in zip(self.ks, result[0]):
@@ -112,7 +114,7 @@ class _PriceScope(PhaseTask):
 
     def file_sent(self, sent: tuple) -> None:
         _, solves, caches = sent
-        self.pricing.ctx.merge_scope_caches(caches)
+        self.pricing.ctx.caches.merge(caches)
         self.pricing.ctx.ilp_solves += solves
         self.file(sent)
 

@@ -1,7 +1,8 @@
-"""The two-level search: pipeline configurations (stages, stage meshes,
-schedules, micro-batches, ZeRO) priced from layer profiles by the inter-op DP,
-in phases of independent tasks (:mod:`planner.search.phases`). The leading
-candidates are solved exactly per stage by :mod:`planner.search.finalists`.
+"""The candidates of the two-level search (:mod:`planner.search.two_level`):
+pipeline configurations (stages, stage meshes, schedules, micro-batches,
+ZeRO) priced from layer profiles by the inter-op DP, in phases of independent
+tasks (:mod:`planner.search.phases`). The leading candidates are solved
+exactly per stage by :mod:`planner.search.finalists`.
 
 Units: seconds, bytes. See :mod:`planner.search.stage_dp` for the pieces and
 :mod:`planner.search.context` for what the search shares.
@@ -193,7 +194,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     context parallelism (:attr:`SearchContext.context_parallel` > 1)
     micro-batches are counted in whole sequences (cp rows of the program
     each) and only the configurations :meth:`SearchContext.allows` are kept."""
-    n = ctx.cluster.num_devices
+    n = ctx.settings.cluster.num_devices
     schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
     zeros = opts.zero_choices
@@ -201,11 +202,11 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     # with context parallelism the program's batch rows are cp per sequence:
     # micro-batches are counted in whole sequences, and the one of a sequence
     # per data-parallel rank holds axis 0 / cp of them (Megatron's, with cp)
-    cp = ctx.context_parallel
+    cp = ctx.settings.context_parallel
     sequences = ctx.global_batch // cp
     out, accumulating = [], []
     for pp in pps:
-        meshes = stage_mesh_options(ctx.cluster, pp)
+        meshes = stage_mesh_options(ctx.settings.cluster, pp)
         if opts.stage_mesh is not None:  # any logical view of the sub-mesh
             want = tuple(opts.stage_mesh)
             meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
@@ -213,8 +214,8 @@ def configurations(ctx: SearchContext, opts: SearchOptions
         for whole in meshes:
             if pp == 1:  # one stage: the whole batch at once, no schedule (no ZeRO)
                 out.append((1, 1, whole, NO_PIPELINE, 1))
-            stages = [0] if 0 in zeros else zero_stages_priced(zeros, ctx.dtype, ctx.optimizer,
-                                                                whole.shape[0])
+            stages = [0] if 0 in zeros else zero_stages_priced(
+                zeros, ctx.settings.dtype, ctx.settings.optimizer, whole.shape[0])
             for zero in stages:
                 if zero and whole.shape[0] == 1:
                     continue
@@ -286,7 +287,8 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     axis, so ZeRO mostly changes how fast a configuration is, not whether it
     fits."""
     zeros = opts.zero_choices
-    if 0 not in zeros or not zero_stages_priced(zeros, ctx.dtype, ctx.optimizer, 2):
+    if 0 not in zeros or not zero_stages_priced(zeros, ctx.settings.dtype,
+                                                ctx.settings.optimizer, 2):
         return [[] for _ in groups]
 
     def variants(c: PipelineCandidate) -> list[tuple]:
@@ -295,7 +297,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
         allowed = [z for z in zeros if not spec.zero_stage_problem(z)]
         return [(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
                  c.schedule, c.num_microbatches)
-                for zero in zero_stages_priced(allowed, ctx.dtype, ctx.optimizer,
+                for zero in zero_stages_priced(allowed, ctx.settings.dtype, ctx.settings.optimizer,
                                                c.mesh.shape[0])]
 
     per_group = [[v for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
@@ -372,12 +374,13 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
         # them, no point added later (they use more memory) could make it fit
         known = max(len(p.points) for p in profiles)
         split = split_layers(lambda i, lv: profiles[i].point(lv), len(prog.layers), S, m, copies,
-                             ctx.budget / v - ctx.zero3_headroom(prog, mesh), known)
+                             ctx.settings.budget / v - ctx.pricing.zero3_headroom(prog, mesh),
+                             known)
         if split is not None:
             break
     if split is None:
         return None
-    p2p = p2p_seconds(prog, split.bounds, mesh, ctx.cluster)
+    p2p = p2p_seconds(prog, split.bounds, mesh, ctx.settings.cluster)
     step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p, ctx.schedule_book)
     return PipelineCandidate(pp, v, mesh, schedule, m, split, step, bubble, sum(p2p))
 

@@ -1,7 +1,7 @@
 """Solving one assignment problem with OR-Tools, its checkpoint decisions
 left to the model (:func:`solve_assignment`): shrunk first by
 :func:`planner.ilp.eliminate.eliminate`, then enumerated when every strategy
-is fixed, else built as a MIP (:func:`planner.ilp.model.build_formulation`) and
+is fixed, else built as a MIP (:func:`planner.ilp.formulation.build_formulation`) and
 answered by its LP relaxation (GLOP) where that is integral, or by the MIP
 backend, with the warm start as the floor of a time-limited answer. Times
 are seconds."""
@@ -18,7 +18,7 @@ from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.linear_solver.python import model_builder_helper
 
 from planner.ilp.eliminate import eliminate
-from planner.ilp.model import SCALE, ArrayModel, Formulation, build_formulation
+from planner.ilp.formulation import SCALE, ArrayModel, Formulation, build_formulation
 from planner.ilp.problem import AssignmentProblem, InfeasibleError, Solution
 
 SOLVERS = ("CBC", "HIGHS", "SCIP", "CP_SAT")

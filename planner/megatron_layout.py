@@ -55,6 +55,11 @@ class MeshAxis(NamedTuple):
     expert: bool
 
 
+def _alias(field: str) -> property:
+    """A read-only property giving the field ``field``."""
+    return property(lambda self: getattr(self, field), doc=f"``{field}``")
+
+
 @dataclass(frozen=True)
 class MegatronConfig:
     """A Megatron-LM parallel configuration, with Megatron's argument names.
@@ -207,25 +212,12 @@ class MegatronConfig:
         None (its own choice) otherwise."""
         return True if self.recompute_granularity == "full" else None
 
-    @property
-    def tp(self) -> int:
-        return self.tensor_model_parallel_size
-
-    @property
-    def dp(self) -> int:
-        return self.data_parallel_size
-
-    @property
-    def pp(self) -> int:
-        return self.pipeline_model_parallel_size
-
-    @property
-    def ep(self) -> int:
-        return self.expert_model_parallel_size
-
-    @property
-    def cp(self) -> int:
-        return self.context_parallel_size
+    # Megatron's short names of the five sizes
+    tp = _alias("tensor_model_parallel_size")
+    dp = _alias("data_parallel_size")
+    pp = _alias("pipeline_model_parallel_size")
+    ep = _alias("expert_model_parallel_size")
+    cp = _alias("context_parallel_size")
 
     @property
     def weight_data_parallel_size(self) -> int:

@@ -1,0 +1,371 @@
+"""The two-level search of :func:`planner.api.plan`: single stages and
+pipelines priced from layer profiles (:mod:`planner.search.pipeline_search`),
+the finalists solved exactly (:mod:`planner.search.finalists`), without
+context parallelism and with each cp size of
+:func:`planner.search.cp_search.search_sizes`; the fastest plan.
+
+Units: seconds, bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from costmodel.cluster import Cluster
+from costmodel.schedules import canonical_schedule, default_stages_per_rank
+from costmodel.strategy_cost import IntraOpCost
+from ir.exported_graph import tied_parameters
+from ir.graph import Graph
+from ir.precision import Precision
+from ir.trace import trace
+from plan.format import Plan
+from planner.megatron_layout import CP_COMM_TYPES
+from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
+from planner.request import PlanRequest, PlanningError, mesh_candidates
+from planner.search.context import SearchContext
+from planner.search.cp_search import (context_parallel_inputs, context_parallel_record,
+                                      context_parallel_seconds, cp_link, kv_buffer_bound,
+                                      search_sizes, sequence_length)
+from planner.search.finalists import (ExactPipeline, assemble, fastest, solve_exact,
+                                      solve_finalists, split_far_finalists)
+from planner.search.forked_workers import run_beside
+from planner.search.pipeline_search import (NO_PIPELINE, SEARCH_ZERO_STAGES, SearchOptions,
+                                            accumulates, refine, search, simulate_step,
+                                            zero_variants)
+from planner.search.plan_assembly import build_plan, model_record, training_record
+from planner.search.settings import SearchSettings
+from planner.search.stage_dp import SEARCH_SCHEDULES, PipelineCandidate, stage_mesh_options
+from planner.search.stage_reuse import total_memory
+
+__all__ = ["best_single_stage", "check_zero_stages", "search_plan", "two_processes",
+           "unpipelinable"]
+
+
+def two_processes(here: Callable[[], Any], there: Callable[[], Any]) -> tuple[Any, Any]:
+    """``(here(), there())``, ``there`` run by a forked child meanwhile
+    (:func:`planner.search.forked_workers.run_beside`): the first capture's two
+    probes take both cores, while nothing else can run yet (llama3-8b: ~1 s
+    each)."""
+    done_here, done_there, _, _ = run_beside(here, there)
+    return done_here, done_there
+
+
+def best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, ...]],
+                      dtype: str, time_limit_s: float, budget: float, optimizer: str,
+                      recompute: bool | None = None
+                      ) -> tuple[IntraOpResult | None, list[MemoryInfeasibleError]]:
+    """The fastest single stage of the whole batch ``graph`` over the mesh
+    ``shapes`` (the intra-op ILP on each, within ``budget`` bytes per
+    device), None if none fits; and why each that did not fit does not."""
+    best: IntraOpResult | None = None
+    too_big: list[MemoryInfeasibleError] = []
+    for shape in shapes:
+        try:
+            result = solve_intra_op(graph, cluster, shape, dtype=dtype, time_limit_s=time_limit_s,
+                                    memory_budget=budget, optimizer=optimizer,
+                                    recompute=recompute)
+        except MemoryInfeasibleError as err:
+            too_big.append(err)
+            continue
+        if best is None or result.solution.objective_s < best.solution.objective_s:
+            best = result
+    return best, too_big
+
+
+def check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
+    """``zero_stages`` as a list, or None (the search's default)."""
+    if zero_stages is None:
+        return None
+    out = [int(z) for z in zero_stages]
+    if not out or any(z not in SEARCH_ZERO_STAGES for z in out):
+        raise PlanningError(f"ZeRO stages must be 0 (none), 1 (sharded optimizer states), "
+                            f"2 or 3 (FSDP2), got {list(zero_stages)}")
+    return out
+
+
+def _pipeline_sizes(pp: Sequence[int] | None, model: torch.nn.Module) -> Sequence[int] | None:
+    """The pipeline sizes to search: ``pp`` (None: all), or only 1 (no pipeline)
+    for a model with tied parameters, which the pipeline runtime cannot split
+    over stages (GPT-2's embedding and head would be one tensor in the first
+    and the last stage), said in a warning."""
+    why = unpipelinable(model)
+    if why is None or (pp is not None and list(pp) == [1]):
+        return pp
+    warnings.warn(f"no pipeline plans: {why}; single-stage plans only", stacklevel=3)
+    return [1]
+
+
+def unpipelinable(model: torch.nn.Module) -> str | None:
+    """Why the pipeline runtime cannot run ``model`` over several stages (a
+    tied parameter, which a stage cannot share), or None."""
+    tied = tied_parameters(model)
+    if not tied:
+        return None
+    name, first = next(iter(tied.items()))
+    return (f"parameter {name} is tied to {first}, and a pipeline stage cannot share a "
+            f"parameter with another")
+
+
+def _no_pipeline_reason(ctx: SearchContext, opts: SearchOptions) -> str:
+    """Why the search could build no pipeline of the sizes ``opts.pp`` asks for."""
+    layers = len(ctx.program(1).layers)
+    sizes = ",".join(map(str, opts.pp))
+    wanted = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
+    fewest = min(min(opts.pp) * default_stages_per_rank(s) for s in wanted)
+    if fewest > layers:
+        return (f"no pipeline with pp={sizes}: the model has {layers} pipeline layer(s) (its "
+                f"blocks, and the ops before and after them), fewer than the {fewest} stages "
+                f"that pp x stages per rank of "
+                f"{', '.join(wanted)} needs; ask for fewer stages (--pp), a schedule of one "
+                f"stage per rank (--schedule 1f1b), or no pipeline (--pp 1)")
+    return (f"no pipeline with pp={sizes} and schedule(s) {', '.join(wanted)} fits this "
+            f"cluster and batch (the devices must split evenly into pp stage meshes and the "
+            f"batch into the schedule's micro-batches); change --pp, --schedule or "
+            f"--microbatches")
+
+
+def search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
+                example_inputs: tuple, graph: Graph, dtype: Precision, budget: float,
+                progress: Callable[[str], None] | None, info: dict[str, Any],
+                training: dict[str, Any]) -> Plan:
+    """The two-level search of :func:`planner.api.plan` (single stages and pipelines), its
+    finalists solved exactly, without context parallelism and with each cp
+    size of :func:`planner.search.cp_search.search_sizes` (the request's, or
+    automatic); the fastest plan by predicted step time (the smaller cp of
+    equal ones). The automatic sizes are tried largest first (the least
+    memory per rank), then smaller, until one is slower than (or does not
+    fit where) the one before it fitted."""
+    plans: list[Plan] = []
+    errors: list[PlanningError] = []
+    requested = req.context_parallel
+    seq = sequence_length(example_inputs)
+    if requested is not None:  # refused before any search
+        search_sizes(requested, seq, cluster.num_devices, fits_without=True)
+    if requested is None or 1 in requested:
+        ctx = SearchContext(model, example_inputs,
+                            SearchSettings(cluster, dtype, req.optimizer, budget,
+                                           req.time_limit_s),
+                            progress=progress, whole_batch_graph=graph)
+        build = functools.partial(_build_plan, info=info, training=training)
+        try:
+            winner = _search_winner(req, ctx, model, graph)
+            plans.append(build(winner, cluster) if isinstance(winner, IntraOpResult)
+                         else _assembled(winner, ctx, build))
+        except PlanningError as err:
+            errors.append(err)
+    sizes = search_sizes(requested, seq, cluster.num_devices, fits_without=bool(plans))
+    before: Plan | None = None
+    # automatic: the largest first (the least memory per rank), then smaller
+    for cp in (sizes if requested is not None else sizes[::-1]):
+        try:
+            found = _context_parallel_plan(req, model, cluster, example_inputs, dtype, budget,
+                                           progress, cp)
+        except PlanningError as err:
+            errors.append(err)
+            found = None
+        if found is not None:
+            plans.append(found)
+        if requested is None and before is not None and (
+                found is None or _step(found) > _step(before)):
+            break
+        before = found or before
+    if not plans:
+        raise errors[0]
+    return min(plans, key=lambda p: (round(_step(p), 12), _cp_size(p)))
+
+
+def _step(plan: Plan) -> float:
+    return float(plan.predicted["step_time_s"])
+
+
+def _cp_size(plan: Plan) -> int:
+    """The plan's context-parallel size (1 without)."""
+    return int(((plan.training or {}).get("context_parallel") or {}).get("size", 1))
+
+
+def _build_plan(result: IntraOpResult, cluster: Cluster, *, info: dict[str, Any],
+                training: dict[str, Any]) -> Plan:
+    return build_plan(result, cluster, info, training)
+
+
+def _assembled(winner: ExactPipeline, ctx: SearchContext,
+               build: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
+    """The Plan of an exactly solved candidate (a single stage's, or a pipeline's)."""
+    if winner.candidate.schedule == NO_PIPELINE:
+        return build(winner.results[0], ctx.settings.cluster)
+    return assemble(winner, ctx, build)
+
+
+def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module, graph: Graph,
+                   finish: Callable[[list[ExactPipeline]], list[ExactPipeline]] | None = None
+                   ) -> ExactPipeline | IntraOpResult:
+    """The fastest exactly solved candidate of the search in ``ctx`` (each
+    passed through ``finish`` first, which may re-price or drop it), or, where
+    no candidate has a plan and ``ctx`` has no context parallelism, the best
+    single stage of the whole batch ``graph``."""
+    cluster = ctx.settings.cluster
+    opts = SearchOptions(pp=_pipeline_sizes(req.pp, model), schedules=req.schedules,
+                         num_microbatches=req.num_microbatches,
+                         zero_stages=check_zero_stages(req.zero_stages))
+    priced = search(ctx, opts)
+    pipelines_only = req.pp is not None and 1 not in req.pp
+    if pipelines_only:  # --pp without 1: a pipeline, or a reason why there is none
+        priced = [c for c in priced if c.pp in req.pp]
+        if not priced:
+            raise PlanningError(_no_pipeline_reason(ctx, opts))
+    first = [c for c in priced if not accumulates(c)]
+    accumulating = [c for c in priced if accumulates(c)]
+    ranked = refine(ctx, first)
+    singles = [c for c in ranked if c.schedule == NO_PIPELINE]
+    variants, accumulating_variants = zero_variants(ctx, [ranked, accumulating], opts)
+    # the fastest few as ranked after refining and as first priced (a refined
+    # profile can move a cut the exact solve liked better), the best single
+    # stage, the best FSDP2 ZeRO variants, and the best single stages accumulating
+    # micro-batches (with and without FSDP2 ZeRO; apart, so that they take no
+    # pipeline's place): candidates are priced from layer profiles, the exact
+    # solve decides
+    finalists = list({(c.label(), tuple(c.split.bounds)): c for c in
+                      ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]
+                      + variants[:opts.zero_finalists] + accumulating[:1]
+                      + accumulating_variants[:1]}.values())
+    finish = finish or (lambda exact: exact)
+    # finalists with a stage that has no plan within limits are dropped; those
+    # predicted far behind the fastest are solved only if no other has a plan
+    close, far = split_far_finalists(finalists)
+    exact = finish([e for e in solve_finalists(ctx, close) if e is not None])
+    if not exact and far:
+        exact = finish([e for e in solve_finalists(ctx, far) if e is not None])
+    if not exact and pipelines_only:
+        raise PlanningError(f"no pipeline with pp={','.join(map(str, req.pp))} fits in memory "
+                            f"or runs under torch's schedules; add pp 1 (--pp 1,{req.pp[0]}) to "
+                            f"allow a single stage, or give the devices more memory")
+    cp = ctx.settings.context_parallel
+    if not exact and cp > 1:  # every single stage exactly, pinned as ctx pins
+        exact = finish(_exact_single_stages(ctx))
+        if not exact:
+            raise PlanningError(f"no plan with context parallel size {cp} fits in memory")
+    if not exact:  # the layer profiles are coarse: try every single stage exactly
+        best, too_big = best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
+                                          ctx.settings.dtype, req.time_limit_s,
+                                          ctx.settings.budget, req.optimizer)
+        if best is not None:
+            return best
+        least = min(too_big, key=lambda e: e.least_bytes) if too_big else None
+        raise PlanningError((str(least) if least else "no plan fits in memory")
+                            + " (no pipeline of its layers fits either)")
+    return fastest(exact)
+
+
+def _exact_single_stages(ctx: SearchContext) -> list[ExactPipeline]:
+    """Every single stage of the whole batch that fits, solved exactly by
+    ``ctx`` (so with its layout) on each stage mesh it allows."""
+    prog = ctx.program(1, traced=True)
+    out = []
+    for mesh in stage_mesh_options(ctx.settings.cluster, 1):
+        if not ctx.allows(mesh.shape, 1):
+            continue
+        cand = PipelineCandidate(1, 1, mesh, NO_PIPELINE, 1, None, 0.0, 0.0, 0.0)
+        try:
+            out.append(solve_exact(ctx, cand, [(0, len(prog.layers))]))
+        except MemoryInfeasibleError:
+            continue
+    return out
+
+
+def _context_parallel_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
+                           example_inputs: tuple, dtype: Precision, budget: float,
+                           progress: Callable[[str], None] | None, cp: int) -> Plan:
+    """The fastest plan with context-parallel size ``cp``, the search choosing
+    everything else, priced as :mod:`planner.search.cp_search` prices it.
+
+    The program searched is one cp rank's (each sequence cut into cp rows of
+    s / cp tokens), its batch rows pinned to stage mesh axis 0, which holds
+    whole cp groups (:meth:`SearchContext.allows`,
+    :func:`planner.search.cp_search.pinned_strategies`): the weights are
+    replicated or sharded over axis 0 as the search decides (ZeRO over axis
+    0 shards over dp x cp, as Megatron's distributed optimizer with cp).
+    The candidates are ranked without the exchange (it is the same work on
+    every candidate that places the attention alike); each finalist, solved
+    exactly, then gets :func:`planner.search.cp_search.context_parallel_seconds`
+    of both exchanges added to its stages' forward and backward, is dropped
+    where a stage and its K/V buffers exceed the memory budget, and keeps the
+    faster exchange. The stage ILPs get the budget less the buffers with K/V
+    split evenly over the cluster (a lower bound; the exact check is that
+    one). The plan's ``training["context_parallel"]`` records cp and the
+    exchange, ``predicted["context_parallel"]`` its seconds and buffers.
+
+    Raises:
+        PlanningError: no plan with this cp fits, or cp does not cut the inputs.
+    """
+    say = progress or (lambda msg: None)
+    say(f"context parallel {cp}: capturing one cp rank's program")
+    cut = context_parallel_inputs(example_inputs, cp)
+    graph = trace(model, cut, beside=two_processes)
+    reserve = min(kv_buffer_bound(graph, cp, t, (cluster.num_devices,)) for t in CP_COMM_TYPES)
+    ctx = SearchContext(model, cut,
+                        SearchSettings(cluster, dtype, req.optimizer, budget - reserve,
+                                       req.time_limit_s, context_parallel=cp),
+                        progress=progress, whole_batch_graph=graph)
+    exchanges: dict[int, dict[str, Any]] = {}
+
+    def finish(exact: list[ExactPipeline]) -> list[ExactPipeline]:
+        out = []
+        for e in exact:
+            priced = [x for x in (_with_exchange(e, ctx, cp, t, budget) for t in CP_COMM_TYPES)
+                      if x is not None]
+            if priced:
+                chosen, record = min(priced, key=lambda x: round(x[0].step_time_s, 12))
+                exchanges[id(chosen)] = record
+                out.append(chosen)
+        return out
+
+    winner = _search_winner(req, ctx, model, graph, finish)
+    assert isinstance(winner, ExactPipeline)
+    exchange = exchanges[id(winner)]
+    training = training_record(dtype, req.optimizer, cut, req.zoo_kwargs,
+                               memory_budget_bytes=int(budget),
+                               context_parallel=context_parallel_record(
+                                   cp, exchange["comm_type"], example_inputs))
+    build = functools.partial(_build_plan, info=model_record(model, graph, req.model_source),
+                              training=training)
+    plan = _assembled(winner, ctx, build)
+    if winner.candidate.schedule == NO_PIPELINE:  # its step is the stage's own, exchange aside
+        plan.predicted["step_time_s"] += sum(exchange["exchange_s_per_microbatch"])
+    # the exchange's buffers, held while one attention runs: counted at the peak
+    memory = plan.predicted["memory_bytes_per_device"]
+    memory["peak"] = int(round(memory["peak"] + exchange["kv_buffer_bytes"]))
+    plan.predicted["context_parallel"] = exchange
+    return plan
+
+
+def _with_exchange(exact: ExactPipeline, ctx: SearchContext, cp: int, comm_type: str,
+                   budget: float) -> tuple[ExactPipeline, dict[str, Any]] | None:
+    """``exact`` with the attention across cp chunks (``comm_type``) added to
+    its stages' times and the step simulated again, and what that adds; None
+    where a stage and its K/V buffers exceed its share of ``budget``."""
+    cand = exact.candidate
+    shape = cand.mesh.shape
+    stage_cluster = cand.mesh.cluster(ctx.settings.cluster)
+    link = cp_link(stage_cluster, shape[0] // cp, cp, math.prod(shape[1:]))
+    times, extra, held = [], [], 0.0
+    for r, t in zip(exact.results, exact.times):
+        cost = IntraOpCost(r.graph, stage_cluster, r.mesh_shape, ctx.settings.dtype,
+                           ctx.settings.optimizer)
+        f, b, kv = context_parallel_seconds(r, cost, cp, comm_type, link)
+        if total_memory(r) + kv > budget / cand.stages_per_rank:
+            return None
+        times.append(dataclasses.replace(t, forward_s=t.forward_s + f,
+                                         backward_input_s=t.backward_input_s + b))
+        extra.append(f + b)
+        held = max(held, kv)
+    step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
+                                 cand.stages_per_rank, times, exact.p2p, ctx.schedule_book)
+    return (dataclasses.replace(exact, times=times, step_time_s=step, bubble_s=bubble),
+            {"comm_type": comm_type, "kv_buffer_bytes": held,
+             "exchange_s_per_microbatch": extra})
