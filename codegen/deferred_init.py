@@ -9,9 +9,10 @@ meta tensors, in order, with a snapshot of the device's random generator
 before each random op; it advances the real generator as the real op would by
 running that op on the device once (its result dropped at once), so code that
 reseeds or reads the generator in the middle of the factory behaves as on the
-device. :meth:`InitRecord.materialize` then replays only the ops a tensor's
-final value depends on (its storage's creator and writers, and, recursively,
-theirs), on the device, with the generator set to each random op's snapshot:
+device. :meth:`codegen.deferred_init_record.InitRecord.materialize` then
+replays only the ops a tensor's final value depends on (its storage's creator
+and writers, and, recursively, theirs), on the device, with the generator set
+to each random op's snapshot:
 
     >>> (model, inputs), record = record_build(
     ...     lambda: build_model("gpt-tiny", device="meta", seed=0), device="cpu")
@@ -41,28 +42,26 @@ that share a storage come back as separate tensors, one per call.
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import functools
-import heapq
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, TypeVar, Union
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from codegen.deferred_init_log import (
+    TARGET_DEVICE, ConstArg, DeferredInitError, LayoutArg, MetaRef, RecordedOp, op_name,
+    version_of,
+)
+from codegen.deferred_init_record import InitRecord
 from ir.torch_compat import (
-    dispatch_mode_type, op_overload_name, storage_key, takes_generator, tree_flatten,
-    tree_map, tree_unflatten, written_arguments,
+    dispatch_mode_type, op_overload_name, takes_generator, tree_flatten, tree_unflatten,
+    written_arguments,
 )
 
-__all__ = ["DeferredInitError", "InitRecord", "record_build"]
+__all__ = ["record_build"]
 
 T = TypeVar("T")
-
-#: ``(storage key, dtype, shape, strides, storage offset)`` of a tensor, in elements.
-_Signature = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], int]
 
 #: Random ops whose tensor argument ``self`` they only write, in place: how
 #: many random numbers they draw depends on its shape and strides, never its
@@ -74,7 +73,7 @@ _WRITE_ONLY_RANDOM = frozenset({
 })
 
 #: Ops that read only the shape, strides and dtype of ``self``: it is recorded
-#: as a :class:`_Layout`, so a replay does not make its value.
+#: as a :class:`LayoutArg`, so a replay does not make its value.
 _LAYOUT_ONLY = frozenset({
     "aten::empty_like", "aten::zeros_like", "aten::ones_like", "aten::full_like",
     "aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::new_empty",
@@ -85,116 +84,6 @@ _LAYOUT_ONLY = frozenset({
 #: ATen op that carries the data: on meta they are recorded as a constant made
 #: on the CPU and copied to the device.
 _LITERALS = (torch.tensor, torch.as_tensor, torch.asarray)
-
-
-class DeferredInitError(ValueError):
-    """A build that cannot be recorded or replayed on a real device (it reads a
-    meta tensor's values, a constant it used changed after, ...); one line
-    naming the op."""
-
-
-# ------------------------------------------------------------------ log records
-
-
-class _TargetDevice:
-    """Stands for ``torch.device("meta")`` in a recorded op: replayed as the
-    record's device."""
-
-    def __repr__(self) -> str:
-        return "<device>"
-
-
-_DEVICE = _TargetDevice()
-
-
-@dataclass(frozen=True)
-class _Ref:
-    """A meta tensor argument, by value id (its index in ``InitRecord._tensors``)."""
-
-    vid: int
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """A meta tensor argument of which the op reads only the layout
-    (:data:`_LAYOUT_ONLY`): replayed as an uninitialised tensor of that layout."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-
-
-@dataclass(frozen=True, eq=False)
-class _Const:
-    """A real tensor argument (made outside the record, or a literal), used as
-    is; ``version`` is its ``_version`` when recorded (None where it has none)."""
-
-    tensor: torch.Tensor
-    version: int | None
-
-
-@dataclass(frozen=True, eq=False)
-class _Op:
-    """One recorded ATen op (or Python init function, :func:`_opaque_init`).
-
-    ``leaves``/``spec``: its flattened ``(args, kwargs)``, meta tensors as
-    :class:`_Ref`, real ones as :class:`_Const`, the meta device as ``_DEVICE``.
-    ``outputs``: the value id of each flattened output leaf (None for a leaf
-    that is no meta tensor). ``rng``: ``(generator or None for the device's
-    default, its state before the op)`` for a random op.
-    """
-
-    func: Any
-    leaves: tuple
-    spec: Any
-    outputs: tuple[int | None, ...]
-    inputs: tuple[int, ...]
-    reads: frozenset[int]
-    touches: frozenset[int]
-    rng: tuple[torch.Generator | None, torch.Tensor] | None
-
-
-@dataclass(frozen=True)
-class _Alias:
-    """A meta tensor that shares a recorded storage but was made without an op
-    the mode sees (``nn.Parameter(t)``, ``.data``, ``p.data = t``): ``source``
-    (a value id of that storage, None when the storage was never recorded)
-    viewed with this tensor's layout; ``exact`` when the source has that same
-    layout (then the replayed source is aliased as is)."""
-
-    vid: int
-    source: int | None
-    exact: bool
-    storage: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-    @property
-    def inputs(self) -> tuple[int, ...]:
-        return () if self.source is None else (self.source,)
-
-
-_Entry = Union[_Op, _Alias]
-
-
-def _signature(t: torch.Tensor) -> _Signature:
-    return storage_key(t), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset()
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference-mode tensors have no version counter
-        return None
-
-
-def _op_name(func: Any) -> str:
-    name = op_overload_name(func)
-    if name is not None:
-        return f"{name[0]}.{name[1]}"
-    return f"{getattr(func, '__module__', '')}.{getattr(func, '__qualname__', func)}"
 
 
 def _is_random(func: Any) -> bool:
@@ -215,272 +104,6 @@ def _default_generator(device: torch.device) -> torch.Generator:
     module.init()
     index = device.index if device.index is not None else module.current_device()
     return module.default_generators[index]
-
-
-@contextlib.contextmanager
-def _generator_states() -> Iterator[Callable[[torch.Generator, torch.Tensor], None]]:
-    """Yields ``set(generator, state)``; every generator it set gets back, on
-    exit, the state it had before its first set."""
-    saved: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
-
-    def set_state(gen: torch.Generator, state: torch.Tensor) -> None:
-        if id(gen) not in saved:
-            saved[id(gen)] = (gen, gen.get_state())
-        gen.set_state(state)
-
-    try:
-        yield set_state
-    finally:
-        for gen, state in saved.values():
-            gen.set_state(state)
-
-
-# ----------------------------------------------------------------------- record
-
-
-@dataclass(eq=False)
-class InitRecord:
-    """The ATen ops a build ran on meta tensors, replayable on ``device``.
-
-    Made by :func:`record_build`; read with :meth:`materialize` and
-    :meth:`materialize_tree`. ``last_replayed_ops`` is how many log entries the
-    last materialisation replayed (ops and alias records), ``last_peak_bytes``
-    the most bytes of real storage it held between two ops.
-    """
-
-    device: torch.device
-    generator: torch.Generator
-    last_replayed_ops: int = 0
-    last_peak_bytes: int = 0
-    _entries: list[_Entry] = field(default_factory=list, repr=False)
-    _by_storage: dict[int, list[int]] = field(default_factory=dict, repr=False)
-    _tensors: list[torch.Tensor] = field(default_factory=list, repr=False)
-    _signatures: list[_Signature] = field(default_factory=list, repr=False)
-    _vid: dict[int, int] = field(default_factory=dict, repr=False)
-    _latest: dict[int, int] = field(default_factory=dict, repr=False)
-    _by_signature: dict[_Signature, int] = field(default_factory=dict, repr=False)
-    # every storage a value had, kept alive so that no storage key is reused
-    _storages: dict[int, torch.UntypedStorage] = field(default_factory=dict, repr=False)
-
-    def __len__(self) -> int:
-        """Log entries recorded (ATen ops and alias records)."""
-        return len(self._entries)
-
-    # ------------------------------------------------------------ public reads
-
-    def materialize(self, t: torch.Tensor) -> torch.Tensor:
-        """The final value of meta tensor ``t`` (a parameter, buffer or input the
-        recorded build made; a ``Parameter`` is read through the tensor it
-        wraps) as a new real tensor on the record's device: same shape and
-        dtype, the device build's strides, no autograd history. Equal bit for
-        bit to what the build on the device gives. The device's generator
-        ends in the state it had.
-
-        Raises:
-            DeferredInitError: ``t`` is no meta tensor of this record, or a
-                constant it depends on changed after the build used it.
-        """
-        if not isinstance(t, torch.Tensor) or not t.is_meta:
-            raise DeferredInitError(f"materialize takes a meta tensor, got "
-                                    f"{type(t).__name__} on {getattr(t, 'device', '-')}")
-        return self._replay([self._target(t)], len(self._entries))[0]
-
-    def materialize_tree(self, tree: Any) -> Any:
-        """``tree`` (a pytree: tuple, list, dict) with every meta tensor replaced
-        by :meth:`materialize` of it, one at a time (tensors sharing storage
-        come back as separate copies); other leaves unchanged."""
-        return tree_map(lambda x: self.materialize(x)
-                        if isinstance(x, torch.Tensor) and x.is_meta else x, tree)
-
-    # ------------------------------------------------------------- recording
-
-    def _new_value(self, t: torch.Tensor, sig: _Signature) -> int:
-        vid = len(self._tensors)
-        self._tensors.append(t)
-        self._signatures.append(sig)
-        self._vid[id(t)] = vid
-        self._note(vid, sig)
-        return vid
-
-    def _note(self, vid: int, sig: _Signature) -> None:
-        if sig[0] not in self._storages:
-            self._storages[sig[0]] = self._tensors[vid].untyped_storage()
-        self._signatures[vid] = sig
-        self._latest[sig[0]] = vid
-        self._by_signature[sig] = vid
-
-    def _append(self, entry: _Entry, touches: frozenset[int]) -> None:
-        index = len(self._entries)
-        self._entries.append(entry)
-        for key in touches:
-            self._by_storage.setdefault(key, []).append(index)
-
-    def _known(self, t: torch.Tensor, sig: _Signature) -> int | None:
-        vid = self._vid.get(id(t))
-        return vid if vid is not None and self._signatures[vid] == sig else None
-
-    def _source(self, sig: _Signature) -> tuple[int | None, bool]:
-        """A value id holding ``sig``'s storage now, and whether it has the same layout."""
-        vid = self._by_signature.get(sig)
-        if vid is not None and self._signatures[vid] == sig:
-            return vid, True
-        vid = self._latest.get(sig[0])
-        if vid is not None and self._signatures[vid][0] == sig[0]:
-            return vid, False
-        return None, False
-
-    def _alias_of(self, sig: _Signature, vid: int) -> _Alias:
-        source, exact = self._source(sig)
-        return _Alias(vid, source, exact, *sig)
-
-    def _input_value(self, t: torch.Tensor) -> int:
-        """The value id of meta tensor ``t`` as an op reads it now; a tensor not
-        seen before (or whose storage or layout changed without an op) is
-        recorded as an alias of its storage first."""
-        sig = _signature(t)
-        vid = self._known(t, sig)
-        if vid is not None:
-            return vid
-        alias = self._alias_of(sig, len(self._tensors))
-        self._new_value(t, sig)
-        self._append(alias, frozenset({sig[0]}))
-        return alias.vid
-
-    def _output_value(self, t: torch.Tensor) -> int:
-        """The value id of meta tensor ``t`` an op returned or wrote."""
-        sig = _signature(t)
-        vid = self._vid.get(id(t))
-        if vid is None:
-            return self._new_value(t, sig)
-        self._note(vid, sig)
-        return vid
-
-    def _target(self, t: torch.Tensor) -> int | _Alias:
-        """``t`` at the end of the log: its value id, or an alias to evaluate."""
-        sig = _signature(t)
-        vid = self._known(t, sig)
-        if vid is not None:
-            return vid
-        alias = self._alias_of(sig, -1)
-        if alias.source is None:
-            raise DeferredInitError(f"a meta tensor {tuple(t.shape)} {t.dtype} that the "
-                                    f"recorded build did not make cannot be materialized")
-        return alias
-
-    # ---------------------------------------------------------------- replay
-
-    def _storage_of(self, target: int | _Alias) -> int:
-        return self._signatures[target][0] if isinstance(target, int) else target.storage
-
-    def _needed(self, targets: list[int | _Alias], end: int) -> list[int]:
-        """Indices (ascending) of the entries before ``end`` that the targets'
-        values depend on: walking back from ``end``, every entry that creates
-        or writes a live storage, whose inputs' storages then become live."""
-        live: set[int] = set()
-        heap: list[int] = []
-
-        def make_live(key: int, before: int) -> None:
-            if key in live:  # entries are visited latest first: the first bound is the widest
-                return
-            live.add(key)
-            indices = self._by_storage.get(key, [])
-            for i in indices[:bisect.bisect_left(indices, before)]:
-                heapq.heappush(heap, -i)
-
-        for target in targets:
-            make_live(self._storage_of(target), end)
-        needed: list[int] = []
-        while heap:
-            i = -heapq.heappop(heap)
-            if needed and needed[-1] == i:
-                continue
-            needed.append(i)
-            entry = self._entries[i]
-            for key in self._reads(entry):
-                make_live(key, i)
-        return needed[::-1]
-
-    @staticmethod
-    def _reads(entry: _Entry) -> frozenset[int]:
-        return entry.reads if isinstance(entry, _Op) else frozenset({entry.storage})
-
-    def _replay(self, targets: list[int | _Alias], end: int) -> list[torch.Tensor]:
-        """The real values of ``targets`` (value ids, or aliases read after
-        the log) as of log entry ``end``: the needed entries run on the device,
-        each value dropped after its last reader; generators restored after."""
-        needed = self._needed(targets, end)
-        keep = {t for t in targets if isinstance(t, int)} | {
-            t.source for t in targets if isinstance(t, _Alias)}
-        last_read: dict[int, int] = {}
-        for i in needed:
-            for vid in self._entries[i].inputs:
-                last_read[vid] = i
-        env: dict[int, torch.Tensor] = {}
-        peak = 0
-        with torch.no_grad(), _generator_states() as set_state:
-            for i in needed:
-                self._run_entry(self._entries[i], env, set_state)
-                self._drop(self._entries[i], i, env, keep, last_read)
-                peak = max(peak, _held_bytes(env))
-            values = [env[t] if isinstance(t, int) else self._alias_value(t, env)
-                      for t in targets]
-        self.last_replayed_ops, self.last_peak_bytes = len(needed), peak
-        return values
-
-    def _drop(self, entry: _Entry, i: int, env: dict[int, torch.Tensor], keep: set[int],
-              last_read: dict[int, int]) -> None:
-        outputs = entry.outputs if isinstance(entry, _Op) else (entry.vid,)
-        for vid in (*entry.inputs, *outputs):
-            if vid is not None and vid not in keep and last_read.get(vid, -1) <= i:
-                env.pop(vid, None)
-
-    def _run_entry(self, entry: _Entry, env: dict[int, torch.Tensor],
-                   set_state: Callable[[torch.Generator, torch.Tensor], None]) -> None:
-        if isinstance(entry, _Alias):
-            env[entry.vid] = self._alias_value(entry, env)
-            return
-        args, kwargs = tree_unflatten([self._real_leaf(x, entry.func, env)
-                                       for x in entry.leaves], entry.spec)
-        if entry.rng is not None:
-            gen, state = entry.rng
-            set_state(self.generator if gen is None else gen, state)
-        out, _ = tree_flatten(entry.func(*args, **kwargs))
-        for vid, value in zip(entry.outputs, out):
-            if vid is not None:
-                env[vid] = value
-
-    def _real_leaf(self, leaf: Any, func: Any, env: dict[int, torch.Tensor]) -> Any:
-        """Recorded argument ``leaf`` of ``func`` as the replay passes it: a
-        value of ``env``, a stand-in of a layout, a constant (refused if
-        changed since), the device."""
-        if isinstance(leaf, _Ref):
-            return env[leaf.vid]
-        if isinstance(leaf, _Layout):
-            return torch.empty_strided(leaf.shape, leaf.stride, dtype=leaf.dtype,
-                                       device=self.device)
-        if isinstance(leaf, _Const):
-            if leaf.version is not None and _version(leaf.tensor) != leaf.version:
-                raise DeferredInitError(
-                    f"{_op_name(func)}: a constant tensor {tuple(leaf.tensor.shape)} the "
-                    f"build used was changed in place after; copy it before the build uses it")
-            return leaf.tensor
-        return self.device if leaf is _DEVICE else leaf
-
-    def _alias_value(self, alias: _Alias, env: dict[int, torch.Tensor]) -> torch.Tensor:
-        if alias.source is None:
-            raise DeferredInitError(f"a meta tensor {alias.shape} {alias.dtype} shares a "
-                                    f"storage no recorded op made; it cannot be materialized")
-        source = env[alias.source]
-        if alias.exact:
-            return source.detach()
-        view = torch.empty((0,), dtype=alias.dtype, device=source.device)
-        return view.set_(source.untyped_storage(), alias.offset, alias.shape, alias.stride)
-
-
-def _held_bytes(env: dict[int, torch.Tensor]) -> int:
-    """Bytes of the distinct storages the tensors of ``env`` view."""
-    storages = {storage_key(t): t.untyped_storage().nbytes() for t in env.values()}
-    return sum(storages.values())
 
 
 # ---------------------------------------------------------------------- modes
@@ -515,7 +138,7 @@ def _run_on_meta(func: Any, args: tuple, kwargs: dict) -> Any:
         if "meta" not in str(err).lower():
             raise
         first = str(err).strip().splitlines()[0]
-        raise DeferredInitError(f"{_op_name(func)} cannot be recorded on the meta device "
+        raise DeferredInitError(f"{op_name(func)} cannot be recorded on the meta device "
                                 f"(a deferred build has no tensor values): {first}") from err
 
 
@@ -552,10 +175,10 @@ class _Recorder(dispatch_mode_type()):
         of its first argument."""
         record = self.record
         leaves, spec = tree_flatten((args, kwargs))
-        encoded = tuple(_Layout(tuple(x.shape), tuple(x.stride()), x.dtype)
+        encoded = tuple(LayoutArg(tuple(x.shape), tuple(x.stride()), x.dtype)
                         if layout_only and i == 0 else self._encode(x)
                         for i, x in enumerate(leaves))
-        inputs = tuple(x.vid for x in encoded if isinstance(x, _Ref))
+        inputs = tuple(x.vid for x in encoded if isinstance(x, MetaRef))
         reads = frozenset(record._signatures[vid][0] for vid in inputs)
         rng = self._snapshot(leaves) if random else None
         out = run_meta()
@@ -567,17 +190,17 @@ class _Recorder(dispatch_mode_type()):
         touches = frozenset(record._signatures[vid][0] for vid in (*outputs, *wrote)
                             if vid is not None)
         if touches:
-            record._append(_Op(func, encoded, spec, outputs, inputs, reads, touches, rng),
+            record._append(RecordedOp(func, encoded, spec, outputs, inputs, reads, touches, rng),
                            touches)
         return out
 
     def _encode(self, leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             if leaf.is_meta:
-                return _Ref(self.record._input_value(leaf))
-            return _Const(leaf, _version(leaf))
+                return MetaRef(self.record._input_value(leaf))
+            return ConstArg(leaf, version_of(leaf))
         if isinstance(leaf, torch.device) and leaf.type == "meta":
-            return _DEVICE
+            return TARGET_DEVICE
         if isinstance(leaf, (torch.UntypedStorage, torch.TypedStorage)):
             raise DeferredInitError("an op taking a storage cannot be recorded on meta")
         return leaf
@@ -597,9 +220,9 @@ class _Recorder(dispatch_mode_type()):
         record = self.record
         if write_only:
             first = leaves[0]
-            encoded = (_Layout(tuple(first.shape), tuple(first.stride()), first.dtype),
+            encoded = (LayoutArg(tuple(first.shape), tuple(first.stride()), first.dtype),
                        *encoded[1:])
-        vids = sorted({x.vid for x in encoded if isinstance(x, _Ref)})
+        vids = sorted({x.vid for x in encoded if isinstance(x, MetaRef)})
         env = dict(zip(vids, record._replay(vids, len(record._entries)))) if vids else {}
         real = [record._real_leaf(x, func, env) for x in encoded]
         args, kwargs = tree_unflatten(real, spec)

@@ -1,8 +1,8 @@
 """ZeRO-3 unit by unit: each layer of a stage, and each module outside the
 layers (embedding, final norm, head), is an FSDP2 unit of its own.
 
-A ZeRO-3 stage (:mod:`codegen.pipeline`) gives every unit that
-:func:`ir.repeated_blocks.shard_units` finds a :class:`UnitModule`: an
+A ZeRO-3 stage (:class:`codegen.stage_module.StageModule`) gives every unit that
+:func:`ir.shard_units.shard_units` finds a :class:`UnitModule`: an
 ``nn.Module`` at the unit's module path that owns its parameters and whose
 forward runs the unit's op nodes. ``fully_shard`` on each unit (then on the
 stage) makes FSDP2 all-gather a unit's parameters just before its ops, free

@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from codegen.deferred_init import DeferredInitError, InitRecord, record_build
+from codegen.deferred_init import record_build
+from codegen.deferred_init_log import DeferredInitError
+from codegen.deferred_init_record import InitRecord
 from models.source import build_model
 from models.zoo import TINY
 
