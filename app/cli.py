@@ -263,7 +263,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from plan.format import load_plan
 
     plan = load_plan(args.plan)  # validates before any process starts
-    from codegen.launch import LaunchError, cpu_fallback_note, launch, runnable_world
+    from training.launch import launch
+    from training.torchrun import LaunchError, cpu_fallback_note, runnable_world
 
     try:
         runnable_world(plan, args.plan, None)
@@ -290,7 +291,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from codegen.launch import LaunchError
+    from training.torchrun import LaunchError
     from planner.request import PlanningError
     from training.config import TrainConfig
     from training.launch import train
@@ -311,7 +312,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         what = outcome.error or f"the ranks exited with status {outcome.returncode}"
         print(f"planner: error: {what} (the ranks' output: {outcome.log_path})", file=sys.stderr)
     else:
-        from codegen.launch import rank_failure_line
+        from training.torchrun import rank_failure_line
 
         line = rank_failure_line(_log_tail(outcome.log_path), outcome.returncode,
                                  outcome.log_path)
@@ -332,7 +333,7 @@ def _log_tail(path: str, limit: int = 1 << 20) -> str:
 
 def _nodes(args: argparse.Namespace) -> Any:
     """This node's part of a run over ``--nnodes`` nodes, or None for one node."""
-    from codegen.launch import Nodes
+    from training.torchrun import Nodes
     from planner.request import PlanningError
 
     if args.nnodes == 1:
@@ -366,7 +367,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from costmodel.profiling.measure import ProfileError, load_profile, profile_local, profile_path, summary_rows
+    from costmodel.profiling import ProfileError, load_profile, profile_local, profile_path, summary_rows
 
     if args.ranks < 1:
         print(f"planner: error: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
@@ -399,10 +400,8 @@ def _add_nodes(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-port", type=int, help="a free TCP port on node 0 (with --nnodes)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_plan_command(sub: Any) -> None:
+    """``planner plan``: search a plan and write plan.json."""
     p = sub.add_parser("plan", help="find a parallelization plan and write plan.json")
     p.add_argument("--model", required=True,
                    help="zoo name (gpt-tiny, gpt3-175b, llama3-8b, ...) or path.py:factory")
@@ -435,22 +434,30 @@ def build_parser() -> argparse.ArgumentParser:
                    "layers, none")
     p.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("show", help="print a plan.json as tables")
-    s.add_argument("plan")
-    s.add_argument("--plot", metavar="DIR",
-                   help="also draw memory.png (bytes per device by kind) and, for a "
-                   "pipeline, schedule.png (one step's timeline per rank) and stages.png "
-                   "(each stage's time) into DIR")
-    s.set_defaults(func=cmd_show)
 
-    r = sub.add_parser("run", help="run a plan with torchrun, on this node or several")
-    r.add_argument("plan")
-    r.add_argument("--steps", type=int, default=2, help="training steps to run")
-    r.add_argument("--check", action="store_true",
-                   help="compare loss and gradients with a single-process run")
-    _add_nodes(r)
-    r.set_defaults(func=cmd_run)
+def _add_plan_readers(sub: Any) -> None:
+    """``planner show`` (print and plot a plan) and ``planner run`` (the training
+    job on a plan, with --check): the commands that read a plan.json."""
+    readers = {}
+    for name, help_text, func in (
+            ("show", "print a plan.json as tables", cmd_show),
+            ("run", "run a plan with torchrun, on this node or several", cmd_run)):
+        readers[name] = sub.add_parser(name, help=help_text)
+        readers[name].add_argument("plan")
+        readers[name].set_defaults(func=func)
+    readers["show"].add_argument(
+        "--plot", metavar="DIR", help="also draw memory.png (bytes per device by kind) and, "
+        "for a pipeline, schedule.png (one step's timeline per rank) and stages.png (each "
+        "stage's time) into DIR")
+    run = readers["run"]
+    run.add_argument("--steps", type=int, default=2, help="training steps to run")
+    run.add_argument("--check", action="store_true",
+                     help="compare loss and gradients with a single-process run")
+    _add_nodes(run)
 
+
+def _add_train_command(sub: Any) -> None:
+    """``planner train``: a training job."""
     t = sub.add_parser("train", help="train a model with a plan: data, LR schedule, "
                        "checkpoints, resume, export (torchrun, on this node or several)")
     from training.config import add_train_arguments
@@ -462,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_nodes(t)
     t.set_defaults(func=cmd_train)
 
+
+def _add_compare_command(sub: Any) -> None:
+    """``planner compare``: the automatic plan against Megatron's."""
     c = sub.add_parser("compare", help="automatic plan vs every Megatron configuration")
     c.add_argument("--model", required=True, help="zoo name or path.py:factory")
     c.add_argument("--cluster", required=True, help="preset[:count] or cluster JSON path")
@@ -484,12 +494,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_precision(c)
     c.set_defaults(func=cmd_compare)
 
+
+def _add_profile_command(sub: Any) -> None:
+    """``planner profile``: measure this machine."""
     pr = sub.add_parser("profile", help="measure this machine (GEMMs, memory, collectives) into a cluster JSON")
     pr.add_argument("--ranks", type=int, default=4, help="local ranks to profile (default 4)")
     pr.add_argument("-o", "--output", default="local-cpu.json",
                     help="cluster JSON to write (default local-cpu.json; fits go next to it as *.profile.json)")
     pr.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (seconds, less accurate)")
     pr.set_defaults(func=cmd_profile)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_plan_command, _add_plan_readers, _add_train_command,
+                _add_compare_command, _add_profile_command):
+        add(sub)
     return parser
 
 

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from codegen.launch import launch
+from training.launch import launch
 from models.source import build_model
 from planner.api import plan
 from planner.report import format_plan

@@ -92,13 +92,18 @@ def plot_memory(plan: Plan, path: str) -> str:
     return _save(plt, fig, path)
 
 
+def _pipeline_stages(plan: Plan) -> tuple[Any, list[Any]]:
+    """A pipeline plan's pipeline section and its stages in order."""
+    pipe = plan.pipeline
+    assert pipe is not None
+    return pipe, sorted(pipe.stages, key=lambda st: st.index)
+
+
 def plot_schedule(plan: Plan, path: str) -> str:
     from costmodel.schedules import simulate
 
     plt = _pyplot()
-    pipe = plan.pipeline
-    assert pipe is not None
-    stages = sorted(pipe.stages, key=lambda st: st.index)
+    pipe, stages = _pipeline_stages(plan)
     pp = len({st.pp_rank for st in stages})
     f = [st.predicted["forward_s"] for st in stages]
     b = [st.predicted["backward_input_s"] for st in stages]
@@ -129,9 +134,7 @@ def plot_schedule(plan: Plan, path: str) -> str:
 
 def plot_stage_times(plan: Plan, path: str) -> str:
     plt = _pyplot()
-    pipe = plan.pipeline
-    assert pipe is not None
-    stages = sorted(pipe.stages, key=lambda st: st.index)
+    pipe, stages = _pipeline_stages(plan)
     parts = (("forward_s", "forward"), ("backward_input_s", "backward (input gradients)"),
              ("backward_weight_s", "backward (weight gradients)"),
              ("grad_sync_s", "gradient sync, once a step"), ("update_s", "optimizer, once a step"))

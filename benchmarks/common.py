@@ -24,21 +24,24 @@ from typing import Any, Sequence
 
 from costmodel.profiling.machine import load_average
 
-__all__ = ["BRIEF_MACHINE_KEYS", "machine_info", "machine_block", "load_average", "load_average_1min",
-           "cpu_pair_probe", "cpu_speed_probe", "git_commit", "median", "read_results",
-           "write_results", "wrote_message"]
+__all__ = ["BRIEF_MACHINE_KEYS", "RESULTS_DIR", "machine_info", "machine_block", "load_average",
+           "load_average_1min", "cpu_pair_probe", "cpu_speed_probe", "git_commit", "median",
+           "read_results", "write_results", "wrote_message"]
+
+#: The folder the benchmarks write their result JSON (and plots) to: ``benchmarks/results``.
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 #: The keys of ``machine_info(brief=True)``, in order (the benchmarks' short machine record).
 BRIEF_MACHINE_KEYS = ("platform", "python", "torch", "cpus", "processor")
 
 
 def machine_info(*, brief: bool = False) -> dict[str, Any]:
-    """This machine: ``costmodel.profiling.measure.machine_info()`` (platform, python,
+    """This machine: ``costmodel.profiling.machine_info()`` (platform, python,
     processor, cpus, torch, memory_bytes, loadavg and, with CUDA, gpu and gpus).
 
     ``brief``: only platform, python, torch, cpus and processor (no load, memory or GPU).
     """
-    from costmodel.profiling.measure import machine_info as full_machine_info
+    from costmodel.profiling import machine_info as full_machine_info
 
     info = full_machine_info()
     if brief:
@@ -104,7 +107,7 @@ def median(values: Sequence[float]) -> float | None:
 
 
 def check_fields(result: dict[str, Any]) -> dict[str, Any]:
-    """What a benchmark row records of a ``codegen.launch.launch(..., check=True)``
+    """What a benchmark row records of a ``training.launch.launch(..., check=True)``
     result: the verdict, the loss and gradient errors against one process, the
     placements check, the step times (seconds; ``step_s`` the last, the first
     being a warm-up) and the ops that ran replicated."""
@@ -167,9 +170,9 @@ def file_tail(path: str, lines: int) -> list[str]:
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a ``planner`` job a benchmark starts: the ranks'
-    (:func:`codegen.launch.rank_env`: one OpenMP thread, the repository on
+    (:func:`training.torchrun.rank_env`: one OpenMP thread, the repository on
     ``PYTHONPATH``) without a fault injection left set, then ``extra``."""
-    from codegen.launch import rank_env
+    from training.torchrun import rank_env
 
     env = rank_env(None)
     env.pop("PLANNER_TRAIN_FAULT", None)

@@ -3,7 +3,7 @@
     python benchmarks/costmodel_fidelity.py                  # profile 2 and 4 ranks, then measure
     python benchmarks/costmodel_fidelity.py --profile local-cpu.profile.json   # reuse profile(s)
 
-1. Profile this machine with ``costmodel.profiling.measure.profile_local`` for each
+1. Profile this machine with ``costmodel.profiling.profile_local`` for each
    world size (default 2 and 4 ranks: ``local-cpu:2`` and ``local-cpu:4``), or
    load existing profiles (``--profile``). The largest fresh profile is copied
    to ``benchmarks/results/local_cpu_profile.json``.
@@ -47,7 +47,7 @@ from benchmarks.common import load_average, machine_block, median, write_results
 from costmodel.cluster import Cluster, Link  # noqa: E402
 from costmodel.collectives import collective_time  # noqa: E402
 from costmodel.compute import op_time  # noqa: E402
-from costmodel.profiling.measure import (  # noqa: E402
+from costmodel.profiling import (  # noqa: E402
     ProfileError,
     group_sizes,
     load_profile,
@@ -142,7 +142,7 @@ def evaluate(profile: dict[str, Any], raw: dict[str, Any]) -> tuple[list[dict[st
     return coll_rows, gemm_rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", nargs="+", metavar="PATH",
                     help="existing profile JSON(s) (or the cluster JSON next to one); each is checked on "
@@ -152,7 +152,28 @@ def main(argv: list[str] | None = None) -> int:
                          "as results/local_cpu_profile.json")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (smoke test)")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "costmodel_fidelity.json"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _detail(coll_rows: list[dict[str, Any]], gemm_rows: list[dict[str, Any]],
+            worlds: list[int]) -> dict[str, Any]:
+    """Median absolute % errors per world and group size (and per collective
+    kind within each), and of the GEMMs per world."""
+    detail: dict[str, Any] = {}
+    for w in worlds:
+        for n in sorted({r["group_size"] for r in coll_rows if r["world"] == w}, reverse=True):
+            rows = [r for r in coll_rows if r["world"] == w and r["group_size"] == n]
+            detail[f"collectives world {w} group {n}"] = median([r["abs_pct_error"] for r in rows])
+            for kind in COLLECTIVE_KINDS:
+                v = median([r["abs_pct_error"] for r in rows if r["kind"] == kind])
+                if v is not None:
+                    detail[f"  {kind} world {w} group {n}"] = v
+        detail[f"gemms world {w}"] = median([r["abs_pct_error"] for r in gemm_rows if r["world"] == w])
+    return detail
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     t_start = time.perf_counter()
     load_before = load_average()
@@ -185,17 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "collectives": median([r["abs_pct_error"] for r in coll_rows]),
         "gemms": median([r["abs_pct_error"] for r in gemm_rows]),
     }
-    detail: dict[str, Any] = {}
-    worlds = sorted({p["ranks"] for p, _ in profiles})
-    for w in worlds:
-        for n in sorted({r["group_size"] for r in coll_rows if r["world"] == w}, reverse=True):
-            rows = [r for r in coll_rows if r["world"] == w and r["group_size"] == n]
-            detail[f"collectives world {w} group {n}"] = median([r["abs_pct_error"] for r in rows])
-            for kind in COLLECTIVE_KINDS:
-                v = median([r["abs_pct_error"] for r in rows if r["kind"] == kind])
-                if v is not None:
-                    detail[f"  {kind} world {w} group {n}"] = v
-        detail[f"gemms world {w}"] = median([r["abs_pct_error"] for r in gemm_rows if r["world"] == w])
+    detail = _detail(coll_rows, gemm_rows, sorted({p["ranks"] for p, _ in profiles}))
     reference = {
         "collectives, per-collective links": median([r["abs_pct_error_per_kind_link"] for r in coll_rows
                                                      if "abs_pct_error_per_kind_link" in r]),

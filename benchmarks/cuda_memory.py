@@ -137,7 +137,7 @@ def executor_peaks(build: Callable[[], tuple[torch.nn.Module, tuple]], plan: Any
     """:func:`step_peaks` of the plan's executor (``mesh``: a one-device CUDA mesh)
     training ``build()``'s model."""
     from codegen.executor import PlanExecutor
-    from codegen.reference import loss_of
+    from codegen.plan_model import loss_of
 
     _release(device)
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ For one Megatron tensor-parallel configuration (tp = world size, no data
 parallelism) of the same model and batch:
 
 * *generated*: ``planner.baselines.megatron.megatron_plan`` run by the code generator
-  (``codegen.launch.launch``: torchrun, ``codegen.rank_main``, the plan's
+  (``training.launch.launch``: torchrun, ``training.job``, the plan's
   placements and explicit redistributes);
 * *hand-written*: ``benchmarks/handwritten_tp.py``, the same layout written with
   ``parallelize_module`` (ColwiseParallel / RowwiseParallel, vocabulary-parallel
@@ -41,7 +41,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
-from codegen.launch import LaunchError, end_group, _tail, launch  # noqa: E402
+from training.launch import launch  # noqa: E402
+from training.torchrun import LaunchError, end_group, output_tail  # noqa: E402
 from costmodel.presets import load_cluster  # noqa: E402
 from models.source import build_model  # noqa: E402
 from planner.baselines.megatron import MegatronConfig, megatron_plan  # noqa: E402
@@ -71,7 +72,7 @@ def run_handwritten(model: str, batch_size: int, world: int, steps: int, check: 
             raise
         if not os.path.exists(out):
             raise LaunchError(f"handwritten_tp on {world} ranks exited with {proc.returncode} and no result:\n"
-                              f"{_tail(stdout + stderr)}")
+                              f"{output_tail(stdout + stderr)}")
         with open(out) as f:
             return json.load(f)
 
@@ -80,7 +81,7 @@ def single_process_step(model_name: str, batch_size: int, steps: int, warmup: in
     """Median step time of the plain model on one process and one thread (no DTensor)."""
     import torch
 
-    from codegen.reference import make_optimizer
+    from training.reference import make_optimizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -164,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "batch_size": args.batch_size,
         "method": {"steps_per_launch": args.steps, "warmup_steps_dropped": args.warmup,
                    "repeats": args.repeats, "statistic": "median over all kept steps of all launches",
-                   "generated": "codegen.launch.launch(megatron_plan tp=world dp=1, check=True)",
+                   "generated": "training.launch.launch(megatron_plan tp=world dp=1, check=True)",
                    "handwritten": "benchmarks/handwritten_tp.py (parallelize_module) under torchrun"},
         "single_process_step_s": single,
         "worlds": worlds_out,

@@ -69,7 +69,7 @@ def _one_case(name: str, batch: int, seq: int, precision: str, p: Any,
 
     from benchmarks.plain_loop import PlainLoop
     from codegen.executor import PlanExecutor
-    from codegen.reference import loss_of
+    from codegen.plan_model import loss_of
 
     torch.manual_seed(0)
     model, inputs = _model(name, batch, seq, "cpu")

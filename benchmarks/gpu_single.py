@@ -16,9 +16,9 @@ project need not be installed (this script puts the repository root on
    timed, median of ``--steps`` after ``--warmup``; peak =
    ``torch.cuda.max_memory_allocated`` of a steady-state step), and then, while
    the time budget lasts (main cases first), ``planner run`` of the plan
-   (:func:`codegen.launch.launch`, the function behind ``planner run``, with
+   (:func:`training.launch.launch`, the function behind ``planner run``, with
    ``--optimizer adamw``): its own per-step times (median of the steps after the
-   first ``--run-warmup``) and peak memory as ``codegen.rank_main`` reports them;
+   first ``--run-warmup``) and peak memory as ``training.launch.launch`` reports them;
    with ``--check``, the main cases' ``planner run --check`` too (their first step
    against one process in the same precision on the same GPU).
 4. With ``--train N``, ``planner train`` of the first main case's plan
@@ -268,7 +268,7 @@ def run_case(case: Case, run_warmup: int, run_steps: int, timeout_s: float,
              check: bool = False) -> None:
     """``planner run`` of the case's plan; with ``check`` also ``--check`` (its first
     step against a one-process run of the same precision on the same GPU)."""
-    from codegen.launch import launch
+    from training.launch import launch
 
     t0 = time.perf_counter()
     res = launch(case.plan_path, steps=run_warmup + run_steps, optimizer="adamw",
@@ -395,7 +395,7 @@ def print_table(records: list[dict[str, Any]]) -> None:
           "run = planner run of the plan; memory in GB (1e9 bytes), M = MB")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=DEFAULT_OUT, help="folder for gpu_single.json, "
                     "cluster.json and plans/ (default benchmarks/results/gpu)")
@@ -421,7 +421,99 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit, s")
     ap.add_argument("--budget-s", type=float, default=270.0,
                     help="wall-clock budget: phases that would start after it are skipped")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _cluster(args: argparse.Namespace, result: dict[str, Any]) -> str:
+    """Phase 1: the cluster (given, the CPU preset, or profiled here); recorded in ``result``."""
+    if args.cluster:
+        cluster = args.cluster
+        result["profile"] = {"cluster": cluster, "source": "given"}
+    elif args.device == "cpu":
+        cluster = "local-cpu:1"
+        result["profile"] = {"cluster": cluster, "source": "preset (CPU run: no profile)"}
+    else:
+        cluster, rec = profile(args.out, args.quick)
+        result["profile"] = {"cluster": os.path.relpath(cluster, args.out), **rec}
+        print(f"profile: {rec['wall_s']:.1f} s", flush=True)
+    return cluster
+
+
+def _plan_cases(cases: list[Case], cluster: str, args: argparse.Namespace,
+                over_budget: Callable[[], bool]) -> None:
+    """Phase 2: plan every case (before the parent touches the GPU: the planner forks)."""
+    for c in cases:
+        if over_budget():
+            c.record.setdefault("errors", {})["plan"] = "skipped: time budget"
+            continue
+        _guard(c.record, "plan", lambda: plan_case(c, cluster, args.out, args.time_limit))
+        if c.plan is not None:
+            print(f"planned {c.name} in {c.record['plan_s']:.1f} s: "
+                  f"{len(c.plan.checkpoint)} layers checkpointed", flush=True)
+
+
+def _plain_loops(cases: list[Case], args: argparse.Namespace,
+                 over_budget: Callable[[], bool]) -> None:
+    """Phase 3: the plain training loop of every planned case."""
+    for c in cases:
+        if c.plan is None:
+            continue
+        if over_budget():
+            c.record.setdefault("errors", {})["plain"] = "skipped: time budget"
+            continue
+        _guard(c.record, "plain", lambda: plain_case(c, args.device, args.warmup, args.steps))
+        if "plain" in c.record:
+            print(f"plain loop {c.name}: {c.record['plain']['step_time_s'] * 1e3:.1f} ms, "
+                  f"{c.record['plain']['peak_bytes'] / 1e9:.3g} GB", flush=True)
+
+
+def _planner_runs(cases: list[Case], args: argparse.Namespace, start: float) -> None:
+    """Phase 4: ``planner run`` of every planned case, main cases first, while
+    the budget (``args.budget_s`` seconds from ``start``) lasts."""
+    for c in sorted(cases, key=lambda c: not c.main):
+        if c.plan is None:
+            continue
+        left = args.budget_s - (time.perf_counter() - start)
+        if left < 20:
+            c.record.setdefault("errors", {})["run"] = "skipped: time budget"
+            continue
+        _guard(c.record, "run", lambda: run_case(c, args.run_warmup, args.run_steps,
+                                                 timeout_s=max(20.0, left),
+                                                 check=args.check and c.main))
+        if "run" in c.record:
+            st = c.record["run"]["step_time_s"]
+            checked = c.record["run"].get("check")
+            verdict = "" if checked is None else (
+                f", check {'PASSED' if checked['passed'] else 'FAILED'} (max grad err "
+                f"{checked['max_rel_grad_err']}, rtol {checked['rtol']})")
+            print(f"planner run {c.name}: "
+                  f"{st * 1e3 if st is not None else float('nan'):.1f} ms{verdict}",
+                  flush=True)
+
+
+def _train_first(cases: list[Case], args: argparse.Namespace,
+                 over_budget: Callable[[], bool]) -> None:
+    """Phase 5: ``planner train`` of the first planned main case (``--train`` steps)."""
+    first = next((c for c in cases if c.main and c.plan is not None), None)
+    if not args.train or first is None:
+        return
+    if over_budget():
+        first.record.setdefault("errors", {})["train"] = "skipped: time budget"
+        return
+    _guard(first.record, "train",
+           lambda: train_case(first, args.train, args.run_warmup, args.out))
+    tr = first.record.get("train")
+    if tr:
+        ratio = tr["tokens_per_s_over_plain"]
+        print(f"planner train {first.name}: {tr['steps']} steps, "
+              f"{tr['tokens_per_s']:,.0f} tokens/s (plain loop "
+              f"{tr['plain_tokens_per_s'] or float('nan'):,.0f}; ratio "
+              f"{ratio if ratio is not None else float('nan'):.3f}), loss "
+              f"{tr['first_loss']:.3f} -> {tr['final_loss']:.3f}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_single: error: no CUDA GPU (torch.cuda.is_available() is False); "
@@ -448,77 +540,14 @@ def main(argv: list[str] | None = None) -> int:
     def over_budget() -> bool:
         return time.perf_counter() - start > args.budget_s
 
-    # 1. the cluster
-    if args.cluster:
-        cluster = args.cluster
-        result["profile"] = {"cluster": cluster, "source": "given"}
-    elif args.device == "cpu":
-        cluster = "local-cpu:1"
-        result["profile"] = {"cluster": cluster, "source": "preset (CPU run: no profile)"}
-    else:
-        cluster, rec = profile(args.out, args.quick)
-        result["profile"] = {"cluster": os.path.relpath(cluster, args.out), **rec}
-        print(f"profile: {rec['wall_s']:.1f} s", flush=True)
-
+    cluster = _cluster(args, result)
     cases = cases_for(args.models, args.quick, not args.no_calibration)
     result["cases"] = [c.record for c in cases]
-    # 2. plans (before the parent touches the GPU: the planner forks)
-    for c in cases:
-        if over_budget():
-            c.record.setdefault("errors", {})["plan"] = "skipped: time budget"
-            continue
-        _guard(c.record, "plan", lambda: plan_case(c, cluster, args.out, args.time_limit))
-        if c.plan is not None:
-            print(f"planned {c.name} in {c.record['plan_s']:.1f} s: "
-                  f"{len(c.plan.checkpoint)} layers checkpointed", flush=True)
-    # 3. plain loops
-    for c in cases:
-        if c.plan is None:
-            continue
-        if over_budget():
-            c.record.setdefault("errors", {})["plain"] = "skipped: time budget"
-            continue
-        _guard(c.record, "plain", lambda: plain_case(c, args.device, args.warmup, args.steps))
-        if "plain" in c.record:
-            print(f"plain loop {c.name}: {c.record['plain']['step_time_s'] * 1e3:.1f} ms, "
-                  f"{c.record['plain']['peak_bytes'] / 1e9:.3g} GB", flush=True)
-    # 4. planner run, main cases first, while the budget lasts
+    _plan_cases(cases, cluster, args, over_budget)
+    _plain_loops(cases, args, over_budget)
     if not args.no_run:
-        for c in sorted(cases, key=lambda c: not c.main):
-            if c.plan is None:
-                continue
-            left = args.budget_s - (time.perf_counter() - start)
-            if left < 20:
-                c.record.setdefault("errors", {})["run"] = "skipped: time budget"
-                continue
-            _guard(c.record, "run", lambda: run_case(c, args.run_warmup, args.run_steps,
-                                                     timeout_s=max(20.0, left),
-                                                     check=args.check and c.main))
-            if "run" in c.record:
-                st = c.record["run"]["step_time_s"]
-                checked = c.record["run"].get("check")
-                verdict = "" if checked is None else (
-                    f", check {'PASSED' if checked['passed'] else 'FAILED'} (max grad err "
-                    f"{checked['max_rel_grad_err']}, rtol {checked['rtol']})")
-                print(f"planner run {c.name}: "
-                      f"{st * 1e3 if st is not None else float('nan'):.1f} ms{verdict}",
-                      flush=True)
-    # 5. planner train of the first main case
-    first = next((c for c in cases if c.main and c.plan is not None), None)
-    if args.train and first is not None:
-        if over_budget():
-            first.record.setdefault("errors", {})["train"] = "skipped: time budget"
-        else:
-            _guard(first.record, "train",
-                   lambda: train_case(first, args.train, args.run_warmup, args.out))
-            tr = first.record.get("train")
-            if tr:
-                ratio = tr["tokens_per_s_over_plain"]
-                print(f"planner train {first.name}: {tr['steps']} steps, "
-                      f"{tr['tokens_per_s']:,.0f} tokens/s (plain loop "
-                      f"{tr['plain_tokens_per_s'] or float('nan'):,.0f}; ratio "
-                      f"{ratio if ratio is not None else float('nan'):.3f}), loss "
-                      f"{tr['first_loss']:.3f} -> {tr['final_loss']:.3f}", flush=True)
+        _planner_runs(cases, args, start)
+    _train_first(cases, args, over_budget)
     for c in cases:
         add_ratios(c.record)
     result["machine"] = _guard(result, "machine", lambda: machine(args.device))

@@ -59,7 +59,7 @@ export OMP_NUM_THREADS=1
 "$PYTHON" - "$OUT/machine.json" <<'EOF'
 import json, subprocess, sys
 import torch
-from costmodel.profiling.measure import machine_info
+from costmodel.profiling import machine_info
 info = machine_info()
 info.update(cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
             gpu_names=[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],

@@ -20,7 +20,7 @@ all ranks (tp = world size, no data parallelism), with
 
 Same model (zoo name, seed 0, same batch), same SGD optimizer and the same timed
 loop (forward, backward, optimizer step, zero_grad, loss read back) as
-``codegen.rank_main``, so its step times compare with a launched plan's.
+``training.job``, so its step times compare with a launched plan's.
 ``--check`` compares the step-1 loss with one process on rank 0.
 Rank 0 writes the result JSON (``step_times_s``, ``losses``, ...).
 """
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from codegen.reference import make_optimizer, reference_step
+    from training.reference import make_optimizer, train_one_process
     from models.source import build_model
     from models.zoo import GPT
 
@@ -137,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         setup_s = time.perf_counter() - t_setup
         ref = None
         if args.check and rank == 0:
-            ref = reference_step(args.model, seed=0, device=str(device), steps=args.steps,
-                                 optimizer="sgd", lr=args.lr, **kw)
+            step_of = types.SimpleNamespace(model={"source": args.model}, training=kw,
+                                            precision="fp32", pipeline=None)
+            ref = train_one_process(step_of, steps=args.steps, optimizer="sgd", lr=args.lr,
+                                    min_lr_ratio=1.0, device=str(device))
         losses, step_times = [], []
         for _ in range(args.steps):
             if device.type == "cuda":

@@ -41,7 +41,8 @@ SEQ_LEN = 32
 
 def run_model(spec: str, ranks: int, workdir: str) -> dict[str, Any]:
     """Plan and check one model; a failure is recorded, not raised."""
-    from codegen.launch import LaunchError, launch
+    from training.launch import launch
+    from training.torchrun import LaunchError
     from models.source import build_model
     from planner.api import plan
 

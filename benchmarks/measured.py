@@ -5,7 +5,7 @@
     python -m benchmarks.measured --quick              # fewer plans and steps (smoke test)
 
 1. Price plans on a profiled cluster: for each world size (default 2 and 4
-   ranks) a fresh ``costmodel.profiling.measure.profile_local`` of this machine, or a
+   ranks) a fresh ``costmodel.profiling.profile_local`` of this machine, or a
    cached profile given with ``--profile`` (matched by its rank count; the
    result JSON records which was used, its fits and when it was made).
 2. Make the plans: automatic plans (``planner.plan``, every 1-D and 2-D mesh
@@ -14,7 +14,7 @@
    (``planner.baselines.megatron.megatron_configs`` / ``megatron_plan``) at the default
    batch. Plans that come out identical (same placements everywhere) are run
    once.
-3. Run each for real: ``codegen.launch.launch(plan, steps=N, check=True)``
+3. Run each for real: ``training.launch.launch(plan, steps=N, check=True)``
    (torchrun, gloo on CPU / NCCL on GPU, one thread per rank). The first step is
    warm-up and dropped; the measured step time is the median of the rest. The
    check compares step 1 with one process, so a timing of a wrong program is
@@ -49,9 +49,10 @@ if ROOT not in sys.path:  # python benchmarks/measured.py as well as python -m b
 
 from benchmarks.common import load_average, load_average_1min, machine_block, write_results, wrote_message  # noqa: E402
 from benchmarks.stats import mape, median_after_warmup, spearman  # noqa: E402
-from codegen.launch import LaunchError, launch  # noqa: E402
+from training.launch import launch  # noqa: E402
+from training.torchrun import LaunchError  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
-from costmodel.profiling.measure import ProfileError, load_profile, profile_local, profile_path  # noqa: E402
+from costmodel.profiling import ProfileError, load_profile, profile_local, profile_path  # noqa: E402
 from models.source import build_model  # noqa: E402
 from ir.trace import trace  # noqa: E402
 from planner.api import PlanningError, plan  # noqa: E402
@@ -261,7 +262,7 @@ def print_report(result: dict[str, Any]) -> None:
               f"{a['auto_over_best_megatron_measured']:>16.3f}{a['auto_over_best_megatron_predicted']:>16.3f}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", nargs="+", default=[], metavar="PATH",
                     help="cached profile JSON(s) (planner profile output, matched by rank count); "
@@ -275,7 +276,56 @@ def main(argv: list[str] | None = None) -> int:
                          "single-stage intra-op plans on every 1-D and 2-D mesh")
     ap.add_argument("--quick", action="store_true", help="two cases, quick profiles, 4 steps")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "measured.json"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _save_distinct(rows: list[Row], tmp: str) -> None:
+    """Save each distinct plan under ``tmp`` (``row.path``); a row whose plan
+    equals an earlier row's names that row (``row.same_as``) instead."""
+    seen: dict[str, Row] = {}
+    for i, row in enumerate(rows):
+        if row.plan is None:
+            continue
+        row.signature = plan_signature(row.plan)
+        if row.signature in seen:
+            row.same_as = seen[row.signature].label
+            continue
+        seen[row.signature] = row
+        row.path = os.path.join(tmp, f"plan{i}.json")
+        row.plan.save(row.path)
+
+
+def _run_distinct(rows: list[Row], steps: int, warmup: int) -> None:
+    """Run every saved plan; duplicates share the measurement of the plan they equal."""
+    for row in rows:
+        if row.path is None:
+            continue
+        print(f"running {row.label} ...", flush=True)
+        run_row(row, steps, warmup, timeout_s=300.0)
+    for row in rows:
+        if row.same_as is not None:
+            twin = next(r for r in rows if r.signature == row.signature and r.same_as is None)
+            row.result = dict(twin.result)
+
+
+def _plan_record(r: Row) -> dict[str, Any]:
+    """One row of the result's ``plans``: the case, the plan's mesh and prediction, the run."""
+    d: dict[str, Any] = {"model": r.case.model, "batch_size": r.case.batch_size, "ranks": r.case.ranks,
+                         "name": r.name, "config": r.config, "plan_s": r.plan_s}
+    if r.plan is not None:
+        d["mesh"] = list(r.plan.mesh_shape)
+        d["predicted"] = r.plan.predicted
+        d["signature"] = r.signature
+    if r.same_as:
+        d["same_as"] = r.same_as
+    if r.error:
+        d["error"] = r.error
+    d.update(r.result)
+    return d
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.quick:
         args.steps = min(args.steps, 4)
 
@@ -294,43 +344,12 @@ def main(argv: list[str] | None = None) -> int:
             cluster = Cluster.from_dict(profiles[case.ranks]["cluster"])
             rows += make_plans(case, cluster, args.time_limit, args.pipeline)
         planning_s = time.perf_counter() - t_plan
-        seen: dict[str, Row] = {}
-        for i, row in enumerate(rows):
-            if row.plan is None:
-                continue
-            row.signature = plan_signature(row.plan)
-            if row.signature in seen:
-                row.same_as = seen[row.signature].label
-                continue
-            seen[row.signature] = row
-            row.path = os.path.join(tmp, f"plan{i}.json")
-            row.plan.save(row.path)
+        _save_distinct(rows, tmp)
         t_run = time.perf_counter()
-        for row in rows:
-            if row.path is None:
-                continue
-            print(f"running {row.label} ...", flush=True)
-            run_row(row, args.steps, args.warmup, timeout_s=300.0)
-        for row in rows:  # duplicates share the measurement of the plan they equal
-            if row.same_as is not None:
-                twin = next(r for r in rows if r.signature == row.signature and r.same_as is None)
-                row.result = dict(twin.result)
+        _run_distinct(rows, args.steps, args.warmup)
         running_s = time.perf_counter() - t_run
 
-    plans_out = []
-    for r in rows:
-        d: dict[str, Any] = {"model": r.case.model, "batch_size": r.case.batch_size, "ranks": r.case.ranks,
-                             "name": r.name, "config": r.config, "plan_s": r.plan_s}
-        if r.plan is not None:
-            d["mesh"] = list(r.plan.mesh_shape)
-            d["predicted"] = r.plan.predicted
-            d["signature"] = r.signature
-        if r.same_as:
-            d["same_as"] = r.same_as
-        if r.error:
-            d["error"] = r.error
-        d.update(r.result)
-        plans_out.append(d)
+    plans_out = [_plan_record(r) for r in rows]
     result = {
         "benchmark": "measured",
         "machine": machine_block(load_before),
@@ -342,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                        args.pipeline, "single-stage and pipeline plans" if args.pipeline
                        else "single-stage intra-op plans, every 1-D and 2-D mesh"),
                    "steps": args.steps, "warmup_steps_dropped": args.warmup, "statistic": "median",
-                   "launch": "codegen.launch.launch(plan, steps, check=True)",
+                   "launch": "training.launch.launch(plan, steps, check=True)",
                    "predicted": "plan.predicted['step_time_s'] on the profiled cluster",
                    "spearman_and_mape_over": "distinct plans (identical plans run once)"},
         "summary": summarize(rows),

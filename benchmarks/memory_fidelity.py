@@ -389,7 +389,7 @@ DEFINITIONS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", choices=list(MODELS),
                     help="models to measure (default: all; --quick: gpt-tiny)")
@@ -418,21 +418,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="rows that would start after this many seconds are skipped")
     ap.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit, seconds")
     ap.add_argument("--out", default=DEFAULT_OUT, help="result JSON")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-    if args.device == "cuda" and not (args.plan_only or args.measured_from) \
-            and not torch.cuda.is_available():
-        print("memory_fidelity: error: --device cuda but torch sees no CUDA GPU",
-              file=sys.stderr)
-        return 2
+    return ap
 
-    names = args.models or (["gpt-tiny"] if args.quick else list(MODELS))
-    if args.no_fake:
-        names = [n for n in names if not MODELS[n][5]]
+
+def _measurer(args: argparse.Namespace, mesh: Any
+              ) -> Callable[[str, str, Any, int, int], dict[str, Any]]:
+    """``measure(name, precision, plan, batch, seq)``: a row's measured bytes
+    (nothing under ``--plan-only``; an earlier result's under
+    ``--measured-from``; else measured on ``args.device``)."""
     attentions = ["default"] if args.no_math else ["default", "math"]
-    measuring_cuda = args.device == "cuda" and not (args.plan_only or args.measured_from)
-    mesh = _cuda_mesh() if measuring_cuda else None
-
     earlier = _earlier_rows(args.measured_from) if args.measured_from else None
 
     def measure(name: str, precision: str, plan: Any, batch: int, seq: int) -> dict[str, Any]:
@@ -450,8 +444,14 @@ def main(argv: list[str] | None = None) -> int:
                                 breakdown=name in args.breakdown)
         return measure_fake_or_cpu(name, precision, plan, attentions, batch, seq)
 
-    load_before = load_average()
-    start = time.perf_counter()
+    return measure
+
+
+def _rows(names: list[str], args: argparse.Namespace,
+          measure: Callable[[str, str, Any, int, int], dict[str, Any]],
+          start: float) -> list[dict[str, Any]]:
+    """One row per model, precision and recompute setting; rows that would
+    start after ``args.budget_s`` seconds from ``start`` are skipped."""
     rows: list[dict[str, Any]] = []
     for name in names:
         _, _, batch, seq, _, _ = MODELS[name]
@@ -469,6 +469,27 @@ def main(argv: list[str] | None = None) -> int:
                       + (f"ratio {row['ratio']:.3f}" if "ratio" in row else
                          row.get("error", "planned" if args.plan_only else "no ratio")),
                       flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    if args.device == "cuda" and not (args.plan_only or args.measured_from) \
+            and not torch.cuda.is_available():
+        print("memory_fidelity: error: --device cuda but torch sees no CUDA GPU",
+              file=sys.stderr)
+        return 2
+
+    names = args.models or (["gpt-tiny"] if args.quick else list(MODELS))
+    if args.no_fake:
+        names = [n for n in names if not MODELS[n][5]]
+    measuring_cuda = args.device == "cuda" and not (args.plan_only or args.measured_from)
+    measure = _measurer(args, _cuda_mesh() if measuring_cuda else None)
+
+    load_before = load_average()
+    start = time.perf_counter()
+    rows = _rows(names, args, measure, start)
     done = [r for r in rows if "skipped" not in r]
     print()
     print_table(done)

@@ -6,11 +6,11 @@
 For every model of (gpt-tiny, llama-tiny, moe-tiny; deepseek-tiny on request),
 world size of (2, 4) and parallel configuration below, makes a plan with
 ``precision="bf16-mixed"``,
-saves it and runs it with ``codegen.launch.launch(path, steps=2, check=True)``
+saves it and runs it with ``training.launch.launch(path, steps=2, check=True)``
 (torchrun, gloo, ``OMP_NUM_THREADS=1``): step 1's loss and every parameter
 gradient against a one-process run in the same precision
-(:func:`codegen.reference.reference_step`), within
-:func:`codegen.reference.check_tolerance` (5e-2 for bf16 compute), and the
+(:func:`training.reference.train_one_process`), within
+:func:`training.reference.check_tolerance` (5e-2 for bf16 compute), and the
 placements each op produced against the plan's.
 
 Configurations (N = world size); the layout is pinned, not searched, so each
@@ -139,7 +139,8 @@ def _first_line(err: BaseException) -> str:
 def run_case(model_name: str, world: int, config: str, *, steps: int, workdir: str,
              timeout_s: float, precision: str = PRECISION) -> dict[str, Any]:
     """Plan and run one cell; never raises (a failure is recorded in the row)."""
-    from codegen.launch import LaunchError, launch
+    from training.launch import launch
+    from training.torchrun import LaunchError
 
     row: dict[str, Any] = {"model": model_name, "world": world, "config": config,
                            "precision": precision, "passed": False}

@@ -34,7 +34,7 @@ first error line (``hf_default_spec_probe``). Plans, each on ``local-cpu:4``:
 Checks:
 
 1. ``curves``: each model under each plan for ``--steps`` (200) steps; every
-   step's loss against :func:`training.single_process.train_one_process` of
+   step's loss against :func:`training.reference.train_one_process` of
    the same settings (eager, one process, the plan's micro-batch count); the
    maximum relative error over all steps must be <= 1e-4 (:data:`LOSS_RTOL`).
    The run also exports its weights, compared with the one-process run's
@@ -45,8 +45,9 @@ Checks:
    resume from step 10 by themselves. Checked: ``restarts == 1``,
    ``start_step == 10``, ``resumed_from`` ends in ``step_00000010``, and the
    exported weights equal an uninterrupted 20-step run's (same plan) within
-   1e-6 (:data:`WEIGHT_RTOL`, of the model's largest entry: :func:`weight_diff`),
-   the losses of steps 10..19 within 1e-6 too.
+   1e-6 (:data:`WEIGHT_RTOL`, of the model's largest entry:
+   :func:`benchmarks.training_diff.weight_diff`), the losses of steps 10..19
+   within 1e-6 too.
 3. ``replan``: gpt-tiny 2x2, ``--steps 20 --save-every 10``, rank 1 killed at
    step 11 and ``--max-restarts 0``, so the job stops with the save of step
    10; then ``--resume --steps 20`` under the pp=2 ZeRO-3 plan from that save
@@ -64,7 +65,6 @@ files (plans, tokens, checkpoints, exports, the ranks' logs) go to
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -73,17 +73,15 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import (file_tail, git_commit, job_env, load_average,  # noqa: E402
-                               machine_block, read_results, text_token_file, write_results,
-                               wrote_message)
+from benchmarks.common import RESULTS_DIR, file_tail, git_commit, job_env, load_average  # noqa: E402
+from benchmarks.common import machine_block, read_results, write_results, wrote_message  # noqa: E402
+from benchmarks.train_job import CLUSTER, RANKS, doc_tokens, planner_argv, read_result  # noqa: E402
+from benchmarks.training_diff import loss_diff, weight_diff  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
-CLUSTER = "local-cpu:4"
 #: model name -> (model spec, planning flags of its example step)
 #: the tiny Qwen2 as transformers builds it by default (KV cache on, SDPA
 #: attention): its pipeline plans do not run (:func:`probe_default_hf`)
@@ -120,8 +118,8 @@ def _planner(args: list[str], log: str, env: dict[str, str] | None = None
     with open(log, "w") as f:
         f.write("planner " + " ".join(args) + "\n")
         f.flush()
-        rc = subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=job_env(env),
-                            stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(planner_argv(args), cwd=ROOT, env=job_env(env), stdout=f,
+                            stderr=subprocess.STDOUT).returncode
     return rc, round(time.perf_counter() - t0, 2)
 
 
@@ -160,10 +158,7 @@ def train_run(name: str, workdir: str, plan: str, tokens: str, steps: int, *extr
     rc, wall = _planner(args, log, env)
     out: dict[str, Any] = {"name": name, "command": "planner " + " ".join(args),
                            "env": env or {}, "returncode": rc, "wall_s": wall, "folder": folder,
-                           "result": None}
-    if os.path.exists(result):
-        with open(result) as f:
-            out["result"] = json.load(f)
+                           "result": read_result(result)}
     if (rc == 0) != expect_ok or (expect_ok and out["result"] is None):
         out["error_tail"] = file_tail(log, 6) + file_tail(_ranks_log(log), 12)
     print(f"[{name}] exit {rc} in {wall:.0f} s", flush=True)
@@ -181,91 +176,12 @@ def _exported(folder: str) -> dict[str, Any]:
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
-#: gpt-tiny's attention key bias: elements [n_embd, 2 n_embd) of the fused
-#: ``c_attn.bias`` (q | k | v). Its gradient is zero in exact arithmetic (it
-#: adds ``q_i . b_k`` to every score of row i, which softmax cancels), so its
-#: value is AdamW stepping on rounding noise (|g| ~ 1e-10 against eps 1e-8):
-#: two correct runs that sum in another order disagree there by far more than
-#: in any other weight. Reported beside the verdict, never left out of it.
-GPT_TINY_N_EMBD = 64
-
-
-def key_bias_slice(name: str) -> slice | None:
-    """The elements of parameter ``name`` without a gradient in exact
-    arithmetic (gpt-tiny's key bias), or None."""
-    if name.endswith(".attn.c_attn.bias") and name.startswith("transformer."):
-        return slice(GPT_TINY_N_EMBD, 2 * GPT_TINY_N_EMBD)
-    return None
-
-
-def weight_diff(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
-    """``max_diff_of_model_scale``, the verdict: the largest ``max |a - b|`` of any
-    tensor over the largest ``|b|`` of the whole model
-    (:func:`codegen.reference.gradient_errors`, the rule ``--check`` applies to
-    gradients, so that a tensor of near-zero values, such as the attention key
-    bias with its zero true gradient, is not judged on its own tiny scale).
-    Beside it, for diagnosis: max |a - b| / max |b| of every tensor (float64),
-    the worst one, the five worst, and the names only one side has; also that
-    maximum with gpt-tiny's key bias elements left out (:func:`key_bias_slice`),
-    each tensor still scaled by its whole max |b|."""
-    import torch
-
-    from codegen.reference import gradient_errors
-
-    without_kb = (0.0, None)
-    rows = []  # (rel, name, abs diff, max |b|)
-    for name in sorted(set(got) & set(want)):
-        a, b = got[name].double(), want[name].double()
-        if a.shape != b.shape:
-            rows.append((float("inf"), name, float("inf"), 0.0, []))
-            continue
-        delta = (a - b).abs()
-        diff = float(delta.max()) if a.numel() else 0.0
-        scale = float(b.abs().max()) if b.numel() else 0.0
-        rows.append((diff / max(scale, 1e-30), name, diff, scale,
-                     [int(i) for i in torch.unravel_index(delta.argmax(), delta.shape)]
-                     if a.numel() else []))
-        cut = key_bias_slice(name)
-        if cut is not None and a.ndim == 1:
-            keep = torch.ones(a.shape[0], dtype=torch.bool)
-            keep[cut] = False
-            diff = float((a[keep] - b[keep]).abs().max())
-        if diff / max(scale, 1e-30) > without_kb[0] or without_kb[1] is None:
-            without_kb = (diff / max(scale, 1e-30), name)
-    rows.sort(key=lambda r: -r[0])
-    worst = rows[0] if rows else (0.0, None, 0.0, 0.0, [])
-    # the verdict's scale: the model's largest entry, as --check scales gradients
-    model_scale, _ = gradient_errors(got, want)
-    return {"max_diff_of_model_scale": max(model_scale.values(), default=0.0),
-            "max_rel_diff": worst[0], "worst_tensor": worst[1], "worst_abs_diff": worst[2],
-            "worst_max_abs": worst[3], "worst_index": worst[4],
-            "worst_5": [{"tensor": n, "rel": r, "abs": d, "max_abs": m, "index": i}
-                        for r, n, d, m, i in rows[:5]],
-            "max_rel_diff_without_key_bias": without_kb[0],
-            "worst_tensor_without_key_bias": without_kb[1],
-            "tensors_compared": len(rows),
-            "only_in_run": sorted(set(got) - set(want)),
-            "only_in_reference": sorted(set(want) - set(got))}
-
-
-def loss_diff(got: dict[int, float], want: dict[int, float]) -> dict[str, Any]:
-    """The largest |a - b| / |b| over the steps both have, and where."""
-    steps = sorted(set(got) & set(want))
-    errs = {s: abs(got[s] - want[s]) / max(abs(want[s]), 1e-30) for s in steps}
-    worst = max(errs, key=errs.get) if errs else None
-    return {"steps_compared": len(steps), "max_rel_err": errs[worst] if errs else None,
-            "worst_step": worst, "run_loss_at_worst": got.get(worst),
-            "reference_loss_at_worst": want.get(worst),
-            "missing_steps": sorted(set(want) - set(got))}
-
-
 # --------------------------------------------------------------- data, plans
 def make_tokens(workdir: str) -> tuple[str, dict[str, Any]]:
     """ASCII text of this repository's README.md and docs/design.md, repeated
     to about :data:`TEXT_BYTES` bytes, as a uint16 byte-token file
-    (:func:`benchmarks.common.text_token_file`)."""
-    path, info = text_token_file(workdir, ("README.md", "docs/design.md"),
-                                 min_bytes=TEXT_BYTES, below=GPT_TINY_VOCAB)
+    (:func:`benchmarks.train_job.doc_tokens`)."""
+    path, info = doc_tokens(workdir, TEXT_BYTES, below=GPT_TINY_VOCAB)
     # the text is this checkout's docs: another commit gives other batches
     return path, {"sources": info["sources"], "sha256": info["sha256"],
                   "ascii_bytes": info["kept_bytes"], "dropped_bytes": info["dropped_bytes"],
@@ -340,18 +256,17 @@ def make_plan(model_name: str, kind: str, workdir: str) -> tuple[str, dict[str, 
 
 
 def reference(plan_path: str, tokens: str, steps: int) -> Any:
-    """:func:`training.single_process.train_one_process` of the job's settings
+    """:func:`training.reference.train_one_process` of the job's settings
     on the plan's model, batches and micro-batch count."""
     from plan.format import load_plan
     from training.data import TokenFile
-    from training.single_process import train_one_process
+    from training.reference import train_one_process
 
     plan = load_plan(plan_path)
     source = plan.model["source"]
-    from codegen.reference import zoo_kwargs
-    from models.source import build_model
+    from codegen.plan_model import build_plan_model
 
-    _, inputs = build_model(source, device="meta", seed=0, **zoo_kwargs(plan.training))
+    _, inputs = build_plan_model(plan, "meta")
     batch_size, seq_len = inputs[0].shape
     vocab = GPT_TINY_VOCAB if not source.startswith("hf:") else 256
     data = TokenFile(tokens, batch_size=int(batch_size), seq_len=int(seq_len), vocab_size=vocab,
@@ -608,8 +523,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="models of check 1")
     ap.add_argument("--steps", type=int, default=200, help="steps of check 1")
     ap.add_argument("--workdir", default=None, help="work files (default: a new temp folder)")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "train_checks.json"))
-    ap.add_argument("--png", default=os.path.join(RESULTS, "loss.png"))
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "train_checks.json"))
+    ap.add_argument("--png", default=os.path.join(RESULTS_DIR, "loss.png"))
     args = ap.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
@@ -624,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     result.setdefault("plans", {})
     result.update(command="python benchmarks/train_checks.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), workdir=workdir, git_commit=git_commit(),
-                  data=data, cluster=CLUSTER, ranks=4, train=TRAIN, models={
+                  data=data, cluster=CLUSTER, ranks=RANKS, train=TRAIN, models={
                       k: v[0] for k, v in MODELS.items()})
     cache: dict[str, Any] = {}
     if "curves" in args.checks and "hf-qwen2" in args.models:

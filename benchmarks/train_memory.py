@@ -73,26 +73,21 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import (file_tail, git_commit, job_env, load_average,  # noqa: E402
-                               machine_block, read_results, text_token_file, write_results,
-                               wrote_message)
+from benchmarks.common import RESULTS_DIR, file_tail, git_commit, job_env, load_average  # noqa: E402
+from benchmarks.common import machine_block, read_results, write_results, wrote_message  # noqa: E402
+from benchmarks.rank_memory_watch import gib, run_watched, wait_for_memory  # noqa: E402
+from benchmarks.train_job import CLUSTER, RANKS, doc_tokens, planner_argv, read_result  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
-CLUSTER = "local-cpu:4"
-RANKS = 4
 MODEL = "gpt3-1.3b"
 STEP = {"batch_size": 4, "seq_len": 64}
 #: glibc's malloc with every block of 1 MiB or more its own mapping, returned
@@ -113,38 +108,17 @@ DTENSOR_STEP = {"batch_size": 8, "seq_len": 64}
 TRAIN = {"steps": 2, "optimizer": "sgd", "lr": 1e-4}
 TOLERANCE = 0.20  # (peak - baseline) within 20% of the predicted peak
 TEXT_BYTES = 1_000_000
-GiB = 1 << 30
-#: the watchdog kills a job when the machine's available memory falls below this
-MIN_AVAILABLE_BYTES = int(1.5 * GiB)
 #: a run is started only if its ranks' predicted total, times this margin, plus
 #: the process's own bytes, fits 90% of the machine's available memory
 MARGIN = 1.3
 RANK_OVERHEAD_BYTES = 600 << 20
 
 
-# ------------------------------------------------------------------ helpers
-
-def _meminfo() -> dict[str, int]:
-    """/proc/meminfo in bytes."""
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            key, value = line.split(":", 1)
-            parts = value.split()
-            out[key] = int(parts[0]) * (1024 if len(parts) > 1 else 1)
-    return out
-
-
-
-def _gib(n: float | None) -> float | None:
-    return None if n is None else round(n / GiB, 3)
-
-
 # ------------------------------------------------------------- the old runtime
 _OLD_BUILD = r"""
 import json, resource, sys, time
 import torch
-from codegen.parallel_model import resident_bytes as rss
+from codegen.rank_process import resident_bytes as rss
 from models.source import build_model
 
 baseline = rss()
@@ -185,8 +159,8 @@ def old_runtime_figure(model: str) -> dict[str, Any]:
 def make_tokens(workdir: str) -> tuple[str, dict[str, Any]]:
     """README.md and docs/design.md, repeated to about :data:`TEXT_BYTES`
     bytes, as a uint16 byte-token file (ids < 256 < GPT-3's 50257;
-    :func:`benchmarks.common.text_token_file`)."""
-    path, info = text_token_file(workdir, ("README.md", "docs/design.md"), min_bytes=TEXT_BYTES)
+    :func:`benchmarks.train_job.doc_tokens`)."""
+    path, info = doc_tokens(workdir, TEXT_BYTES)
     return path, {k: info[k] for k in ("sources", "repeats", "tokens")}
 
 
@@ -272,109 +246,9 @@ def make_plan(name: str, workdir: str) -> dict[str, Any]:
                            f"training.zoo_kwargs={row['plan_zoo_kwargs']}, not {model_name!r} "
                            f"{step}: planner train could not rebuild it")
     print(f"[{name}] planned in {row['plan_s']} s: mesh {row['mesh']}, predicted peak "
-          f"{_gib(memory.get('peak'))} GiB, total {_gib(memory.get('total'))} GiB per device",
+          f"{gib(memory.get('peak'))} GiB, total {gib(memory.get('total'))} GiB per device",
           flush=True)
     return row
-
-
-# ------------------------------------------------------------------ watching
-class Watch(threading.Thread):
-    """Samples, every ``interval`` seconds, the resident set of each rank of
-    the job started as process ``root`` (its descendants running training.job,
-    by their RANK; torchrun starts them in sessions of their own) and the
-    machine's available memory; kills the job's processes when the available
-    memory falls below :data:`MIN_AVAILABLE_BYTES`."""
-
-    def __init__(self, root: int, interval: float = 1.0):
-        super().__init__(daemon=True)
-        self.root, self.interval = root, interval
-        self.t0 = time.perf_counter()
-        self.samples: list[tuple[float, dict[int, int], int]] = []
-        self.killed: str | None = None
-        self._halt = threading.Event()
-
-    def descendants(self) -> list[int]:
-        """The processes ``root`` started, transitively (root first)."""
-        children: dict[int, list[int]] = {}
-        for pid in os.listdir("/proc"):
-            if not pid.isdigit():
-                continue
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(pid))
-        out, todo = [], [self.root]
-        while todo:
-            pid = todo.pop()
-            out.append(pid)
-            todo.extend(children.get(pid, []))
-        return out
-
-    def kill(self) -> None:
-        """SIGKILL the job's processes, the ranks first."""
-        for pid in reversed(self.descendants()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-
-    def _ranks(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for pid in self.descendants()[1:]:
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"training.job" not in f.read():
-                        continue
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
-                if b"RANK" not in env:  # torchrun itself
-                    continue
-                with open(f"/proc/{pid}/statm") as f:
-                    rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-                out[int(env[b"RANK"])] = rss
-            except (OSError, ValueError, IndexError):
-                continue
-        return out
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            available = _meminfo()["MemAvailable"]
-            self.samples.append((round(time.perf_counter() - self.t0, 1), self._ranks(),
-                                 available))
-            if available < MIN_AVAILABLE_BYTES and self.killed is None:
-                self.killed = (f"killed by the benchmark's watchdog: available memory "
-                               f"{_gib(available)} GiB < {_gib(MIN_AVAILABLE_BYTES)} GiB")
-                self.kill()
-            self._halt.wait(self.interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
-
-    def summary(self) -> dict[str, Any]:
-        """Per rank: its largest sampled resident set and when; the largest sum
-        over ranks; the smallest available memory; a timeline every ~5 s (MiB)."""
-        ranks: dict[int, dict[str, Any]] = {}
-        total_max, total_at, min_available = 0, None, None
-        for t, rss, available in self.samples:
-            for r, b in rss.items():
-                if r not in ranks or b > ranks[r]["max_sampled_rss_bytes"]:
-                    ranks[r] = {"max_sampled_rss_bytes": b, "at_s": t}
-            if sum(rss.values()) > total_max:
-                total_max, total_at = sum(rss.values()), t
-            if min_available is None or available < min_available:
-                min_available = available
-        step = max(1, round(5.0 / self.interval))
-        timeline = [[t, [rss.get(r, 0) >> 20 for r in sorted(ranks)], available >> 20]
-                    for t, rss, available in self.samples[::step]]
-        return {"interval_s": self.interval,
-                "ranks": {str(r): v for r, v in sorted(ranks.items())},
-                "max_sum_rss_bytes": total_max, "max_sum_at_s": total_at,
-                "min_available_bytes": min_available,
-                "timeline_mib": {"columns": ["t_s", "rss_per_rank", "machine_available"],
-                                 "rows": timeline}}
 
 
 # ------------------------------------------------------------------ training
@@ -395,25 +269,14 @@ def train(name: str, plan_path: str, tokens: str, workdir: str, timeout_s: float
     t0 = time.perf_counter()
     with open(log, "w") as f:
         # the ranks' output goes to a temporary file, here made in the run's folder (TMPDIR)
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
-                                env={**job_env(), **extra_env, "TMPDIR": folder}, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        watch = Watch(proc.pid)
-        watch.start()
-        try:
-            rc = proc.wait(timeout=timeout_s)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            watch.kill()
-            rc, timed_out = proc.wait(), True
-        watch.stop()
+        rc, _, timed_out, watch = run_watched(
+            planner_argv(args), cwd=ROOT,
+            env={**job_env(), **extra_env, "TMPDIR": folder}, stdout=f, timeout_s=timeout_s)
     wall = round(time.perf_counter() - t0, 1)
     out: dict[str, Any] = {"command": f"{env_words}OMP_NUM_THREADS=1 planner " + " ".join(args),
                            "returncode": rc, "wall_s": wall, "timed_out": timed_out,
-                           "killed": watch.killed, "sampled": watch.summary(), "result": None}
-    if os.path.exists(result):
-        with open(result) as f:
-            out["result"] = json.load(f)
+                           "killed": watch.killed, "sampled": watch.summary(),
+                           "result": read_result(result)}
     ranks_log = sorted(glob.glob(os.path.join(folder, "planner-train-*.log")),
                        key=os.path.getmtime)
     out["ranks_log"] = ranks_log[-1] if ranks_log else None
@@ -473,24 +336,6 @@ def _need_bytes(predicted_total: float, margin: float = MARGIN) -> int:
     return int(RANKS * (margin * predicted_total + RANK_OVERHEAD_BYTES))
 
 
-def _wait_for_memory(name: str, need: int, wait_s: float) -> tuple[dict[str, int], float, bool]:
-    """Wait up to ``wait_s`` seconds until 90% of the available memory holds
-    ``need`` bytes (other jobs may share the machine), unless 90% of the
-    machine's total cannot; (/proc/meminfo then, seconds waited, whether the
-    machine's total could)."""
-    memory = _meminfo()
-    fits_machine = need <= 0.9 * memory["MemTotal"]
-    waited = 0.0
-    while fits_machine and need > 0.9 * memory["MemAvailable"] and waited < wait_s:
-        if not waited:
-            print(f"[{name}] waiting for {_gib(need)} GiB of free memory (other jobs hold "
-                  f"some: {_gib(memory['MemAvailable'])} GiB available)", flush=True)
-        time.sleep(10)
-        waited += 10
-        memory = _meminfo()
-    return memory, waited, fits_machine
-
-
 def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: float,
              margin: float = MARGIN) -> dict[str, Any]:
     """Plan, check that it fits the machine (waiting up to ``wait_s`` seconds
@@ -504,18 +349,18 @@ def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: flo
     row: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "plan": plan}
     total = plan["predicted_memory_bytes_per_device"].get("total") or 0
     need = _need_bytes(total, margin)
-    memory, waited, fits_machine = _wait_for_memory(name, need, wait_s)
+    memory, waited, fits_machine = wait_for_memory(name, need, wait_s)
     available = memory["MemAvailable"]
     row["machine_fit"] = {"ranks": RANKS, "predicted_total_bytes_per_device": total,
                           "overhead_bytes_per_rank": RANK_OVERHEAD_BYTES, "needs_bytes": need,
                           "machine_bytes": memory["MemTotal"], "available_bytes": available,
                           "waited_s": waited, "fits": need <= 0.9 * available}
     if not row["machine_fit"]["fits"]:
-        row["not_run"] = (f"{RANKS} ranks x ({margin} x {_gib(total)} GiB predicted + "
-                          f"{_gib(RANK_OVERHEAD_BYTES)} GiB process) = {_gib(need)} GiB > 90% of "
-                          f"the {_gib(available)} GiB available"
+        row["not_run"] = (f"{RANKS} ranks x ({margin} x {gib(total)} GiB predicted + "
+                          f"{gib(RANK_OVERHEAD_BYTES)} GiB process) = {gib(need)} GiB > 90% of "
+                          f"the {gib(available)} GiB available"
                           + ("" if fits_machine else
-                             f" (and of this machine's {_gib(memory['MemTotal'])} GiB)")
+                             f" (and of this machine's {gib(memory['MemTotal'])} GiB)")
                           + ": not started")
         print(f"[{name}] {row['not_run']}", flush=True)
         return row
@@ -524,8 +369,8 @@ def run_plan(name: str, workdir: str, tokens: str, timeout_s: float, wait_s: flo
     if run["result"] is not None:
         row["memory"] = _memory_rows(plan, run["result"])
         for r in row["memory"]["ranks"]:
-            print(f"[{name}] rank {r['rank']}: peak {_gib(r['peak_bytes'])} GiB, baseline "
-                  f"{_gib(r['baseline_bytes'])} GiB, (peak - baseline) / predicted peak "
+            print(f"[{name}] rank {r['rank']}: peak {gib(r['peak_bytes'])} GiB, baseline "
+                  f"{gib(r['baseline_bytes'])} GiB, (peak - baseline) / predicted peak "
                   f"{r['ratio_to_predicted_peak']}", flush=True)
     return row
 
@@ -534,7 +379,7 @@ _PROBE = r"""
 import ctypes, gc, json, resource, sys, time
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from codegen.parallel_model import resident_bytes as rss
+from codegen.rank_process import resident_bytes as rss
 
 baseline = rss()
 from codegen.parallel_model import parallelize
@@ -561,12 +406,12 @@ def build_probe(plan_path: str, predicted_total: float, workdir: str, timeout_s:
     heap: how much of it is the shards, how much memory the allocator keeps
     from the build's whole tensors (4 ranks under torchrun, watched)."""
     need = _need_bytes(predicted_total)
-    memory, waited, _ = _wait_for_memory("build probe", need, wait_s)
+    memory, waited, _ = wait_for_memory("build probe", need, wait_s)
     if need > 0.9 * memory["MemAvailable"]:
-        print(f"[build probe] not started: {_gib(need)} GiB needed, "
-              f"{_gib(memory['MemAvailable'])} GiB available", flush=True)
-        return {"plan": plan_path, "not_run": f"{_gib(need)} GiB needed, "
-                f"{_gib(memory['MemAvailable'])} GiB available", "waited_s": waited}
+        print(f"[build probe] not started: {gib(need)} GiB needed, "
+              f"{gib(memory['MemAvailable'])} GiB available", flush=True)
+        return {"plan": plan_path, "not_run": f"{gib(need)} GiB needed, "
+                f"{gib(memory['MemAvailable'])} GiB available", "waited_s": waited}
     script = os.path.join(workdir, "build_probe.py")
     with open(script, "w") as f:
         f.write(_PROBE)
@@ -574,16 +419,8 @@ def build_probe(plan_path: str, predicted_total: float, workdir: str, timeout_s:
            f"--nproc_per_node={RANKS}", script, plan_path]
     print(f"[build probe] {' '.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    watch = Watch(proc.pid)
-    watch.start()
-    try:
-        output, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        watch.kill()
-        output, _ = proc.communicate()
-    watch.stop()
+    returncode, output, _, watch = run_watched(cmd, cwd=ROOT, env=job_env(),
+                                               stdout=subprocess.PIPE, timeout_s=timeout_s)
     ranks = sorted((json.loads(line.split("PROBE ", 1)[1]) for line in output.splitlines()
                     if "PROBE {" in line), key=lambda r: r["rank"])
     for r in ranks:
@@ -591,14 +428,14 @@ def build_probe(plan_path: str, predicted_total: float, workdir: str, timeout_s:
                                             - r["after_malloc_trim_rss_bytes"])
         r["after_trim_minus_baseline_minus_params_bytes"] = (
             r["after_malloc_trim_rss_bytes"] - r["baseline_bytes"] - r["local_param_bytes"])
-    out = {"plan": plan_path, "command": " ".join(cmd[1:]), "returncode": proc.returncode,
+    out = {"plan": plan_path, "command": " ".join(cmd[1:]), "returncode": returncode,
            "wall_s": round(time.perf_counter() - t0, 1), "killed": watch.killed, "ranks": ranks}
-    if proc.returncode != 0 or not ranks:
+    if returncode != 0 or not ranks:
         out["error_tail"] = output.splitlines()[-12:]
     for r in ranks:
-        print(f"[build probe] rank {r['rank']}: after build {_gib(r['after_build_rss_bytes'])} "
-              f"GiB, after malloc_trim {_gib(r['after_malloc_trim_rss_bytes'])} GiB, shards "
-              f"{_gib(r['local_param_bytes'])} GiB", flush=True)
+        print(f"[build probe] rank {r['rank']}: after build {gib(r['after_build_rss_bytes'])} "
+              f"GiB, after malloc_trim {gib(r['after_malloc_trim_rss_bytes'])} GiB, shards "
+              f"{gib(r['local_param_bytes'])} GiB", flush=True)
     return out
 
 
@@ -609,19 +446,19 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"unit": "GiB"}
     old = result.get("old_runtime_build_peak_bytes_per_rank")
     if old:
-        out["old_runtime_build_peak_per_rank"] = _gib(old)
-        out["old_runtime_build_peak_4_ranks"] = _gib(RANKS * old)
+        out["old_runtime_build_peak_per_rank"] = gib(old)
+        out["old_runtime_build_peak_4_ranks"] = gib(RANKS * old)
     for name, row in result["plans"].items():
         plan, line = row.get("plan", {}), {}
         memory = plan.get("predicted_memory_bytes_per_device", {})
-        line.update(model=plan.get("model"), predicted_peak=_gib(memory.get("peak")),
-                    predicted_total=_gib(memory.get("total")),
-                    whole_fp32_params_and_grads=_gib(plan.get("fp32_params_and_grads_bytes")))
+        line.update(model=plan.get("model"), predicted_peak=gib(memory.get("peak")),
+                    predicted_total=gib(memory.get("total")),
+                    whole_fp32_params_and_grads=gib(plan.get("fp32_params_and_grads_bytes")))
         if "memory" in row:
             ranks = row["memory"]["ranks"]
             line.update(
-                peak_per_rank=[_gib(r["peak_bytes"]) for r in ranks],
-                baseline_per_rank=[_gib(r["baseline_bytes"]) for r in ranks],
+                peak_per_rank=[gib(r["peak_bytes"]) for r in ranks],
+                baseline_per_rank=[gib(r["baseline_bytes"]) for r in ranks],
                 ratio_to_predicted_peak=[r["ratio_to_predicted_peak"] for r in ranks],
                 ratio_to_predicted_total=[r["ratio_to_predicted_total"] for r in ranks],
                 within_20pct_of_predicted_peak=row["memory"]["all_within_20pct"],
@@ -641,11 +478,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     probe = result.get("build_probe_2x2", {}).get("ranks")
     if probe:
         out["2x2_after_build"] = {
-            "rss": [_gib(r["after_build_rss_bytes"]) for r in probe],
-            "rss_after_malloc_trim": [_gib(r["after_malloc_trim_rss_bytes"]) for r in probe],
-            "shards": [_gib(r["local_param_bytes"]) for r in probe],
-            "kept_by_allocator": [_gib(r["retained_by_allocator_bytes"]) for r in probe],
-            "build_peak": [_gib(r["build_peak_bytes"]) for r in probe]}
+            "rss": [gib(r["after_build_rss_bytes"]) for r in probe],
+            "rss_after_malloc_trim": [gib(r["after_malloc_trim_rss_bytes"]) for r in probe],
+            "shards": [gib(r["local_param_bytes"]) for r in probe],
+            "kept_by_allocator": [gib(r["retained_by_allocator_bytes"]) for r in probe],
+            "build_peak": [gib(r["build_peak_bytes"]) for r in probe]}
     return out
 
 
@@ -664,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--margin", type=float, default=MARGIN,
                     help="a run starts only if 4 x (MARGIN x the predicted bytes per device + "
                          "the process) fit 90%% of the available memory")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "train_memory.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, "train_memory.json"))
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     load_before = load_average()
@@ -683,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[old runtime] building {MODEL} whole in fp32 in one process", flush=True)
         result["old_runtime"] = old_runtime_figure(MODEL)
         result["old_runtime_build_peak_bytes_per_rank"] = result["old_runtime"].get("peak_bytes")
-        print(f"[old runtime] peak {_gib(result['old_runtime_build_peak_bytes_per_rank'])} GiB "
+        print(f"[old runtime] peak {gib(result['old_runtime_build_peak_bytes_per_rank'])} GiB "
               f"per rank", flush=True)
     partial = args.no_old_runtime or args.no_probe or set(args.plans) != set(DEFAULT_PLANS)
     before = read_results(args.out) if partial else {}

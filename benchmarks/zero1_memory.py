@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,7 +65,7 @@ def make_plan(case: str, path: str) -> None:
     from models.source import build_model
     from ir.trace import trace
     from planner.api import pipeline_plan
-    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     precision, pp, stage_mesh, layout, micro = CASES[case]
     model, inputs = build_model(MODEL, device="meta")
@@ -109,17 +109,14 @@ def rank_main(plan_path: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
     from codegen.pipeline import PipelineRuntime
-    from codegen.reference import zoo_kwargs
-    from costmodel.memory import training_state_bytes
-    from models.source import build_model
+    from codegen.plan_model import build_plan_model
     from plan.format import load_plan
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     device = torch.device("cpu")
     plan = load_plan(plan_path)
-    model, inputs = build_model(plan.model["source"], device="cpu", seed=0,
-                                **zoo_kwargs(plan.training))
+    model, inputs = build_plan_model(plan, "cpu")
     runtime = PipelineRuntime.build(plan, model, inputs, device)
     del model
     opt = runtime.make_optimizer(lambda ts: torch.optim.AdamW(ts, lr=1e-3))
@@ -132,6 +129,19 @@ def rank_main(plan_path: str, out_dir: str) -> None:
             losses.append(sum(float(x) for x in mb_losses) / len(mb_losses))
 
     finish_step(runtime.step(inputs))  # warm-up: Adam's moments exist from here on
+    tracked = _tracked_step(runtime, opt, inputs, finish_step, device)
+    row = {"rank": rank, **_memory_row(plan, runtime, tracked), "losses": losses}
+    with open(os.path.join(out_dir, f"rank_{rank}.json"), "w") as f:
+        json.dump(row, f, indent=1)
+    dist.destroy_process_group()
+
+
+def _tracked_step(runtime: Any, opt: Any, inputs: Any, finish_step: Callable[[Any], None],
+                  device: Any) -> dict[str, Any]:
+    """One step of ``runtime`` under MemTracker: its snapshots (bytes by kind)
+    before the step, after the backward, after the optimizer step and at the
+    peak; the main gradients' bytes as MemTracker tracks them and as counted
+    here, and what of them is left after the step; the stepped dtypes."""
     modules = runtime.modules
     shards = runtime.zero1_shards()
     masters = [t for z in shards for t in z.tensors()]
@@ -162,7 +172,19 @@ def rank_main(plan_path: str, out_dir: str) -> None:
         finish_step(mb_losses)
         after_step = snap()
     peak = snap("peak")
+    return {"before": before, "after_backward": after_backward, "after_step": after_step,
+            "peak": peak, "tracked_main": tracked_main, "counted_main": counted_main,
+            "main_grads_left": main_grads()[1],
+            "stepped_dtypes": sorted({str(t.dtype) for t in masters})}
 
+
+def _memory_row(plan: Any, runtime: Any, tracked: dict[str, Any]) -> dict[str, Any]:
+    """This rank's measured training state (bytes) beside the ZeRO-1 formula's
+    and the plan's stage predictions (:func:`_tracked_step`'s snapshots)."""
+    from costmodel.memory import training_state_bytes
+
+    modules = runtime.modules
+    before, after_backward = tracked["before"], tracked["after_backward"]
     zero = [st for st in runtime.stage_plans]
     d = runtime.stage_mesh.size(zero[0].zero_axis) if runtime.stage_mesh.ndim > 1 \
         else runtime.stage_mesh.size()
@@ -170,7 +192,7 @@ def rank_main(plan_path: str, out_dir: str) -> None:
     precision = plan.precision
     measured = {
         "params": before.get("Parameter", 0),
-        "grads": tracked_main if precision.mixed else after_backward.get("Gradient", 0),
+        "grads": tracked["tracked_main"] if precision.mixed else after_backward.get("Gradient", 0),
         "optimizer": before.get("Optstate", 0) + before.get("Other", 0),
     }
     measured["total"] = sum(measured.values())
@@ -184,26 +206,22 @@ def rank_main(plan_path: str, out_dir: str) -> None:
         for k in planned:
             planned[k] += int(st.predicted["memory_bytes_per_device"][k])
     planned["total"] = sum(planned.values())
-    row = {
-        "rank": rank, "stages": [st.index for st in zero], "zero_ranks": d,
+    return {
+        "stages": [st.index for st in zero], "zero_ranks": d,
         "stage_params": numel,
         "param_dtypes": sorted({str(p.dtype) for m in modules for p in m.parameters()}),
-        "stepped_dtypes": sorted({str(t.dtype) for t in masters}),
+        "stepped_dtypes": tracked["stepped_dtypes"],
         "memtracker": {"before_step": before, "after_backward": after_backward,
-                       "after_step": after_step, "peak": peak},
+                       "after_step": tracked["after_step"], "peak": tracked["peak"]},
         "measured": measured,
         "measured_bytes_per_param": {k: v / numel for k, v in measured.items()},
         "predicted_training_state_bytes": {k: int(v) for k, v in formula.items()},
         "predicted_plan_stage": planned,
         "ratio_total": measured["total"] / formula["total"],
-        "main_grad_bytes_counted": counted_main,
+        "main_grad_bytes_counted": tracked["counted_main"],
         "other_live_after_backward": others,
-        "main_grads_left_after_step": main_grads()[1],
-        "losses": losses,
+        "main_grads_left_after_step": tracked["main_grads_left"],
     }
-    with open(os.path.join(out_dir, f"rank_{rank}.json"), "w") as f:
-        json.dump(row, f, indent=1)
-    dist.destroy_process_group()
 
 
 def run_case(case: str, workdir: str) -> dict[str, Any]:

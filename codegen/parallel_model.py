@@ -33,7 +33,6 @@ them and loads them under another plan).
 
 from __future__ import annotations
 
-import atexit
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -43,14 +42,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from codegen.capture import PlanMismatchError
-from codegen.reference import loss_of
+from codegen.plan_model import loss_of
+from codegen.rank_process import (ensure_process_group, release_freed_memory,
+                                   return_freed_host_memory)
 from codegen.runnable import unrunnable_reason
+from codegen.step_phases import backward_tracer, during
 from codegen.zero1 import StateShards
 from plan.format import Plan, load_plan
 
 __all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "backward_to_placements",
-           "check_batch", "parallelize", "peak_memory", "resident_bytes", "runtime_device"]
+           "check_batch", "parallelize"]
 
 #: How the parameters get their first values: ``"fresh"`` (the model's own
 #: initialisation, exactly as one process builds it) or ``"empty"`` (allocated
@@ -62,73 +63,6 @@ class BatchShapeError(ValueError):
     """A batch that is not of the shapes and dtypes the plan was made for."""
 
 
-def runtime_device(cluster: dict[str, Any], local_rank: int) -> tuple[str, torch.device]:
-    """The process-group backend and the device this rank trains on, as the
-    plan's ``cluster`` says: a gloo cluster (CPU ranks) runs on the CPU even where
-    CUDA is present; an NCCL one on GPU ``local_rank``, or on the CPU with gloo
-    where this machine has no CUDA (the launcher says so before it starts).
-
-    Raises:
-        ValueError: an NCCL plan on a machine with fewer CUDA devices than the
-            ranks started on it.
-    """
-    if cluster.get("backend") == "gloo" or not torch.cuda.is_available():
-        return "gloo", torch.device("cpu")
-    count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise ValueError(
-            f"the plan is for {cluster.get('name', 'a GPU cluster')} (one GPU a rank), but this "
-            f"machine has {count} CUDA device(s) for local rank {local_rank}; start at most "
-            f"{count} rank(s) per node, or plan for a CPU cluster (local-cpu:N)")
-    return "nccl", torch.device("cuda", local_rank)
-
-
-def _ensure_process_group(plan: Plan) -> torch.device:
-    """This rank's device; the default process group, started from torchrun's
-    environment where none is yet. Refuses a world of another size than the plan's."""
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    backend, device = runtime_device(plan.cluster, local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            raise RuntimeError(f"parallelize needs torchrun's environment: start the script with "
-                               f"torchrun --nproc_per_node {plan.world_size}")
-        dist.init_process_group(backend, **_restart_store())
-        atexit.register(_close_process_group)
-    if dist.get_world_size() != plan.world_size:
-        raise PlanMismatchError(f"the plan is for {plan.world_size} devices (mesh "
-                                f"{list(plan.mesh_shape)}) but {dist.get_world_size()} ranks run")
-    return device
-
-
-def _close_process_group() -> None:
-    """At interpreter exit, close the process group :func:`parallelize` started.
-
-    Left to interpreter finalization, gloo's worker threads can still hold
-    work whose tensors need the GIL of an interpreter being torn down, and the
-    rank aborts (SIGABRT) after its last step. No barrier first: a rank leaving
-    on an error must not wait for peers blocked in a collective with it."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _restart_store() -> dict[str, Any]:
-    """``init_process_group`` arguments for ranks torchrun restarted after a
-    failure: its agent's store under a prefix of their own attempt, since the
-    store still holds the addresses the failed attempt's ranks published (gloo
-    would connect to those dead ranks). Nothing for a first attempt."""
-    from datetime import timedelta
-
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timedelta(minutes=10))
-    return {"store": dist.PrefixStore(f"attempt_{attempt}", store),
-            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
-
-
 def _as_tuple(inputs: Any) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
@@ -137,14 +71,9 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
     """The plan's model and example inputs on meta, and how to give a state
     tensor its whole value on ``device`` (:data:`INITS`)."""
     from codegen.deferred_init import record_build
-    from codegen.reference import zoo_kwargs
-    from models.source import build_model
+    from codegen.plan_model import build_plan_model
 
-    def build() -> tuple[nn.Module, tuple]:
-        return build_model(plan.model["source"], device="meta", seed=0,
-                           **zoo_kwargs(plan.training))
-
-    (model, inputs), record = record_build(build, device)
+    (model, inputs), record = record_build(lambda: build_plan_model(plan, "meta"), device)
     release_freed_memory(device)
     parameters = {id(p) for p in model.parameters()}
 
@@ -156,47 +85,6 @@ def _build_on_meta(plan: Plan, device: torch.device, init: str) -> tuple[nn.Modu
         return record.materialize(t)
 
     return model, inputs, materialize
-
-
-#: Host allocations of at least this many bytes get a mapping of their own (CPU ranks).
-_OWN_MAPPING_BYTES = 1 << 20
-#: glibc's mallopt parameter for that threshold
-_M_MMAP_THRESHOLD = -3
-
-
-def _libc() -> Any:
-    """The C library, where it is glibc (``malloc_trim`` and ``mallopt``), else None."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-def return_freed_host_memory() -> None:
-    """Make this CPU rank give freed tensors back to the system: glibc maps
-    every allocation of 1 MiB or more on its own (its default threshold grows
-    to 32 MiB and the heap keeps what is freed below it, 0.3-1 GiB a rank of a
-    1.3B model). So a rank's resident set follows its live tensors, as CUDA's
-    peak allocation does. Nothing where the C library is not glibc."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, _OWN_MAPPING_BYTES)
-
-
-def release_freed_memory(device: torch.device) -> None:
-    """Give memory that was freed back to the system: on CPU ranks glibc's
-    heap (``malloc_trim``), on CUDA the caching allocator's unused blocks."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        return
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
 
 
 @dataclass(frozen=True)
@@ -254,23 +142,6 @@ def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[torch.Ten
     return local.detach(), moved
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now, in bytes (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_memory(device: torch.device) -> tuple[int, str]:
-    """This process's peak memory on ``device``, in bytes, and what it is: CUDA's
-    peak allocation, or on CPU ranks the process's peak resident set
-    (``ru_maxrss``, KiB on Linux)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device)), "cuda_max_allocated"
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024, "cpu_peak_rss"
-
-
 class ParallelModel:
     """This rank's part of a plan, ready to train; make with :func:`parallelize`.
 
@@ -292,6 +163,9 @@ class ParallelModel:
         #: whether :meth:`state_dict` handed out ZeRO-1 master values that may have
         #: been written since the parameters forward reads were gathered from them
         self._masters_exposed = False
+        #: gradients the last :meth:`step` redistributed to their placements (this rank)
+        self.grad_reductions = 0
+        self._steps_done = 0
         #: id(parameter forward reads) -> its ZeRO-1 stage's shards
         self._zero1_of = {id(p): z for z in self._zero1 for p in z.parameters()}
         sharded = {k: v for z in self._zero1 for k, v in z.stepped().items()}
@@ -382,15 +256,28 @@ class ParallelModel:
         return value.to(self.device)
 
     def _single_stage_step(self, batch: tuple) -> torch.Tensor:
-        loss, _ = backward_to_placements(self._executor, loss_of(self._executor(*batch)))
+        self._steps_done += 1
+        step = self._steps_done
+        with during(f"the forward of step {step}"):
+            loss = loss_of(self._executor(*batch))
+        # the first step names the op whose gradient fails, if one does
+        entered = backward_tracer(loss) if step == 1 else lambda: None
+        try:
+            loss, self.grad_reductions = backward_to_placements(self._executor, loss)
+        except Exception as err:
+            op = entered()
+            err.rank_phase = f"the backward of step {step}" + (f", at {op}" if op else "")
+            raise
         return loss
 
     def _pipeline_step(self, batch: tuple) -> torch.Tensor:
         runtime = self._pipeline
-        losses = runtime.step(batch)
-        runtime.sync_grads()
+        self._steps_done += 1
+        with during(f"the pipelined step {self._steps_done}"):
+            losses = runtime.step(batch)
+        self.grad_reductions = runtime.sync_grads()
         for shards in self._zero1:
-            shards.reduce_grads()
+            self.grad_reductions += shards.reduce_grads()
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if losses:
             value += torch.stack([x.detach().double() for x in losses]).mean()
@@ -402,6 +289,46 @@ class ParallelModel:
         pipe = self.plan.pipeline
         last = pipe.stages[-1].pp_rank
         return int(self._pipeline.world_mesh.mesh[last].flatten()[0])
+
+    # ------------------------------------------------- what the step did
+    @property
+    def executors(self) -> list[Any]:
+        """The plan executors of this rank (one, or one per pipeline stage it
+        runs), with the placements each recorded (:attr:`PlanExecutor.record`)."""
+        return self._pipeline.executors if self._pipeline is not None else [self._executor]
+
+    @property
+    def reports_for_stage(self) -> bool:
+        """Whether this rank speaks for its stage mesh (its first rank): the
+        one of its mesh whose records and whole gradients count."""
+        return self._pipeline.is_stage_leader if self._pipeline is not None else self.rank == 0
+
+    def recorded_plan(self) -> Plan:
+        """The plan with the placements the single stage observed filled in."""
+        if self._pipeline is not None:
+            raise ValueError("a pipelined plan records no placements; record single stages")
+        return self._executor.recorded_plan()
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every gradient of this rank's stages as a whole tensor (None where a
+        parameter has none), after :meth:`step` (a collective over each stage's
+        mesh: every rank of it calls this)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for fqn, (param, tensor, placements) in self._stepped.items():
+            grad = tensor.grad
+            if grad is not None and placements is not None:
+                grad = self._global(grad, tensor, param, placements)
+            out[fqn] = grad.full_tensor() if isinstance(grad, DTensor) else grad
+        return out
+
+    def updated_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer forward updates (BatchNorm's running statistics) as a
+        whole tensor, for a single stage; none for a pipeline (a collective)."""
+        if self._pipeline is not None:
+            return {}
+        updated = set(self._executor.graph.buffer_updates.values())
+        return {fqn: (v.full_tensor() if isinstance(v, DTensor) else v)
+                for fqn, v in self._executor.named_buffers() if fqn in updated}
 
     # ----------------------------------------------------- optimizer, clipping
     def optimizer(self, optimizer_class: Callable[..., torch.optim.Optimizer],
@@ -584,7 +511,8 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
 
     Raises:
         ValueError: a plan this runtime cannot run (:func:`codegen.runnable.unrunnable_reason`).
-        PlanMismatchError: the model captures as another program than the plan's.
+        codegen.capture.PlanMismatchError: the model captures as another program than
+            the plan's (or the world is of another size than the plan's).
         codegen.pipeline_validation.PipelinePlanError: a pipeline this runtime
             cannot run.
     """
@@ -595,7 +523,7 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
     reason = unrunnable_reason(plan)
     if reason:
         raise ValueError(f"this plan cannot run: {reason}")
-    device = _ensure_process_group(plan)
+    device = ensure_process_group(plan)
     if device.type == "cpu":
         return_freed_host_memory()
     materialize = None
@@ -609,8 +537,9 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
     if plan.pipeline is not None:
         from codegen.pipeline import PipelineRuntime
 
-        runtime = PipelineRuntime.build(plan, model, example_inputs, device,
-                                        materialize=materialize)
+        with during("building the plan's pipeline stages"):
+            runtime = PipelineRuntime.build(plan, model, example_inputs, device,
+                                            materialize=materialize)
         release_freed_memory(device)
         return ParallelModel(plan, device, example_inputs, pipeline=runtime)
     from torch.distributed.device_mesh import init_device_mesh
@@ -620,6 +549,7 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
     names = plan.mesh.get("axis_names")
     names = tuple(names) if names and len(names) == len(plan.mesh_shape) else None
     mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=names)
-    executor = PlanExecutor(plan, model, example_inputs, mesh, materialize=materialize)
+    with during("building the plan's model"):
+        executor = PlanExecutor(plan, model, example_inputs, mesh, materialize=materialize)
     release_freed_memory(device)
     return ParallelModel(plan, device, example_inputs, executor=executor)

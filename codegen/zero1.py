@@ -58,7 +58,7 @@ from codegen.redistribution import redistribute
 
 __all__ = ["OptimizerGroup", "ShardedStateOptimizer", "StateShards", "slice_bounds"]
 
-#: Builds torch's optimizer over a list of tensors (``codegen.reference.make_optimizer``).
+#: Builds torch's optimizer over a list of tensors (``torch.optim.AdamW`` and the like).
 MakeOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 

@@ -20,7 +20,8 @@ import pytest
 import ir
 from codegen.capture import PlanMismatchError
 from codegen.executor import record_plan
-from codegen.launch import LaunchError, launch
+from training.launch import launch
+from training.torchrun import LaunchError
 from ir.placements import parse_placement, placement_str
 from models.source import build_model
 from plan.format import Plan, SolverReport, load_plan
@@ -137,8 +138,8 @@ def test_written_out_program_runs_the_models_math():
 
     from codegen.capture import WrittenOutProgram, capture_program
     from codegen.executor import PlanExecutor
-    from codegen.launch import REPO_ROOT
-    from codegen.reference import loss_of
+    from training.torchrun import REPO_ROOT
+    from codegen.plan_model import loss_of
 
     source = f"{REPO_ROOT}/tests/pipeline_model.py:gpt8"
     plan = skeleton_plan(source, [1], lambda f: ["R"], ["R"])
@@ -331,7 +332,7 @@ def test_rank_device_follows_the_plans_cluster(monkeypatch):
     GPU, and more ranks than GPUs is refused in one line."""
     import torch
 
-    from codegen.rank_main import runtime_device
+    from codegen.rank_process import runtime_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Shard
 
 from codegen.context_parallel import ContextParallelLayout, chunk_positions, cut_sequences
-from codegen.launch import launch
+from training.launch import launch
 from codegen.runnable import unrunnable_reason
 from planner.api import plan
 from plan.format import load_plan

@@ -2,7 +2,7 @@
 
 import pytest
 
-from codegen.launch import launch
+from training.launch import launch
 from models.source import build_model
 from planner.api import plan
 

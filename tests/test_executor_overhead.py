@@ -21,9 +21,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from codegen.capture import capture_program
 from codegen.executor import PlanExecutor
-from codegen.launch import REPO_ROOT
+from training.torchrun import REPO_ROOT
 from codegen.node_runner import public_binding
-from codegen.reference import loss_of
+from codegen.plan_model import loss_of
 from models.source import build_model
 from ir.torch_compat import op_overload_name
 from plan.format import Plan

@@ -12,7 +12,8 @@ import torch
 pytest.importorskip("transformers", reason="Hugging Face transformers is not installed "
                     "(pip install '.[hf]')")
 
-from codegen.launch import LaunchError, launch  # noqa: E402
+from training.launch import launch  # noqa: E402
+from training.torchrun import LaunchError  # noqa: E402
 from ir.device_capture import on_device_type  # noqa: E402
 from ir.exported_graph import tied_parameters  # noqa: E402
 from models.source import ModelSourceError, build_model  # noqa: E402

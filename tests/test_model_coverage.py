@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from codegen.reference import check_tolerance, gradient_errors
+from training.reference import check_tolerance, gradient_errors
 from ir.exported_graph import graph_from_exported
 from ir.program_capture import capture, capture_in_one_pass
 
@@ -100,20 +100,16 @@ def test_batchnorm_statistics_are_buffer_updates_and_the_loss_the_only_output(ca
 
 
 def test_a_buffer_off_after_the_steps_fails_the_check():
-    import argparse
-
-    from codegen.rank_main import _finish
+    from training.run_check import _add_check_fields
 
     class Ref:
         losses, loss = [1.0], 1.0
 
-    args = argparse.Namespace(rtol=1e-5)
     result = {"losses": [1.0], "observed_match": True}
-    _, ok = _finish(args, dict(result), True, Ref, {"w": 0.0}, [], {"bn1.running_mean": 0.0})
-    assert ok
-    checked, ok = _finish(args, dict(result), True, Ref, {"w": 0.0}, [],
-                          {"bn1.running_mean": 1.0})
-    assert not ok and checked["worst_buffer"] == "bn1.running_mean"
+    assert _add_check_fields(dict(result), Ref, {"w": 0.0}, [], {"bn1.running_mean": 0.0}, 1e-5)
+    checked = dict(result)
+    assert not _add_check_fields(checked, Ref, {"w": 0.0}, [], {"bn1.running_mean": 1.0}, 1e-5)
+    assert checked["worst_buffer"] == "bn1.running_mean"
 
 
 def test_a_pipeline_of_a_batchnorm_model_is_refused_in_one_line(tmp_path):
@@ -167,7 +163,7 @@ Traceback (most recent call last):
 
 
 def test_the_ranks_failure_is_one_line_with_the_cause_what_to_do_and_the_log():
-    from codegen.launch import first_error_line, rank_failure_line
+    from training.torchrun import first_error_line, rank_failure_line
 
     assert first_error_line(RANK_CRASH).startswith("in the backward of step 1, at ViewBackward0")
     line = rank_failure_line(RANK_CRASH, 1, "/tmp/x.log")

@@ -2,7 +2,7 @@
 
 Each case plans ``tests/pipeline_model.py:gpt8`` (gpt-tiny's shape with 8 blocks)
 with :func:`planner.api.pipeline_plan`, runs one training step of the plan with
-``codegen.launch.launch(..., check=True)`` and requires the step loss (mean of the
+``training.launch.launch(..., check=True)`` and requires the step loss (mean of the
 micro-batch losses) and every parameter gradient to match the one-process
 reference within 1e-5.
 """
@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from codegen.launch import REPO_ROOT, launch
+from training.launch import launch
+from training.torchrun import REPO_ROOT
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from plan.format import PipelinePlan, Plan, SolverReport, StagePlan
 
@@ -31,7 +32,7 @@ def pipeline_test_plan(*, pp: int, stage_mesh: tuple[int, ...], schedule: str,
     from models.source import build_model
     from ir.trace import trace
     from planner.api import pipeline_plan
-    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model(SOURCE, device="meta")
     fixed = None

@@ -3,9 +3,9 @@
 The multi-process cases make a plan with ``precision="bf16-mixed"`` the way
 ``benchmarks/precision_check.py`` does (the layout pinned: Megatron, or
 ZeRO-3 through ``pipeline_plan``), run two steps of it with
-``codegen.launch.launch(..., check=True)`` and require the loss and every
+``training.launch.launch(..., check=True)`` and require the loss and every
 gradient of step 1 (and the loss of step 2) to be within
-``codegen.reference.check_tolerance("bf16-mixed")`` (5e-2) of the reference,
+``training.reference.check_tolerance("bf16-mixed")`` (5e-2) of the reference,
 with the plan's placements observed. The whole grid (3 models x 2 and 4 ranks
 x dp, tp, 2-D, pp=2, ZeRO-3) is the benchmark.
 """
@@ -17,8 +17,8 @@ import json
 import pytest
 
 from benchmarks.precision_check import make_plan
-from codegen.launch import launch
-from codegen.reference import check_tolerance
+from training.launch import launch
+from training.reference import check_tolerance
 from plan.format import load_plan
 
 

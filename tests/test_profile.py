@@ -10,7 +10,7 @@ from costmodel.cluster import Link
 from costmodel.presets import load_cluster
 from costmodel.collectives import collective_time
 from costmodel.compute import matmul_efficiency, op_time
-from costmodel.profiling.measure import (
+from costmodel.profiling import (
     COLLECTIVE_SIZES,
     ProfileError,
     alpha_beta_terms,

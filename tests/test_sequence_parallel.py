@@ -3,7 +3,7 @@
 import pytest
 from torch.distributed.tensor.placement_types import Shard
 
-from codegen.launch import launch
+from training.launch import launch
 from ir import trace
 from ir.repeated_blocks import find_layers
 from models.source import build_model

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from app.cli import main as planner
-from codegen.reference import relative_error
+from training.reference import relative_error
 from plan.format import load_plan
 
 GPT_TINY_VOCAB = 128
@@ -66,7 +66,7 @@ def _train(args: list[str], env: dict[str, str] | None = None) -> tuple[int, dic
 
 def _reference(plan_path: str, tokens: str, steps: int):
     from training.data import TokenFile
-    from training.single_process import train_one_process
+    from training.reference import train_one_process
 
     plan = load_plan(plan_path)
     batch_size, seq_len = plan.training["input_shapes"][0]
@@ -192,7 +192,7 @@ def test_readme_training_loop_runs(plans, tokens, tmp_path):
     import subprocess
     import sys
 
-    from codegen.launch import rank_env
+    from training.torchrun import rank_env
     from tests.test_readme import _readme_file
 
     # registered before parallelize's own exit handler, so it runs after it
@@ -222,7 +222,7 @@ def test_hugging_face_folder_trains_and_exports_for_from_pretrained(tokens, tmp_
     its ``--export`` loads with ``from_pretrained`` to one process's logits."""
     transformers = pytest.importorskip("transformers")
     from training.data import TokenFile
-    from training.single_process import train_one_process
+    from training.reference import train_one_process
 
     config = transformers.AutoConfig.for_model(
         "qwen2", num_hidden_layers=2, hidden_size=64, intermediate_size=128,
@@ -254,7 +254,7 @@ def test_hugging_face_folder_trains_and_exports_for_from_pretrained(tokens, tmp_
 def test_gpu_plans_say_where_they_run_and_fp16_is_refused(tmp_path, capsys, monkeypatch):
     """A GPU cluster's plan on a machine without CUDA runs on CPU ranks, and says
     so in one line; an fp16 plan (no loss scaling here) is refused by train too."""
-    from codegen.launch import cpu_fallback_note
+    from training.torchrun import cpu_fallback_note
 
     gpu = str(tmp_path / "gpu.json")
     assert planner(["plan", "--model", "gpt-tiny", "--cluster", "dgx-h100:1", "--mesh", "8",

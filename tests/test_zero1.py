@@ -123,9 +123,9 @@ def _mixed_zero1_plan(pp: int, stage_mesh: tuple[int, ...], megatron: tuple[int,
                       schedule: str = "1f1b"):
     """A bf16-mixed ZeRO-1 pipeline plan of the 8-block GPT on 4 CPU ranks, the
     Megatron layout ``megatron=(tp, dp)`` pinned on every stage."""
-    from codegen.launch import REPO_ROOT
+    from training.torchrun import REPO_ROOT
     from planner.api import pipeline_plan
-    from planner.baselines.megatron_layout import MegatronConfig, megatron_layout
+    from planner.megatron_layout import MegatronConfig, megatron_layout
 
     source = f"{REPO_ROOT}/tests/pipeline_model.py:gpt8"
     model, inputs = build_model(source, device="meta")
@@ -143,8 +143,8 @@ def _check_mixed(plan, tmp_path) -> dict:
     """Three AdamW steps at lr 1e-2 against one bf16-mixed process: the loss of
     every step (a stale or wrongly cast parameter would show in the next one)
     and every gradient of the first, within bf16-mixed's tolerance."""
-    from codegen.launch import launch
-    from codegen.reference import check_tolerance
+    from training.launch import launch
+    from training.reference import check_tolerance
 
     path = tmp_path / "plan.json"
     plan.save(path)

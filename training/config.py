@@ -38,10 +38,16 @@ class TrainConfig:
     init: str | None = None  # start from a save folder, a checkpoint dir or a HF folder
     export: str | None = None  # one consolidated safetensors state dict at the end
     result_json: str | None = None
+    #: what the job reports: "train" (progress lines, the job's result JSON) or
+    #: "run" (``planner run``: the summary, placements and --check, constant LR)
+    report: str = "train"
+    check: bool = False  # "run": compare step 1 with one process and the plan's placements
+    rtol: float | None = None  # "run": the check's tolerance (default: by precision)
+    record: str | None = None  # "run": write the plan with the observed placements here
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        return cls(**{f.name: getattr(args, f.name, f.default) for f in fields(cls)})
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -1,4 +1,4 @@
-"""The rank program of ``planner train``: a training job on a plan.
+"""The rank program of ``planner train`` and ``planner run``: a training job on a plan.
 
     torchrun --nproc_per_node N [--max-restarts R] -m training.job PLAN.json \\
         --data train.bin --steps 200 [--lr --warmup --grad-clip --checkpoint-dir DIR ...]
@@ -16,6 +16,11 @@ saves (:mod:`training.checkpoint`); after a failure torchrun restarts the ranks
 themselves. Rank 0 logs (:mod:`training.progress_log`), exports and writes the
 result JSON, with every rank's peak memory.
 
+``planner run`` is this job too (its config's ``report`` is ``"run"``,
+:func:`training.launch.launch`): a constant learning rate on the example
+batch, with :class:`training.run_check.RunCheck` as the loop's hook (the
+``--check`` against one process, ``--record``, the run's summary and result).
+
 What the job needs is checked first (:func:`prepare`, also run by the command
 line before it starts any rank): bad input is one line and exit status 2.
 
@@ -27,6 +32,7 @@ and the resume after it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -42,7 +48,7 @@ from training.config import CONFIG_ENV, TrainConfig, add_train_arguments
 
 __all__ = ["JobInputs", "main", "prepare", "run"]
 
-EXIT_OK, EXIT_BAD_INPUT = 0, 2
+EXIT_OK, EXIT_BAD_INPUT, EXIT_MISMATCH = 0, 2, 3
 FAULT_ENV = "PLANNER_TRAIN_FAULT"
 
 
@@ -62,13 +68,14 @@ class JobInputs:
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
     from codegen.capture import PlanMismatchError
     from codegen.parallel_model import BatchShapeError
+    from codegen.pipeline_validation import PipelinePlanError
     from models.source import ModelSourceError
     from plan.format import PlanError
     from training.checkpoint import CheckpointError
     from training.data import DataError
 
-    return (DataError, CheckpointError,
-            BatchShapeError, ModelSourceError, PlanError, PlanMismatchError)
+    return (DataError, CheckpointError, BatchShapeError, ModelSourceError, PlanError,
+            PlanMismatchError, PipelinePlanError)
 
 
 def _vocab_size(model: nn.Module) -> int | None:
@@ -101,12 +108,10 @@ def _example_batches(plan: Any) -> Callable[[int], tuple]:
     values a one-process build on the CPU gives it (the model itself stays on
     meta: :mod:`codegen.deferred_init`)."""
     from codegen.deferred_init import record_build
-    from codegen.reference import zoo_kwargs
-    from models.source import build_model
+    from codegen.plan_model import build_plan_model
 
-    (_, inputs), record = record_build(
-        lambda: build_model(plan.model["source"], device="meta", seed=0,
-                            **zoo_kwargs(plan.training)), torch.device("cpu"))
+    (_, inputs), record = record_build(lambda: build_plan_model(plan, "meta"),
+                                       torch.device("cpu"))
     batch = tuple(record.materialize(t) if isinstance(t, torch.Tensor) and t.is_meta else t
                   for t in inputs)
     return lambda step: batch
@@ -167,17 +172,15 @@ def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
     data (length, token ids within the vocabulary, batch shapes), the first
     weights and the checkpoint to resume, the export folder. Raises one of
     :func:`_bad_input_errors` with a one-line message."""
-    from codegen.reference import zoo_kwargs
-    from models.source import build_model
-    from plan.format import load_plan
     from codegen.parallel_model import InputSpec, check_batch
+    from codegen.plan_model import build_plan_model
+    from plan.format import load_plan
     from training.data import load_user_batches
     from training.hf_checkpoint import check_export_target
 
     _check_config(config)
     plan = load_plan(config.plan)
-    model, inputs = build_model(plan.model["source"], device="meta", seed=0,
-                                **zoo_kwargs(plan.training))
+    model, inputs = build_plan_model(plan, "meta")
     shapes = {fqn: list(p.shape) for fqn, p in model.named_parameters()}
     if config.data is None:
         batches = _example_batches(plan)
@@ -205,9 +208,10 @@ def _fault_step(rank: int, restart_count: int) -> int | None:
 
 
 def _make_optimizer(config: TrainConfig, model: Any) -> torch.optim.Optimizer:
-    if config.optimizer == "sgd":
-        return model.optimizer(torch.optim.SGD, lr=config.lr, weight_decay=config.weight_decay)
-    return model.optimizer(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay)
+    from training.reference import make_optimizer
+
+    return model.optimizer(make_optimizer, name=config.optimizer, lr=config.lr,
+                           weight_decay=config.weight_decay)
 
 
 def _model_flops(model: Any) -> float:
@@ -223,34 +227,50 @@ def _peak_flops(plan: Any) -> float | None:
     return per_device * plan.world_size if per_device else None
 
 
-def run(config: TrainConfig) -> int:
-    """Train as ``config`` says, on this rank (under torchrun); the exit status."""
-    from codegen.parallel_model import parallelize, peak_memory, resident_bytes
+def _first_weights(job: JobInputs, model: Any, opt: Any, schedule: Any) -> int:
+    """Load the weights (and optimizer and schedule, when resuming) the job
+    starts from; the step it starts at."""
     from training import checkpoint
-    from training.hf_checkpoint import export_hf, export_plain, load_hf_weights
-    from training.lr_schedule import warmup_cosine
-    from training.progress_log import StepClock, TrainingLog
+    from training.hf_checkpoint import load_hf_weights
 
-    rank = int(os.environ.get("RANK", "0"))
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    baseline = resident_bytes()
-    job = prepare(config, restarted=restarts > 0)
-    plan = job.plan
-    loading = job.init_hf or job.init_checkpoint or job.resume_from
-    model = parallelize(plan, init="empty" if loading else "fresh")
-    opt = _make_optimizer(config, model)
-    schedule = warmup_cosine(opt, warmup_steps=config.warmup, total_steps=config.steps,
-                             min_lr_ratio=config.min_lr_ratio)
-    start = 0
     if job.resume_from is not None:
         checkpoint.load(job.resume_from, model, opt)
         schedule.load_state_dict(job.resume_from.meta["scheduler"])
-        start = job.resume_from.step
-    elif job.init_checkpoint is not None:
+        return job.resume_from.step
+    if job.init_checkpoint is not None:
         checkpoint.load(job.init_checkpoint, model, None)
     elif job.init_hf is not None:
         load_hf_weights(job.init_hf, model.state_dict())
-    fault = _fault_step(rank, restarts)
+    return 0
+
+
+def _export(config: TrainConfig, plan: Any, model: Any, rank: int) -> None:
+    """Write the trained weights to ``--export`` (every rank joins the gathers)."""
+    from training.hf_checkpoint import export_hf, export_plain
+
+    tensors = model.full_tensors()
+    if rank != 0:
+        for _ in tensors:
+            pass
+        return
+    source = plan.model["source"]
+    if source.startswith("hf:"):
+        export_hf(config.export, tensors, config_source=source[3:])
+    else:
+        export_plain(config.export, tensors)
+
+
+def _steps(config: TrainConfig, job: JobInputs, model: Any, opt: Any, schedule: Any,
+           start: int, hook: Any) -> tuple[list[dict[str, Any]], list[float]]:
+    """The one step loop: ``config.steps - start`` steps from ``start``, with
+    logging, saves and the test hook's fault; ``hook`` (``planner run``'s
+    :class:`training.run_check.RunCheck`, or None) sees each step. Returns the
+    losses by step and this attempt's seconds per step."""
+    from training import checkpoint
+    from training.progress_log import StepClock, TrainingLog
+
+    plan, rank = job.plan, model.rank
+    fault = _fault_step(rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     losses: list[dict[str, Any]] = []  # the loss a 0-d tensor until the end
     saved_at = job.resume_from.step if job.resume_from is not None else None
 
@@ -261,10 +281,11 @@ def run(config: TrainConfig) -> int:
             "plan": os.path.abspath(config.plan), "mesh": list(plan.mesh_shape)})
         saved_at = done
 
+    console = rank == 0 and config.report == "train"
     with TrainingLog(config.log if rank == 0 else None, log_every=config.log_every,
                      total_steps=config.steps, start_step=start,
                      tokens_per_step=job.tokens_per_step, flops_per_step=_model_flops(model),
-                     peak_flops=_peak_flops(plan), console=rank == 0) as log:
+                     peak_flops=_peak_flops(plan), console=console) as log:
         # the host reads the loss only on logged steps, so it issues the next
         # steps while the device runs this one
         clock = StepClock(model.device)
@@ -272,33 +293,57 @@ def run(config: TrainConfig) -> int:
             if step == fault:
                 os.kill(os.getpid(), signal.SIGKILL)
             loss = model.step(*job.batches(step))
+            if hook is not None:
+                hook.after_backward(step, model)
             norm = model.clip_grad_norm_(config.grad_clip) if config.grad_clip else None
             lr = opt.param_groups[0]["lr"]
             opt.step()
             schedule.step()
             opt.zero_grad(set_to_none=True)
             clock.tick()
+            if hook is not None:
+                hook.after_step(step, model)
             log.log(step, loss, lr, clock.seconds()[-1] if log.should_log(step) else 0.0,
                     grad_norm=norm)
             losses.append({"step": step, "loss": loss})
             if config.save_every and (step + 1) % config.save_every == 0:
                 save(step + 1)
                 clock.restart()  # the save is no step's time
-    step_times = clock.seconds()
-    losses = [{"step": e["step"], "loss": float(e["loss"])} for e in losses]
     if config.checkpoint_dir and saved_at != config.steps and start < config.steps:
         save(config.steps)
+    return [{"step": e["step"], "loss": float(e["loss"])} for e in losses], clock.seconds()
+
+
+def run(config: TrainConfig) -> int:
+    """Train as ``config`` says, on this rank (under torchrun); the exit status."""
+    import time
+
+    from codegen.parallel_model import parallelize
+    from codegen.rank_process import peak_memory, resident_bytes
+    from training.lr_schedule import warmup_cosine
+    from training.run_check import RunCheck
+
+    rank = int(os.environ.get("RANK", "0"))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    baseline = resident_bytes()
+    job = prepare(config, restarted=restarts > 0)
+    plan = job.plan
+    hook = RunCheck(config, plan, job.batches) if config.report == "run" else None
+    with hook.watching() if hook is not None else contextlib.nullcontext():
+        t_setup = time.perf_counter()
+        loading = job.init_hf or job.init_checkpoint or job.resume_from
+        model = parallelize(plan, init="empty" if loading else "fresh")
+        opt = _make_optimizer(config, model)
+        schedule = warmup_cosine(opt, warmup_steps=config.warmup, total_steps=config.steps,
+                                 min_lr_ratio=config.min_lr_ratio)
+        start = _first_weights(job, model, opt, schedule)
+        if hook is not None:
+            hook.before_steps(model, time.perf_counter() - t_setup)
+        losses, step_times = _steps(config, job, model, opt, schedule, start, hook)
+    if hook is not None:
+        return hook.finish(model, [e["loss"] for e in losses], step_times)
     if config.export:
-        tensors = model.full_tensors()
-        if rank == 0:
-            source = plan.model["source"]
-            if source.startswith("hf:"):
-                export_hf(config.export, tensors, config_source=source[3:])
-            else:
-                export_plain(config.export, tensors)
-        else:
-            for _ in tensors:
-                pass
+        _export(config, plan, model, rank)
     peak, kind = peak_memory(model.device)
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, {"rank": rank, "peak_bytes": peak, "baseline_bytes": baseline,
@@ -333,12 +378,16 @@ def _write_result(config: TrainConfig, plan: Any, losses: list[dict[str, float]]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from codegen.capture import PlanMismatchError
+    from codegen.step_phases import error_line
+    from training.run_check import refuse
+
     p = argparse.ArgumentParser(prog="python -m training.job",
                                 description="One rank of `planner train` (started by torchrun).")
     add_train_arguments(p)
     given = os.environ.get(CONFIG_ENV)
     if given and not (argv if argv is not None else sys.argv[1:]):
-        config = TrainConfig.from_dict(json.loads(given))  # from `planner train`
+        config = TrainConfig.from_dict(json.loads(given))  # from `planner train` or `run`
     else:
         config = TrainConfig.from_args(p.parse_args(argv))
     rank = int(os.environ.get("RANK", "0"))
@@ -348,12 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
         return code
     except _bad_input_errors() as err:
+        if config.report == "run":  # planner run: the launcher reads the refusal
+            code = EXIT_MISMATCH if isinstance(err, PlanMismatchError) else EXIT_BAD_INPUT
+            return refuse(config.result_json, rank, code, str(err))
         print(f"[rank {rank}] error: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except Exception as err:  # noqa: BLE001 - one line for the launcher, the traceback after it
-        text = str(err).strip().splitlines()
-        print(f"[rank {rank}] error: {type(err).__name__}: {text[0] if text else ''}",
-              file=sys.stderr, flush=True)
+        print(f"[rank {rank}] error: {error_line(err)}", file=sys.stderr, flush=True)
         raise
     finally:
         if dist.is_initialized():

@@ -1,10 +1,20 @@
-"""Start a training job: ``planner train`` on this node (or one node of several).
+"""Start a plan's ranks: ``planner run`` (:func:`launch`) and ``planner train``
+(:func:`train`), on this node or one node of several.
 
-:func:`train` checks what the job needs before any rank starts
+Both run the one training job, ``torchrun ... -m training.job``, its settings
+(:class:`training.config.TrainConfig`) handed over as JSON in the environment.
+:func:`launch` runs ``planner run``'s job (``report="run"``: a constant
+learning rate, the ``--check`` hook, :mod:`training.run_check`) and returns
+rank 0's result JSON:
+
+    >>> result = launch("plan.json", steps=2, check=True)
+    >>> result["passed"], result["max_rel_grad_err"]
+
+:func:`train` checks what a training job needs before any rank starts
 (:func:`training.job.prepare`: plan, data, checkpoints, export folder), then
-runs ``torchrun [--max-restarts R] -m training.job ...``. The ranks' output goes
-to a log file; rank 0's progress lines are shown as they come (a rich progress
-bar on a terminal). A failure is reported in one line with the log's path.
+runs it with ``--max-restarts R``. The ranks' output goes to a log file; rank
+0's progress lines are shown as they come (a rich progress bar on a terminal).
+A failure is reported in one line with the log's path.
 """
 
 from __future__ import annotations
@@ -15,14 +25,18 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from codegen.launch import (Nodes, cpu_fallback_note, end_group, first_error_line, rank_env,
-                            runnable_world, torchrun_placement)
+from ir.node import draws_random
+from plan.format import load_plan
 from training.config import CONFIG_ENV, TrainConfig
+from training.torchrun import (LaunchError, Nodes, cpu_fallback_note, end_group,
+                               first_error_line, keep_log, output_tail, rank_env,
+                               rank_failure_line, run_ranks, runnable_world, torchrun_placement)
 
-__all__ = ["TrainOutcome", "train"]
+__all__ = ["TrainOutcome", "launch", "train"]
 
 _STEP_LINE = re.compile(r"^step (\d+)/(\d+)\b")
 _ERROR_LINE = re.compile(r"^\[rank \d+\] error: ")
@@ -101,7 +115,7 @@ class _Progress:
 def train(config: TrainConfig, *, nodes: Nodes | None = None, max_restarts: int = 0,
           env: dict[str, str] | None = None, out: TextIO | None = None) -> TrainOutcome:
     """Check ``config`` (raises the job's one-line input errors, see
-    :func:`training.job.prepare`, and :class:`codegen.launch.LaunchError` for
+    :func:`training.job.prepare`, and :class:`training.torchrun.LaunchError` for
     a plan this runtime cannot run), then run the job under torchrun and wait.
 
     Args:
@@ -144,3 +158,109 @@ def train(config: TrainConfig, *, nodes: Nodes | None = None, max_restarts: int 
     error = first_error_line(output) if proc.returncode else None
     bad_input = proc.returncode != 0 and bool(re.search(r"exitcode\s*:\s*2\b", output))
     return TrainOutcome(proc.returncode, log_path, error, bad_input)
+
+
+def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int = 1,
+           check: bool = False, record: str | os.PathLike | None = None,
+           optimizer: str = "sgd", lr: float = 1e-3, rtol: float | None = None,
+           timeout_s: float = 300.0, env: dict[str, str] | None = None,
+           cwd: str | os.PathLike | None = None, nodes: Nodes | None = None) -> dict[str, Any]:
+    """Run ``planner run``'s job on a plan and return rank 0's result JSON.
+
+    Args:
+        plan_path: a plan.json.
+        nproc: number of ranks; must equal the plan's mesh size (default: that size).
+        steps: training steps, at the constant learning rate ``lr``.
+        check: compare step 1 against one process and the plan's placements; the
+            returned dict's ``passed`` says whether it did (a failed check is still
+            returned, not raised).
+        record: where to write the plan with the observed placements.
+        optimizer, lr: sgd or adamw, and its learning rate.
+        rtol: the check's tolerance (default: by the plan's precision,
+            :func:`training.reference.check_tolerance`).
+        timeout_s: wall-clock limit for the whole launch.
+        env: extra environment variables for the ranks.
+        cwd: working directory of the ranks (default: this process's), against
+            which a relative ``file.py:factory`` model source resolves; the repo
+            root is put on ``PYTHONPATH`` so the packages import from anywhere.
+        nodes: this node's part of a run over several nodes (:class:`Nodes`);
+            None runs every rank here. On a node other than 0 the result is
+            ``{"node_rank", "returncode", "output"}``.
+
+    Raises:
+        LaunchError: the mesh size and ``nproc`` disagree, the ranks timed out, or
+            they exited without a result (the message starts with the ranks' own
+            one-line error where there is one, and ends with their output's tail).
+    """
+    plan_path = os.fspath(plan_path)
+    plan = load_plan(plan_path)
+    world = runnable_world(plan, plan_path, nproc)
+    if check:
+        _refuse_random_check(plan, plan_path)
+    where = torchrun_placement(world, nodes, plan_path)
+    with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        config = TrainConfig(
+            plan=os.path.abspath(plan_path), steps=int(steps), optimizer=optimizer,
+            lr=float(lr), min_lr_ratio=1.0, report="run", check=bool(check), rtol=rtol,
+            record=os.path.abspath(os.fspath(record)) if record is not None else None,
+            result_json=result_path)
+        cmd = [sys.executable, "-m", "torch.distributed.run", *where, "-m", "training.job"]
+        run_env = rank_env({**(env or {}), CONFIG_ENV: json.dumps(config.as_dict())})
+        returncode, stdout, stderr = run_ranks(cmd, cwd, run_env, timeout_s, plan_path, world)
+        if nodes is not None and nodes.node_rank != 0:
+            return _node_status(nodes.node_rank, returncode, stdout, stderr, plan_path, world)
+        return _read_result(result_path, returncode, stdout, stderr, plan_path, world)
+
+
+def _refuse_random_check(plan: Any, plan_path: str) -> None:
+    """Refuse ``--check`` (:class:`LaunchError`, a user error) for a program that
+    draws random numbers: the ranks draw other numbers than one process (each
+    its own shard of a dropout mask), so losses and gradients would differ by
+    chance, and no tolerance could tell that from a wrong plan."""
+    drawn = Counter(node.op for node in plan.nodes.values() if draws_random(node.op))
+    if drawn:
+        ops = ", ".join(f"{n} x {op}" for op, n in sorted(drawn.items()))
+        message = (f"plan {plan_path}: --check cannot compare this model with one process: "
+                   f"its program draws random numbers ({ops}), which a distributed run draws "
+                   f"differently; set its dropout to 0 for the check (for a Hugging Face "
+                   f"config: attn_pdrop, resid_pdrop, embd_pdrop or attention_dropout, "
+                   f"hidden_dropout) and re-plan, or run without --check")
+        raise LaunchError(message, first_line=message, user_error=True)
+
+
+def _node_status(node_rank: int, returncode: int, stdout: str, stderr: str, plan_path: str,
+                 world: int) -> dict[str, Any]:
+    """What a node other than 0 reports: its ranks' exit status (node 0 holds the
+    result); a :class:`LaunchError` when they failed."""
+    if returncode != 0:
+        output = stdout + stderr
+        log_path = keep_log(output)
+        line = f"node {node_rank}: {rank_failure_line(output, returncode, log_path)}"
+        raise LaunchError(f"{line}\n--- output tail ({plan_path}, {world} ranks, node "
+                          f"{node_rank}) ---\n{output_tail(output)}", first_line=line,
+                          log_path=log_path)
+    return {"node_rank": node_rank, "returncode": returncode,
+            "output": output_tail(stdout, 20)}
+
+
+def _read_result(result_path: str, returncode: int, stdout: str, stderr: str,
+                 plan_path: str, world: int) -> dict[str, Any]:
+    """Rank 0's result, with the exit status and the output's tail; a
+    :class:`LaunchError` where the ranks refused the plan or wrote no result."""
+    output = stdout + stderr
+    where = f"{plan_path}, {world} ranks"
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            result = json.load(f)
+        if "refused" in result:  # the ranks refused the plan (training.run_check.refuse)
+            raise LaunchError(f"{result['refused']}\n--- output tail ({where}) ---\n"
+                              f"{output_tail(output)}", first_line=result["refused"],
+                              user_error=True)
+        result["returncode"] = returncode
+        result["output"] = output_tail(stdout, 20)
+        return result
+    log_path = keep_log(output)
+    line = rank_failure_line(output, returncode, log_path)
+    raise LaunchError(f"{line}\n--- output tail ({where}) ---\n{output_tail(output)}",
+                      first_line=line, log_path=log_path)
