@@ -24,6 +24,7 @@ from typing import Any, Mapping
 __all__ = [
     "ClusterError",
     "canonical_dtype",
+    "candidate_mesh_shapes",
     "check_mesh_shape",
     "Link",
     "DeviceSpec",
@@ -88,6 +89,15 @@ def check_mesh_shape(mesh_shape: Any, cluster: "Cluster | None" = None) -> tuple
             f"'{cluster.name}' has {cluster.num_devices}; give a mesh whose sizes multiply to "
             f"{cluster.num_devices}")
     return shape
+
+
+def candidate_mesh_shapes(num_devices: int) -> list[tuple[int, ...]]:
+    """Logical mesh shapes tried when the user gives none: (N,) and every (a, N/a)."""
+    shapes: list[tuple[int, ...]] = [(num_devices,)]
+    for a in range(2, num_devices):
+        if num_devices % a == 0:
+            shapes.append((a, num_devices // a))
+    return shapes
 
 
 def canonical_dtype(dtype: Any) -> str:

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
     from ir.precision import Precision
 
 __all__ = [
+    "MEMORY_RESERVE",
     "OPTIMIZER_ACCESSES",
     "OPTIMIZER_STATES",
     "backward_timeline_excess",
@@ -74,6 +75,7 @@ __all__ = [
     "training_state_bytes",
     "gpt_activation_bytes_per_layer",
     "reserve_bytes",
+    "usable_memory",
 ]
 
 #: Optimizer -> number of per-parameter state tensors it keeps.
@@ -302,6 +304,16 @@ def gpt_activation_bytes_per_layer(
     if mode == "selective":
         return sbh * rest
     return sbh * (rest + attention_core)
+
+
+#: Fraction of device memory kept free for the allocator's fragmentation and workspaces.
+MEMORY_RESERVE = 0.1
+
+
+def usable_memory(device_memory: int) -> float:
+    """Bytes per device a plan may use: ``device_memory`` (bytes) less the
+    allocator's reserve (:data:`MEMORY_RESERVE`)."""
+    return float(device_memory - reserve_bytes(device_memory, MEMORY_RESERVE))
 
 
 def reserve_bytes(total: int, fraction: float) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -57,6 +58,7 @@ class TrainingRecord(TypedDict, total=False):
     microbatch_size: int       # pipelines and accumulation: sequences per micro-batch
     global_batch: int          # sequences per step
     manual: dict[str, Any]     # a Megatron baseline's configuration (Megatron's names)
+    compile: bool              # the per-rank program runs through torch.compile (absent: eager)
 
 
 class PredictedStep(TypedDict, total=False):
@@ -244,6 +246,20 @@ class Plan:
         """The training precision the plan was made for (``training.precision``;
         plans of format 1 and 2 trained in their ``training.dtype`` throughout)."""
         return training_precision(self.training)
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the per-rank program runs through ``torch.compile``
+        (``training.compile``; absent in eager plans)."""
+        return bool(self.training.get("compile", False))
+
+    def with_compile(self, compile: bool) -> "Plan":
+        """This plan with ``training.compile`` set to ``compile`` (removed when
+        False, as an eager plan records it)."""
+        training = {k: v for k, v in self.training.items() if k != "compile"}
+        if compile:
+            training["compile"] = True
+        return dataclasses.replace(self, training=training)
 
     @property
     def world_size(self) -> int:

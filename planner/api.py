@@ -14,7 +14,6 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 
 from costmodel.cluster import Cluster
-from costmodel.presets import load_cluster
 from costmodel.schedules import canonical_schedule, default_stages_per_rank
 from costmodel.schedules.specs import schedule_spec
 from ir.device_capture import planned_copy
@@ -24,13 +23,14 @@ from ir.precision import Precision
 from ir.trace import trace
 from plan.format import Plan
 from planner.ilp.intra_op import MemoryInfeasibleError
-from planner.request import (PlanRequest, PlanningError, check_mesh, default_memory_budget,
-                             mesh_candidates, resolve_precision)
+from planner.request import (ClusterSettings, PlanRequest, PlanningError, check_mesh,
+                             resolve_on_cluster)
 from planner.search.context import SearchContext
 from planner.search.finalists import assemble, solve_exact
 from planner.search.pipeline_search import SearchOptions, search
 from planner.search.plan_assembly import build_plan, model_record, training_record
 from planner.search.settings import SearchSettings
+from planner.search.single_stage import shards_or_accumulates, single_stage_plan
 from planner.search.stage_dp import stage_mesh_options
 from planner.search.two_level import (best_single_stage, check_zero_stages, search_plan,
                                       two_processes, unpipelinable)
@@ -75,23 +75,24 @@ def _request(request: PlanRequest | None, options: dict[str, Any]) -> PlanReques
 
 
 def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any,
-             memory_budget: float | None, precision: str | Precision | None = None
-             ) -> tuple[torch.nn.Module, Cluster, tuple, Graph, Precision, float]:
+             memory_budget: float | None, precision: str | Precision | None = None,
+             mesh_shape: Sequence[int] | None = None
+             ) -> tuple[torch.nn.Module, ClusterSettings, tuple, Graph]:
     """The model and inputs as the step runs them (floating tensors in the
     precision's compute dtype, on the cluster's device type:
     :func:`ir.device_capture.planned_copy`, the caller's model untouched), the
-    cluster, the captured program, the precision and the memory budget (bytes
-    per device)."""
-    if isinstance(cluster, str):
-        cluster = load_cluster(cluster)
+    request resolved on its cluster (:func:`planner.request.resolve_on_cluster`)
+    and the captured program."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     for i, t in enumerate(example_inputs):
         if isinstance(t, torch.Tensor) and 0 in t.shape:
             raise PlanningError(f"example input {i} has shape {list(t.shape)}, with an empty "
                                 f"dimension: give a batch and sequence of at least one")
-    chosen = resolve_precision(model, cluster, precision)
-    model, example_inputs = planned_copy(model, example_inputs, chosen, cluster.device_type)
+    settings = resolve_on_cluster(cluster, model, precision=precision,
+                                  memory_budget=memory_budget, mesh_shape=mesh_shape)
+    model, example_inputs = planned_copy(model, example_inputs, settings.precision,
+                                         settings.cluster.device_type)
     graph = trace(model, tuple(example_inputs), beside=two_processes)
     if not graph.parameters:
         raise PlanningError(f"{type(model).__name__} has no parameters to shard")
@@ -102,8 +103,7 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
             f"{'nothing' if loss is None else f'a tensor of shape {list(loss.shape)}'}, not "
             f"the scalar training loss the planner trains; return the loss (for example "
             f"F.cross_entropy(logits, targets)) from forward")
-    budget = default_memory_budget(cluster) if memory_budget is None else float(memory_budget)
-    return model, cluster, tuple(example_inputs), graph, chosen, budget
+    return model, settings, tuple(example_inputs), graph
 
 
 @_planning
@@ -147,21 +147,28 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
         TypeError: an option that is no :class:`PlanRequest` field.
     """
     req = _request(request, options)
-    model, cluster, example_inputs, graph, dtype, budget = _prepare(
-        model, cluster, example_inputs, req.memory_budget, req.precision)
+    model, settings, example_inputs, graph = _prepare(
+        model, cluster, example_inputs, req.memory_budget, req.precision, req.mesh_shape)
+    cluster, dtype, budget = settings.cluster, settings.precision, settings.memory_budget
     info = model_record(model, graph, req.model_source)
     training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs,
                                memory_budget_bytes=int(budget))
     if req.single_stage or _whole_batch_only(req, graph):
-        shapes = [check_mesh(req.mesh_shape, cluster)] if req.mesh_shape else mesh_candidates(
-            cluster.num_devices)
-        best, too_big = best_single_stage(graph, cluster, shapes, dtype, req.time_limit_s,
-                                          budget, req.optimizer, req.recompute)
+        if shards_or_accumulates(req) and not graph.buffer_updates:
+            # ZeRO or micro-batches on the one stage (a model updating buffers:
+            # refused, unless the whole batch without ZeRO is among those asked)
+            return single_stage_plan(req, model, example_inputs, graph, settings, info,
+                                     training, progress).with_compile(req.compile)
+        _refuse_beyond_whole_batch(req, graph)
+        best, too_big = best_single_stage(graph, cluster, list(settings.mesh_shapes), dtype,
+                                          req.time_limit_s, budget, req.optimizer,
+                                          req.recompute)
         if best is None:
             raise PlanningError(str(min(too_big, key=lambda e: e.least_bytes)))
-        return build_plan(best, cluster, info, training, whole_batch=True)
+        return build_plan(best, cluster, info, training,
+                          whole_batch=True).with_compile(req.compile)
     return search_plan(req, model, cluster, example_inputs, graph, dtype, budget, progress,
-                       info, training)
+                       info, training).with_compile(req.compile)
 
 
 def _whole_batch_only(req: PlanRequest, graph: Graph) -> bool:
@@ -171,14 +178,23 @@ def _whole_batch_only(req: PlanRequest, graph: Graph) -> bool:
     pipeline or micro-batches of such a model is refused."""
     if not graph.buffer_updates:
         return False
-    why = _updates_buffers(graph)
-    if (req.pp is not None and list(req.pp) != [1]) or (
-            req.num_microbatches is not None and list(req.num_microbatches) != [1]):
-        raise PlanningError(f"{why}, which pipelines and micro-batches do not run yet; leave "
-                            f"out --pp and --microbatches (or give --no-pipeline)")
-    warnings.warn(f"no pipeline or micro-batch plans: {why}, which they do not run yet; "
-                  f"single-stage plans on the whole batch only", stacklevel=3)
+    _refuse_beyond_whole_batch(req, graph)
+    warnings.warn(f"no pipeline or micro-batch plans: {_updates_buffers(graph)}, which they do "
+                  f"not run yet; single-stage plans on the whole batch only", stacklevel=3)
     return True
+
+
+def _refuse_beyond_whole_batch(req: PlanRequest, graph: Graph) -> None:
+    """Refuse a request for a pipeline, micro-batches or ZeRO alone (without
+    stage 0) when ``graph``'s forward updates buffers, which those do not run."""
+    if not graph.buffer_updates:
+        return
+    if (req.pp is not None and list(req.pp) != [1]) or (
+            req.num_microbatches is not None and list(req.num_microbatches) != [1]) or (
+            req.zero_stages is not None and 0 not in req.zero_stages):
+        raise PlanningError(f"{_updates_buffers(graph)}, which pipelines, micro-batches and "
+                            f"ZeRO stages do not run yet; leave out --pp, --microbatches and "
+                            f"--zero")
 
 
 def _updates_buffers(graph: Graph) -> str:
@@ -217,8 +233,9 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
             and ``precision`` apply).
     """
     req = _request(request, options)
-    model, cluster, example_inputs, graph, dtype, budget = _prepare(
+    model, settings, example_inputs, graph = _prepare(
         model, cluster, example_inputs, req.memory_budget, req.precision)
+    cluster, dtype, budget = settings.cluster, settings.precision, settings.memory_budget
     stage_mesh = check_mesh(stage_mesh)
     check_zero_stages([zero_stage])
     why = unpipelinable(model) if pp > 1 else None
@@ -262,7 +279,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     info = model_record(model, graph, req.model_source)
     training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs,
                                memory_budget_bytes=int(budget))
-    return assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))
+    return assemble(exact, ctx,
+                    lambda r, c: build_plan(r, c, info, training)).with_compile(req.compile)
 
 
 def _manual_bounds(layers: Sequence[PipelineLayer], layer_split: Sequence[int],

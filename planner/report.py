@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -75,7 +76,18 @@ def _context_parallel_lines(plan: Plan) -> list[str]:
     return [f"context parallelism: each sequence over {cp.get('size')} ranks of mesh axis "
             f"{'1' if plan.pipeline is not None else '0'} ({cp.get('comm_type')} K/V exchange, "
             f"{_seconds(exchange)} per micro-batch, K/V buffers "
-            f"{format_bytes(priced.get('kv_buffer_bytes') or 0)}); priced, not run yet"]
+            f"{format_bytes(priced.get('kv_buffer_bytes') or 0)}); {_context_parallel_runs(plan)}"]
+
+
+def _context_parallel_runs(plan: Plan) -> str:
+    """Where a plan with context parallelism runs: on CPU ranks (gloo; ring
+    or all-gathered attention over the CPU flash kernel,
+    :mod:`codegen.context_parallel`), not yet on GPU ranks, which refuse it."""
+    device = ((plan.cluster or {}).get("device") or {}).get("name", "")
+    if (plan.cluster or {}).get("backend") == "gloo":
+        return "runs on CPU ranks (gloo)"
+    return (f"runs on CPU ranks (gloo) only so far: `planner run` refuses it on "
+            f"{device or 'these'} GPU ranks; plan with --cp 1 to run it there")
 
 
 def format_plan(plan: Plan, verbose: bool = False) -> str:
@@ -113,7 +125,7 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
     rows = [[name, pl, str(len(fqns))] for (name, pl), fqns in groups.items()]
     lines.append(_table(["parameter", "placements", "count"], rows))
     lines.append("")
-    lines.append("inputs: " + ", ".join(f"{k} {_placements(v)}" for k, v in plan.inputs.items()))
+    lines += _input_lines(plan)
     total = sum(r.time_s for r in plan.reshards)
     lines.append(f"{len(plan.reshards)} reshard points, {_seconds(total)} forward")
     if verbose and plan.reshards:
@@ -121,6 +133,42 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
                             [[r.node, r.module or "-", _placements(r.src), _placements(r.dst),
                               _seconds(r.time_s)] for r in plan.reshards]))
     return "\n".join(lines)
+
+
+# torch.export's name of a tensor constant it lifts into an input of the
+# program: "c_", the path (dots as underscores) of the module whose forward
+# made it, and "lifted_tensor_<n>"; e.g. c_hf_model_layers_0_self_attn_lifted_tensor_0
+_LIFTED_CONSTANT = re.compile(r"^c_(?:(?P<path>.+)_)?lifted_tensor_\d+$")
+
+
+def _input_lines(plan: Plan) -> list[str]:
+    """The step's inputs and their placements; the tensor constants the
+    capture lifted into inputs (one per layer in Hugging Face attention, say)
+    on a line of their own, by the module that makes them (its path, repeated
+    blocks as ``*``: ``hf.model.layers.*.self_attn [R] x4``). plan.json
+    keeps them under their capture names."""
+    modules: dict[str, str] = {}  # module path with underscores -> the path
+    for node in plan.nodes.values():
+        parts = (node.module or "").split(".")
+        for end in range(1, len(parts) + 1):
+            path = ".".join(parts[:end])
+            modules.setdefault(path.replace(".", "_"), path)
+    inputs, constants = [], OrderedDict()
+    for name, placements in plan.inputs.items():
+        lifted = _LIFTED_CONSTANT.match(name)
+        if lifted is None:
+            inputs.append(f"{name} {_placements(placements)}")
+            continue
+        path = lifted.group("path")
+        where = modules.get(path, path) if path else "the model"
+        generic = ".".join("*" if part.isdigit() else part for part in where.split("."))
+        key = f"{generic} {_placements(placements)}"
+        constants[key] = constants.get(key, 0) + 1
+    lines = ["inputs: " + (", ".join(inputs) or "none")]
+    if constants:
+        lines.append("constants lifted into inputs by the capture, by the module that makes "
+                     "them: " + ", ".join(f"{k} x{n}" for k, n in constants.items()))
+    return lines
 
 
 def _layer_span(layers: list[str]) -> str:

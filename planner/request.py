@@ -16,16 +16,16 @@ from typing import Any, Sequence
 
 import torch
 
-from costmodel.cluster import Cluster, ClusterError, check_mesh_shape
-from costmodel.memory import reserve_bytes
+from costmodel.cluster import Cluster, ClusterError, candidate_mesh_shapes, check_mesh_shape
+from costmodel.memory import MEMORY_RESERVE, usable_memory
+from costmodel.presets import load_cluster
+from costmodel.strategy_cost import ZERO_STAGES
 from ir.precision import Precision, get_precision, precision_of_dtype
 
-__all__ = ["MEMORY_MODEL_ERROR", "MEMORY_RESERVE", "PlanRequest", "PlanningError", "check_mesh",
-           "default_memory_budget", "default_precision", "mesh_candidates",
-           "resolve_precision"]
+__all__ = ["MEMORY_MODEL_ERROR", "MEMORY_RESERVE", "ClusterSettings", "PlanRequest",
+           "PlanningError", "check_mesh", "check_zero_stages", "default_memory_budget",
+           "default_precision", "resolve_on_cluster", "resolve_precision"]
 
-# Fraction of device memory kept free for the allocator's fragmentation and workspaces.
-MEMORY_RESERVE = 0.1
 #: The memory model's stated error: a predicted peak within this fraction of the
 #: budget may exceed it when run. It is the band `benchmarks/memory_fidelity.py`
 #: holds the prediction to, against torch's own count of the same step (CPU,
@@ -53,13 +53,17 @@ class PlanRequest:
         zoo_kwargs: batch_size / seq_len a zoo model was built with (recorded
             so that the runner builds the same shapes).
         pipeline: also search pipeline plans (ignored with ``mesh_shape``).
-        pp, schedules, num_microbatches: restrict the pipeline search.
+        pp, schedules, num_microbatches: restrict the pipeline search. A
+            single stage (``mesh_shape``, or ``pipeline=False``) takes pp 1
+            only and no schedules; its ``num_microbatches`` > 1 accumulate
+            its gradients (:mod:`planner.search.single_stage`).
         zero_stages: ZeRO stages of pipeline stages to try: 0 (none), 1
             (optimizer states sharded over the stage mesh's first axis), 2
             (FSDP2 over it without resharding after forward: optimizer states
             and gradients sharded), 3 (FSDP2, parameters sharded too); None:
             all four (which of them the search prices:
-            :func:`planner.search.pipeline_search.zero_stages_priced`).
+            :func:`planner.search.pipeline_search.zero_stages_priced`). A
+            single stage shards over its mesh's first axis; None there: 0.
         precision: a training precision name (:mod:`ir.precision`) or a
             :class:`Precision`; None: :func:`default_precision`.
         recompute: None: the search checkpoints where that is fastest; True:
@@ -69,6 +73,8 @@ class PlanRequest:
             sequence; 1 = without); None: automatic
             (:func:`planner.search.cp_search.search_sizes`: cp > 1 at sequences
             of at least 32,768 tokens, or where no plan without it fits).
+        compile: the plan's per-rank program runs through ``torch.compile``
+            (recorded as ``training.compile``; the step is priced as eager).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -85,6 +91,7 @@ class PlanRequest:
     precision: str | Precision | None = None
     recompute: bool | None = None
     context_parallel: tuple[int, ...] | None = None
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("mesh_shape", "pp", "schedules", "num_microbatches", "zero_stages",
@@ -103,6 +110,9 @@ class PlanRequest:
         if cps is not None and max(cps) > 1 and self.single_stage:
             raise PlanningError("context parallelism is searched with the pipeline search: "
                                 "leave out the mesh (--mesh) and --no-pipeline to plan it")
+        check_zero_stages(self.zero_stages)
+        if self.single_stage:
+            _check_single_stage(self)
 
     @property
     def single_stage(self) -> bool:
@@ -110,13 +120,50 @@ class PlanRequest:
         return bool(self.mesh_shape) or not self.pipeline
 
 
-def mesh_candidates(num_devices: int) -> list[tuple[int, ...]]:
-    """Logical mesh shapes tried when the user gives none: (N,) and every (a, N/a)."""
-    shapes: list[tuple[int, ...]] = [(num_devices,)]
-    for a in range(2, num_devices):
-        if num_devices % a == 0:
-            shapes.append((a, num_devices // a))
-    return shapes
+def check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
+    """``zero_stages`` as a list, or None (the search's default).
+
+    Raises:
+        PlanningError: an empty list, or a stage other than 0, 1, 2 or 3.
+    """
+    if zero_stages is None:
+        return None
+    out = [int(z) for z in zero_stages]
+    if not out or any(z not in ZERO_STAGES for z in out):
+        raise PlanningError(f"ZeRO stages must be 0 (none), 1 (sharded optimizer states), "
+                            f"2 or 3 (FSDP2), got {list(zero_stages)}")
+    return out
+
+
+def _check_single_stage(req: PlanRequest) -> None:
+    """Refuse what a single-stage request (a mesh given, or no pipeline) asks
+    for and one stage cannot do, before any capture or search: a pipeline
+    (pp > 1), a pipeline schedule, or ZeRO alone on a mesh whose first axis
+    (the one ZeRO shards over) has one rank. Micro-batches (gradients
+    accumulated) and ZeRO over the mesh's first axis are planned
+    (:mod:`planner.search.single_stage`); ``recompute`` too."""
+    if req.mesh_shape:
+        mesh = "x".join(map(str, req.mesh_shape))
+        what, leave = (f"the mesh given (--mesh {mesh}) plans one stage on exactly that mesh",
+                       "leave out --mesh")
+    else:
+        what, leave = ("--no-pipeline (pipeline=False) plans one stage",
+                       "leave out --no-pipeline")
+    if req.pp is not None and any(p != 1 for p in req.pp):
+        pp = ",".join(map(str, req.pp))
+        raise PlanningError(f"--pp {pp} asks for a pipeline, but {what}: {leave} to search "
+                            f"pipelines of pp {pp}, or leave out --pp")
+    if req.schedules is not None:
+        raise PlanningError(f"--schedule orders the stages of a pipeline, but {what} (its "
+                            f"--microbatches, if given, accumulate gradients, with no schedule "
+                            f"to choose): leave out --schedule, or {leave} to search pipelines")
+    zeros = req.zero_stages
+    if req.mesh_shape and req.mesh_shape[0] == 1 and zeros is not None and 0 not in zeros:
+        flip = "x".join(map(str, req.mesh_shape[::-1]))
+        fix = (f"give the data-parallel axis first (--mesh {flip})"
+               if len(req.mesh_shape) > 1 and flip != mesh else "give a mesh of more devices")
+        raise PlanningError(f"ZeRO shards over the mesh's first axis, which has 1 rank in mesh "
+                            f"{mesh}: {fix}, or leave out --zero")
 
 
 def check_mesh(mesh_shape: Sequence[int], cluster: Cluster | None = None) -> tuple[int, ...]:
@@ -166,4 +213,45 @@ def resolve_precision(model: torch.nn.Module, cluster: Cluster,
 
 def default_memory_budget(cluster: Cluster) -> float:
     """Bytes per device a plan may use: device memory less the allocator reserve."""
-    return float(cluster.device.memory - reserve_bytes(cluster.device.memory, MEMORY_RESERVE))
+    return usable_memory(cluster.device.memory)
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """A request's cluster and what its defaults resolve to there.
+
+    Attributes:
+        cluster: the cluster planned for.
+        precision: the step's precision (the request's, or the cluster's default).
+        memory_budget: bytes per device a plan may use.
+        mesh_shapes: the logical meshes a single-stage plan is tried on: the
+            requested one (checked against the cluster) or every candidate.
+    """
+
+    cluster: Cluster
+    precision: Precision
+    memory_budget: float
+    mesh_shapes: tuple[tuple[int, ...], ...]
+
+
+def resolve_on_cluster(cluster: Cluster | str, model: torch.nn.Module, *,
+                       precision: str | Precision | None, memory_budget: float | None,
+                       mesh_shape: Sequence[int] | None = None) -> ClusterSettings:
+    """Load ``cluster`` (a Cluster, a preset spec or a cluster JSON path) and
+    resolve the request's precision, memory budget (bytes per device; None:
+    :func:`default_memory_budget`) and meshes on it, before any capture.
+
+    Raises:
+        PlanningError: a mesh that does not fit the cluster, or a precision the
+            model cannot train in (:func:`resolve_precision`).
+    """
+    if isinstance(cluster, str):
+        cluster = load_cluster(cluster)
+    budget = usable_memory(cluster.device.memory) if memory_budget is None else memory_budget
+    try:
+        shapes = ((check_mesh_shape(mesh_shape, cluster),) if mesh_shape
+                  else tuple(candidate_mesh_shapes(cluster.num_devices)))
+    except ClusterError as err:
+        raise PlanningError(str(err)) from None
+    return ClusterSettings(cluster, resolve_precision(model, cluster, precision), float(budget),
+                           shapes)

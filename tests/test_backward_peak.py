@@ -48,7 +48,8 @@ def _parts(precision: str):
 
     model, inputs = _build("meta")
     cluster = load_cluster("dgx-h100").sub_cluster(1, 1)
-    _, cluster, _, graph, p, _ = _prepare(model, cluster, inputs, 1e15, precision)
+    _, settings, _, graph = _prepare(model, cluster, inputs, 1e15, precision)
+    cluster, p = settings.cluster, settings.precision
     cost = IntraOpCost(graph, cluster, (1,), p)
     parts: dict[str, float] = {}
     copy = 0.0

@@ -355,7 +355,8 @@ def test_one_stage_accumulates_microbatches_when_the_whole_batch_does_not_fit(de
     """pp=1 is searched with the batch split into micro-batches whose gradients
     are accumulated (a one-stage 1F1B; on one device too): below the least
     memory of every whole-batch single-stage plan, that is the plan, and it fits."""
-    from planner.api import mesh_candidates, plan
+    from planner.api import plan
+    from costmodel.cluster import candidate_mesh_shapes as mesh_candidates
 
     model, inputs = build_model("gpt-tiny", device="meta")
     graph, cluster = trace(model, inputs), load_cluster(f"local-cpu:{devices}")

@@ -157,7 +157,8 @@ def describe(name: str) -> dict[str, Any]:
 
 
 def _family(cfg: Any) -> str:
-    for cls, fam in ((GPTConfig, "gpt"), (LlamaConfig, "llama"), (MoEConfig, "moe"),
+    # MoEConfig before GPTConfig: an MoE config is a GPT config with experts
+    for cls, fam in ((MoEConfig, "moe"), (GPTConfig, "gpt"), (LlamaConfig, "llama"),
                      (DeepSeekConfig, "deepseek"), (MLPConfig, "mlp")):
         if isinstance(cfg, cls):
             return fam

@@ -117,9 +117,8 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.n_embd = config.n_embd
-        # configs of other families (``MoEConfig``) have neither field: fused, no dropout
-        self.fused = getattr(config, "attention", "fused") == "fused"
-        self.dropout = getattr(config, "dropout", 0.0)
+        self.fused = config.attention == "fused"
+        self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=True)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=True)
         if not self.fused:  # True above the diagonal: the future a token may not see
@@ -165,15 +164,14 @@ class Block(nn.Module):
 
     A subclass may put another feed-forward module in the MLP's place: it names
     it (:attr:`feed_forward_name`) and builds it (:meth:`feed_forward`).
-    ``attention``: the attention's config (default ``config``).
     """
 
     feed_forward_name = "mlp"
 
-    def __init__(self, config: GPTConfig, attention: GPTConfig | None = None) -> None:
+    def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True)
-        self.attn = CausalSelfAttention(config if attention is None else attention)
+        self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps, bias=True)
         self.add_module(self.feed_forward_name, self.feed_forward(config))
 

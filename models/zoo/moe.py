@@ -41,40 +41,32 @@ from models.zoo.gpt import GPT, Block, GPTConfig
 from models.zoo.routing import expert_capacity, expert_weights, routing_groups
 
 
-@dataclass(frozen=True)
-class MoEConfig:
-    """Shape of a mixture-of-experts GPT.
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig(GPTConfig):
+    """Shape of a mixture-of-experts GPT: a :class:`models.zoo.gpt.GPTConfig`
+    (its fields say the attention, embeddings and norms) whose blocks' MLP is
+    a top-2 routed MoE layer. The fields it adds are keyword-only.
 
     Attributes:
-        n_layer: transformer blocks (L); every block has an MoE MLP.
-        n_embd: hidden size (h), in elements.
-        n_head: attention heads.
         n_expert: experts per MoE layer (E).
         expert_hidden: inner size of one expert (f), in elements.
-        vocab_size: vocabulary size (V), in tokens.
-        block_size: maximum sequence length (s), in tokens.
         capacity_factor: expert capacity relative to a perfectly balanced top-2
             load; ``>= n_expert / 2`` means no token is ever dropped.
         group_size: tokens per routing group (S); when it does not divide the
             number of tokens of a batch, one group per sequence is used.
-        layer_norm_eps: LayerNorm epsilon.
+        top_k: experts each token is routed to (2).
     """
 
-    n_layer: int
-    n_embd: int
-    n_head: int
     n_expert: int
     expert_hidden: int
-    vocab_size: int = 32000
-    block_size: int = 4096
     capacity_factor: float = 1.25
     group_size: int = 512
-    layer_norm_eps: float = 1e-5
     top_k: int = 2
 
     def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}")
+        super().__post_init__()
+        if self.dropout:
+            raise ValueError("the MoE layer applies no dropout; set dropout=0")
         if self.top_k != 2:
             raise ValueError("only top-2 routing is implemented")
         if self.n_expert < 2:
@@ -83,11 +75,6 @@ class MoEConfig:
     @property
     def max_seq_len(self) -> int:
         return self.block_size
-
-    def attention_config(self) -> GPTConfig:
-        return GPTConfig(n_layer=self.n_layer, n_embd=self.n_embd, n_head=self.n_head,
-                         vocab_size=self.vocab_size, block_size=self.block_size,
-                         layer_norm_eps=self.layer_norm_eps)
 
     def block_params(self) -> int:
         h, e, f = self.n_embd, self.n_expert, self.expert_hidden
@@ -214,9 +201,6 @@ class MoEBlock(Block):
     """Pre-LayerNorm block: ``x + attn(ln_1(x))`` then ``x + moe(ln_2(x))``."""
 
     feed_forward_name = "moe"
-
-    def __init__(self, config: MoEConfig) -> None:
-        super().__init__(config, config.attention_config())
 
     def feed_forward(self, config: MoEConfig) -> nn.Module:
         """The top-2 routed :class:`MoELayer`."""

@@ -49,13 +49,17 @@ def fastest(exact: Sequence[ExactPipeline]) -> ExactPipeline:
 
 
 def solve_exact(ctx: SearchContext, cand: PipelineCandidate,
-                bounds: list[tuple[int, int]] | None = None) -> ExactPipeline:
+                bounds: list[tuple[int, int]] | None = None,
+                recompute: bool | None = None) -> ExactPipeline:
     """Solve each stage of ``cand`` (or of the given layer ``bounds``) with the
-    intra-op ILP under its share of memory and in-flight activations."""
+    intra-op ILP under its share of memory and in-flight activations;
+    ``recompute`` True or False pins its activation checkpointing (every
+    layer, or none: :func:`planner.ilp.intra_op.solve_prepared`; no solution
+    is then reused), None lets the ILP choose."""
     prog, bounds, copies = _stages(ctx, cand, bounds)
     results = [None] * len(bounds)
     for s in _solve_order(copies):
-        results[s] = _exact_stage(ctx, prog, cand, bounds[s], copies[s], s)
+        results[s] = _exact_stage(ctx, prog, cand, bounds[s], copies[s], s, recompute)
     return _exact_pipeline(ctx, cand, prog, bounds, copies, results)
 
 
@@ -80,11 +84,14 @@ def _solve_order(copies: list[float]) -> list[int]:
 
 
 def _exact_stage(ctx: SearchContext, prog: MicrobatchProgram, cand: PipelineCandidate,
-                 bounds: tuple[int, int], copies: float, s: int) -> IntraOpResult:
+                 bounds: tuple[int, int], copies: float, s: int,
+                 recompute: bool | None = None) -> IntraOpResult:
     a, b = bounds
     ctx.progress(f"stage {s}: layers {a}..{b - 1}")
-    return ctx.exact_stage(prog, a, b, cand.mesh, ctx.settings.budget / cand.stages_per_rank,
-                           copies)
+    budget = ctx.settings.budget / cand.stages_per_rank
+    if recompute is not None:
+        return ctx.solve_stage(prog, a, b, cand.mesh, budget, copies, recompute)
+    return ctx.exact_stage(prog, a, b, cand.mesh, budget, copies)
 
 
 def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: MicrobatchProgram,

@@ -165,7 +165,7 @@ class SearchOptions:
     schedules: Sequence[str] | None = None
     num_microbatches: Sequence[int] | None = None
     stage_mesh: Sequence[int] | None = None
-    # ZeRO stages of pipeline stages (SEARCH_ZERO_STAGES when None)
+    # ZeRO stages of pipeline stages and of single stages (SEARCH_ZERO_STAGES when None)
     zero_stages: Sequence[int] | None = None
     microbatch_options: int = 3
     finalists: int = 3
@@ -182,9 +182,11 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                    ) -> list[tuple[int, int, StageMeshOption, str, int]]:
     """Every (pp, stages per rank, stage mesh, schedule, micro-batches) the
     search prices, in a fixed order: pp = 1 is the single stage of the whole
-    batch, then the pipelines, then one stage accumulating the gradients of
-    several micro-batches (:func:`accumulates`; last, so that the profiles
-    they make change no other price). The stage meshes are without ZeRO
+    batch (where :func:`whole_batch_allowed`), then the pipelines, then one
+    stage accumulating the gradients of several micro-batches
+    (:func:`accumulates`; last, so that the profiles they make change no
+    other price; with a ZeRO stage asked for without 0, also one stage of
+    one micro-batch under that ZeRO stage). The stage meshes are without ZeRO
     where ``opts`` allows it (:func:`zero_variants` adds ZeRO for the
     leading candidates), else with each ZeRO stage :func:`zero_stages_priced`
     gives (on meshes whose axis 0 has more than one rank). Pipelines of more stages than the
@@ -212,7 +214,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
             meshes = [StageMeshOption(want, mo.num_nodes, mo.devices_per_node)
                       for mo in meshes[:1] if mo.size == math.prod(want)]
         for whole in meshes:
-            if pp == 1:  # one stage: the whole batch at once, no schedule (no ZeRO)
+            if pp == 1 and whole_batch_allowed(opts):  # one stage: the whole batch at once
                 out.append((1, 1, whole, NO_PIPELINE, 1))
             stages = [0] if 0 in zeros else zero_stages_priced(
                 zeros, ctx.settings.dtype, ctx.settings.optimizer, whole.shape[0])
@@ -222,9 +224,11 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                 mesh = dataclasses.replace(whole, zero_stage=zero)
                 if pp == 1:  # or micro-batches with their gradients accumulated (1F1B of one stage)
                     ms = list(opts.num_microbatches) if opts.num_microbatches else \
-                        _accumulation_options(sequences, opts.microbatch_options)
-                    if "1f1b" in schedules:
-                        accumulating.extend((1, 1, mesh, "1f1b", m) for m in ms if m > 1)
+                        ([1] if zero else []) + _accumulation_options(sequences,
+                                                                      opts.microbatch_options)
+                    if "1f1b" in schedules:  # ZeRO's stage of one micro-batch too
+                        accumulating.extend((1, 1, mesh, "1f1b", m) for m in ms
+                                            if m > 1 or zero)
                     continue
                 for schedule in schedules:
                     v = default_stages_per_rank(schedule)
@@ -237,6 +241,14 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                     out.extend((pp, v, mesh, schedule, m) for m in ms)
     # context parallelism places whole sequences' rows on stage mesh axis 0
     return [c for c in out + accumulating if ctx.allows(c[2].shape, c[4])]
+
+
+def whole_batch_allowed(opts: SearchOptions) -> bool:
+    """Whether ``opts`` allows one stage of the whole batch (no ZeRO, one
+    micro-batch): 0 among its ZeRO stages and 1 among its micro-batch counts
+    (either left to the search allows it)."""
+    return 0 in opts.zero_choices and (not opts.num_microbatches
+                                       or 1 in opts.num_microbatches)
 
 
 def accumulates(cand: PipelineCandidate) -> bool:

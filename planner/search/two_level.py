@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from costmodel.cluster import Cluster
+from costmodel.cluster import Cluster, candidate_mesh_shapes
 from costmodel.schedules import canonical_schedule, default_stages_per_rank
 from costmodel.strategy_cost import IntraOpCost
 from ir.exported_graph import tied_parameters
@@ -27,7 +27,7 @@ from ir.trace import trace
 from plan.format import Plan
 from planner.megatron_layout import CP_COMM_TYPES
 from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
-from planner.request import PlanRequest, PlanningError, mesh_candidates
+from planner.request import PlanRequest, PlanningError, check_zero_stages
 from planner.search.context import SearchContext
 from planner.search.cp_search import (context_parallel_inputs, context_parallel_record,
                                       context_parallel_seconds, cp_link, kv_buffer_bound,
@@ -35,9 +35,9 @@ from planner.search.cp_search import (context_parallel_inputs, context_parallel_
 from planner.search.finalists import (ExactPipeline, assemble, fastest, solve_exact,
                                       solve_finalists, split_far_finalists)
 from planner.search.forked_workers import run_beside
-from planner.search.pipeline_search import (NO_PIPELINE, SEARCH_ZERO_STAGES, SearchOptions,
+from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             accumulates, refine, search, simulate_step,
-                                            zero_variants)
+                                            whole_batch_allowed, zero_variants)
 from planner.search.plan_assembly import build_plan, model_record, training_record
 from planner.search.settings import SearchSettings
 from planner.search.stage_dp import SEARCH_SCHEDULES, PipelineCandidate, stage_mesh_options
@@ -76,17 +76,6 @@ def best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, ..
         if best is None or result.solution.objective_s < best.solution.objective_s:
             best = result
     return best, too_big
-
-
-def check_zero_stages(zero_stages: Sequence[int] | None) -> list[int] | None:
-    """``zero_stages`` as a list, or None (the search's default)."""
-    if zero_stages is None:
-        return None
-    out = [int(z) for z in zero_stages]
-    if not out or any(z not in SEARCH_ZERO_STAGES for z in out):
-        raise PlanningError(f"ZeRO stages must be 0 (none), 1 (sharded optimizer states), "
-                            f"2 or 3 (FSDP2), got {list(zero_stages)}")
-    return out
 
 
 def _pipeline_sizes(pp: Sequence[int] | None, model: torch.nn.Module) -> Sequence[int] | None:
@@ -208,7 +197,9 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
     """The fastest exactly solved candidate of the search in ``ctx`` (each
     passed through ``finish`` first, which may re-price or drop it), or, where
     no candidate has a plan and ``ctx`` has no context parallelism, the best
-    single stage of the whole batch ``graph``."""
+    single stage of the whole batch ``graph``: only where the request allows
+    it (ZeRO 0 and one micro-batch among those asked, or none asked); else a
+    :class:`PlanningError` saying nothing asked fits."""
     cluster = ctx.settings.cluster
     opts = SearchOptions(pp=_pipeline_sizes(req.pp, model), schedules=req.schedules,
                          num_microbatches=req.num_microbatches,
@@ -246,12 +237,14 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
                             f"or runs under torch's schedules; add pp 1 (--pp 1,{req.pp[0]}) to "
                             f"allow a single stage, or give the devices more memory")
     cp = ctx.settings.context_parallel
+    if not exact and not whole_batch_allowed(opts):  # no fallback to the whole batch
+        raise PlanningError(_nothing_asked_fits(req, ctx))
     if not exact and cp > 1:  # every single stage exactly, pinned as ctx pins
         exact = finish(_exact_single_stages(ctx))
         if not exact:
             raise PlanningError(f"no plan with context parallel size {cp} fits in memory")
     if not exact:  # the layer profiles are coarse: try every single stage exactly
-        best, too_big = best_single_stage(graph, cluster, mesh_candidates(cluster.num_devices),
+        best, too_big = best_single_stage(graph, cluster, candidate_mesh_shapes(cluster.num_devices),
                                           ctx.settings.dtype, req.time_limit_s,
                                           ctx.settings.budget, req.optimizer)
         if best is not None:
@@ -260,6 +253,30 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
         raise PlanningError((str(least) if least else "no plan fits in memory")
                             + " (no pipeline of its layers fits either)")
     return fastest(exact)
+
+
+def _nothing_asked_fits(req: PlanRequest, ctx: SearchContext) -> str:
+    """Why the search has no plan when the request rules out its fallback,
+    one stage of the whole batch (``--zero`` without 0, or ``--microbatches``
+    without 1), in one line."""
+    asked = []
+    if req.zero_stages is not None:
+        asked.append(f"--zero {','.join(map(str, req.zero_stages))}")
+    if req.num_microbatches is not None:
+        asked.append(f"--microbatches {','.join(map(str, req.num_microbatches))}")
+    batch = ctx.global_batch
+    if req.num_microbatches is not None and all(batch % m for m in req.num_microbatches):
+        return (f"no count of --microbatches {','.join(map(str, req.num_microbatches))} "
+                f"divides the batch of {batch}: give counts that divide it")
+    devices = ctx.settings.cluster.num_devices
+    if devices == 1 and req.zero_stages is not None and 0 not in req.zero_stages:
+        return ("ZeRO shards over a stage mesh's first axis, which has one rank on a cluster "
+                "of 1 device: leave out --zero")
+    cp = ctx.settings.context_parallel
+    with_cp = f" and context parallel size {cp}" if cp > 1 else ""
+    return (f"no plan with {' and '.join(asked)}{with_cp} fits in memory on {devices} "
+            f"device(s): add 0 to --zero or 1 to --microbatches (or leave them out) to allow "
+            f"one stage of the whole batch, or give the devices more memory")
 
 
 def _exact_single_stages(ctx: SearchContext) -> list[ExactPipeline]:
