@@ -214,38 +214,3 @@ def test_searched_zero_that_does_not_fit_in_memory_is_refused_not_replaced():
                                             r"device\(s\): add 0 to --zero"):
         plan(model, "local-cpu:2", example_inputs=inputs, pp=(1,), zero_stages=(3,),
              memory_budget=64 * 1024, **FAST)
-
-
-# --- the ILP prices each copy of a block as it runs ---
-
-class _FirstReadsTheBatch(nn.Module):
-    """Two identical blocks and a head: the first block's linear reads the
-    batch, which needs no gradient, the second's reads the first's output."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x, y):
-        for block in self.blocks:
-            x = block(x) * torch.tensor(0.5)
-        return F.cross_entropy(self.head(x), y)
-
-
-def test_copies_of_a_block_that_differ_in_their_backward_are_priced_apart():
-    """A block reading the batch runs no input-gradient kernel; tied to its
-    copies it was priced as they are, and the solver's objective missed the
-    breakdown by 2.5 us (an AssertionError in solve_prepared)."""
-    from costmodel.presets import load_cluster
-    from ir.trace import trace
-    from planner.ilp.intra_op import prepare_intra_op, solve_prepared
-
-    graph = trace(_FirstReadsTheBatch(), (torch.randn(4, 32), torch.randint(0, 4, (4,))))
-    prepared = prepare_intra_op(graph, load_cluster("local-cpu:2"), (2,))
-    result = solve_prepared(prepared, time_limit_s=10.0)
-    assert result.breakdown.total_s == pytest.approx(result.solution.objective_s, rel=1e-9)
-    linears = [v for v, ns in enumerate(prepared.strategies) if "addmm" in str(ns.node.target)]
-    assert len(linears) == 3  # the blocks' two and the head's
-    first, second = linears[:2]
-    assert prepared.built.classes[first] != prepared.built.classes[second]

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Replicate
 
@@ -56,43 +56,29 @@ def _distinct(specs: list[int]) -> tuple[list[int], list[int]]:
 
 
 def tie_classes(graph: Graph, strategies: list[NodeStrategies],
-                layers: list[Layer] | None = None, untied: frozenset[str] = frozenset(),
-                role: Callable[[str], Hashable] | None = None) -> list[int]:
+                layers: list[Layer] | None = None, untied: frozenset[str] = frozenset()
+                ) -> list[int]:
     """Class of each node: nodes at the same position of repeated blocks (same
-    :func:`ir.repeated_blocks.find_layers` signature) with the same strategy list
-    and ``role`` (of the node's name: :func:`gradient_role`) share one class, so
-    every copy of a block takes the same strategies (as Megatron does); every
-    other node, and every node in ``untied``, is a class of its own. Classes
-    are numbered in program order."""
+    :func:`ir.repeated_blocks.find_layers` signature) with the same strategy list share one
+    class, so every copy of a block takes the same strategies (as Megatron does);
+    every other node, and every node named in ``untied`` (priced unlike its
+    copies), is a class of its own. Classes are numbered in program order."""
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     tied_to = list(range(len(strategies)))
-    reps: dict[tuple, list[int]] = {}
+    reps: dict[tuple[str, int], list[int]] = {}
     for layer in graph.layers if layers is None else layers:
         for pos, name in enumerate(layer.nodes):
             v = index[name]
             if name in untied:
                 continue
-            key = (layer.signature, pos) if role is None else (layer.signature, pos, role(name))
-            for r in reps.get(key, []):
+            for r in reps.get((layer.signature, pos), []):
                 if strategies[r].strategies == strategies[v].strategies:
                     tied_to[v] = r
                     break
             else:
-                reps.setdefault(key, []).append(v)
+                reps.setdefault((layer.signature, pos), []).append(v)
     dense: dict[int, int] = {}
     return [dense.setdefault(tied_to[v], len(dense)) for v in range(len(strategies))]
-
-
-def gradient_role(cost: IntraOpCost, name: str) -> tuple:
-    """What node ``name``'s prices under ``cost`` depend on besides its
-    strategy: whether it is on the gradient path, which arguments need a
-    gradient or are weights (its backward kernels and partial-gradient
-    all-reduces), and which outputs autograd saves. The first copy of a block
-    reads the batch, which needs no gradient, so it differs from the others."""
-    node = cost.graph[name]
-    grad, weights = cost.requires_grad, cost.param_derived
-    return (name in grad, tuple((a in grad, a in weights) for a in node.args),
-            cost.saved.get(name, frozenset()))
 
 
 @dataclass
@@ -130,8 +116,7 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
     """
     layers = cost.graph.layers
     untied = frozenset([cost.transient_node] if cost.transient_node else [])
-    classes = (tie_classes(cost.graph, strategies, layers, untied,
-                           functools.partial(gradient_role, cost)) if tie
+    classes = (tie_classes(cost.graph, strategies, layers, untied) if tie
                else list(range(len(strategies))))
     members: list[list[int]] = [[] for _ in range(max(classes, default=-1) + 1)]
     for v, c in enumerate(classes):
