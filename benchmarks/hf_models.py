@@ -35,6 +35,16 @@ MODELS = {
     "mistral": f"hf:mistral,{_DECODER}",
     "qwen2": f"hf:qwen2,{_DECODER}",
     "mixtral": f"hf:mixtral,{_DECODER},num_local_experts=4",
+    # MoE families beside Mixtral: a shared expert with its gate; DeepSeek-V3's
+    # multi-head latent attention, group-limited sigmoid routing, a shared expert
+    # and a dense first layer (the experts are transformers' grouped matmul)
+    "qwen2_moe": f"hf:qwen2_moe,{_DECODER},moe_intermediate_size=128,"
+                 "shared_expert_intermediate_size=128,num_experts=4,num_experts_per_tok=2",
+    "deepseek_v3": "hf:deepseek_v3,num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
+                   "moe_intermediate_size=64,num_attention_heads=4,num_key_value_heads=4,"
+                   "vocab_size=256,n_routed_experts=4,n_shared_experts=1,num_experts_per_tok=2,"
+                   "n_group=1,topk_group=1,first_k_dense_replace=1,q_lora_rank=32,"
+                   "kv_lora_rank=16,qk_rope_head_dim=8,qk_nope_head_dim=8,v_head_dim=16",
 }
 SEQ_LEN = 32
 

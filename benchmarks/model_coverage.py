@@ -1,7 +1,9 @@
 """Every model family a user brings, planned, run and checked as a user would.
 
 Tiny configs of ``transformers`` families (the library's defaults, dropout 0 so
-that ``--check`` can compare with one process) and a BatchNorm CNN of our own:
+that ``--check`` can compare with one process; Mixtral, Qwen2-MoE and
+DeepSeek-V3 with their experts as transformers' grouped matmul, which plans
+sharded: :mod:`ir.grouped_mm`) and a BatchNorm CNN of our own:
 decoder-only LMs through ``--model hf:SPEC`` (:mod:`models.hf`), the others through
 the factories of ``tests/coverage_models.py``. Each model is planned twice by
 the ``planner`` command for ``local-cpu:4``, on a 2x2 mesh and with the
@@ -47,6 +49,9 @@ MODELS: dict[str, tuple[str, str, tuple[str, ...]]] = {
              "num_attention_heads=4,num_key_value_heads=2,vocab_size=256,pad_token_id=0,"
              "bos_token_id=1,eos_token_id=2", ("--seq-len", str(SEQ_LEN))),
     "mixtral": ("decoder-only, experts", CAUSAL_LMS["mixtral"], ("--seq-len", str(SEQ_LEN))),
+    "qwen2-moe": ("decoder-only, experts", CAUSAL_LMS["qwen2_moe"], ("--seq-len", str(SEQ_LEN))),
+    "deepseek-v3": ("decoder-only, experts", CAUSAL_LMS["deepseek_v3"],
+                    ("--seq-len", str(SEQ_LEN))),
     "bert": ("encoder", f"{FACTORIES}:bert_mlm", ()),
     "deberta-v2": ("encoder", f"{FACTORIES}:deberta_v2_mlm", ()),
     "bart": ("encoder-decoder", f"{FACTORIES}:bart", ()),

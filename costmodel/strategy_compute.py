@@ -58,9 +58,11 @@ class ComputePricing(StrategySettings):
         """Seconds of re-running ``node``'s forward in a checkpointed layer's
         backward, under each of ``strategies``: its kernel (:meth:`forward_time`)
         and the reduction of each output it leaves partial on a mesh axis (a
-        row-parallel linear's all-reduce), which the re-run issues again."""
+        row-parallel linear's all-reduce) and an expert-parallel grouped
+        matmul's all-to-alls, which the re-run issues again."""
         out = []
         for t, s in zip(self.forward_each(node, strategies), strategies):
+            t += self.expert_exchange(node, s)[0]
             for info, placements in zip(node.outputs, s.outputs):
                 for a, (p, size) in enumerate(zip(placements or (), self.mesh_shape)):
                     if size > 1 and type(p) is Partial:

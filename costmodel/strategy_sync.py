@@ -3,7 +3,8 @@
 :class:`GradientSyncPricing` is the part of
 :class:`costmodel.strategy_cost.IntraOpCost` that prices the collectives a
 strategy implies for gradients: the all-reduce of each input gradient that
-comes out partial in a micro-batch's backward, and the collectives over mesh
+comes out partial in a micro-batch's backward (and the all-to-alls of an
+expert-parallel grouped matmul, forward and backward), and the collectives over mesh
 axis 0 that ZeRO (or ``reduce_once``) issues once per step instead: the
 reduce-scatter of the gradient sums and the all-gather of the updated
 parameters, or ZeRO-3's layer by layer gathers in every micro-batch.
@@ -21,6 +22,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from costmodel.collectives import collective_time
 from costmodel.strategy_settings import StrategySettings
 from ir.graph import OP, PARAM, Node
+from ir.grouped_mm import exchange_axis
 from ir.strategy import Strategy, local_numel
 
 __all__ = ["GradientSyncPricing"]
@@ -42,7 +44,28 @@ class GradientSyncPricing(StrategySettings):
         (:meth:`state_collectives`)."""
         if node.kind == PARAM:
             return self.state_collectives(node, s)
-        return sum(t for _, _, t in self._gradient_all_reduces(node, s))
+        return (sum(t for _, _, t in self._gradient_all_reduces(node, s))
+                + sum(self.expert_exchange(node, s)))
+
+    def expert_exchange(self, node: Node, s: Strategy) -> tuple[float, float]:
+        """``(forward, backward)`` seconds of the all-to-alls of an
+        expert-parallel grouped matmul (:func:`ir.grouped_mm.exchange_axis`;
+        0 for any other node and strategy): its rows of x go to the ranks
+        holding their experts and its rows of y come back; the backward moves
+        x and dy there and dx back. Each is priced as the zoo MoE's ``S(i) ->
+        S(j)`` reshard around its expert matmul is: an all-to-all of this
+        device's shard over the axis."""
+        axis = exchange_axis(node.target, s.inputs) if node.kind == OP else None
+        if axis is None or self.mesh_shape[axis] == 1:
+            return 0.0, 0.0
+        size, link = self.mesh_shape[axis], self.links[axis]
+
+        def moved(info, placements) -> float:
+            nbytes = local_numel(info, placements, self.mesh_shape) * info.itemsize
+            return collective_time("all_to_all", nbytes, size, link)
+
+        x, y = moved(node.inputs[0], s.inputs[0]), moved(node.outputs[0], s.outputs[0])
+        return x + y, 2 * x + y
 
     def weight_sync(self, node: Node, s: Strategy) -> float:
         """Seconds of the all-reduces of weight gradients over mesh axis 0 in

@@ -22,6 +22,7 @@ from torch.export.graph_signature import OutputKind
 from torch.utils.flop_counter import flop_registry
 
 from ir.graph import Graph
+from ir.grouped_mm import GROUPED_MATMULS, grouped_mm_flops
 from ir.node import BUFFER, INPUT, OP, PARAM, Node, TensorInfo
 from ir.torch_compat import SDPA
 
@@ -141,6 +142,9 @@ def _flops(fx_node: torch.fx.Node) -> float:
     if target is SDPA:
         q, k, v = (a.meta["val"].shape for a in fx_node.args[:3])
         return attention_flops(q, k, v, _sdpa_is_causal(fx_node))
+    if str(target) in GROUPED_MATMULS:
+        x, w = (a.meta["val"].shape for a in fx_node.args[:2])
+        return grouped_mm_flops(x, w)
     packet = getattr(target, "overloadpacket", None)
     formula = flop_registry.get(packet)
     if formula is None:

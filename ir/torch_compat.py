@@ -25,9 +25,9 @@ __all__ = [
     "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
     "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
     "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
-    "op_strategy_functions", "register_fused_attention_sharding",
-    "register_zeros_like_input_sharding", "sharding_propagator",
-    "single_dim_expansion", "strided_shard", "strided_shard_type",
+    "op_strategy_functions", "register_dtensor_handler", "register_fused_attention_sharding",
+    "register_sharding_rule", "register_zeros_like_input_sharding", "sharding_propagator",
+    "single_dim_expansion", "strided_shard", "strided_shard_type", "without_dtensor_handler",
     "without_dtensor_redistribute_costs", "zero_masked_rows",
 ]
 
@@ -390,36 +390,87 @@ def all_gather_autograd(tensor: torch.Tensor, dim: int, group: Any) -> torch.Ten
     return all_gather_tensor_autograd(tensor, gather_dim=dim, group=group)
 
 
+def register_sharding_rule(op: Any, rule: Any, keep: Any = None) -> None:
+    """Give DTensor ``op``'s sharding as its public ``register_sharding`` does
+    (``rule(*args, **kwargs)`` of the arguments' specs and values returns
+    ``(output placements, input placements)`` pairs for one mesh axis;
+    ``keep(inputs' placements)`` drops combinations), with every non-tensor
+    argument (not only ``int`` ones: a ``new_zeros`` ``size``) in the key
+    DTensor caches its decisions under."""
+    from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo, TupleStrategy
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    def spec(arg: Any) -> Any:
+        if isinstance(arg, OpStrategy):
+            return arg.strategies[0].output_spec
+        return tuple(spec(c) for c in arg.children) if isinstance(arg, TupleStrategy) else arg
+
+    def strategy(schema: Any) -> Any:
+        pairs = rule(*map(spec, schema.args_schema),
+                     **{k: spec(v) for k, v in schema.kwargs_schema.items()})
+        result = expand_to_full_mesh_op_strategy(
+            schema.get_mesh_from_args(), schema, [list(o) + list(i) for o, i in pairs],
+            input_index=len(op._schema.returns), inplace_op=schema.is_inplace_op())
+        if keep is not None:
+            result.strategies = [s for s in result.strategies
+                                 if keep([tuple(i.placements) for i in s.input_specs])]
+        return result
+
+    arguments = op._schema.arguments
+    plain = [(i, a) for i, a in enumerate(arguments) if "Tensor" not in str(a.type)]
+    static = min((i for i, a in plain if not a.kwarg_only), default=100)
+    keys = [a.name for _, a in plain if a.kwarg_only]
+    sharding_propagator().register_op_strategy(
+        op, strategy, RuntimeSchemaInfo(static, keys or None, needs_pytree=True))
+
+
+def register_dtensor_handler(op: Any, handler: Any) -> None:
+    """Run ``op`` on DTensors by ``handler(op, args, kwargs)`` (called below
+    autograd, returning DTensors) instead of DTensor's sharding propagation
+    and a local call (DTensor's table of custom op handlers)."""
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._custom_op_handlers[op] = handler
+
+
+@contextlib.contextmanager
+def without_dtensor_handler(op: Any) -> Iterator[None]:
+    """Inside, DTensor runs ``op`` by its own sharding propagation, not by the
+    handler :func:`register_dtensor_handler` gave it (which may call ``op``)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op, None)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            handlers[op] = handler
+
+
 @functools.lru_cache(maxsize=1)
 def register_fused_attention_sharding() -> None:
     """Give DTensor the sharding of the CPU flash-attention kernel, which it
     lacks (it has those of the CUDA kernels): the same as its CUDA flash
     kernel's, batch (dim 0) or heads (dim 1) sharded, or all replicated.
-    Registered once per process, through DTensor's public ``register_sharding``."""
+    Registered once per process (:func:`register_sharding_rule`)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
     forward, backward = cpu_flash_attention_ops()
-    propagator = sharding_propagator()
-    if forward in propagator.op_strategy_funcs:
+    if forward in sharding_propagator().op_strategy_funcs:
         return
 
-    @register_sharding(forward)
     def _forward(query, key, value, *args, **kwargs):  # noqa: ARG001 - op signature
         # outputs: (attention output, log-sum-exp); inputs: q, k, v (+ attn_mask)
-        extra = [None] if kwargs.get("attn_mask") is not None else []
-        mask = lambda p: [p] if extra else []  # noqa: E731
-        return [([Replicate(), Replicate()], [Replicate()] * 3 + mask(Replicate())),
-                ([Shard(0), Shard(0)], [Shard(0)] * 3 + mask(Shard(0))),
-                ([Shard(1), Shard(1)], [Shard(1)] * 3 + mask(Shard(1)))]
+        mask = lambda p: [p] if kwargs.get("attn_mask") is not None else []  # noqa: E731
+        return [([p, p], [p] * 3 + mask(p)) for p in (Replicate(), Shard(0), Shard(1))]
 
-    @register_sharding(backward)
     def _backward(grad_out, query, key, value, out, logsumexp, *args, **kwargs):  # noqa: ARG001
-        extra = kwargs.get("attn_mask") is not None
-        mask = lambda p: [p] if extra else []  # noqa: E731
-        return [([Replicate()] * 3, [Replicate()] * 6 + mask(Replicate())),
-                ([Shard(0)] * 3, [Shard(0)] * 6 + mask(Shard(0))),
-                ([Shard(1)] * 3, [Shard(1)] * 6 + mask(Shard(1)))]
+        mask = lambda p: [p] if kwargs.get("attn_mask") is not None else []  # noqa: E731
+        return [([p] * 3, [p] * 6 + mask(p)) for p in (Replicate(), Shard(0), Shard(1))]
+
+    register_sharding_rule(forward, _forward)
+    register_sharding_rule(backward, _backward)
 
 
 @functools.lru_cache(maxsize=1)
@@ -432,16 +483,17 @@ def register_zeros_like_input_sharding() -> None:
     the target logits) then allocates the zeros of the whole global
     ``[tokens, vocabulary]`` on every rank, mesh-size times the rank's own.
     Zeros are zeros in any placement, so sharding them is exact. Registered
-    once per process, through DTensor's public ``register_sharding``."""
+    once per process (:func:`register_sharding_rule`: ``size`` is in the key
+    of DTensor's decisions)."""
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.experimental import register_sharding
 
-    @register_sharding(torch.ops.aten.new_zeros.default)
     def _new_zeros(self, size, *args, **kwargs):  # noqa: ARG001 - op signature
         same = [d for d in range(min(self.ndim, len(size))) if int(size[d]) == self.shape[d]]
         return ([([Shard(d)], [Shard(d)]) for d in same]
                 + [([Replicate()], [p]) for p in (Replicate(), Partial())]
                 + [([Replicate()], [Shard(d)]) for d in range(self.ndim) if d not in same])
+
+    register_sharding_rule(torch.ops.aten.new_zeros.default, _new_zeros)
 
 
 def decomposition_registry_size() -> tuple[int, int]:
@@ -531,3 +583,18 @@ def cuda_memory_history(max_entries: int) -> Iterator[dict[str, Any]]:
         out["snapshot"] = torch.cuda.memory._snapshot()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def without_local_backward_handoff(stages: Any) -> Any:
+    """A forward-only pass (``schedule.eval``) of a V-shaped schedule (ZBV,
+    DualPipeV): torch 2.13 still hands backward gradients between the rank's
+    two stages (``get_local_bwd_output``), which fails; inside, it does nothing."""
+    for stage in stages:
+        stage.get_local_bwd_output, stage.set_local_bwd_input = lambda i: (), lambda o, i: None
+    try:
+        yield
+    finally:
+        for stage in stages:
+            del stage.get_local_bwd_output
+            del stage.set_local_bwd_input

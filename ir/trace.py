@@ -16,9 +16,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ir.exported_graph import graph_from_exported, tied_parameters
+from ir.functional_backward import register_functional_backward
 from ir.block_capture.program import SynthesizedProgram
 from ir.block_capture.trace import fast_trace
 from ir.graph import Graph
+from ir.grouped_mm import GROUPED_MM, register_grouped_mm_sharding
 from ir.program_capture import (TraceError, as_tuple, capture, eager_error, torch_output_logged,
                                 value_read, value_read_reason, write_torch_log)
 
@@ -44,6 +46,9 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
 
     What torch prints or logs meanwhile (a failed export's program dumps)
     stays off the terminal; a failure's error names the file it went to.
+    A program with Hugging Face's grouped expert matmul registers its DTensor
+    sharding (:func:`ir.grouped_mm.register_grouped_mm_sharding`), one with
+    functional writes their backward (:mod:`ir.functional_backward`).
 
     Raises:
         ir.program_capture.TraceError: when the full capture fails, or the
@@ -58,7 +63,19 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
             if log is None:
                 raise
             raise TraceError(f"{err} (torch's output: {log})") from err.__cause__
+    _register_op_support(graph)
     return graph
+
+
+def _register_op_support(graph: Graph) -> None:
+    """What planning and running ``graph``'s ops needs that torch lacks: the
+    grouped expert matmul's strategies and sharded runs (the planner asks
+    DTensor for strategies, the ranks capture before they run), the
+    backward of functional writes (:mod:`ir.functional_backward`)."""
+    targets = {node.target for node in graph.nodes}
+    if targets.intersection(GROUPED_MM):
+        register_grouped_mm_sharding()
+    register_functional_backward(targets)
 
 
 def _trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
