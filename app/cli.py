@@ -1,4 +1,4 @@
-"""The ``planner`` command: ``plan``, ``show``, ``run``, ``train``, ``compare`` and ``profile``.
+"""The ``planner`` command: ``plan``, ``show``, ``run``, ``data``, ``train``, ``compare`` and ``profile``.
 
 Every user error (unknown model or preset, bad mesh, wrong plan version, model
 mismatch) prints one line starting with ``planner: error:`` and exits with 2.
@@ -156,7 +156,8 @@ def _plan_request(args: argparse.Namespace) -> Any:
         num_microbatches=_int_list(args.microbatches, "--microbatches"),
         zero_stages=_int_list(args.zero, "--zero", least=0), precision=_precision(args),
         recompute=_recompute(args),
-        context_parallel=_int_list(args.context_parallel, "--context-parallel"))
+        context_parallel=_int_list(args.context_parallel, "--context-parallel"),
+        compile=args.compile)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -277,7 +278,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         result = launch(args.plan, nproc=plan.world_size, steps=args.steps, check=args.check,
-                        nodes=_nodes(args))
+                        nodes=_nodes(args), compile=args.compile)
     except LaunchError as err:
         # the ranks refused the plan, or failed running it: one line (the op, the
         # reason, what to do, and the file with their whole output), exit 2
@@ -305,8 +306,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"planner: error: {err.first_line}", file=sys.stderr)
         return EXIT_USAGE
     if outcome.returncode == 0:
+        from app.plot import loss_plot_line
+
         if args.result_json:
             print(f"wrote {args.result_json}")
+        if args.log:  # loss.png beside it
+            print(loss_plot_line(args.log))
         return 0
     if outcome.bad_input:  # a rank refused its input: its own line says what to change
         what = outcome.error or f"the ranks exited with status {outcome.returncode}"
@@ -318,6 +323,17 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  outcome.log_path)
         print(f"planner: error: {line}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from training.text_data import write_data_folder
+
+    folder = write_data_folder(args.texts, args.output, tokenizer=args.tokenizer,
+                               val_fraction=args.val_fraction)
+    n = folder.tokens
+    print(f"wrote {folder.train} ({n['train']:,} tokens), {folder.val} ({n['val']:,}) and "
+          f"meta.json: {folder.dtype}, vocabulary {folder.vocab_size:,} ({folder.tokenizer})")
+    return 0
 
 
 def _log_tail(path: str, limit: int = 1 << 20) -> str:
@@ -412,11 +428,16 @@ def _add_plan_command(sub: Any) -> None:
     p.add_argument("--pp", help="pipeline degrees to try, e.g. 2,4 (default: every divisor)")
     p.add_argument("--schedule", help="pipeline schedules to try, e.g. 1f1b,interleaved_1f1b "
                    "(default: gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble, zbv, dualpipev)")
-    p.add_argument("--microbatches", help="micro-batch counts to try, e.g. 4,8 (default: "
-                   "micro-batches of 1, 4 and 16 sequences)")
-    p.add_argument("--zero", help="ZeRO stages of pipeline stages to try: 0 (none), 1 "
-                   "(optimizer states sharded over the stage mesh's first axis), 2 (FSDP2 over "
-                   "it, no resharding after forward), 3 (FSDP2); default 0,1,2,3")
+    p.add_argument("--microbatches", help="micro-batch counts to try, e.g. 4,8: of pipelines, "
+                   "and of a single stage (--mesh, --no-pipeline or --pp 1), which accumulates "
+                   "their gradients; default: micro-batches of 1, 4 and 16 sequences in "
+                   "pipelines, 1, 2, 8 or 32 on one stage searched, 1 with --mesh or "
+                   "--no-pipeline")
+    p.add_argument("--zero", help="ZeRO stages to try, of pipeline stages and of a single stage "
+                   "(--mesh, --no-pipeline or --pp 1) alike: 0 (none), 1 (optimizer states "
+                   "sharded over the stage mesh's first axis), 2 (FSDP2 over it, no resharding "
+                   "after forward), 3 (FSDP2); default 0,1,2,3 searched, 0 with --mesh or "
+                   "--no-pipeline")
     p.add_argument("--context-parallel", "--cp", dest="context_parallel",
                    help="context-parallel sizes to try, e.g. 1,2,4 (powers of two dividing the "
                    "devices; 1 = without); default: cp > 1 for sequences of 32,768 tokens or "
@@ -432,6 +453,9 @@ def _add_plan_command(sub: Any) -> None:
                    help="activation checkpointing of single-stage plans (--mesh or "
                    "--no-pipeline): auto (only where it is the fastest plan that fits), all "
                    "layers, none")
+    p.add_argument("--compile", action="store_true",
+                   help="record that the plan's per-rank program runs through torch.compile "
+                   "(inductor); `planner run`/`train` then compile it")
     p.set_defaults(func=cmd_plan)
 
 
@@ -453,7 +477,32 @@ def _add_plan_readers(sub: Any) -> None:
     run.add_argument("--steps", type=int, default=2, help="training steps to run")
     run.add_argument("--check", action="store_true",
                      help="compare loss and gradients with a single-process run")
+    _add_compile_choice(run)
     _add_nodes(run)
+
+
+def _add_compile_choice(p: argparse.ArgumentParser) -> None:
+    """``--compile``/``--eager``: run the plan's program compiled or eager
+    (default: as the plan's ``training.compile`` says)."""
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--compile", dest="compile", action="store_true", default=None,
+                       help="run the per-rank program through torch.compile (inductor)")
+    group.add_argument("--eager", dest="compile", action="store_false",
+                       help="run it eager, whatever the plan records")
+
+
+def _add_data_command(sub: Any) -> None:
+    """``planner data``: text files to a token folder for ``planner train --data``."""
+    d = sub.add_parser("data", help="tokenize text files into train.bin, val.bin and meta.json "
+                       "(for planner train --data DIR)")
+    d.add_argument("texts", nargs="+", metavar="TEXT_FILE", help="text files, joined in order")
+    d.add_argument("-o", "--output", required=True,
+                   help="the folder to write (new, empty, or an earlier planner data output)")
+    d.add_argument("--tokenizer", metavar="HF_FOLDER", help="a local Hugging Face tokenizer "
+                   "folder (never downloaded); default: bytes, a vocabulary of 256")
+    d.add_argument("--val-fraction", type=float, default=0.1,
+                   help="the fraction of the tokens (the last ones) in val.bin (default 0.1)")
+    d.set_defaults(func=cmd_data)
 
 
 def _add_train_command(sub: Any) -> None:
@@ -463,6 +512,7 @@ def _add_train_command(sub: Any) -> None:
     from training.config import add_train_arguments
 
     add_train_arguments(t)
+    _add_compile_choice(t)
     t.add_argument("--max-restarts", type=int, default=0,
                    help="after a rank fails, restart all ranks this many times; they resume "
                    "from the newest finished checkpoint in --checkpoint-dir")
@@ -508,7 +558,7 @@ def _add_profile_command(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="planner", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_plan_command, _add_plan_readers, _add_train_command,
+    for add in (_add_plan_command, _add_plan_readers, _add_data_command, _add_train_command,
                 _add_compare_command, _add_profile_command):
         add(sub)
     return parser

@@ -12,17 +12,22 @@
   input gradient and W for the weight gradient in zero-bubble schedules) of
   each micro-batch, coloured by stage and labelled with the micro-batch.
 
-Units: bytes are shown in GiB (MiB for small models), times in ms.
+And of a training job: ``loss.png`` beside ``planner train --log FILE``
+(:func:`plot_loss`): the training loss and the validation loss against the step.
+
+Units: bytes are shown in GiB (MiB for small models), times in ms, losses in
+the model's own unit (nats per token for the zoo's language models).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
 from plan.format import Plan
 
-__all__ = ["plot_plan", "PlotError"]
+__all__ = ["loss_plot_line", "plot_loss", "plot_plan", "PlotError"]
 
 #: memory kinds that are not parts of the sum (plan.json reports them beside it)
 _NOT_PARTS = ("total", "peak")
@@ -158,3 +163,65 @@ def plot_plan(plan: Plan, out_dir: str) -> list[str]:
         paths.append(plot_schedule(plan, os.path.join(out_dir, "schedule.png")))
         paths.append(plot_stage_times(plan, os.path.join(out_dir, "stages.png")))
     return paths
+
+
+def _log_curves(log_path: str) -> tuple[dict[int, float], dict[int, float]]:
+    """(step -> training loss, step -> validation loss) of a ``planner train``
+    JSON-lines log, steps counted from 1 (steps done); where a resumed job
+    logged a step again, its last record counts."""
+    train: dict[int, float] = {}
+    val: dict[int, float] = {}
+    with open(log_path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            step = int(record["step"]) + 1
+            if record.get("loss") is not None:
+                train[step] = float(record["loss"])
+            if record.get("val_loss") is not None:
+                val[step] = float(record["val_loss"])
+    return dict(sorted(train.items())), dict(sorted(val.items()))
+
+
+def plot_loss(log_path: str, path: str | None = None) -> str:
+    """Draw ``loss.png`` (or ``path``) from a ``planner train --log`` file:
+    the logged training loss (one global batch's, each logged step) and the
+    validation loss (the held-out mean) against the step; returns its path.
+
+    Raises:
+        PlotError: matplotlib is missing, or the log holds no loss.
+    """
+    train, val = _log_curves(log_path)
+    if not train and not val:
+        raise PlotError(f"{log_path} holds no loss to draw")
+    plt = _pyplot()
+    path = path or os.path.join(os.path.dirname(log_path), "loss.png")
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if train:
+        ax.plot(list(train), list(train.values()), label="training (one batch)", linewidth=1)
+    if val:
+        ax.plot(list(val), list(val.values()), "o-", label="validation (held out)",
+                linewidth=1.5, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    title = os.path.basename(log_path)
+    if val:
+        last = list(val)[-1]
+        title += f": validation loss {val[last]:.4f} at step {last}"
+    ax.set_title(title, fontsize=10)
+    return _save(plt, fig, path)
+
+
+def loss_plot_line(log_path: str) -> str:
+    """Draw ``loss.png`` beside a ``planner train --log`` file; the line to
+    show: ``wrote PATH``, or why it was not drawn (the log is on another node,
+    matplotlib is missing)."""
+    if not os.path.exists(log_path):
+        return f"note: no loss.png: {log_path} is not on this node"
+    try:
+        return f"wrote {plot_loss(log_path)}"
+    except PlotError as err:
+        return f"note: no loss.png: {err}"

@@ -20,7 +20,8 @@ import json
 import os
 import statistics
 import subprocess
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 from costmodel.profiling.machine import load_average
 
@@ -104,6 +105,25 @@ def machine_block(loadavg_before: list[float] | None, *, after: bool = False) ->
 def median(values: Sequence[float]) -> float | None:
     """The median of ``values``; None when there are none."""
     return statistics.median(values) if values else None
+
+
+def time_alternating(steps: dict[str, Callable[[], Any]], *, warmup: int, rounds: int,
+                     each: int) -> dict[str, list[float]]:
+    """Seconds of each of ``steps``' steps (name -> one step), timed in
+    ``rounds`` rounds of ``each`` steps of every one in turn after ``warmup``
+    steps of each (which compile, allocate, warm caches), so that load
+    elsewhere on the machine falls on all alike."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    timed: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            for _ in range(each):
+                t0 = time.perf_counter()
+                fn()
+                timed[name].append(time.perf_counter() - t0)
+    return timed
 
 
 def check_fields(result: dict[str, Any]) -> dict[str, Any]:

@@ -25,13 +25,14 @@ import json
 import os
 import statistics
 import sys
-import time
-from typing import Any
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from benchmarks.common import time_alternating  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "executor_vs_loop.json")
 #: (zoo name, batch size, sequence length, precisions, recompute) measured by default
@@ -62,12 +63,12 @@ def _plan(name: str, batch: int, seq: int, precision: str, recompute: bool | Non
                 precision=precision, recompute=recompute, time_limit_s=10)
 
 
-def _one_case(name: str, batch: int, seq: int, precision: str, p: Any,
-              args: argparse.Namespace) -> dict[str, Any]:
+def executor_step(p: Any, name: str, batch: int, seq: int) -> tuple[Callable[[], None], Any]:
+    """One AdamW training step of one-device plan ``p`` run by the executor (in
+    this process's one-rank group), and the executor."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.plain_loop import PlainLoop
     from codegen.executor import PlanExecutor
     from codegen.plan_model import loss_of
 
@@ -77,26 +78,27 @@ def _one_case(name: str, batch: int, seq: int, precision: str, p: Any,
     del model
     opt = torch.optim.AdamW(list(executor.parameters()), foreach=True)
 
-    def executor_step() -> None:
+    def step() -> None:
         loss_of(executor(*inputs)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return step, executor
+
+
+def _one_case(name: str, batch: int, seq: int, precision: str, p: Any,
+              args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.plain_loop import PlainLoop
+
+    one_executor_step, _ = executor_step(p, name, batch, seq)
 
     torch.manual_seed(0)
     loop_model, loop_inputs = _model(name, batch, seq, "cpu")
     loop = PlainLoop(loop_model, loop_inputs, precision=precision, checkpoint=p.checkpoint)
 
-    timed: dict[str, list[float]] = {"executor": [], "plain_loop": []}
-    steps = {"executor": executor_step, "plain_loop": loop.step}
-    for fn in steps.values():
-        for _ in range(args.warmup):
-            fn()
-    for _ in range(args.rounds):
-        for kind, fn in steps.items():
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                fn()
-                timed[kind].append(time.perf_counter() - t0)
+    timed = time_alternating({"executor": one_executor_step, "plain_loop": loop.step},
+                             warmup=args.warmup, rounds=args.rounds, each=args.steps)
     executor_s = statistics.median(timed["executor"])
     loop_s = statistics.median(timed["plain_loop"])
     return {"model": name, "batch_size": batch, "seq_len": seq, "precision": precision,

@@ -39,7 +39,8 @@ Placement strings are the plan's (:mod:`ir.placements`): ``R``, ``S(d)``, ``P``
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterator, Sequence
+import warnings
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -48,17 +49,19 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from codegen.capture import (CapturedProgram, PlanMismatchError, capture_program,
                              check_plan_fits_program)
+from codegen.compiled_program import CompileReport, CompiledRegion, RegionCompile
 from codegen.checkpointed_layers import (checkpoint_segments, checkpointed, run_checkpointed,
                                          segment_boundary)
 from codegen.context_parallel import ContextParallelRuntime, cut_sequences, layout_of
-from codegen.node_runner import NodeRunner, public_binding
+from codegen.lowered_program import lower
+from codegen.node_runner import NodeRunner, public_binding, tensor_leaves
 from codegen.placement_record import PlacementRecord
 from codegen.program_inputs import InputPlacer, Materialize
 from codegen.redistribution import plan_on_mesh
 from codegen.zero3_units import UnitRun, run_unit
 from ir.exported_graph import tied_parameters
 from ir.precision import cast_float
-from ir.torch_compat import (fake_store_type, register_fused_attention_sharding,
+from ir.torch_compat import (fake_store_type, is_assertion_op, register_fused_attention_sharding,
                              register_zeros_like_input_sharding, tree_leaves)
 from plan.format import Plan
 
@@ -128,10 +131,16 @@ class PlanExecutor:
                                    local=self.local, materialize=materialize,
                                    parameters_on_meta=self._parameters_on_meta())
         self._forwards = 0
-        # one device: the program as Python code (made by the first forward) and
-        # its placeholders' names, in argument order
-        self._compiled: torch.fx.GraphModule | None = None
+        # one device: the program as Python code (made by the first forward, or
+        # before it when the plan compiles) and its placeholders' names, in
+        # argument order
+        self._compiled: Callable[..., Any] | None = None
         self._compiled_inputs: list[str] = []
+        #: how the program's regions compiled (:mod:`codegen.compiled_program`)
+        self.compile_report = CompileReport()
+        self._compile_refused = False
+        #: the plan's redistributions in one forward of the compiled program
+        self._compiled_reshards = 0
         self._calls = self._program_calls()
         self._last_use = self._last_uses(self._calls, self._kept_values())
         self._segments = checkpoint_segments(self.graph, self._calls, self._checkpoint_layers())
@@ -261,41 +270,143 @@ class PlanExecutor:
         env: dict[str, Any] = {}
         for name, value in zip(self.user_input_names, flat_inputs):
             env[name] = self._inputs.place_input(name, value)
-        if self._compiled is not None and not self.record.recording:
+        if self.plan.compiles and self._compiled is None and not self._compile_refused:
+            self._start_compiled()
+        self._compile_units()
+        if self._compiled is not None and (self.plan.compiles or not self.record.recording):
+            args = [env[name] if name in env else self._placeholder_value(name)
+                    for name in self._compiled_inputs]
+            if self.record.recording:
+                self._record_program(args)
+                self._compiled_reshards = self.record.explicit_reshards
+            # the lowered program redistributes where the interpreter does
+            self.record.explicit_reshards = self._compiled_reshards
             self._forwards += 1
-            return self._user_outputs(self._compiled(*[
-                env[name] if name in env else self._placeholder_value(name)
-                for name in self._compiled_inputs]))
+            return self._user_outputs(self._compiled(*args))
         self._execute(env)
+        self._forwards += 1
         if self.local and self._compiled is None and not self.record_every_step:
             # made in the recording forward, whose time is a warm-up's anyway
-            self._compiled = self._compile()
-            self._compiled_inputs = [n.name for n in self._compiled.graph.nodes
-                                     if n.op == "placeholder"]
+            self._use_program(self._compile())
         out = next(n for n in self.ep.graph.nodes if n.op == "output")
         outputs = torch.fx.node.map_arg(out.args[0], lambda n: env[n.name])
         return self._user_outputs(outputs)
 
+    def _use_program(self, program: Callable[..., Any]) -> None:
+        """Run the program as ``program`` (:meth:`_compile`'s GraphModule, or it
+        compiled) from now on, its placeholders in :attr:`_compiled_inputs` order."""
+        module = program.program if isinstance(program, CompiledRegion) else program
+        self._compiled = program
+        self._compiled_inputs = [n.name for n in module.graph.nodes if n.op == "placeholder"]
+
+    def _start_compiled(self) -> None:
+        """Run the program compiled from now on (:mod:`codegen.compiled_program`):
+        on one device its GraphModule, on a mesh that module with the plan's
+        placements written in (:func:`codegen.lowered_program.lower`). A
+        program that cannot be lowered stays interpreted, and a warning says why."""
+        if self.local:
+            program = self._compile()
+        else:
+            if self.context_parallel_layout is not None:
+                self._compile_refused = True
+                self._report_eager("context parallelism's attention runs its own exchange, "
+                                   "which does not compile yet")
+                return
+            if self._units:  # each ZeRO-3 unit compiles; the ops between them are few
+                self._compile_refused = True
+                return
+            program = lower(self._compile(), self.plan, self.mesh)
+        self._use_program(CompiledRegion(program, self._region_name(), self.compile_report,
+                                         eager=self._interpreted))
+
+    def _compile_units(self) -> None:
+        """Under a compiling plan, give each ZeRO-3 unit its ops as a compiled
+        program of their own (lowered: :func:`codegen.lowered_program.lower`), run
+        inside the unit's module so that FSDP2's hooks gather and free its
+        parameters around it, as torchtitan compiles its blocks. Done after the
+        first forward, which records the units' placements interpreted."""
+        if not (self.plan.compiles and self._units and not self.record.recording
+                and self.context_parallel_layout is None):
+            return
+        memo: dict[Any, Any] = {}
+        for unit in self._units.values():
+            if unit.program is not None:
+                continue
+            program, external, _ = _segment_program(unit.segment, memo)
+            region = CompiledRegion(lower(program, self.plan, self.mesh),
+                                    f"{self._region_name()}'s unit {unit.name}",
+                                    self.compile_report)
+            unit.program_inputs = [v.name for v in external]
+            unit.program = region
+
+    def _interpreted(self, *args: Any) -> Any:
+        """The program's outputs for placeholder values ``args`` (in
+        :attr:`_compiled_inputs` order), interpreted op by op."""
+        env = dict(zip(self._compiled_inputs, args))
+        self._execute(env)
+        return torch.fx.node.map_arg(self._program_outputs(), lambda n: env[n.name])
+
+    def _record_program(self, args: list[Any]) -> None:
+        """Record the placements of a forward the compiled program runs: on one
+        device every placement is ``R``; on a mesh the program is also
+        interpreted once, without autograd, and its placements recorded."""
+        if not self.local:
+            with torch.no_grad():
+                self._interpreted(*args)
+            return
+        replicated = ["R"] * self.mesh.ndim
+        for node in self._calls:
+            entry = self.plan.nodes.get(node.name)
+            self.record.observe(node.name, [replicated for _ in (entry.inputs if entry else ())],
+                                [replicated for _ in tensor_leaves(node.meta.get("val"))])
+
+    def _region_name(self) -> str:
+        """The program's name in compile log lines."""
+        return "the program"
+
+    def _report_eager(self, why: str) -> None:
+        """Say, once, that the program runs eager though the plan compiles, and why."""
+        outcome = RegionCompile(self._region_name(), False, 0.0, reason=why)
+        self.compile_report.regions.append(outcome)
+        warnings.warn(outcome.line(), stacklevel=3)
+
     def _compile(self) -> torch.fx.GraphModule:
-        """The captured program as Python code (``torch.fx.GraphModule``): on one
-        device, after the recording forward, it runs the same ops in the same
-        order as :meth:`_execute` without interpreting each node. A checkpointed
+        """The program (:meth:`_program_calls`) as Python code
+        (``torch.fx.GraphModule``): it runs the same ops in the same order as
+        :meth:`_execute` without interpreting each node, takes the values they
+        read from outside as arguments named as in the captured program, and
+        returns :meth:`_program_outputs`. A checkpointed
         layer is one submodule run under ``torch.utils.checkpoint`` (as
         :func:`codegen.checkpointed_layers.run_checkpointed` runs it). Each op is
         called through the public function that dispatches its overload where
         one does (:func:`codegen.node_runner.public_binding`)."""
+        outputs = self._program_outputs()
+        inside = set(self._calls)
+        external, _ = segment_boundary(self._calls)
+        returned: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(outputs, returned.append)
+        external += [n for n in dict.fromkeys(returned) if n not in inside and n not in external]
         root, graph = torch.nn.Module(), torch.fx.Graph()
         copied: dict[torch.fx.Node, torch.fx.Node] = {}
+        for value in external:
+            copied[value] = graph.placeholder(value.name)
+            copied[value].meta.update(value.meta)
         segment_of = {n.name: first for first, seg in self._segments.items() for n in seg}
         memo: dict[Any, Any] = {}
-        for node in self.ep.graph.nodes:
+        for node in self._calls:
             first = segment_of.get(node.name)
             if first is None:
                 copied[node] = graph.node_copy(node, copied.__getitem__)
             elif first == node.name:
                 _call_segment(graph, root, self._segments[first], copied, memo)
+        graph.output(torch.fx.node.map_arg(outputs, copied.__getitem__))
         _bind_publicly(graph, memo)
         return torch.fx.GraphModule(root, graph)
+
+    def _program_outputs(self) -> Any:
+        """The values the program returns (graph nodes, in the output's structure):
+        here the captured program's outputs."""
+        return next(n for n in self.ep.graph.nodes if n.op == "output").args[0]
 
     def _begin_forward(self) -> None:
         """Reset the per-forward records (recording only on the first forward)."""
@@ -339,7 +450,6 @@ class PlanExecutor:
             env[node.name] = self._runner.run(node, env)
             for name in self._last_use.get(node.name, ()):
                 env.pop(name, None)
-        self._forwards += 1
 
     def _user_outputs(self, outputs: Any) -> Any:
         """The program's user outputs; buffer mutations update the buffers."""
@@ -424,7 +534,8 @@ def _bind_publicly(graph: torch.fx.Graph, memo: dict[Any, Any]) -> None:
     """Call each aten op of ``graph`` through the public function that
     dispatches its overload, where one does (:func:`codegen.node_runner.public_binding`)."""
     for node in graph.nodes:
-        if node.op == "call_function":
+        # an assertion keeps its aten op: the lowering drops it by its schema
+        if node.op == "call_function" and not is_assertion_op(node.target):
             node.target = public_binding(node, memo) or node.target
 
 

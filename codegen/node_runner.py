@@ -43,7 +43,9 @@ from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, dispatcher_input_resha
                              tree_map)
 from plan.format import OpPlacement, Plan
 
-__all__ = ["DTensorResultError", "NodeRunner", "public_binding", "tensor_leaves"]
+__all__ = ["DTensorResultError", "GRADIENT_RESHAPED", "NodeRunner", "attention_gradient_placements",
+           "attention_mask", "contiguous_gradient", "fused_attention_layout",
+           "has_fused_attention_layout", "public_binding", "tensor_leaves"]
 
 
 class DTensorResultError(RuntimeError):
@@ -110,7 +112,7 @@ def _dtensor_input_choice(op: Any, args: tuple, kwargs: dict) -> dict[int, list[
     return {id(arg): [placement_str(p) for p in placements] for arg, placements in reshards}
 
 
-def _attention_mask(args: tuple, kwargs: dict) -> Any:
+def attention_mask(args: tuple, kwargs: dict) -> Any:
     """The ``attn_mask`` of a ``scaled_dot_product_attention`` call, or None."""
     return kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
 
@@ -127,6 +129,12 @@ def _captured_attention_layout(node: torch.fx.Node, out: Any) -> Any:
     autograd, and a DTensor's global strides say so."""
     if not has_fused_attention_layout(node):
         return out
+    return fused_attention_layout(out)
+
+
+def fused_attention_layout(out: Any) -> Any:
+    """Attention output ``out`` laid out as the fused kernels write it (see
+    :func:`_captured_attention_layout`): itself where it is, else one local copy."""
     local = out.to_local() if isinstance(out, DTensor) else out
     if not local.is_contiguous() or local.permute(*FUSED_ATTENTION_ORDER).is_contiguous():
         return out
@@ -151,7 +159,7 @@ def has_fused_attention_layout(node: torch.fx.Node) -> bool:
 
 
 #: views whose backward reshapes the gradient to the input's shape
-_GRADIENT_RESHAPED = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+GRADIENT_RESHAPED = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -177,6 +185,21 @@ class _ContiguousGradient(torch.autograd.Function):
         return DTensor.from_local(local.contiguous(), grad.device_mesh, grad.placements,
                                   run_check=False, shape=grad.shape,
                                   stride=contiguous_strides(grad.shape))
+
+
+def contiguous_gradient(out: Any) -> Any:
+    """A view's output whose gradient arrives contiguous (:class:`_ContiguousGradient`),
+    for a DTensor that requires grad; anything else as it is."""
+    if isinstance(out, DTensor) and out.requires_grad:
+        return _ContiguousGradient.apply(out)
+    return out
+
+
+def attention_gradient_placements(out: Any) -> Any:
+    """``out`` (an attention's output) whose gradient arrives in its own
+    placements (:func:`_keep_gradient_placements`)."""
+    _keep_gradient_placements(out)
+    return out
 
 
 def _keep_gradient_placements(out: Any) -> None:
@@ -384,10 +407,10 @@ class NodeRunner:
             return self._fall_back(node, entry, args, kwargs, values, err)
         if node.target is SDPA:
             out = _captured_attention_layout(node, out)
-            if _attention_mask(args, kwargs) is not None:
+            if attention_mask(args, kwargs) is not None:
                 _keep_gradient_placements(out)
-        elif node.target in _GRADIENT_RESHAPED and isinstance(out, DTensor) and out.requires_grad:
-            out = _ContiguousGradient.apply(out)
+        elif node.target in GRADIENT_RESHAPED:
+            out = contiguous_gradient(out)
         return self._finish(node, entry, out, in_obs, constant=False)
 
     # ------------------------------------------------------------ the arguments

@@ -245,6 +245,32 @@ class ParallelModel:
             return self._pipeline_step(batch)
         return self._single_stage_step(batch)
 
+    def eval_loss(self, *batch: Any) -> torch.Tensor:
+        """The loss of one global batch (every rank passes the same), forward
+        only (no autograd, gradients and optimizer states untouched): the
+        plan's program, or the pipeline schedule's ``eval`` (the mean over
+        micro-batches). A 0-d float64 tensor, the same on every rank."""
+        self.check_batch(batch)
+        batch = tuple(self._to_device(t) for t in batch)
+        if self._masters_exposed:
+            self._gather_zero1()
+            self._masters_exposed = False
+        with torch.no_grad():
+            if self._pipeline is None:
+                loss = loss_of(self._executor(*batch))
+                loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+                return loss.detach().double()
+            losses = self._pipeline.step(batch, forward_only=True)
+        return self._broadcast_mean(losses)
+
+    def _broadcast_mean(self, losses: list[torch.Tensor] | None) -> torch.Tensor:
+        """The mean of the last stage's micro-batch ``losses``, on every rank."""
+        value = torch.zeros((), dtype=torch.float64, device=self.device)
+        if losses:
+            value += torch.stack([x.detach().double() for x in losses]).mean()
+        dist.broadcast(value, src=self._last_stage_rank())
+        return value
+
     def _to_device(self, value: Any) -> Any:
         """A batch tensor on this rank's device; from the CPU to a GPU through
         pinned memory without waiting (a pageable copy would wait for the
@@ -278,11 +304,7 @@ class ParallelModel:
         self.grad_reductions = runtime.sync_grads()
         for shards in self._zero1:
             self.grad_reductions += shards.reduce_grads()
-        value = torch.zeros((), dtype=torch.float64, device=self.device)
-        if losses:
-            value += torch.stack([x.detach().double() for x in losses]).mean()
-        dist.broadcast(value, src=self._last_stage_rank())
-        return value
+        return self._broadcast_mean(losses)
 
     def _last_stage_rank(self) -> int:
         """The global rank of the first device of the last stage's mesh."""
@@ -291,6 +313,12 @@ class ParallelModel:
         return int(self._pipeline.world_mesh.mesh[last].flatten()[0])
 
     # ------------------------------------------------- what the step did
+    def compile_regions(self) -> list[Any]:
+        """The regions of this rank's program the plan compiles, as far as they
+        have run (:class:`codegen.compiled_program.RegionCompile`: the compile
+        time, or why one runs eager); empty for an eager plan."""
+        return [region for ex in self.executors for region in ex.compile_report.regions]
+
     @property
     def executors(self) -> list[Any]:
         """The plan executors of this rank (one, or one per pipeline stage it
@@ -491,7 +519,8 @@ class ParallelModel:
 
 
 def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
-                example_inputs: Any = None, *, init: str = "fresh") -> ParallelModel:
+                example_inputs: Any = None, *, init: str = "fresh",
+                compile: bool | None = None) -> ParallelModel:
     """This rank's part of ``plan`` as a :class:`ParallelModel`.
 
     Call it in every rank of a ``torchrun`` job of ``plan.world_size``
@@ -508,6 +537,10 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
         init: for a model built on meta, ``"fresh"`` (exactly the weights one
             process building it with seed 0 gets) or ``"empty"`` (allocated,
             for a checkpoint to fill).
+        compile: run the per-rank program through ``torch.compile`` (True),
+            eager (False), or as the plan's ``training.compile`` says (None);
+            :mod:`codegen.compiled_program`, and :meth:`ParallelModel.compile_regions`
+            after the first step.
 
     Raises:
         ValueError: a plan this runtime cannot run (:func:`codegen.runnable.unrunnable_reason`).
@@ -520,6 +553,8 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
         raise ValueError(f"init must be one of {', '.join(INITS)}, got {init!r}")
     if not isinstance(plan, Plan):
         plan = load_plan(plan)
+    if compile is not None:
+        plan = plan.with_compile(compile)
     reason = unrunnable_reason(plan)
     if reason:
         raise ValueError(f"this plan cannot run: {reason}")

@@ -39,6 +39,7 @@ from codegen.stage_module import StageModule, fully_shard_stage
 from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer, StateShards
 from costmodel.schedules.specs import schedule_spec
 from costmodel.strategy_cost import FSDP_STAGES
+from ir.torch_compat import without_local_backward_handoff
 from plan.format import Plan, StagePlan
 
 __all__ = ["PipelineRuntime", "split_microbatch", "split_microbatches"]
@@ -245,8 +246,10 @@ class PipelineRuntime:
         """(FQN, parameter) of every stage this rank runs (FSDP-sharded under ZeRO-2/3)."""
         return [item for m in self.modules for item in m.named_parameters()]
 
-    def step(self, global_inputs: Sequence[Any]) -> list[torch.Tensor] | None:
-        """One forward and backward of the global batch; the micro-batch losses on the
+    def step(self, global_inputs: Sequence[Any], *, forward_only: bool = False
+             ) -> list[torch.Tensor] | None:
+        """One forward and backward of the global batch (``forward_only``: the
+        forward alone, the schedule's ``eval``); the micro-batch losses on the
         ranks of the last stage (local scalars), None elsewhere."""
         losses: list[torch.Tensor] | None = [] if self.has_last else None
         microbatches = split_microbatches(global_inputs, self.num_microbatches)
@@ -262,7 +265,11 @@ class PipelineRuntime:
             executor.microbatches = microbatches
         args = tuple(global_inputs) if self.has_first else ()
         target = torch.zeros(self.num_microbatches) if self.has_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if forward_only:
+            with without_local_backward_handoff(self.stages):
+                self.schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return losses
 
     def make_optimizer(self, make: MakeOptimizer) -> OptimizerGroup:

@@ -33,8 +33,8 @@ def build_plan_model(plan: Any, device: str | torch.device = "meta", *,
     (:func:`models.source.build_model`)."""
     from models.source import build_model
 
-    return build_model(plan.model["source"], device=str(device), seed=seed,
-                       **zoo_kwargs(plan.training))
+    shapes = zoo_kwargs(plan.training)
+    return build_model(plan.model["source"], device=str(device), seed=seed, **shapes)
 
 
 def loss_of(outputs: Any) -> Any:

@@ -167,7 +167,7 @@ class StageExecutor(PlanExecutor):
             segment = self._calls[idx[0]: idx[-1] + 1]
             params = frozenset(placeholder[self.graph[p].fqn] for p in unit.params)
             self._units[segment[0].name] = UnitRun(module, segment, params,
-                                                   unit.name in checkpointed)
+                                                   unit.name in checkpointed, unit.name)
             self._unit_params |= params
 
     def materialize_shards(self, module: nn.Module) -> None:
@@ -200,6 +200,14 @@ class StageExecutor(PlanExecutor):
     def _parameters_on_meta(self) -> bool:
         """FSDP2 stages shard their parameters on meta (:meth:`materialize_shards`)."""
         return self.stage.zero_stage in FSDP_STAGES
+
+    def _region_name(self) -> str:
+        return f"stage {self.stage.index}"
+
+    def _program_outputs(self) -> tuple[torch.fx.Node, ...]:
+        """What the stage sends on (before its send placements), in :attr:`sent` order."""
+        nodes = {n.name: n for n in self.ep.graph.nodes}
+        return tuple(nodes[name] for name in self.sent)
 
     def _runs_locally(self) -> bool:
         """Never: a stage's parameters are DTensors on its sub-mesh even when it
@@ -349,8 +357,20 @@ class StageExecutor(PlanExecutor):
                                  f"values, got {len(args)}")
             env = {n: self._receive(n, v) for n, v in zip(self.received, args)}
             env.update(self._local_user_inputs())
-        self._execute(env)
-        outs = tuple(self._send(n, env[n]) for n in self.sent)
+        if self.plan.compiles and self._compiled is None and not self._compile_refused:
+            self._start_compiled()
+        self._compile_units()
+        if self._compiled is not None:
+            values = [env[name] if name in env else self._placeholder_value(name)
+                      for name in self._compiled_inputs]
+            if self.record.recording:
+                self._record_program(values)
+            sent = self._compiled(*values)
+        else:
+            self._execute(env)
+            sent = tuple(env[n] for n in self.sent)
+        self._forwards += 1
+        outs = tuple(self._send(n, v) for n, v in zip(self.sent, sent))
         return outs[0] if len(outs) == 1 else outs
 
     def _local_user_inputs(self) -> dict[str, DTensor]:

@@ -54,12 +54,20 @@ class UnitRun:
         segment: the unit's op nodes, in program order.
         params: the parameter placeholders read inside the unit.
         checkpoint: whether the plan checkpoints the unit (a layer).
+        name: the unit's name (its module path).
+        program: the unit's ops as one callable of the values named
+            ``program_inputs`` (a compiled region,
+            :mod:`codegen.compiled_program`); None: they are interpreted.
+        program_inputs: the names of ``program``'s arguments, in order.
     """
 
     module: UnitModule
     segment: Sequence[torch.fx.Node]
     params: frozenset[str]
     checkpoint: bool
+    name: str = ""
+    program: Callable[..., Any] | None = None
+    program_inputs: Sequence[str] = ()
 
 
 def run_unit(unit: UnitRun, env: dict[str, Any],
@@ -74,7 +82,11 @@ def run_unit(unit: UnitRun, env: dict[str, Any],
     external, outputs = ([n.name for n in nodes] for nodes in segment_boundary(unit.segment))
     params = [e for e in external if e in unit.params]
     values = [e for e in external if e not in unit.params]
-    run = segment_function(unit.segment, values + params, outputs, run_node, record, last_use)
+    if unit.program is None:
+        run = segment_function(unit.segment, values + params, outputs, run_node, record,
+                               last_use)
+    else:
+        run = _by_name(unit.program, unit.program_inputs, values + params)
 
     def body(*args: Any) -> tuple:
         gathered = [param_value(p) for p in params]
@@ -84,3 +96,14 @@ def run_unit(unit: UnitRun, env: dict[str, Any],
 
     env.update(zip(outputs, unit.module(body, *[env[v] for v in values])))
     leave_segment(unit.segment, env, last_use)
+
+
+def _by_name(program: Callable[..., Any], inputs: Sequence[str],
+             names: Sequence[str]) -> Callable[..., tuple]:
+    """``program`` (of the values named ``inputs``, in that order) as a
+    function of the values named ``names``, returning a tuple."""
+    order = [list(names).index(n) for n in inputs]
+
+    def run(*args: Any) -> tuple:
+        return tuple(program(*[args[i] for i in order]))
+    return run

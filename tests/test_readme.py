@@ -14,6 +14,7 @@ Inputs the README has the user make themselves are made here:
 * ``my_model.py``: the README's ```python block that starts with
   ``# my_model.py`` is written out as it stands, so that example is run too;
 * ``train.bin``: the README's own bytes as a token file (``planner train --data``);
+* ``corpus.txt``: the README's own text (``planner data``);
 * ``h100.json``: on a GPU machine ``planner profile --ranks 1 -o h100.json``
   writes it (skipped here: no GPU); the test writes the ``dgx-h100`` preset cut
   to one GPU instead, as ``benchmarks/plan_identity.py`` does.
@@ -108,7 +109,7 @@ def _readme_file(name: str) -> str:
 def _outputs(command: list[str]) -> list[str]:
     """The files a command writes, by its subcommand and flags (defaults included)."""
     args = build_parser().parse_args(command[1:])
-    if args.command == "plan":
+    if args.command in ("plan", "data"):
         return [args.output]
     if args.command == "compare":
         return [args.output + ".json", args.output + ".png"]
@@ -140,6 +141,7 @@ def _prepare_inputs(folder: Path) -> None:
     # train.bin: the README as byte tokens, below gpt-tiny's vocabulary of 128
     text = bytes(b for b in README.read_bytes() if b < 128)
     (folder / "train.bin").write_bytes(np.frombuffer(text, dtype=np.uint8).astype("<u2").tobytes())
+    (folder / "corpus.txt").write_bytes(README.read_bytes())
     one_gpu = dataclasses.replace(preset("dgx-h100", 1), name="h100", devices_per_node=1)
     (folder / "h100.json").write_text(one_gpu.to_json())
 

@@ -21,7 +21,7 @@ class TrainConfig:
     """One training job's settings (the flags of ``planner train``)."""
 
     plan: str  # plan.json
-    data: str | None = None  # token file, or file.py:function giving the batch of a step
+    data: str | None = None  # token file, `planner data` folder, or file.py:function
     data_dtype: str = "uint16"  # token ids' type in a token file: uint16 or uint32
     steps: int = 100  # total training steps (a resumed job stops at the same total)
     optimizer: str = "adamw"  # adamw or sgd
@@ -38,12 +38,18 @@ class TrainConfig:
     init: str | None = None  # start from a save folder, a checkpoint dir or a HF folder
     export: str | None = None  # one consolidated safetensors state dict at the end
     result_json: str | None = None
+    eval_data: str | None = None  # held-out token file (or `planner data` folder: its val.bin)
+    eval_every: int | None = None  # steps between validations (and one at the end)
+    eval_batches: int = 8  # batches of the held-out data each validation averages over
     #: what the job reports: "train" (progress lines, the job's result JSON) or
     #: "run" (``planner run``: the summary, placements and --check, constant LR)
     report: str = "train"
     check: bool = False  # "run": compare step 1 with one process and the plan's placements
     rtol: float | None = None  # "run": the check's tolerance (default: by precision)
     record: str | None = None  # "run": write the plan with the observed placements here
+    #: run the per-rank program through torch.compile (True), eager (False), or
+    #: as the plan's ``training.compile`` says (None)
+    compile: bool | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
@@ -62,8 +68,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig(plan="")
     p.add_argument("plan", help="plan.json (from `planner plan`)")
     p.add_argument("--data", default=None,
-                   help="a flat binary file of token ids (nanoGPT's train.bin), or "
-                   "FILE.py:FUNCTION returning the batch of a step number")
+                   help="a flat binary file of token ids (nanoGPT's train.bin), a folder "
+                   "`planner data` wrote (its train.bin), or FILE.py:FUNCTION returning the "
+                   "batch of a step number")
     p.add_argument("--data-dtype", choices=("uint16", "uint32"), default=d.data_dtype,
                    help="token id type of --data (default uint16)")
     p.add_argument("--steps", type=int, default=d.steps, help="total training steps")
@@ -92,3 +99,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "config.json for hf: models); the folder must be new or empty")
     p.add_argument("--result-json", default=None,
                    help="where rank 0 writes the final loss, steps and each rank's peak memory")
+    p.add_argument("--eval-data", default=None,
+                   help="held-out token file (or a `planner data` folder: its val.bin) for the "
+                   "validation loss: forward only, under the plan; at the end, and every "
+                   "--eval-every steps")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="steps between validations (and one at the end); without --eval-data, "
+                   "--data DIR's val.bin")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help=f"batches each validation averages its loss over (default "
+                   f"{d.eval_batches}); the same batches every time")

@@ -13,8 +13,11 @@ trains: the batch of step ``k`` is a function of ``k`` (:mod:`training.data`),
 so a resumed job sees the data an uninterrupted one would. Checkpoints are DCP
 saves (:mod:`training.checkpoint`); after a failure torchrun restarts the ranks
 (``--max-restarts``) and they resume from the newest finished save by
-themselves. Rank 0 logs (:mod:`training.progress_log`), exports and writes the
-result JSON, with every rank's peak memory.
+themselves. Every ``--eval-every`` steps and after the last, the ranks measure
+the held-out loss forward only (:mod:`training.evaluation`; ``--data DIR`` of
+``planner data`` is :mod:`training.text_data`'s). Rank 0 logs
+(:mod:`training.progress_log`), exports and writes the result JSON, with every
+rank's peak memory.
 
 ``planner run`` is this job too (its config's ``report`` is ``"run"``,
 :func:`training.launch.launch`): a constant learning rate on the example
@@ -37,6 +40,7 @@ import json
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -63,6 +67,7 @@ class JobInputs:
     init_hf: str | None  # a Hugging Face folder to read the first weights from
     init_checkpoint: Any  # training.checkpoint.SavedCheckpoint of the first weights
     resume_from: Any  # SavedCheckpoint to continue from (weights, optimizer, step)
+    held_out: Callable[[int], tuple] | None = None  # k -> the k-th validation batch
 
 
 def _bad_input_errors() -> tuple[type[BaseException], ...]:
@@ -86,21 +91,42 @@ def _vocab_size(model: nn.Module) -> int | None:
     return None
 
 
-def _token_batches(config: TrainConfig, plan: Any, model: nn.Module, inputs: tuple) -> Any:
-    """The token file of ``--data`` as the plan's (tokens, targets) batches."""
+def _token_batches(path: str, dtype: str, flag: str, plan: Any, model: nn.Module,
+                   inputs: tuple) -> Any:
+    """The token file ``path`` (named ``flag`` in messages) as the plan's
+    (tokens, targets) batches."""
     from training.data import DataError, TokenFile
 
     specs = [(list(t.shape), t.dtype) for t in inputs if isinstance(t, torch.Tensor)]
     if (len(inputs) != 2 or len(specs) != 2 or specs[0] != specs[1]
             or specs[0][1] != torch.int64 or len(specs[0][0]) != 2):
         given = ", ".join(f"{s} {d}" for s, d in specs) or "no tensors"
-        raise DataError(f"--data {config.data} gives (tokens, targets) batches of int64 "
+        raise DataError(f"{flag} gives (tokens, targets) batches of int64 "
                         f"[batch, sequence], but the plan's model takes {given}; give "
                         f"--data FILE.py:FUNCTION returning the batch of a step")
     batch_size, seq_len = specs[0][0]
     targets = "same" if plan.model["source"].startswith("hf:") else "shifted"
-    return TokenFile(config.data, batch_size=batch_size, seq_len=seq_len,
-                     dtype=config.data_dtype, vocab_size=_vocab_size(model), targets=targets)
+    return TokenFile(path, batch_size=batch_size, seq_len=seq_len,
+                     dtype=dtype, vocab_size=_vocab_size(model), targets=targets)
+
+
+def _held_out(source: Any, plan: Any, model: nn.Module, inputs: tuple) -> Any:
+    """The validation batches (k -> batch k), or None without validation."""
+    from training.data import DataError
+
+    if source.vocab_size is not None and _vocab_size(model) is not None \
+            and source.vocab_size > _vocab_size(model):
+        raise DataError(f"the data was tokenized with a vocabulary of {source.vocab_size:,} "
+                        f"ids, more than the model's {_vocab_size(model):,}; tokenize it with "
+                        f"the model's tokenizer (planner data --tokenizer) or plan a model "
+                        f"whose vocabulary holds it")
+    if source.held_out is None:
+        return None
+    try:
+        return _token_batches(source.held_out, source.held_out_dtype, source.held_out_flag,
+                              plan, model, inputs).batch
+    except DataError as err:
+        raise DataError(f"validation data ({source.held_out_flag}): {err}") from None
 
 
 def _example_batches(plan: Any) -> Callable[[int], tuple]:
@@ -158,13 +184,15 @@ def _resume_point(config: TrainConfig, shapes: dict[str, list[int]], restarted: 
 def _check_config(config: TrainConfig) -> None:
     from training.data import DataError
 
-    for name in ("steps", "log_every"):
+    for name in ("steps", "log_every", "eval_batches"):
         if getattr(config, name) < 1:
             raise DataError(f"--{name.replace('_', '-')} must be at least 1")
     if config.save_every is not None and (config.save_every < 1 or not config.checkpoint_dir):
         raise DataError("--save-every needs --checkpoint-dir and a value of at least 1")
     if config.grad_clip is not None and config.grad_clip <= 0:
         raise DataError("--grad-clip must be positive")
+    if config.eval_every is not None and config.eval_every < 1:
+        raise DataError("--eval-every must be at least 1")
 
 
 def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
@@ -177,25 +205,32 @@ def prepare(config: TrainConfig, *, restarted: bool = False) -> JobInputs:
     from plan.format import load_plan
     from training.data import load_user_batches
     from training.hf_checkpoint import check_export_target
+    from training.text_data import data_source
 
     _check_config(config)
+    source = data_source(config.data, config.data_dtype, config.eval_data, config.eval_every)
     plan = load_plan(config.plan)
     model, inputs = build_plan_model(plan, "meta")
     shapes = {fqn: list(p.shape) for fqn, p in model.named_parameters()}
-    if config.data is None:
+    held_out = _held_out(source, plan, model, inputs)
+    if source.train is None:
         batches = _example_batches(plan)
-    elif ":" in os.path.basename(config.data) or config.data.endswith(".py"):
-        batches = load_user_batches(config.data)
+    elif ":" in os.path.basename(source.train) or source.train.endswith(".py"):
+        batches = load_user_batches(source.train)
     else:
-        batches = _token_batches(config, plan, model, inputs).batch
+        batches = _token_batches(source.train, source.dtype, f"--data {config.data}", plan,
+                                 model, inputs).batch
     check_batch(batches(0), [InputSpec.of(t) for t in inputs])
+    if held_out is not None:
+        check_batch(held_out(0), [InputSpec.of(t) for t in inputs])
     tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor)
                    and not t.is_floating_point()), 0)
     if config.export:
         check_export_target(config.export)
     init_hf, init_checkpoint = _initial_weights(config, plan, shapes)
     resume_from = _resume_point(config, shapes, restarted)
-    return JobInputs(plan, batches, tokens, shapes, init_hf, init_checkpoint, resume_from)
+    return JobInputs(plan, batches, tokens, shapes, init_hf, init_checkpoint, resume_from,
+                     held_out)
 
 
 def _fault_step(rank: int, restart_count: int) -> int | None:
@@ -261,11 +296,13 @@ def _export(config: TrainConfig, plan: Any, model: Any, rank: int) -> None:
 
 
 def _steps(config: TrainConfig, job: JobInputs, model: Any, opt: Any, schedule: Any,
-           start: int, hook: Any) -> tuple[list[dict[str, Any]], list[float]]:
+           start: int, hook: Any, validation: Any = None
+           ) -> tuple[list[dict[str, Any]], list[float]]:
     """The one step loop: ``config.steps - start`` steps from ``start``, with
-    logging, saves and the test hook's fault; ``hook`` (``planner run``'s
-    :class:`training.run_check.RunCheck`, or None) sees each step. Returns the
-    losses by step and this attempt's seconds per step."""
+    logging, saves, validation (:class:`training.evaluation.Validation`, or
+    None; its time is no step's) and the test hook's fault; ``hook``
+    (``planner run``'s :class:`training.run_check.RunCheck`, or None) sees each
+    step. Returns the losses by step and this attempt's seconds per step."""
     from training import checkpoint
     from training.progress_log import StepClock, TrainingLog
 
@@ -289,10 +326,20 @@ def _steps(config: TrainConfig, job: JobInputs, model: Any, opt: Any, schedule: 
         # the host reads the loss only on logged steps, so it issues the next
         # steps while the device runs this one
         clock = StepClock(model.device)
+        compile_regions_shown = 0
         for step in range(start, config.steps):
             if step == fault:
                 os.kill(os.getpid(), signal.SIGKILL)
+            issued = time.perf_counter()
             loss = model.step(*job.batches(step))
+            if rank == 0:  # regions compile in their first call: say so once each
+                new = model.compile_regions()[compile_regions_shown:]
+                compile_regions_shown += len(new)
+                for region in new:
+                    print(region.line(), flush=True)
+                if any(region.compiled for region in new):
+                    print(f"compile: step {step + 1}'s forward and backward took "
+                          f"{time.perf_counter() - issued:.1f} s, compiling included", flush=True)
             if hook is not None:
                 hook.after_backward(step, model)
             norm = model.clip_grad_norm_(config.grad_clip) if config.grad_clip else None
@@ -303,23 +350,44 @@ def _steps(config: TrainConfig, job: JobInputs, model: Any, opt: Any, schedule: 
             clock.tick()
             if hook is not None:
                 hook.after_step(step, model)
-            log.log(step, loss, lr, clock.seconds()[-1] if log.should_log(step) else 0.0,
-                    grad_norm=norm)
+            validated = validation is not None and validation.due(step)
+            val_loss = validation.run(model, step) if validated else None
+            log.log(step, loss, lr, clock.seconds()[-1] if log.should_log(step) or validated
+                    else 0.0, grad_norm=norm, val_loss=val_loss)
             losses.append({"step": step, "loss": loss})
+            paused = validated
             if config.save_every and (step + 1) % config.save_every == 0:
                 save(step + 1)
-                clock.restart()  # the save is no step's time
+                paused = True
+            if paused:
+                clock.restart()  # the save and the validation are no step's time
     if config.checkpoint_dir and saved_at != config.steps and start < config.steps:
         save(config.steps)
     return [{"step": e["step"], "loss": float(e["loss"])} for e in losses], clock.seconds()
 
 
+def _use_compile_cache(config: TrainConfig, plan: Any, rank: int) -> None:
+    """Keep inductor's compiled artifacts in the checkpoint directory, so that
+    a restart (``--max-restarts``) or a resumed job reuses them; rank 0 says
+    where, and whether an earlier run left some there."""
+    from codegen.compiled_program import compile_cache_dir
+
+    compiles = plan.compiles if config.compile is None else config.compile
+    if not (compiles and config.checkpoint_dir):
+        return
+    folder = compile_cache_dir(config.checkpoint_dir)
+    reused = os.path.isdir(folder) and any(os.scandir(folder))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
+    if rank == 0:
+        print(f"compile: inductor's cache is {folder}"
+              + (" (reusing an earlier run's artifacts)" if reused else ""), flush=True)
+
+
 def run(config: TrainConfig) -> int:
     """Train as ``config`` says, on this rank (under torchrun); the exit status."""
-    import time
-
     from codegen.parallel_model import parallelize
     from codegen.rank_process import peak_memory, resident_bytes
+    from training.evaluation import Validation
     from training.lr_schedule import warmup_cosine
     from training.run_check import RunCheck
 
@@ -332,14 +400,19 @@ def run(config: TrainConfig) -> int:
     with hook.watching() if hook is not None else contextlib.nullcontext():
         t_setup = time.perf_counter()
         loading = job.init_hf or job.init_checkpoint or job.resume_from
-        model = parallelize(plan, init="empty" if loading else "fresh")
+        _use_compile_cache(config, plan, rank)
+        model = parallelize(plan, init="empty" if loading else "fresh", compile=config.compile)
         opt = _make_optimizer(config, model)
         schedule = warmup_cosine(opt, warmup_steps=config.warmup, total_steps=config.steps,
                                  min_lr_ratio=config.min_lr_ratio)
         start = _first_weights(job, model, opt, schedule)
         if hook is not None:
             hook.before_steps(model, time.perf_counter() - t_setup)
-        losses, step_times = _steps(config, job, model, opt, schedule, start, hook)
+        validation = None
+        if job.held_out is not None:
+            validation = Validation(job.held_out, count=config.eval_batches,
+                                    every=config.eval_every, total_steps=config.steps)
+        losses, step_times = _steps(config, job, model, opt, schedule, start, hook, validation)
     if hook is not None:
         return hook.finish(model, [e["loss"] for e in losses], step_times)
     if config.export:
@@ -349,21 +422,25 @@ def run(config: TrainConfig) -> int:
     dist.all_gather_object(ranks, {"rank": rank, "peak_bytes": peak, "baseline_bytes": baseline,
                                    "peak_kind": kind})
     if rank == 0 and config.result_json:
-        _write_result(config, plan, losses, step_times, start, restarts, ranks, job)
+        _write_result(config, plan, losses, step_times, start, restarts, ranks, job,
+                      validation.losses if validation is not None else [])
     return EXIT_OK
 
 
 def _write_result(config: TrainConfig, plan: Any, losses: list[dict[str, float]],
                   step_times: list[float], start: int, restarts: int, ranks: list[Any],
-                  job: JobInputs) -> None:
-    """Rank 0's result JSON: losses, per-step seconds (``step_times_s``, this
-    attempt's steps), tokens per step, peak bytes per rank, the prediction."""
+                  job: JobInputs, val_losses: list[dict[str, float]]) -> None:
+    """Rank 0's result JSON: losses, validation losses (``val_losses``, this
+    attempt's), per-step seconds (``step_times_s``, this attempt's steps),
+    tokens per step, peak bytes per rank, the prediction."""
     memory = plan.predicted.get("memory_bytes_per_device", {})
     result = {
         "plan": os.path.abspath(config.plan), "model": plan.model["source"],
         "mesh": list(plan.mesh_shape), "world_size": plan.world_size,
         "start_step": start, "final_step": config.steps, "steps_run": len(losses),
         "final_loss": losses[-1]["loss"] if losses else None, "losses": losses,
+        "final_val_loss": val_losses[-1]["loss"] if val_losses else None,
+        "val_losses": val_losses,
         "step_times_s": step_times, "tokens_per_step": job.tokens_per_step,
         "restarts": restarts,
         "resumed_from": job.resume_from.path if job.resume_from is not None else None,

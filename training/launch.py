@@ -56,6 +56,7 @@ def _log_path(config: TrainConfig) -> str:
     """Where the ranks' output is kept: beside ``--log``, in the checkpoint
     directory, or in a new temporary file."""
     if config.log:
+        os.makedirs(os.path.dirname(os.path.abspath(config.log)), exist_ok=True)
         return config.log + ".ranks.log"
     if config.checkpoint_dir:
         os.makedirs(config.checkpoint_dir, exist_ok=True)
@@ -164,7 +165,8 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
            check: bool = False, record: str | os.PathLike | None = None,
            optimizer: str = "sgd", lr: float = 1e-3, rtol: float | None = None,
            timeout_s: float = 300.0, env: dict[str, str] | None = None,
-           cwd: str | os.PathLike | None = None, nodes: Nodes | None = None) -> dict[str, Any]:
+           cwd: str | os.PathLike | None = None, nodes: Nodes | None = None,
+           compile: bool | None = None) -> dict[str, Any]:
     """Run ``planner run``'s job on a plan and return rank 0's result JSON.
 
     Args:
@@ -186,6 +188,8 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
         nodes: this node's part of a run over several nodes (:class:`Nodes`);
             None runs every rank here. On a node other than 0 the result is
             ``{"node_rank", "returncode", "output"}``.
+        compile: run the per-rank program through ``torch.compile`` (True),
+            eager (False), or as the plan's ``training.compile`` says (None).
 
     Raises:
         LaunchError: the mesh size and ``nproc`` disagree, the ranks timed out, or
@@ -204,7 +208,7 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
             plan=os.path.abspath(plan_path), steps=int(steps), optimizer=optimizer,
             lr=float(lr), min_lr_ratio=1.0, report="run", check=bool(check), rtol=rtol,
             record=os.path.abspath(os.fspath(record)) if record is not None else None,
-            result_json=result_path)
+            result_json=result_path, compile=compile)
         cmd = [sys.executable, "-m", "torch.distributed.run", *where, "-m", "training.job"]
         run_env = rank_env({**(env or {}), CONFIG_ENV: json.dumps(config.as_dict())})
         returncode, stdout, stderr = run_ranks(cmd, cwd, run_env, timeout_s, plan_path, world)

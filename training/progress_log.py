@@ -18,7 +18,7 @@ from typing import Any, TextIO
 import torch
 
 #: The keys of every JSON line, in order.
-LOG_KEYS = ("step", "loss", "lr", "tokens_per_s", "mfu", "step_s", "grad_norm")
+LOG_KEYS = ("step", "loss", "lr", "tokens_per_s", "mfu", "step_s", "grad_norm", "val_loss")
 
 
 def _finite_or_none(value: Any) -> float | None:
@@ -31,12 +31,13 @@ def _finite_or_none(value: Any) -> float | None:
 
 def step_record(step: int, loss: float | None, lr: float, step_s: float, grad_norm: float | None,
                 *, tokens_per_step: int, flops_per_step: float | None,
-                peak_flops: float | None) -> dict[str, Any]:
+                peak_flops: float | None, val_loss: float | None = None) -> dict[str, Any]:
     """The JSON record of one step.
 
     ``tokens_per_s = tokens_per_step / step_s`` (tokens per second) and
     ``mfu = flops_per_step / step_s / peak_flops`` (a fraction, not a percent;
-    None when either FLOP figure is unknown or ``step_s <= 0``).
+    None when either FLOP figure is unknown or ``step_s <= 0``); ``val_loss``
+    the held-out loss measured after the step (None where none was).
     """
     timed = step_s > 0
     mfu = None
@@ -44,7 +45,8 @@ def step_record(step: int, loss: float | None, lr: float, step_s: float, grad_no
         mfu = flops_per_step / step_s / peak_flops
     return {"step": int(step), "loss": _finite_or_none(loss), "lr": float(lr),
             "tokens_per_s": tokens_per_step / step_s if timed else None,
-            "mfu": mfu, "step_s": float(step_s), "grad_norm": _finite_or_none(grad_norm)}
+            "mfu": mfu, "step_s": float(step_s), "grad_norm": _finite_or_none(grad_norm),
+            "val_loss": _finite_or_none(val_loss)}
 
 
 def format_line(record: dict[str, Any], total_steps: int, loss: float | None = None) -> str:
@@ -63,6 +65,8 @@ def format_line(record: dict[str, Any], total_steps: int, loss: float | None = N
         parts.append(f"MFU {100.0 * record['mfu']:.1f}%")
     if record["grad_norm"] is not None:
         parts.append(f"gnorm {record['grad_norm']:.3g}")
+    if record.get("val_loss") is not None:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
     return "  ".join(parts)
 
 
@@ -74,7 +78,9 @@ class TrainingLog:
             log); None for no file. One object per logged step, keys
             :data:`LOG_KEYS`: ``step`` (0-based step index), ``loss``, ``lr``,
             ``tokens_per_s`` (tokens/s), ``mfu`` (fraction of peak), ``step_s``
-            (seconds), ``grad_norm`` (may be None). Non-finite numbers are null.
+            (seconds), ``grad_norm`` (may be None), ``val_loss`` (the held-out
+            loss after the step, None where not measured). Non-finite numbers
+            are null.
         log_every: log steps whose ``(step + 1) % log_every == 0``, and the last.
         total_steps: steps of the whole job; the last step is ``total_steps - 1``.
         start_step: the first step this process runs (> 0 when resumed).
@@ -139,21 +145,24 @@ class TrainingLog:
         return (step + 1) % self.log_every == 0 or step == self.total_steps - 1
 
     def log(self, step: int, loss: Any, lr: float, step_s: float,
-            grad_norm: Any = None) -> dict[str, Any] | None:
+            grad_norm: Any = None, val_loss: float | None = None) -> dict[str, Any] | None:
         """Record step ``step`` (0-based), which took ``step_s`` seconds.
 
         ``loss`` and ``grad_norm`` may be floats or 0-d tensors; they are read
-        (a device sync) only on logged steps. Returns the logged record, or None
-        when the step is not logged. The progress bar advances on every call.
+        (a device sync) only on logged steps. A step with a ``val_loss`` (the
+        held-out loss measured after it) is always logged. Returns the logged
+        record, or None when the step is not logged. The progress bar advances
+        on every call.
         """
         record = None
         status = None
-        if self.should_log(step):
+        if self.should_log(step) or val_loss is not None:
             loss_value = None if loss is None else float(loss)
             record = step_record(step, loss_value, lr, step_s,
                                  None if grad_norm is None else float(grad_norm),
                                  tokens_per_step=self.tokens_per_step,
-                                 flops_per_step=self.flops_per_step, peak_flops=self.peak_flops)
+                                 flops_per_step=self.flops_per_step, peak_flops=self.peak_flops,
+                                 val_loss=val_loss)
             self._write(record)
             status = self._show(record, loss_value)
         if self._progress is not None:

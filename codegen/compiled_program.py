@@ -1,0 +1,130 @@
+"""Run a region of the plan's per-rank program through ``torch.compile``.
+
+A plan that records ``training.compile`` (:attr:`plan.format.Plan.compiles`)
+runs its program compiled: the executor hands each region it has as Python
+code (a ``torch.fx.GraphModule`` of the captured aten ops,
+:meth:`codegen.executor.PlanExecutor._compile`) to :class:`CompiledRegion`,
+which compiles it with inductor on its first call.
+
+A region that cannot compile runs eager, that region only, and one warning
+says which region and why: never silently. :class:`CompileReport` keeps, per
+region, whether it compiled, the seconds its first (compiling) call took and
+whether inductor's caches held it already (a restart reusing the artifacts of
+an earlier run).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["CompileReport", "CompiledRegion", "RegionCompile", "compile_cache_dir"]
+
+
+@dataclass
+class RegionCompile:
+    """What compiling one region did.
+
+    Attributes:
+        region: the region's name (``program``, ``stage 1``...).
+        compiled: whether it runs compiled (False: it fell back to eager).
+        seconds: wall time of its first call, the one that compiles, in seconds
+            (forward only; the backward graph compiles in the first backward).
+        cache_hits: inductor FX-graph cache hits during that call (graphs
+            reused from an earlier run's artifacts rather than compiled again).
+        reason: why it runs eager ("" when compiled).
+    """
+
+    region: str
+    compiled: bool
+    seconds: float
+    cache_hits: int = 0
+    reason: str = ""
+
+    def line(self) -> str:
+        """One log line for it."""
+        if not self.compiled:
+            return f"compile: {self.region} runs eager: {self.reason}"
+        reuse = f", {self.cache_hits} graph(s) from the compile cache" if self.cache_hits else ""
+        return f"compile: {self.region} compiled in {self.seconds:.1f} s{reuse}"
+
+
+@dataclass
+class CompileReport:
+    """The regions of one rank's program and how each compiled, in first-call order."""
+
+    regions: list[RegionCompile] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        return [r.line() for r in self.regions]
+
+
+def _fx_cache_hits() -> int:
+    """Inductor's FX-graph cache hits so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"].get("fxgraph_cache_hit", 0))
+
+
+def _first_line(err: BaseException) -> str:
+    """``err`` in one line: its type and first line, and those of the error
+    the compiler's own wraps (a backend's failure, say)."""
+    def one(e: BaseException) -> str:
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+    cause = getattr(err, "inner_exception", None) or err.__cause__
+    return one(err) + (f" ({one(cause)})" if cause is not None else "")
+
+
+class CompiledRegion:
+    """``program`` compiled with ``torch.compile`` (inductor, static shapes) on
+    its first call; eager from then on where that call fails to compile.
+
+    Args:
+        program: the region as Python code (a GraphModule or any callable).
+        region: its name in the log lines.
+        report: where the outcome of the first call is recorded.
+        backend: ``torch.compile``'s backend (inductor).
+        eager: what runs the region where it does not compile (default: ``program``).
+    """
+
+    def __init__(self, program: Callable[..., Any], region: str, report: CompileReport, *,
+                 backend: str | Callable[..., Any] = "inductor",
+                 eager: Callable[..., Any] | None = None):
+        self.program = program
+        self.eager = program if eager is None else eager
+        self.region = region
+        self.report = report
+        self._compiled: Callable[..., Any] | None = torch.compile(program, backend=backend,
+                                                                 dynamic=False)
+        self._called = False
+
+    def __call__(self, *args: Any) -> Any:
+        if self._called:
+            return (self.eager if self._compiled is None else self._compiled)(*args)
+        self._called = True
+        hits, t0 = _fx_cache_hits(), time.perf_counter()
+        try:
+            out = self._compiled(*args)
+        except Exception as err:  # noqa: BLE001 - compile failed: this region runs eager
+            outcome = RegionCompile(self.region, False, time.perf_counter() - t0,
+                                    reason=_first_line(err))
+            self.report.regions.append(outcome)
+            warnings.warn(outcome.line(), stacklevel=2)
+            self._compiled = None
+            return self.eager(*args)
+        self.report.regions.append(RegionCompile(self.region, True, time.perf_counter() - t0,
+                                                 _fx_cache_hits() - hits))
+        return out
+
+
+def compile_cache_dir(checkpoint_dir: str) -> str:
+    """Where a training job keeps inductor's compiled artifacts: beside its
+    checkpoints, so that a restart or a resumed job reuses them."""
+    import os
+
+    return os.path.join(checkpoint_dir, "compile_cache")

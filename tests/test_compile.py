@@ -1,0 +1,59 @@
+"""A plan that records ``training.compile`` runs its program through torch.compile.
+
+Compiling is slow on CPU, so one launch covers the whole path: a two-rank
+plan's program compiles, its steps match one eager process (``--check``), and
+the log says how long it took. ``benchmarks/compile_checks.py`` runs the other
+plan kinds. The fallback is checked in process
+with a backend that refuses to compile.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from codegen.compiled_program import CompileReport, CompiledRegion
+from training.launch import launch
+
+RTOL = 1e-5
+
+
+def test_region_that_cannot_compile_runs_eager_and_says_why():
+    def refuse(gm, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    report = CompileReport()
+    region = CompiledRegion(lambda x: torch.sin(x) * 2, "layer 3", report, backend=refuse)
+    x = torch.arange(4.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first, second = region(x), region(x)
+    torch.testing.assert_close(first, torch.sin(x) * 2)
+    torch.testing.assert_close(second, first)
+    lines = [str(w.message) for w in caught]
+    assert len(lines) == 1 and lines[0].startswith("compile: layer 3 runs eager: ")
+    assert "this backend compiles nothing" in lines[0]
+    assert report.lines() == lines and not report.regions[0].compiled
+
+
+@pytest.mark.multiprocess
+def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
+    """The DTensor program, lowered (the plan's placements written into it) and
+    compiled with inductor, trains as one eager process does."""
+    from models.source import build_model
+    from planner.api import plan
+
+    model, inputs = build_model("gpt-tiny", device="meta")
+    made = plan(model, "local-cpu:2", example_inputs=inputs, mesh_shape=(2,),
+                model_source="gpt-tiny", time_limit_s=10, compile=True)
+    assert made.training["compile"] is True and made.compiles
+    assert "compile" not in made.with_compile(False).training
+    path = tmp_path / "compiled.json"
+    made.save(path)
+
+    result = launch(path, check=True, steps=2, timeout_s=400)
+    assert result["passed"], result.get("output")
+    assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
+    assert "compile: the program compiled in" in result["output"]
