@@ -381,14 +381,9 @@ class PlanExecutor:
         called through the public function that dispatches its overload where
         one does (:func:`codegen.node_runner.public_binding`)."""
         outputs = self._program_outputs()
-        inside = set(self._calls)
-        external, _ = segment_boundary(self._calls)
-        returned: list[torch.fx.Node] = []
-        torch.fx.node.map_arg(outputs, returned.append)
-        external += [n for n in dict.fromkeys(returned) if n not in inside and n not in external]
         root, graph = torch.nn.Module(), torch.fx.Graph()
         copied: dict[torch.fx.Node, torch.fx.Node] = {}
-        for value in external:
+        for value in self._program_inputs():
             copied[value] = graph.placeholder(value.name)
             copied[value].meta.update(value.meta)
         segment_of = {n.name: first for first, seg in self._segments.items() for n in seg}
@@ -402,6 +397,11 @@ class PlanExecutor:
         graph.output(torch.fx.node.map_arg(outputs, copied.__getitem__))
         _bind_publicly(graph, memo)
         return torch.fx.GraphModule(root, graph)
+
+    def _program_inputs(self) -> list[torch.fx.Node]:
+        """The values the program takes (graph nodes, in argument order): here
+        every placeholder of the captured program, in its order."""
+        return [n for n in self.ep.graph.nodes if n.op == "placeholder"]
 
     def _program_outputs(self) -> Any:
         """The values the program returns (graph nodes, in the output's structure):

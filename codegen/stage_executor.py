@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.placement_types import Placement
 
 from codegen.capture import CapturedProgram, PlanMismatchError
+from codegen.checkpointed_layers import segment_boundary
 from codegen.executor import PlanExecutor
 from codegen.program_inputs import Materialize
 from codegen.pipeline_validation import PipelinePlanError
@@ -203,6 +204,14 @@ class StageExecutor(PlanExecutor):
 
     def _region_name(self) -> str:
         return f"stage {self.stage.index}"
+
+    def _program_inputs(self) -> list[torch.fx.Node]:
+        """The values the stage's ops read from outside them, in first-use
+        order, and any it sends without computing them."""
+        external, _ = segment_boundary(self._calls)
+        inside = set(self._calls)
+        return external + [n for n in self._program_outputs()
+                           if n not in inside and n not in external]
 
     def _program_outputs(self) -> tuple[torch.fx.Node, ...]:
         """What the stage sends on (before its send placements), in :attr:`sent` order."""
