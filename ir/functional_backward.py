@@ -1,5 +1,6 @@
-"""The backward of functional ops a captured program holds that autograd or
-DTensor cannot differentiate as they stand.
+"""Functional writes in a captured program: ``aten.copy``'s DTensor sharding,
+and the backward of the ops autograd or DTensor cannot differentiate as
+they stand.
 
 The capture is functional: a write into part of a tensor becomes
 ``aten.copy`` (the values written, in the destination's shape and dtype) and a
@@ -12,6 +13,9 @@ part. Run for training:
   not implemented``); :func:`register_functional_backward` gives it one: the
   gradient goes to the values written (cast to their dtype, summed over
   what was broadcast), none to the destination, whose values are overwritten.
+  DTensor has no strategy for it either (the planner ran it replicated): it
+  is placed as its destination, sharded on any dim the values written share
+  (or broadcast), or replicated.
 * autograd's backward of a view-scatter op makes the zeros of ``src``'s
   saved size as a plain tensor, which DTensor refuses beside the DTensor
   gradient (``got mixed torch.Tensor and DTensor``); those zeros have the
@@ -27,7 +31,8 @@ from typing import Any
 
 import torch
 
-from ir.torch_compat import register_dtensor_handler, tree_leaves, tree_map, without_dtensor_handler
+from ir.torch_compat import (register_dtensor_handler, register_sharding_rule, tree_leaves,
+                             tree_map, without_dtensor_handler)
 
 __all__ = ["COPY", "VIEW_SCATTERS", "register_functional_backward"]
 
@@ -43,6 +48,7 @@ def register_functional_backward(targets: set[str]) -> None:
     the module docstring says, once per process each."""
     if COPY in targets:
         _register_copy_derivative()
+        _register_copy_sharding()
     if targets.intersection(VIEW_SCATTERS):
         _register_view_scatters()
 
@@ -59,6 +65,28 @@ def _register_copy_derivative() -> None:
 
 #: the registrations made, held for the life of the process
 _LIBRARIES: list[Any] = []
+
+
+@functools.lru_cache(maxsize=1)
+def _register_copy_sharding() -> None:
+    register_sharding_rule(torch.ops.aten.copy.default, _copy_rule)
+
+
+def _copy_rule(self: Any, src: Any, *args: Any, **kwargs: Any) -> list[tuple[list, list]]:  # noqa: ARG001
+    """``([out], [self, src])`` placements on one mesh axis: replicated, or
+    sharded on a dim of ``self``, ``src`` on the same dim where it has it
+    whole (aligned from the right) and replicated where it broadcasts."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    rows = [([Replicate()], [Replicate(), Replicate()])]
+    offset = self.ndim - src.ndim
+    for d in range(self.ndim):
+        k = d - offset
+        if k >= 0 and src.shape[k] == self.shape[d]:
+            rows.append(([Shard(d)], [Shard(d), Shard(k)]))
+        elif k < 0 or src.shape[k] == 1:
+            rows.append(([Shard(d)], [Shard(d), Replicate()]))
+    return rows
 
 
 def _copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

@@ -80,7 +80,8 @@ def test_the_backward_of_a_gather_of_rows_then_of_their_order():
 def test_the_backward_of_writing_a_keys_two_parts_into_one_tensor():
     """DeepSeek-V3's attention writes each key's two parts into a new tensor,
     captured as ``copy`` and ``slice_scatter`` for each: ``aten.copy`` had no
-    derivative (``derivative for aten::copy is not implemented``), and the
+    derivative (``derivative for aten::copy is not implemented``) nor DTensor
+    strategy (it was planned replicated), and the
     backward of ``slice_scatter`` makes the zeros of a part as a plain tensor,
     which DTensor refused beside the gradient (``got mixed torch.Tensor and
     DTensor``)."""
@@ -101,6 +102,9 @@ def test_the_backward_of_writing_a_keys_two_parts_into_one_tensor():
             key = aten.slice_scatter.default(key, written, 1, 8 * k, 8 * k + 8)
         key.sum().backward()
         assert [float(p.grad.to_local().unique()) for p in parts] == [2.0, 3.0]
+        with torch.no_grad():  # DTensor's strategy for the copy: as its destination
+            written = aten.copy.default(key, parts[0].repeat(1, 2))
+        assert written.placements == (Shard(0),) and written.to_local().shape == (4, 16)
     finally:
         dist.destroy_process_group()
     src = torch.randn(3, dtype=torch.float64, requires_grad=True)  # broadcast and cast
