@@ -25,6 +25,7 @@ the same result: the public ``redistribute`` that dynamo traces refuses it.
 
 from __future__ import annotations
 
+import itertools
 import operator
 from typing import Any, Sequence
 
@@ -116,7 +117,7 @@ def _place(module: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh) -> None:
                 graph.erase_node(node)
             continue
         if entry is not None and node.target is not operator.getitem:
-            position = iter(range(len(node.all_input_nodes) + len(node.args) + len(node.kwargs)))
+            position = itertools.count()  # the argument's index among the node's inputs
 
             def place_argument(arg: torch.fx.Node) -> torch.fx.Node:
                 i = next(position)
