@@ -27,12 +27,15 @@ makes that program compute the whole sequences' training step:
   rank's queries over each rank's K/V block, causally over its own, the
   partial outputs merged by their log-sum-exp.
 
-Each attention block runs the device's fused kernel: on CPU ranks the flash
-kernel ``F.scaled_dot_product_attention`` runs there
-(:func:`ir.torch_compat.cpu_flash_attention_ops`); it returns the
-log-sum-exp the merge needs. torch's own ``context_parallel`` handles only
-the CUDA kernels, so CPU ranks run this one. The checks that a plan can run so
-(:meth:`ContextParallelRuntime.check`) are made before any step.
+Each attention block runs a fused kernel of the ranks' device that returns
+the log-sum-exp the merge needs (:mod:`codegen.cp_kernels`): on CPU ranks
+(gloo) the CPU flash kernel ``F.scaled_dot_product_attention`` runs there; on
+CUDA ranks (NCCL) FlashAttention-2 for fp16/bf16 on sm80+, else the
+memory-efficient kernel. torch's own ``context_parallel`` handles only the
+CUDA kernels and a module's own attention calls, so this runtime runs the
+captured program's. The checks that a plan can run so
+(:meth:`ContextParallelRuntime.check`) are made before any step; a block no
+kernel of its device runs (dtype, head dim) is refused at its first step.
 """
 
 from __future__ import annotations
@@ -46,12 +49,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.capture import PlanMismatchError
+from codegen.cp_kernels import block_kernel
 from codegen.node_runner import has_fused_attention_layout
 from codegen.redistribution import laid_out, redistribute
 from costmodel.compute import FUSED_ATTENTION
 from ir.graph import INPUT, Graph
 from ir.torch_compat import (FUSED_ATTENTION_ORDER, SDPA, all_gather_autograd,
-                             cpu_flash_attention_ops, from_local_with_grad_placements,
+                             from_local_with_grad_placements,
                              is_assertion_op, tree_leaves, tree_map)
 from plan.cp_rules import carries_rows, kv_head_repeats, local_kv_repeats
 from plan.format import Plan
@@ -161,10 +165,10 @@ class ContextParallelRuntime:
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, program: torch.fx.Graph, graph: Graph,
                  layout: ContextParallelLayout, local_tokens: int):
-        if mesh.device_type != "cpu":
+        if mesh.device_type not in ("cpu", "cuda"):
             raise PlanMismatchError(
-                f"context parallelism runs on CPU ranks only so far (ring attention over the "
-                f"CPU flash kernel), not on {mesh.device_type}; plan without it for this device")
+                f"context parallelism runs on CPU and CUDA ranks (fused attention kernels that "
+                f"return the log-sum-exp), not on {mesh.device_type}; plan without it")
         self.layout = layout
         self.local_tokens = local_tokens
         #: the program's token positions (aranges), and the ops computing from
@@ -456,13 +460,18 @@ class _BlockedAttention(torch.autograd.Function):
     block, each block's K/V from ``exchange`` (:class:`_Ring` or
     :class:`_Gathered`); local tensors ``[rows, heads, seq / cp, dim]`` (k and
     v: as ``exchange`` takes them, each of grouped-query attention's K/V
-    heads once, :func:`_one_per_head`). Each block runs the fused kernel and
-    the partial outputs are merged by their log-sum-exp."""
+    heads once, :func:`_one_per_head`). Each block runs the device's fused
+    kernel (:func:`codegen.cp_kernels.block_kernel`) and the partial outputs
+    are merged by their log-sum-exp."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 exchange: _Ring | _Gathered, scale: float | None) -> torch.Tensor:
-        kernel, _ = cpu_flash_attention_ops()
+        try:
+            kernel = block_kernel(q, v)
+        except ValueError as e:
+            raise PlanMismatchError(str(e)) from None
+        saved = {}  # per source block, what its kernel's backward needs of the call
         half, heads = q.shape[2] // 2, q.shape[1]
         # laid out [rows, tokens, heads, dim], as fused kernels write it (the
         # layout the capture gives attention's output): no copy to relay it
@@ -471,18 +480,17 @@ class _BlockedAttention(torch.autograd.Function):
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         for source, kv in exchange.forward_blocks(k, v):
             rows, keys, causal = _block(exchange.index, source, half)
-            block_out, block_lse = kernel(q[:, :, rows], _repeated(kv[0][:, :, keys], heads),
-                                          _repeated(kv[1][:, :, keys], heads), 0.0, causal,
-                                          scale=scale)
+            block_out, block_lse, saved[source] = kernel.forward(
+                q[:, :, rows], _repeated(kv[0][:, :, keys], heads),
+                _repeated(kv[1][:, :, keys], heads), causal, scale)
             _merge(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.exchange, ctx.scale = exchange, scale
+        ctx.exchange, ctx.scale, ctx.kernel, ctx.saved = exchange, scale, kernel, saved
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple:
-        _, kernel_backward = cpu_flash_attention_ops()
         q, k, v, out, lse = ctx.saved_tensors
         exchange, half, heads = ctx.exchange, q.shape[2] // 2, q.shape[1]
         grad_out = grad_out.to(q.dtype)
@@ -490,10 +498,11 @@ class _BlockedAttention(torch.autograd.Function):
         grads: list[torch.Tensor] = []
         for source, kv, dkv in exchange.backward_blocks(k, v, grads):
             rows, keys, causal = _block(exchange.index, source, half)
-            gq, gk, gv = kernel_backward(grad_out[:, :, rows], q[:, :, rows],
-                                         _repeated(kv[0][:, :, keys], heads),
-                                         _repeated(kv[1][:, :, keys], heads), out[:, :, rows],
-                                         lse[:, :, rows], 0.0, causal, scale=ctx.scale)
+            gq, gk, gv = ctx.kernel.backward(grad_out[:, :, rows], q[:, :, rows],
+                                             _repeated(kv[0][:, :, keys], heads),
+                                             _repeated(kv[1][:, :, keys], heads),
+                                             out[:, :, rows], lse[:, :, rows], causal,
+                                             ctx.scale, ctx.saved[source])
             dq[:, :, rows] += gq
             dkv[0][:, :, keys] += _per_kv_head(gk, k.shape[1])
             dkv[1][:, :, keys] += _per_kv_head(gv, v.shape[1])

@@ -22,7 +22,7 @@ __all__ = [
     "autograd_redistribute",
     "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
     "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
-    "cpu_flash_attention_ops", "dtensor_schema_types", "fake_store_type",
+    "cpu_flash_attention_ops", "cuda_attention_ops", "dtensor_schema_types", "fake_store_type",
     "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
     "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
     "op_strategy_functions", "register_dtensor_handler", "register_fused_attention_sharding",
@@ -379,6 +379,18 @@ def cpu_flash_attention_ops() -> tuple[Any, Any]:
     aten = torch.ops.aten
     return (aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+
+
+def cuda_attention_ops() -> dict[str, tuple[Any, Any]]:
+    """The CUDA fused-attention kernels that return the log-sum-exp, each with
+    its backward: ``"flash"`` (FlashAttention-2) and ``"efficient"`` (the
+    memory-efficient kernel), as their aten schemas read in torch 2.11 to 2.14
+    (the calls :mod:`codegen.cp_kernels` makes)."""
+    aten = torch.ops.aten
+    return {"flash": (aten._scaled_dot_product_flash_attention.default,
+                      aten._scaled_dot_product_flash_attention_backward.default),
+            "efficient": (aten._scaled_dot_product_efficient_attention.default,
+                          aten._scaled_dot_product_efficient_attention_backward.default)}
 
 
 def all_gather_autograd(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

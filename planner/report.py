@@ -80,14 +80,17 @@ def _context_parallel_lines(plan: Plan) -> list[str]:
 
 
 def _context_parallel_runs(plan: Plan) -> str:
-    """Where a plan with context parallelism runs: on CPU ranks (gloo; ring
-    or all-gathered attention over the CPU flash kernel,
-    :mod:`codegen.context_parallel`), not yet on GPU ranks, which refuse it."""
+    """Where a plan with context parallelism runs (:mod:`codegen.context_parallel`):
+    on CPU ranks over gloo (the CPU flash kernel per attention block), and on
+    CUDA ranks over NCCL (FlashAttention-2 or the memory-efficient kernel per
+    block, :mod:`codegen.cp_kernels`), whose kernel choice and block merge are
+    checked on CPU but which this project has not yet run on a GPU
+    (``benchmarks/gpu_cp_attention.py`` is the check prepared for one)."""
     device = ((plan.cluster or {}).get("device") or {}).get("name", "")
     if (plan.cluster or {}).get("backend") == "gloo":
         return "runs on CPU ranks (gloo)"
-    return (f"runs on CPU ranks (gloo) only so far: `planner run` refuses it on "
-            f"{device or 'these'} GPU ranks; plan with --cp 1 to run it there")
+    return (f"runs on {device or 'the'} GPU ranks (NCCL; FlashAttention-2 or memory-efficient "
+            f"attention per block), not yet run on a GPU by this project")
 
 
 def format_plan(plan: Plan, verbose: bool = False) -> str:

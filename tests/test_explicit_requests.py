@@ -174,7 +174,8 @@ def test_the_context_parallel_line_says_where_it_runs(mesh_plan):
     gpu = dataclasses.replace(cpu, cluster={**cpu.cluster, "backend": "nccl",
                                             "device": {**cpu.cluster["device"], "name": "h100"}})
     line = next(l for l in format_plan(gpu).splitlines() if l.startswith("context parallelism"))
-    assert "runs on CPU ranks (gloo) only so far: `planner run` refuses it on h100 GPU" in line
+    assert line.endswith("runs on h100 GPU ranks (NCCL; FlashAttention-2 or memory-efficient "
+                         "attention per block), not yet run on a GPU by this project")
 
 
 # --- the search (no --mesh) honours --zero and --microbatches too ---
