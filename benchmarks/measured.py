@@ -3,6 +3,7 @@
     python -m benchmarks.measured                      # profile 2 and 4 ranks now, then run every plan
     python -m benchmarks.measured --profile benchmarks/results/local_cpu_profile.json   # reuse a profile
     python -m benchmarks.measured --quick              # fewer plans and steps (smoke test)
+    python -m benchmarks.measured --compile --worlds 2 # compiled plans, priced as compiled
 
 1. Price plans on a profiled cluster: for each world size (default 2 and 4
    ranks) a fresh ``costmodel.profiling.profile_local`` of this machine, or a
@@ -133,7 +134,10 @@ def _auto_plan_kwargs(pipeline: bool) -> dict[str, Any]:
     return {"pipeline": pipeline} if "pipeline" in inspect.signature(plan).parameters else {}
 
 
-def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool = False) -> list[Row]:
+def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool = False,
+               compile: bool = False) -> list[Row]:
+    """The case's plans on ``cluster``; ``compile``: made, priced and run as
+    compiled programs (``--compile``)."""
     kw = {"batch_size": case.batch_size}
     model, inputs = build_model(case.model, device="meta", **kw)
     graph = trace(model, inputs)
@@ -144,7 +148,8 @@ def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool
         row = Row("auto", "", case)
         try:
             row.plan = plan(model, cluster, example_inputs=inputs, model_source=case.model,
-                            time_limit_s=time_limit_s, zoo_kwargs=kw, **_auto_plan_kwargs(pipeline))
+                            time_limit_s=time_limit_s, zoo_kwargs=kw, compile=compile,
+                            **_auto_plan_kwargs(pipeline))
             row.config = "mesh " + "x".join(map(str, row.plan.mesh_shape))
         except PlanningError as err:
             row.error = str(err)
@@ -155,9 +160,10 @@ def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool
                 t0 = time.perf_counter()
                 row = Row("megatron", f"tp={cfg.tensor_model_parallel_size} dp={cfg.data_parallel_size}", case)
                 try:
-                    row.plan = megatron_plan(model, cluster, cfg, example_inputs=inputs,
-                                             model_source=case.model, zoo_kwargs=kw,
-                                             time_limit_s=time_limit_s, graph=graph)
+                    row.plan = megatron_plan(model, cluster.running_compiled(compile), cfg,
+                                             example_inputs=inputs, model_source=case.model,
+                                             zoo_kwargs=kw, time_limit_s=time_limit_s,
+                                             graph=graph).with_compile(compile)
                 except PlanningError as err:
                     row.error = str(err)
                 row.plan_s = time.perf_counter() - t0
@@ -275,7 +281,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="auto plans may be pipelines too (planner.plan's inter-op search); default: "
                          "single-stage intra-op plans on every 1-D and 2-D mesh")
     ap.add_argument("--quick", action="store_true", help="two cases, quick profiles, 4 steps")
-    ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "measured.json"))
+    ap.add_argument("--compile", action="store_true",
+                    help="plan, price and run every plan compiled (torch.compile); the first "
+                         "step compiles, so keep --warmup >= 1")
+    ap.add_argument("--models", nargs="+", default=None, metavar="NAME",
+                    help="only the cases of these models")
+    ap.add_argument("-o", "--output", default=None,
+                    help="result JSON (default benchmarks/results/measured.json, "
+                         "measured_compiled.json with --compile)")
     return ap
 
 
@@ -326,12 +339,16 @@ def _plan_record(r: Row) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.output is None:
+        args.output = os.path.join(RESULTS, "measured_compiled.json" if args.compile
+                                   else "measured.json")
     if args.quick:
         args.steps = min(args.steps, 4)
 
     t_start = time.perf_counter()
     load_before = load_average()
-    cases = [c for c in (QUICK_CASES if args.quick else CASES) if c.ranks in args.worlds]
+    cases = [c for c in (QUICK_CASES if args.quick else CASES) if c.ranks in args.worlds
+             and (args.models is None or c.model in args.models)]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="measured-") as tmp:
         try:
@@ -342,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         t_plan = time.perf_counter()
         for case in cases:
             cluster = Cluster.from_dict(profiles[case.ranks]["cluster"])
-            rows += make_plans(case, cluster, args.time_limit, args.pipeline)
+            rows += make_plans(case, cluster, args.time_limit, args.pipeline, args.compile)
         planning_s = time.perf_counter() - t_plan
         _save_distinct(rows, tmp)
         t_run = time.perf_counter()
@@ -362,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                        else "single-stage intra-op plans, every 1-D and 2-D mesh"),
                    "steps": args.steps, "warmup_steps_dropped": args.warmup, "statistic": "median",
                    "launch": "training.launch.launch(plan, steps, check=True)",
+                   "compiled": args.compile,
                    "predicted": "plan.predicted['step_time_s'] on the profiled cluster",
                    "spearman_and_mape_over": "distinct plans (identical plans run once)"},
         "summary": summarize(rows),

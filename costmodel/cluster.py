@@ -295,6 +295,12 @@ class DeviceSpec:
             rows, and the library falls back to slower ones. Measured by
             ``planner profile`` on GPUs; 1 = no penalty (CPUs, and the
             datasheet presets, which state no such figure).
+        compiled: the plan's program runs through ``torch.compile``
+            (inductor) on this device: memory-bound chains fuse into a few
+            kernels (:mod:`costmodel.fusion`), and no op pays the eager
+            runtime's ``dispatch_overhead`` or ``host_overhead``. Set from
+            the request (``--compile``), never from a cluster file: the plan
+            records it as ``training.compile``, so :meth:`to_dict` leaves it out.
     """
 
     name: str
@@ -310,6 +316,7 @@ class DeviceSpec:
     attention_half_saturation_flops: float = 0.0
     host_overhead: float = 0.0
     unaligned_gemm_efficiency: float = 1.0
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         _need_name("device.name", self.name)
@@ -467,6 +474,13 @@ class Cluster:
         if not 1 <= devices_per_node <= self.devices_per_node:
             raise ClusterError(f"sub_cluster devices_per_node must be in 1..{self.devices_per_node}, got {devices_per_node}")
         return replace(self, num_nodes=num_nodes, devices_per_node=devices_per_node)
+
+    def running_compiled(self, compiled: bool = True) -> "Cluster":
+        """The same cluster with its program run through ``torch.compile``
+        (``compiled``) or eagerly (:attr:`DeviceSpec.compiled`)."""
+        if self.device.compiled == compiled:
+            return self
+        return replace(self, device=replace(self.device, compiled=compiled))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form with a fixed key order; ``from_dict`` inverts it exactly."""

@@ -234,6 +234,12 @@ def host_passes(graph: "Graph") -> int:
 def host_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:
     """Host seconds to issue one step of ``graph``: ``(forward, backward)``, each
     ``device.host_overhead`` per op pass (0 where the host is never the bottleneck).
-    A pass of the step takes at least this long whatever its kernels take."""
+    A pass of the step takes at least this long whatever its kernels take.
+
+    A compiled program (``device.compiled``) issues no op through the eager
+    runtime: its generated code launches its kernels, without dispatch or
+    autograd bookkeeping, and that launch cost is not priced (0, 0)."""
+    if device.compiled:
+        return 0.0, 0.0
     forward, backward = host_pass_counts(graph)
     return forward * device.host_overhead, backward * device.host_overhead

@@ -18,6 +18,7 @@ from torch.distributed.tensor.placement_types import Partial
 from costmodel.collectives import collective_time
 from costmodel.compute import (FUSED_ATTENTION, attention_times, backward_kernels,
                                backward_op_times, gemm_aligned, op_time)
+from costmodel.fusion import fused_seconds
 from costmodel.memory import OPTIMIZER_ACCESSES
 from costmodel.strategy_settings import StrategySettings
 from ir.graph import INPUT, OP, PARAM, Node
@@ -111,8 +112,11 @@ class ComputePricing(StrategySettings):
         return 2 * one
 
     def _dispatch(self, node: Node) -> float:
-        """Host seconds the distributed runtime adds to running the op once."""
-        return 0.0 if node.target == "getitem" else self.cluster.device.dispatch_overhead
+        """Host seconds the distributed runtime adds to running the op once
+        (none in a compiled program: DTensor's dispatch ran when it was traced)."""
+        if node.target == "getitem" or self.cluster.device.compiled:
+            return 0.0
+        return self.cluster.device.dispatch_overhead
 
     def _view_time(self, node: Node) -> float:
         """Seconds of a view op in one pass: no kernel, but the distributed
@@ -132,6 +136,10 @@ class ComputePricing(StrategySettings):
             b = attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                 self.dtype)[1] if input_grad else 0.0
             return b + self._dispatch(node), 0.0
+        share = self.fused_shares.get(node.name)
+        if share is not None:  # the backward's chain fuses as the forward's
+            one = fused_seconds(share, f, self.cluster.device)
+            return input_grad * one, weight_grad * one
         b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                  self.dtype, input_grad=input_grad, weight_grad=weight_grad,
                                  aligned=gemm_aligned(node))
@@ -147,6 +155,9 @@ class ComputePricing(StrategySettings):
         if node.target == FUSED_ATTENTION:
             return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                     self.dtype)[0] + self._dispatch(node))
+        share = self.fused_shares.get(node.name)
+        if share is not None:
+            return fused_seconds(share, f, self.cluster.device)
         return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype,
                         aligned=gemm_aligned(node))
                 + self._dispatch(node))

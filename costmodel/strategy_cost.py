@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 from costmodel.cluster import Cluster
 from costmodel.collectives import axis_links
+from costmodel.fusion import fused_shares
 from costmodel.resharding import ReshardPricer
 from costmodel.saved_tensors import saved_outputs
 from costmodel.strategy_compute import ComputePricing
@@ -196,6 +197,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         # node -> indices of its outputs autograd keeps for backward
         self.saved = saved_outputs(graph, self.requires_grad)
         self.transient_node = self._largest_transient()
+        self.fused_shares = fused_shares(graph) if cluster.device.compiled else {}
         self._pricer = self._own_pricer(pricer)
         # NodePrices of the (node, strategy) pairs asked for by prices()
         self._prices: dict[tuple[str, int], tuple[Strategy, NodePrices]] = {}

@@ -50,6 +50,9 @@ class StrategySettings:
     saved: dict[str, frozenset[int]]
     # the op whose backward transient counts toward the peak
     transient_node: str | None
+    # op -> its share (bytes, kernels) of its fused chain when the program runs
+    # compiled (costmodel.fusion.fused_shares); empty when it runs eagerly
+    fused_shares: dict[str, tuple[float, float]]
 
     def shard_factor(self, s: Strategy) -> int:
         """Devices one op instance is split over under strategy ``s``."""

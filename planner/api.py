@@ -76,7 +76,7 @@ def _request(request: PlanRequest | None, options: dict[str, Any]) -> PlanReques
 
 def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any,
              memory_budget: float | None, precision: str | Precision | None = None,
-             mesh_shape: Sequence[int] | None = None
+             mesh_shape: Sequence[int] | None = None, compiled: bool = False
              ) -> tuple[torch.nn.Module, ClusterSettings, tuple, Graph]:
     """The model and inputs as the step runs them (floating tensors in the
     precision's compute dtype, on the cluster's device type:
@@ -90,7 +90,8 @@ def _prepare(model: torch.nn.Module, cluster: Cluster | str, example_inputs: Any
             raise PlanningError(f"example input {i} has shape {list(t.shape)}, with an empty "
                                 f"dimension: give a batch and sequence of at least one")
     settings = resolve_on_cluster(cluster, model, precision=precision,
-                                  memory_budget=memory_budget, mesh_shape=mesh_shape)
+                                  memory_budget=memory_budget, mesh_shape=mesh_shape,
+                                  compiled=compiled)
     model, example_inputs = planned_copy(model, example_inputs, settings.precision,
                                          settings.cluster.device_type)
     graph = trace(model, tuple(example_inputs), beside=two_processes)
@@ -148,7 +149,8 @@ def plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inputs: Any,
     """
     req = _request(request, options)
     model, settings, example_inputs, graph = _prepare(
-        model, cluster, example_inputs, req.memory_budget, req.precision, req.mesh_shape)
+        model, cluster, example_inputs, req.memory_budget, req.precision, req.mesh_shape,
+        req.compile)
     cluster, dtype, budget = settings.cluster, settings.precision, settings.memory_budget
     info = model_record(model, graph, req.model_source)
     training = training_record(dtype, req.optimizer, example_inputs, req.zoo_kwargs,
@@ -234,7 +236,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster | str, *, example_inp
     """
     req = _request(request, options)
     model, settings, example_inputs, graph = _prepare(
-        model, cluster, example_inputs, req.memory_budget, req.precision)
+        model, cluster, example_inputs, req.memory_budget, req.precision,
+        compiled=req.compile)
     cluster, dtype, budget = settings.cluster, settings.precision, settings.memory_budget
     stage_mesh = check_mesh(stage_mesh)
     check_zero_stages([zero_stage])

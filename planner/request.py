@@ -74,7 +74,8 @@ class PlanRequest:
             (:func:`planner.search.cp_search.search_sizes`: cp > 1 at sequences
             of at least 32,768 tokens, or where no plan without it fits).
         compile: the plan's per-rank program runs through ``torch.compile``
-            (recorded as ``training.compile``; the step is priced as eager).
+            (recorded as ``training.compile``), and the search prices it so:
+            memory-bound chains fused, no per-op dispatch (:mod:`costmodel.fusion`).
     """
 
     mesh_shape: tuple[int, ...] | None = None
@@ -236,10 +237,13 @@ class ClusterSettings:
 
 def resolve_on_cluster(cluster: Cluster | str, model: torch.nn.Module, *,
                        precision: str | Precision | None, memory_budget: float | None,
-                       mesh_shape: Sequence[int] | None = None) -> ClusterSettings:
+                       mesh_shape: Sequence[int] | None = None,
+                       compiled: bool = False) -> ClusterSettings:
     """Load ``cluster`` (a Cluster, a preset spec or a cluster JSON path) and
     resolve the request's precision, memory budget (bytes per device; None:
     :func:`default_memory_budget`) and meshes on it, before any capture.
+    ``compiled``: the program runs through ``torch.compile``, and the cluster
+    returned prices it so (:meth:`costmodel.cluster.Cluster.running_compiled`).
 
     Raises:
         PlanningError: a mesh that does not fit the cluster, or a precision the
@@ -247,6 +251,7 @@ def resolve_on_cluster(cluster: Cluster | str, model: torch.nn.Module, *,
     """
     if isinstance(cluster, str):
         cluster = load_cluster(cluster)
+    cluster = cluster.running_compiled(compiled)
     budget = usable_memory(cluster.device.memory) if memory_budget is None else memory_budget
     try:
         shapes = ((check_mesh_shape(mesh_shape, cluster),) if mesh_shape

@@ -15,7 +15,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Replicate
 
@@ -56,13 +56,16 @@ def _distinct(specs: list[int]) -> tuple[list[int], list[int]]:
 
 
 def tie_classes(graph: Graph, strategies: list[NodeStrategies],
-                layers: list[Layer] | None = None, untied: frozenset[str] = frozenset()
-                ) -> list[int]:
+                layers: list[Layer] | None = None, untied: frozenset[str] = frozenset(),
+                price_key: Callable[[str], Hashable] | None = None) -> list[int]:
     """Class of each node: nodes at the same position of repeated blocks (same
     :func:`ir.repeated_blocks.find_layers` signature) with the same strategy list share one
     class, so every copy of a block takes the same strategies (as Megatron does);
     every other node, and every node named in ``untied`` (priced unlike its
-    copies), is a class of its own. Classes are numbered in program order."""
+    copies), is a class of its own. ``price_key``: node name -> what else its
+    price depends on beyond its own shapes (its part of a fused chain, which
+    differs at a block that ends the program); nodes tie only where it agrees.
+    Classes are numbered in program order."""
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     tied_to = list(range(len(strategies)))
     reps: dict[tuple[str, int], list[int]] = {}
@@ -72,7 +75,9 @@ def tie_classes(graph: Graph, strategies: list[NodeStrategies],
             if name in untied:
                 continue
             for r in reps.get((layer.signature, pos), []):
-                if strategies[r].strategies == strategies[v].strategies:
+                if strategies[r].strategies == strategies[v].strategies and (
+                        price_key is None
+                        or price_key(strategies[r].node.name) == price_key(name)):
                     tied_to[v] = r
                     break
             else:
@@ -116,7 +121,8 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
     """
     layers = cost.graph.layers
     untied = frozenset([cost.transient_node] if cost.transient_node else [])
-    classes = (tie_classes(cost.graph, strategies, layers, untied) if tie
+    classes = (tie_classes(cost.graph, strategies, layers, untied,
+                           cost.fused_shares.get if cost.fused_shares else None) if tie
                else list(range(len(strategies))))
     members: list[list[int]] = [[] for _ in range(max(classes, default=-1) + 1)]
     for v, c in enumerate(classes):

@@ -1,0 +1,73 @@
+"""The cost model's price of a compiled program (``--compile``): inductor's
+fused memory-bound chains (:mod:`costmodel.fusion`) and no per-op dispatch."""
+
+import pytest
+
+from costmodel.fusion import fused_chains, fused_shares
+from costmodel.presets import load_cluster
+from costmodel.strategy_cost import IntraOpCost
+from ir.graph import OP
+from ir.trace import trace
+from models.zoo import build
+from planner.ilp.intra_op import prepare_intra_op, solve_prepared
+
+
+@pytest.fixture(scope="module")
+def llama_graph():
+    model, inputs = build("llama-tiny", device="meta", batch_size=8)[:2]
+    return trace(model, inputs)
+
+
+def test_a_chain_never_spans_an_unfused_kernel(llama_graph):
+    """Ops joined through a GEMM or attention cannot share a kernel: from no
+    chain's op does a path through an op outside the chain lead back into it
+    (a residual add after a projection is not fused with the norm before it)."""
+    by_name, users = llama_graph.by_name, llama_graph.users()
+    chains = fused_chains(llama_graph)
+    for chain in chains:
+        assert 0 < chain.bytes_moved <= chain.eager_bytes and chain.kernels >= 1
+        members = set(chain.members)
+        outside = [u for m in members for u in users[m] if u not in members]
+        seen = set()
+        while outside:
+            n = outside.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            assert n not in members, (n, chain.members)
+            outside += users[n]
+    # each RMSNorm (pow, mean, rsqrt, mul) is fused; two per layer and the last one
+    norms = [c for c in chains if any(by_name[m].target.startswith("aten.rsqrt")
+                                      for m in c.members)]
+    assert len(norms) == 2 * 2 + 1
+    assert sum(c.bytes_moved for c in chains) < 0.5 * sum(c.eager_bytes for c in chains)
+
+
+def test_compiled_prices_fuse_and_drop_dispatch(llama_graph):
+    eager = load_cluster("local-cpu:2")
+    compiled = eager.running_compiled()
+    assert compiled.device.compiled and not eager.device.compiled
+    assert compiled.to_dict() == eager.to_dict()  # the plan records training.compile instead
+    cost_e = IntraOpCost(llama_graph, eager, (2,), "float32")
+    cost_c = IntraOpCost(llama_graph, compiled, (2,), "float32")
+    shares = fused_shares(llama_graph)
+    prepared = prepare_intra_op(llama_graph, compiled, (2,))
+    fused_e = fused_c = 0.0
+    for ns in prepared.strategies:
+        s = ns.strategies[0]
+        if ns.node.name in shares:
+            fused_e += cost_e.compute(ns.node, s)
+            fused_c += cost_c.compute(ns.node, s)
+        elif ns.node.kind == OP and ns.node.flops > 0:  # a GEMM: its kernel, no dispatch
+            assert cost_c.forward_time(ns.node, s) == pytest.approx(
+                cost_e.forward_time(ns.node, s) - eager.device.dispatch_overhead, rel=1e-9)
+    assert fused_c < 0.5 * fused_e
+
+
+def test_compiled_problem_prices_what_it_solves(llama_graph):
+    """Tied copies of a block price alike, or are not tied: the solver's
+    objective is the breakdown of the plan it returns (the last block's
+    residual add writes nothing the next block reads)."""
+    prepared = prepare_intra_op(llama_graph, load_cluster("local-cpu:2").running_compiled(), (2,))
+    result = solve_prepared(prepared)  # asserts objective == breakdown
+    assert result.breakdown.total_s > 0
