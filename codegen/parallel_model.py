@@ -49,6 +49,7 @@ from codegen.runnable import unrunnable_reason
 from codegen.step_phases import backward_tracer, during
 from codegen.zero1 import StateShards
 from plan.format import Plan, load_plan
+from ir.torch_compat import outside_fake_mode
 
 __all__ = ["BatchShapeError", "InputSpec", "ParallelModel", "backward_to_placements",
            "check_batch", "parallelize"]
@@ -583,7 +584,10 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
 
     names = plan.mesh.get("axis_names")
     names = tuple(names) if names and len(names) == len(plan.mesh_shape) else None
-    mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=names)
+    # the mesh's rank table is real even under a FakeTensorMode (a model's
+    # memory counted on fake tensors: benchmarks/memory_fidelity.py)
+    with outside_fake_mode():
+        mesh = init_device_mesh(device.type, plan.mesh_shape, mesh_dim_names=names)
     with during("building the plan's model"):
         executor = PlanExecutor(plan, model, example_inputs, mesh, materialize=materialize)
     release_freed_memory(device)

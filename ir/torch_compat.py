@@ -23,7 +23,8 @@ __all__ = [
     "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
     "kept_fused_ops", "op_overload_name", "tree_leaves", "tree_map",
     "cpu_flash_attention_ops", "cuda_attention_ops", "dtensor_schema_types", "fake_store_type",
-    "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements", "fx_without_stack_traces", "is_assertion_op", "is_mask_partial",
+    "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements",
+    "fx_without_stack_traces", "is_assertion_op", "is_mask_partial", "outside_fake_mode",
     "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
     "op_strategy_functions", "register_dtensor_handler", "register_fused_attention_sharding",
     "register_sharding_rule", "register_zeros_like_input_sharding", "sharding_propagator",
@@ -214,6 +215,15 @@ def fake_tensor_mode_type() -> type:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode
+
+
+def outside_fake_mode() -> contextlib.AbstractContextManager:
+    """A context in which tensors are real even under an active
+    ``FakeTensorMode`` (a device mesh's rank table, made while a model's
+    memory is counted on fake tensors)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
 
 
 def fake_tensor_on(mode: Any, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
