@@ -8,18 +8,34 @@ mesh < 5 s (issue 2); full ``plan()`` of gpt3-175b on 128 x dgx-a100-80g
 
 ``--full-models llama3-405b deepseek-v3`` times the searches of
 :data:`LONG_PLANS` as ``planner plan`` runs them (its 60 s ILP limit; issue
-39: each <= 60 s): llama3-405b at 131,072 tokens on 2048 H100s, whose search
-also tries context parallelism, and deepseek-v3 with its zoo batch on 256 x
-h800. Each row records wall and CPU seconds (this process and its forked
-search workers) and the load average, since the machine is shared.
+39: each <= 60 s): llama3-405b at 131,072 tokens on 2048 x dgx-h100 (16,384
+H100s), whose search also tries context parallelism, and deepseek-v3 with its
+zoo batch on 256 x h800 (2,048 GPUs). Each row records wall and CPU seconds
+(this process and its forked search workers) and the load average, since the
+machine is shared.
+
+``--commands llama3-405b deepseek-v3`` (issue 49: each <= 60 s at the
+reference speed) runs exactly the commands of :data:`COMMANDS`, ``planner
+plan ... -o PLAN``, as a user does (a process of their own, start-up and exit
+included) and runs nothing else; ``--omp-one-thread`` runs them with
+``OMP_NUM_THREADS=1`` (users do not set it). Each row, under
+``"commands"`` (rows of other names or OMP settings are kept), records wall
+and CPU seconds (the command and its forked workers), the pure-Python loop
+probe (:func:`loop_probe`) before and after, the wall scaled to the
+reference speed (``wall x 2.4 s / probe``, the faster probe), the load
+averages, whether ``OMP_NUM_THREADS`` was set, and the plan's SHA-256 (the
+same bytes from run to run and change to change).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -154,6 +170,84 @@ def time_full_plan(name: str, cluster_spec: str, batch: int | None, seq_len: int
             "cpu_speed_probe_s": speed, "cpu_pair_probe_s": pair_speed, "chosen": chosen}
 
 
+# issue 49's commands, `planner plan` with these arguments (and -o PLAN)
+COMMANDS = {
+    "llama3-405b": ["--model", "llama3-405b", "--seq-len", "131072", "--batch-size", "128",
+                    "--cluster", "dgx-h100:2048"],
+    "deepseek-v3": ["--model", "deepseek-v3", "--cluster", "h800:256"],
+}
+# seconds of loop_probe() on the reference machine, and the target (issue 49)
+REFERENCE_LOOP_S = 2.4
+COMMAND_TARGET_S = 60.0
+
+
+def loop_probe() -> float:
+    """Seconds this machine takes for issue 49's reference loop, ``s += i``
+    for i below 20,000,000 in pure Python (2.4 s on the reference machine)."""
+    t0 = time.perf_counter()
+    s = 0
+    for i in range(20_000_000):
+        s += i
+    return time.perf_counter() - t0
+
+
+def time_command(name: str, omp_one_thread: bool = False) -> dict:
+    """Wall and CPU seconds of ``planner plan`` with :data:`COMMANDS`'s
+    arguments for ``name``, run as its own process (as a user runs it)."""
+    env = dict(os.environ)
+    env.pop("OMP_NUM_THREADS", None)
+    if omp_one_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory(prefix="plan-time-") as tmp:
+        out = os.path.join(tmp, "plan.json")
+        cmd = [sys.executable, "-m", "app.cli", "plan", *COMMANDS[name], "--quiet", "-o", out]
+        load_before = load_average()
+        probe_before = loop_probe()
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        load_after = load_average()
+        probe_after = loop_probe()
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        with open(out, "rb") as fh:
+            digest = hashlib.sha256(fh.read()).hexdigest()
+    cpu = (after.ru_utime - kids.ru_utime) + (after.ru_stime - kids.ru_stime)
+    probe = min(probe_before, probe_after)
+    return {"name": name, "command": "planner plan " + " ".join(COMMANDS[name]),
+            "omp_num_threads": env.get("OMP_NUM_THREADS"),
+            "omp_num_threads_set": omp_one_thread, "wall_s": wall, "cpu_s": cpu,
+            "loop_probe_s": [probe_before, probe_after],
+            "scaled_wall_s": wall * REFERENCE_LOOP_S / probe,
+            "reference_loop_s": REFERENCE_LOOP_S, "target_s": COMMAND_TARGET_S,
+            "loadavg_before": load_before, "loadavg_after": load_after,
+            "plan_sha256": digest, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def run_commands(names: list[str], omp_one_thread: bool, path: str) -> None:
+    """Time each command of ``names`` (:func:`time_command`) and merge its row
+    into ``path``'s ``"commands"`` (replacing the row of the same name and
+    OMP setting, keeping every other)."""
+    results = read_results(path)
+    machine = machine_info(brief=True)
+    for name in names:
+        row = {**time_command(name, omp_one_thread), "machine": machine}
+        rows = [r for r in results.get("commands", [])
+                if (r["name"], r["omp_num_threads_set"]) != (name, omp_one_thread)]
+        results["commands"] = sorted([*rows, row], key=lambda r: (
+            list(COMMANDS).index(r["name"]) if r["name"] in COMMANDS else len(COMMANDS),
+            r["name"], r["omp_num_threads_set"]))
+        write_results(path, results)
+        print(f"planner plan {name}{' (OMP_NUM_THREADS=1)' if omp_one_thread else ''}: "
+              f"{row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, loop probe "
+              f"{min(row['loop_probe_s']):.2f} s -> {row['scaled_wall_s']:.1f} s at the "
+              f"reference speed (load {row['loadavg_before']})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
@@ -164,7 +258,16 @@ def main() -> None:
                         help=f"which full plan() searches to run (default: "
                              f"{' '.join(m for m, *_ in FULL_PLANS)}; also "
                              f"{' '.join(m for m, *_ in LONG_PLANS)})")
+    parser.add_argument("--commands", nargs="+", choices=list(COMMANDS),
+                        help="time only these `planner plan` commands (issue 49), as their "
+                             "own processes; nothing else is run")
+    parser.add_argument("--omp-one-thread", action="store_true",
+                        help="with --commands: run them with OMP_NUM_THREADS=1")
     args = parser.parse_args()
+    if args.commands:
+        run_commands(args.commands, args.omp_one_thread, args.out)
+        print(f"wrote {args.out}")
+        return
     # sections not re-run keep their earlier results (each carries its machine)
     results = read_results(args.out)
     results["targets"] = {"trace_gpt3_175b_s": 15.0, "ilp_block_8x8_s": 5.0,

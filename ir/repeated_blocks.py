@@ -13,6 +13,7 @@ once (``Graph.layers``); the pipeline layers built on them are
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -36,8 +37,11 @@ class Layer:
     signature: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def block_of(path: str) -> str | None:
-    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.3``; None outside lists."""
+    """``transformer.h.3.attn.c_attn`` -> ``transformer.h.3``; None outside lists.
+    Memoised: a program's few thousand module paths are asked millions of
+    times (ZeRO-3 units of every stage: 2.0M calls in a llama3-405b search)."""
     parts = path.split(".") if path else []
     for i, part in enumerate(parts):
         if part.isdigit():

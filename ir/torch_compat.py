@@ -25,7 +25,7 @@ __all__ = [
     "cpu_flash_attention_ops", "cuda_attention_ops", "dtensor_schema_types", "fake_store_type",
     "fake_tensor_mode_type", "fake_tensor_on", "from_local_with_grad_placements",
     "fx_without_stack_traces", "is_assertion_op", "is_mask_partial", "outside_fake_mode",
-    "is_strided_shard", "local_tensor", "mask_partial_type", "op_schema_info",
+    "is_strided_shard", "local_tensor", "mesh_without_groups", "mask_partial_type", "op_schema_info",
     "op_strategy_functions", "register_dtensor_handler", "register_fused_attention_sharding",
     "register_sharding_rule", "register_zeros_like_input_sharding", "sharding_propagator",
     "single_dim_expansion", "strided_shard", "strided_shard_type", "without_dtensor_handler",
@@ -215,6 +215,20 @@ def fake_tensor_mode_type() -> type:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode
+
+
+def mesh_without_groups(ranks: torch.Tensor, device_type: str = "cpu") -> Any:
+    """A ``DeviceMesh`` of ``ranks`` on the process group up now, without one
+    process group per mesh axis slice (``_init_backend=False``): for meshes
+    whose shape alone is read (the planner's strategy functions; a (128, 4)
+    mesh would make 132 groups). Made with the groups where this torch's
+    ``DeviceMesh`` cannot skip them."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    try:
+        return DeviceMesh(device_type, ranks, _init_backend=False)
+    except TypeError:
+        return DeviceMesh(device_type, ranks)
 
 
 def outside_fake_mode() -> contextlib.AbstractContextManager:

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import math
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.linear_solver.python import model_builder_helper
@@ -61,10 +61,47 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float,
     hint). With ``reduce`` the problem is first shrunk exactly by
     :func:`planner.ilp.eliminate.eliminate`; the answer (choice, objective,
     checkpointing) is always for ``problem`` itself."""
+    started = solve_assignment_relaxed(problem, time_limit_s, hint_of, name, reduce)
+    return started if isinstance(started, Solution) else started.finish(time_limit_s)
+
+
+class PendingMip:
+    """An assignment problem whose LP relaxation was not integral: a lower
+    bound of its optimum (:attr:`bound_s`, the weighted seconds of
+    :meth:`AssignmentProblem.weighted` of the problem given) and what is
+    left, the MIP (:meth:`finish`: the answer :func:`solve_assignment` gives)."""
+
+    def __init__(self, bound_s: float, finish: Callable[[float, float | None], Solution]):
+        self.bound_s = bound_s
+        self._finish = finish
+
+    def finish(self, time_limit_s: float, since: float | None = None) -> Solution:
+        """The MIP solved within ``time_limit_s`` seconds counted from
+        ``since`` (``time.monotonic()``; None: from the start of its LP
+        relaxation, as :func:`solve_assignment` counts)."""
+        return self._finish(time_limit_s, since)
+
+
+def solve_assignment_relaxed(problem: AssignmentProblem, time_limit_s: float,
+                             hint_of: Callable[[], list[int] | None], name: str,
+                             reduce: bool) -> Solution | PendingMip:
+    """:func:`solve_assignment` up to its MIP: the answer where no MIP is
+    needed (every strategy fixed, or an integral LP relaxation), else a
+    :class:`PendingMip` with the relaxation's bound, so that a caller
+    comparing several problems (:mod:`planner.ilp.checkpointing`) can leave
+    out a MIP that cannot win."""
     reduced = eliminate(problem) if reduce else None
     if reduced is None:
         return _solve_model(problem, time_limit_s, hint_of, name)
-    sol = _solve_model(reduced.problem, time_limit_s, _kept_of(hint_of, reduced.kept), name)
+    started = _solve_model(reduced.problem, time_limit_s, _kept_of(hint_of, reduced.kept), name)
+    if isinstance(started, PendingMip):
+        return PendingMip(started.bound_s + reduced.offset, lambda limit, since: _expanded(
+            problem, reduced, started.finish(limit, since)))
+    return _expanded(problem, reduced, started)
+
+
+def _expanded(problem: AssignmentProblem, reduced: Any, sol: Solution) -> Solution:
+    """The answer ``sol`` of ``reduced`` (:func:`eliminate` of ``problem``) for ``problem``."""
     choice = reduced.expand(sol.choice)
     checkpoint = sol.checkpoint if reduced.kept_groups else [False] * len(problem.checkpoint_groups)
     value = problem.evaluate(choice, checkpoint)
@@ -74,20 +111,26 @@ def solve_assignment(problem: AssignmentProblem, time_limit_s: float,
 
 
 def _solve_model(problem: AssignmentProblem, time_limit_s: float,
-                 hint_of: Callable[[], list[int] | None], name: str) -> Solution:
-    """:func:`solve_assignment` without the reduction: the checkpoint
+                 hint_of: Callable[[], list[int] | None], name: str) -> Solution | PendingMip:
+    """:func:`solve_assignment_relaxed` without the reduction: the checkpoint
     decisions enumerated when every strategy is fixed, else the MIP (its LP
-    relaxation first with CBC)."""
+    relaxation first with CBC: a :class:`PendingMip` where that is not
+    integral)."""
     if (all(len(c) == 1 for c in problem.node_costs)
             and len(problem.checkpoint_groups) <= _ENUMERATED_GROUPS):
         return _solve_fixed(problem, name)
     formulation = build_formulation(problem, integral_edges=name == "CP_SAT")
     started = time.monotonic()
     if name == "CBC":
+        bound: list[float] = []
         integral = _integral_relaxation(problem, formulation.model, formulation.x,
-                                        formulation.ckpt, time_limit_s)
+                                        formulation.ckpt, time_limit_s, bound)
         if integral is not None:
             return integral
+        if bound:  # the relaxation's optimum, fractional
+            return PendingMip(bound[0], lambda limit, since: _solve_mip(
+                problem, formulation, limit, started if since is None else since, hint_of,
+                name))
     return _solve_mip(problem, formulation, time_limit_s, started, hint_of, name)
 
 
@@ -112,7 +155,8 @@ def _solve_fixed(problem: AssignmentProblem, name: str) -> Solution:
 
 def _integral_relaxation(problem: AssignmentProblem, model: ArrayModel,
                          x: list[list[int]], ckpt: list[int],
-                         time_limit_s: float) -> Solution | None:
+                         time_limit_s: float, bound: list[float] | None = None
+                         ) -> Solution | None:
     """The MIP's optimum when its LP relaxation (solved by GLOP, the simplex)
     has an optimal vertex with every strategy and checkpoint variable at 0 or
     1; None otherwise (the caller then runs the MIP).
@@ -131,6 +175,8 @@ def _integral_relaxation(problem: AssignmentProblem, model: ArrayModel,
     lp.solve(model.solver_helper())
     if lp.status() != model_builder_helper.SolveStatus.OPTIMAL:
         return None
+    if bound is not None:  # told to the caller: a lower bound of the MIP's optimum
+        bound.append(lp.objective_value() / SCALE)
     solution = lp.variable_values().tolist()
     values = [[solution[i] for i in xs] for xs in x]
     decisions = [solution[i] for i in ckpt]

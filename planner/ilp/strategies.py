@@ -27,7 +27,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from ir.graph import Graph, Node, OP
 from ir.strategy import NodeStrategies, Placements, Strategy, is_shard
 from ir.torch_compat import (SDPA, dtensor_schema_types, fake_store_type, is_assertion_op,
-                             op_schema_info, op_strategy_functions, sharding_propagator,
+                             mesh_without_groups, op_schema_info, op_strategy_functions,
+                             sharding_propagator,
                              single_dim_expansion, without_dtensor_redistribute_costs)
 
 DTensorSpec, TensorMeta, OpSchema, OpSpec, OpStrategy, TupleStrategy = dtensor_schema_types()
@@ -52,7 +53,7 @@ def fake_mesh(mesh_shape: Sequence[int]) -> Iterator[DeviceMesh]:
         world *= int(d)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
-        yield DeviceMesh("cpu", torch.arange(world).reshape(tuple(mesh_shape)))
+        yield mesh_without_groups(torch.arange(world).reshape(tuple(mesh_shape)))
     finally:
         dist.destroy_process_group()
 
@@ -448,7 +449,7 @@ def _without_dtensor_costs() -> contextlib.AbstractContextManager[None]:
 def _unit_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """A mesh of as many axes as ``mesh``, each of size 1 (made while the
     process group ``mesh`` lives in is up)."""
-    return DeviceMesh("cpu", torch.zeros((1,) * mesh.ndim, dtype=torch.int64))
+    return mesh_without_groups(torch.zeros((1,) * mesh.ndim, dtype=torch.int64))
 
 
 def build_strategies(graph: Graph, mesh: DeviceMesh | Sequence[int],

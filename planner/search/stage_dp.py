@@ -393,14 +393,22 @@ def _stage_costs(layers: list[list[StageTimes]], prefix: list[list[StageTimes]],
     # StageTimes adds them), not a difference of prefix sums, whose rounding
     # would decide a stage exactly at the budget otherwise than the stage does
     layer = np.array([[t._values() for t in row] for row in layers])  # levels x L x 6
+    # row i holds layer j's bytes at j >= i and exact zeros before, so its
+    # running sum (sequential, as np.cumsum adds) is layers i..j summed from
+    # i: adding 0.0 first changes no bit
+    upper = np.triu(np.ones((L, L), dtype=bool))
     state, activations = np.zeros_like(d[..., 4]), np.zeros_like(d[..., 5])
-    for i in range(L):
-        state[:, i, i + 1:] = np.cumsum(layer[:, i:, 4], axis=1)
-        activations[:, i, i + 1:] = np.cumsum(layer[:, i:, 5], axis=1)
+    state[:, :L, 1:] = np.cumsum(np.where(upper, layer[:, None, :, 4], 0.0), axis=2)
+    activations[:, :L, 1:] = np.cumsum(np.where(upper, layer[:, None, :, 5], 0.0), axis=2)
     ranges = _ranges(L)[2]
     cost = np.full((num_stages, L + 1, L + 1), math.inf)
     level = np.zeros((num_stages, L + 1, L + 1), dtype=np.int64)
+    done: dict[float, int] = {}  # in-flight copies -> the first stage priced with them
     for s in range(num_stages):
+        same = done.setdefault(float(copies[s]), s)
+        if same != s:  # the same copies, the same costs
+            cost[s], level[s] = cost[same], level[same]
+            continue
         open_ = ranges.copy()
         for lv in range(levels):
             fits = open_ & (state[lv] + copies[s] * activations[lv] <= budget)
@@ -418,7 +426,7 @@ def _ranges(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def _stage_bounds(cost: np.ndarray, num_layers: int, num_stages: int
-                  ) -> tuple[list[float], list[np.ndarray]]:
+                  ) -> tuple[list[float], np.ndarray]:
     """The candidate bounds on the slowest stage (every finite seconds a
     stage's range may take, ascending) and each stage's ``cost`` where its
     range leaves every later stage a layer (inf elsewhere)."""
@@ -429,10 +437,10 @@ def _stage_bounds(cost: np.ndarray, num_layers: int, num_stages: int
     candidates = candidates[np.isfinite(candidates)].tolist()
     # stage s may start at i <= L - (S - s) and end at j <= L - (S - s - 1)
     allowed = [ranges & (ii <= L - (S - s)) & (jj <= L - (S - s - 1)) for s in range(S)]
-    return candidates, [np.where(allowed[s], cost[s], math.inf) for s in range(S)]
+    return candidates, np.stack([np.where(allowed[s], cost[s], math.inf) for s in range(S)])
 
 
-def _least_sum(allowed: list[np.ndarray], t_max: float) -> tuple[float, list[np.ndarray]] | None:
+def _least_sum(allowed: np.ndarray, t_max: float) -> tuple[float, list[np.ndarray]] | None:
     """Least sum of stage times with every stage at most ``t_max`` seconds
     (``allowed``: each stage's costs, :func:`_stage_bounds`), and per stage
     the end layer it takes from each first layer; None when no cut keeps
@@ -442,17 +450,20 @@ def _least_sum(allowed: list[np.ndarray], t_max: float) -> tuple[float, list[np.
     g = np.full(L + 1, math.inf)
     g[L] = 0.0
     nxt = []
+    rows = np.arange(L + 1)
+    # every stage's costs within t_max at once (allowed: one stacked array)
+    within = np.where(allowed <= t_max, allowed, math.inf)
     for s in range(len(allowed) - 1, -1, -1):
-        total = np.where(allowed[s] <= t_max, allowed[s], math.inf) + g[None, :]
+        total = within[s] + g[None, :]
         j = np.argmin(total, axis=1)  # the first (smallest) end layer on ties
-        g = total[np.arange(L + 1), j]
+        g = total[rows, j]
         nxt.append(j)
     if not np.isfinite(g[0]):
         return None
     return float(g[0]), nxt[::-1]
 
 
-def _least_feasible(allowed: list[np.ndarray], candidates: list[float]) -> int:
+def _least_feasible(allowed: np.ndarray, candidates: list[float]) -> int:
     """The index of the least of ``candidates`` some cut keeps every stage
     within (``len(candidates)`` when none): feasibility only grows with
     ``t_max``, so the infeasible ones are skipped by bisection."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -29,12 +30,12 @@ from planner.megatron_layout import CP_COMM_TYPES
 from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError, solve_intra_op
 from planner.request import PlanRequest, PlanningError, check_zero_stages
 from planner.search.context import SearchContext
-from planner.search.cp_search import (context_parallel_inputs, context_parallel_record,
-                                      context_parallel_seconds, cp_link, kv_buffer_bound,
-                                      search_sizes, sequence_length)
+from planner.search.cp_search import (CP_MIN_SEQ, context_parallel_inputs,
+                                      context_parallel_record, context_parallel_seconds,
+                                      cp_link, kv_buffer_bound, search_sizes, sequence_length)
 from planner.search.finalists import (ExactPipeline, assemble, fastest, solve_exact,
                                       solve_finalists, split_far_finalists)
-from planner.search.forked_workers import run_beside
+from planner.search.forked_workers import can_fork, run_beside
 from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             accumulates, refine, search, simulate_step,
                                             whole_batch_allowed, zero_variants)
@@ -130,13 +131,15 @@ def search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
     equal ones). The automatic sizes are tried largest first (the least
     memory per rank), then smaller, until one is slower than (or does not
     fit where) the one before it fitted."""
-    plans: list[Plan] = []
-    errors: list[PlanningError] = []
     requested = req.context_parallel
     seq = sequence_length(example_inputs)
     if requested is not None:  # refused before any search
         search_sizes(requested, seq, cluster.num_devices, fits_without=True)
-    if requested is None or 1 in requested:
+    without = requested is None or 1 in requested
+
+    def search_without() -> tuple[list[Plan], list[PlanningError]]:
+        if not without:
+            return [], []
         ctx = SearchContext(model, example_inputs,
                             SearchSettings(cluster, dtype, req.optimizer, budget,
                                            req.time_limit_s),
@@ -144,29 +147,84 @@ def search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
         build = functools.partial(_build_plan, info=info, training=training)
         try:
             winner = _search_winner(req, ctx, model, graph)
-            plans.append(build(winner, cluster) if isinstance(winner, IntraOpResult)
-                         else _assembled(winner, ctx, build))
+            return [build(winner, cluster) if isinstance(winner, IntraOpResult)
+                    else _assembled(winner, ctx, build)], []
         except PlanningError as err:
-            errors.append(err)
-    sizes = search_sizes(requested, seq, cluster.num_devices, fits_without=bool(plans))
-    before: Plan | None = None
-    # automatic: the largest first (the least memory per rank), then smaller
-    for cp in (sizes if requested is not None else sizes[::-1]):
-        try:
-            found = _context_parallel_plan(req, model, cluster, example_inputs, dtype, budget,
-                                           progress, cp)
-        except PlanningError as err:
-            errors.append(err)
-            found = None
-        if found is not None:
-            plans.append(found)
-        if requested is None and before is not None and (
-                found is None or _step(found) > _step(before)):
-            break
-        before = found or before
+            return [], [err]
+
+    def search_with(sizes: list[int], say: Callable[[str], None] | None
+                    ) -> tuple[list[Plan], list[PlanningError]]:
+        found_plans: list[Plan] = []
+        found_errors: list[PlanningError] = []
+        before: Plan | None = None
+        # automatic: the largest first (the least memory per rank), then smaller
+        for cp in (sizes if requested is not None else sizes[::-1]):
+            try:
+                found = _context_parallel_plan(req, model, cluster, example_inputs, dtype,
+                                               budget, say, cp)
+            except PlanningError as err:
+                found_errors.append(err)
+                found = None
+            if found is not None:
+                found_plans.append(found)
+            if requested is None and before is not None and (
+                    found is None or _step(found) > _step(before)):
+                break
+            before = found or before
+        return found_plans, found_errors
+
+    # the cp sizes when the search without cp finds a plan; where they are
+    # what its outcome gives anyway (all but short automatic sequences), the
+    # cp searches run meanwhile in a forked process (_beside_search)
+    ahead = search_sizes(requested, seq, cluster.num_devices, fits_without=True)
+    sure = not without or requested is not None or seq is None or seq >= CP_MIN_SEQ
+    if ahead and sure and can_fork():
+        if progress is not None:
+            progress(f"searching context parallel sizes {', '.join(map(str, ahead[::-1]))} "
+                     f"in a second process meanwhile")
+        (plans, errors), (more, more_errors) = _beside_search(
+            search_without, lambda: search_with(ahead, None))
+    else:
+        plans, errors = search_without()
+        more, more_errors = search_with(
+            search_sizes(requested, seq, cluster.num_devices, fits_without=bool(plans)),
+            progress)
+    plans += more
+    errors += more_errors
     if not plans:
         raise errors[0]
     return min(plans, key=lambda p: (round(_step(p), 12), _cp_size(p)))
+
+
+def _beside_search(here: Callable[[], Any], there: Callable[[], Any]) -> tuple[Any, Any]:
+    """``(here(), there())``, ``there`` (the context-parallel searches) run by
+    a forked process meanwhile (:func:`planner.search.forked_workers.run_beside`),
+    each search forking its own workers as it would alone: the searches share
+    nothing, and each alone leaves a core idle while it captures and writes
+    out programs (llama3-405b at 131,072 tokens on 16,384 GPUs: three
+    searches, ~150 s of CPU in ~100 s). The warnings ``there`` raises are
+    raised here afterwards, in their order, as they would come after
+    ``here``'s."""
+    def quietly() -> tuple[Any, list[warnings.WarningMessage]]:
+        me = os.getpid()
+        heard: list[warnings.WarningMessage] = []
+        show = warnings.showwarning
+
+        def keep(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                 line: Any = None) -> None:
+            if os.getpid() != me:  # a worker of this process's own search
+                show(message, category, filename, lineno, file, line)
+                return
+            heard.append(warnings.WarningMessage(message, category, filename, lineno))
+
+        with warnings.catch_warnings():
+            warnings.showwarning = keep
+            return there(), heard
+
+    done_here, (done_there, heard), _, _ = run_beside(here, quietly)
+    for w in heard:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return done_here, done_there
 
 
 def _step(plan: Plan) -> float:
