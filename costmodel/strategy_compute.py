@@ -118,6 +118,18 @@ class ComputePricing(StrategySettings):
             return 0.0
         return self.cluster.device.dispatch_overhead
 
+    def price_context(self, node: Node) -> tuple:
+        """What ``node``'s prices depend on beyond its own shapes and
+        strategy: the backward kernels it runs (an op whose activation input
+        needs no gradient, as the first layer's reading a user input, runs no
+        input-gradient kernel) and its part of a fused chain. Copies of a
+        repeated block price alike only where these agree."""
+        if node.kind != OP:
+            return ()
+        return (backward_kernels(node, self.requires_grad, self.param_derived)
+                if node.name in self.requires_grad else None,
+                self.fused_shares.get(node.name))
+
     def _view_time(self, node: Node) -> float:
         """Seconds of a view op in one pass: no kernel, but the distributed
         runtime dispatches it (the host's own time to issue it counts in

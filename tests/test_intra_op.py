@@ -234,3 +234,37 @@ def test_checkpointed_layers_keep_their_inputs_per_device():
     assert one.checkpointed and four.checkpointed
     # (the scalar loss is not split)
     assert four.memory["activations"] == pytest.approx(one.memory["activations"] / 4, rel=1e-4)
+
+
+class _ScaledLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc(x) * torch.tensor(0.5)
+
+
+class _TwoBlocks(nn.Module):
+    """Two copies of one block; the first reads the user's input, which needs
+    no gradient, so its linear runs no input-gradient kernel and the second's does."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_ScaledLinear(), _ScaledLinear()])
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, y):
+        for b in self.blocks:
+            x = b(x)
+        return nn.functional.cross_entropy(self.head(x), y)
+
+
+def test_block_copies_priced_unlike_are_not_tied():
+    """The solver's objective is the price of the plan it returns: copies of a
+    block tie only where they price alike (the plan of this model used to stop
+    on the solver's check that the two agree)."""
+    x, y = torch.randn(4, 32), torch.randint(0, 4, (4,))
+    p = plan(_TwoBlocks(), "local-cpu:2", example_inputs=(x, y), mesh_shape=(2,),
+             time_limit_s=5)
+    assert p.predicted["step_time_s"] > 0

@@ -63,8 +63,10 @@ def tie_classes(graph: Graph, strategies: list[NodeStrategies],
     class, so every copy of a block takes the same strategies (as Megatron does);
     every other node, and every node named in ``untied`` (priced unlike its
     copies), is a class of its own. ``price_key``: node name -> what else its
-    price depends on beyond its own shapes (its part of a fused chain, which
-    differs at a block that ends the program); nodes tie only where it agrees.
+    price depends on beyond its own shapes
+    (:meth:`costmodel.strategy_compute.ComputePricing.price_context`: the first
+    block's ops reading a user input run fewer backward kernels, the last
+    block's fused chain writes less); nodes tie only where it agrees.
     Classes are numbered in program order."""
     index = {ns.node.name: v for v, ns in enumerate(strategies)}
     tied_to = list(range(len(strategies)))
@@ -121,8 +123,9 @@ def build_problem(cost: IntraOpCost, strategies: list[NodeStrategies],
     """
     layers = cost.graph.layers
     untied = frozenset([cost.transient_node] if cost.transient_node else [])
+    by_name = cost.graph.by_name
     classes = (tie_classes(cost.graph, strategies, layers, untied,
-                           cost.fused_shares.get if cost.fused_shares else None) if tie
+                           lambda name: cost.price_context(by_name[name])) if tie
                else list(range(len(strategies))))
     members: list[list[int]] = [[] for _ in range(max(classes, default=-1) + 1)]
     for v, c in enumerate(classes):
