@@ -1,6 +1,6 @@
 """One-GPU check of context parallelism's blocked attention on the CUDA kernels.
 
-A cp group's attention (:func:`codegen.cp_kernels.emulated_attention`: each
+A cp group's attention (:func:`codegen.context_parallel.emulated_attention`: each
 rank's load-balanced chunks through ``_BlockedAttention`` over the group's K/V
 blocks, the partial outputs merged by their log-sum-exp) is emulated in one
 process on one CUDA device for cp = 2, 4 and 8, and compared, forward (the
@@ -86,7 +86,8 @@ def _synchronize(device: torch.device) -> None:
 
 def run_case(name: str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
              tokens: int, cps: tuple[int, ...], device: torch.device) -> dict[str, Any]:
-    from codegen.cp_kernels import block_kernel, choose_kernel, emulated_attention
+    from codegen.context_parallel import emulated_attention
+    from codegen.cp_kernels import block_kernel, choose_kernel
 
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(2, heads, tokens, head_dim, device=device, generator=gen)

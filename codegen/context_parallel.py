@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.capture import PlanMismatchError
-from codegen.cp_kernels import block_kernel
+from codegen.cp_kernels import block_kernel, cut_chunks, joined_chunks
 from codegen.node_runner import has_fused_attention_layout
 from codegen.redistribution import laid_out, redistribute
 from costmodel.compute import FUSED_ATTENTION
@@ -61,7 +61,7 @@ from plan.cp_rules import carries_rows, kv_head_repeats, local_kv_repeats
 from plan.format import Plan
 
 __all__ = ["ContextParallelLayout", "ContextParallelRuntime", "chunk_positions",
-           "cut_sequences", "layout_of"]
+           "cut_sequences", "emulated_attention", "layout_of"]
 
 _ARANGES = {torch.ops.aten.arange.default, torch.ops.aten.arange.start,
             torch.ops.aten.arange.start_step}
@@ -507,3 +507,19 @@ class _BlockedAttention(torch.autograd.Function):
             dkv[0][:, :, keys] += _per_kv_head(gk, k.shape[1])
             dkv[1][:, :, keys] += _per_kv_head(gv, v.shape[1])
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None
+
+
+def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
+                       scale: float | None = None) -> torch.Tensor:
+    """Causal attention of whole sequences ``q``, ``k``, ``v`` (``[rows, heads,
+    seq, dim]``; k and v may have fewer heads, each repeated side by side as
+    grouped-query attention reads them) as a cp group of ``cp`` ranks computes
+    it, in one process: each rank's chunks (:func:`cut_chunks`) through
+    :class:`_BlockedAttention` over the group's K/V
+    blocks as the all-gather gives them. Differentiable: autograd sums each
+    K/V block's gradient over the ranks, as the gather's reduce-scatter."""
+    qs = cut_chunks(q, cp)
+    k_all, v_all = (torch.cat(cut_chunks(t, cp), dim=0) for t in (k, v))
+    outs = [_BlockedAttention.apply(qs[c], k_all, v_all, _Gathered(c, cp), scale)
+            for c in range(cp)]
+    return joined_chunks(outs)

@@ -22,8 +22,9 @@ head dims, compute capability), so that it is checked on CPU too. The aten
 ops come from :mod:`ir.torch_compat`; called directly (not through
 ``F.scaled_dot_product_attention``, which pads head dims and picks a backend
 itself), each gets contiguous blocks of the dims it supports.
-:func:`emulated_attention` runs a cp group's blocked attention in one
-process (the tests on CPU and ``benchmarks/gpu_cp_attention.py`` on a GPU).
+:func:`cut_chunks` and :func:`joined_chunks` lay whole sequences out as a cp
+group's load-balanced chunks and back, for
+:func:`codegen.context_parallel.emulated_attention`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from ir.torch_compat import cpu_flash_attention_ops, cuda_attention_ops
 
 __all__ = ["CPU_FLASH", "CUDA_EFFICIENT", "CUDA_FLASH", "BlockKernel", "block_kernel",
-           "choose_kernel", "cut_chunks", "emulated_attention", "joined_chunks"]
+           "choose_kernel", "cut_chunks", "joined_chunks"]
 
 CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT = "cpu_flash", "cuda_flash", "cuda_efficient"
 
@@ -154,22 +155,3 @@ def joined_chunks(parts: list[torch.Tensor]) -> torch.Tensor:
     halves = [p.chunk(2, dim=2) for p in parts]
     return torch.cat([halves[c][0] for c in range(cp)]
                      + [halves[c][1] for c in reversed(range(cp))], dim=2)
-
-
-def emulated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int,
-                       scale: float | None = None) -> torch.Tensor:
-    """Causal attention of whole sequences ``q``, ``k``, ``v`` (``[rows, heads,
-    seq, dim]``; k and v may have fewer heads, each repeated side by side as
-    grouped-query attention reads them) as a cp group of ``cp`` ranks computes
-    it, in one process: each rank's chunks (:func:`cut_chunks`) through
-    :class:`codegen.context_parallel._BlockedAttention` over the group's K/V
-    blocks as the all-gather gives them. Differentiable: autograd sums each
-    K/V block's gradient over the ranks, as the gather's reduce-scatter."""
-    # imported here: codegen.context_parallel imports this module
-    from codegen.context_parallel import _BlockedAttention, _Gathered
-
-    qs = cut_chunks(q, cp)
-    k_all, v_all = (torch.cat(cut_chunks(t, cp), dim=0) for t in (k, v))
-    outs = [_BlockedAttention.apply(qs[c], k_all, v_all, _Gathered(c, cp), scale)
-            for c in range(cp)]
-    return joined_chunks(outs)

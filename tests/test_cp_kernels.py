@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 import codegen.cp_kernels as cp_kernels
 from codegen.context_parallel import _block, _merge, chunk_positions
+from codegen.context_parallel import emulated_attention
 from codegen.cp_kernels import (CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, BlockKernel, block_kernel,
-                                choose_kernel, cut_chunks, emulated_attention, joined_chunks)
+                                choose_kernel, cut_chunks, joined_chunks)
 from ir.torch_compat import cpu_flash_attention_ops, cuda_attention_ops
 
 ATOL, RTOL = 2e-5, 1e-4

@@ -1,0 +1,94 @@
+"""The plan the search picks under ``--compile`` against the one it picks
+eagerly, both run compiled: does the measured step agree with the switch?
+
+    python -m benchmarks.compile_switch                  # llama-tiny on local-cpu:2
+    python -m benchmarks.compile_switch --model gpt-tiny --ranks 2 --steps 10
+
+Plans ``--model`` on ``local-cpu:RANKS`` twice (eager pricing, compiled
+pricing), runs each plan compiled (``training.launch.launch(compile=True)``,
+first step dropped: it compiles) in alternating rounds, and writes
+``benchmarks/results/compile_switch.json``: each plan's layout, predicted
+compiled step (the eager-priced plan re-priced compiled) and measured median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
+from benchmarks.stats import median_after_warmup  # noqa: E402
+from models.source import build_model  # noqa: E402
+from planner.api import plan  # noqa: E402
+from training.launch import launch  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _layout(p: Any) -> dict[str, Any]:
+    """What distinguishes one plan from another, in a few fields."""
+    pipe = p.pipeline
+    return {"mesh": list(p.mesh_shape),
+            "stages": len(pipe.stages) if pipe is not None else 1,
+            "microbatches": pipe.num_microbatches if pipe is not None else 1,
+            "zero_stage": pipe.zero_stage if pipe is not None else 0,
+            "checkpointed": len(p.checkpoint or [])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-tiny")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
+    ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each plan")
+    ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "compile_switch.json"))
+    args = ap.parse_args(argv)
+    load_before = load_average()
+    cluster = f"local-cpu:{args.ranks}"
+    model, inputs = build_model(args.model, device="meta", batch_size=args.batch_size)
+    kw = dict(example_inputs=inputs, model_source=args.model,
+              zoo_kwargs={"batch_size": args.batch_size})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        picked = {"eager": plan(model, cluster, **kw),
+                  "compiled": plan(model, cluster, compile=True, **kw)}
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="compile-switch-") as tmp:
+        paths = {}
+        for name, p in picked.items():
+            paths[name] = os.path.join(tmp, f"{name}.json")
+            p.with_compile(True).save(paths[name])
+            rows[name] = {"layout": _layout(p), "predicted_as_priced_s": p.predicted["step_time_s"],
+                          "steps_s": []}
+        for _ in range(args.rounds):
+            for name, path in paths.items():
+                res = launch(path, steps=args.steps, check=False, compile=True, timeout_s=900)
+                rows[name]["steps_s"] += res["step_times_s"][1:]
+    for row in rows.values():
+        row["measured_median_s"] = median_after_warmup(row["steps_s"], 0)
+    faster_measured = min(rows, key=lambda k: rows[k]["measured_median_s"])
+    result = {"benchmark": "compile_switch", "machine": machine_block(load_before),
+              "model": args.model, "cluster": cluster, "batch_size": args.batch_size,
+              "plans": rows, "same_layout": rows["eager"]["layout"] == rows["compiled"]["layout"],
+              "faster_measured": faster_measured,
+              "switch_agrees": faster_measured == "compiled"
+              or rows["eager"]["layout"] == rows["compiled"]["layout"],
+              "load_after": load_average()}
+    write_results(args.output, result)
+    for name, row in rows.items():
+        print(f"{name:9s} {row['layout']}  measured {row['measured_median_s'] * 1e3:.1f} ms "
+              f"(predicted as priced {row['predicted_as_priced_s'] * 1e3:.1f} ms)")
+    print(wrote_message(args.output, result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
