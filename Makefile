@@ -5,7 +5,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-slow test-fast bench clean
 
 install: $(STAMP)
 
@@ -24,10 +24,14 @@ demo: install
 TEST_WORKERS ?= 2
 
 test: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
+
+# the long runs make test leaves out (each names what covers it in make test)
+test-slow: install
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m slow
 
 test-fast: install
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not multiprocess and not slow"
 
 bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.plan_time

@@ -150,7 +150,8 @@ def test_context_parallel_plans_train_as_one_process_does(tmp_path, model, devic
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("model,schedule,zero", [
     ("gpt-tiny", "zbv", 0),            # the backward split in two (input, then weights)
-    ("llama-tiny", "1f1b", 3),         # FSDP2 stages, gathered unit by unit
+    # FSDP2 stages, gathered unit by unit (ZeRO-3 pipelines: tests/test_pipeline_run.py)
+    pytest.param("llama-tiny", "1f1b", 3, marks=pytest.mark.slow),
 ])
 def test_context_parallel_pipelines_train_as_one_process_does(tmp_path, model, schedule, zero):
     path = _cp_plan(tmp_path, model, 4, 2, pp=(2,), schedule=schedule, zero=zero)

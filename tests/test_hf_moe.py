@@ -217,6 +217,7 @@ def test_the_grouped_matmul_runs_sharded_on_4_ranks_as_on_one():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # benchmarks/hf_models.py runs Mixtral and Qwen2-MoE with --check too
 def test_a_mixtral_plan_runs_and_checks_on_2_ranks(tmp_path):
     """Issue 48: a Mixtral plan's backward failed at IndexBackward0; now its
     grouped matmuls are planned sharded, run so and match one process."""

@@ -226,6 +226,7 @@ def test_context_parallel_plan_prices_one_cp_ranks_program(llama_cp_plans):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # cp plans run in tests/test_context_parallel_run.py
 def test_a_megatron_context_parallel_plan_trains_as_one_process_does(tmp_path):
     """Megatron's cp layout (rows over dp x cp, heads over tp) runs with the ring
     (:mod:`codegen.context_parallel`) and matches one process on the whole

@@ -149,7 +149,9 @@ def test_one_zero3_stage_of_a_gpt2_wide_model_runs_unit_by_unit(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule,num_microbatches", [
-    ("interleaved_1f1b", 4), ("interleaved_zero_bubble", 4), ("zbv", 4), ("dualpipev", 8),
+    ("interleaved_1f1b", 4), ("zbv", 4), ("dualpipev", 8),
+    # interleaving and the split backward, each run above
+    pytest.param("interleaved_zero_bubble", 4, marks=pytest.mark.slow),
 ])
 def test_pp4_schedules(tmp_path, schedule, num_microbatches):
     """The schedules of several stages per rank on 4 pipeline ranks (GPipe and
