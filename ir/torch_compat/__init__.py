@@ -2,8 +2,11 @@
 
 Every import of a private torch module (a name starting with ``_``) and every
 read of a torch setting that not all supported versions have goes through
-here, so that a torch upgrade is checked in one file. The supported range is
-the one pyproject.toml declares.
+this package, so that a torch upgrade is checked in one place. The supported
+range is the one pyproject.toml declares. The capture's and DTensor's hooks
+live here; fake tensors, fake process groups and meshes in
+:mod:`ir.torch_compat.fake`; the fused attention kernels' aten ops in
+:mod:`ir.torch_compat.kernels`. Import them all from ``ir.torch_compat``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from typing import Any, Iterator
 import torch
 import torch.fx.config
 from torch.utils._pytree import tree_leaves, tree_map
+
+from ir.torch_compat.fake import (fake_store_type, fake_tensor_mode_type, fake_tensor_on,
+                                  mesh_without_groups, outside_fake_mode)
+from ir.torch_compat.kernels import cpu_flash_attention_ops, cuda_attention_ops
 
 __all__ = [
     "FUSED_ATTENTION_ORDER", "KEPT_FUSED_OPS", "OpOverload", "SDPA", "all_gather_autograd",
@@ -201,54 +208,6 @@ def without_dtensor_redistribute_costs() -> Iterator[None]:
         op_utils.redistribute_cost = original
 
 
-def fake_store_type() -> type:
-    """The no-op key-value store a ``"fake"`` process group is initialised
-    with (a Python class before torch 2.14, a C++ one re-exported from the
-    same module since)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore
-
-
-def fake_tensor_mode_type() -> type:
-    """torch's ``FakeTensorMode`` (tensors with shapes and no storage)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode
-
-
-def mesh_without_groups(ranks: torch.Tensor, device_type: str = "cpu") -> Any:
-    """A ``DeviceMesh`` of ``ranks`` on the process group up now, without one
-    process group per mesh axis slice (``_init_backend=False``): for meshes
-    whose shape alone is read (the planner's strategy functions; a (128, 4)
-    mesh would make 132 groups). Made with the groups where this torch's
-    ``DeviceMesh`` cannot skip them."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    try:
-        return DeviceMesh(device_type, ranks, _init_backend=False)
-    except TypeError:
-        return DeviceMesh(device_type, ranks)
-
-
-def outside_fake_mode() -> contextlib.AbstractContextManager:
-    """A context in which tensors are real even under an active
-    ``FakeTensorMode`` (a device mesh's rank table, made while a model's
-    memory is counted on fake tensors)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    return unset_fake_temporarily()
-
-
-def fake_tensor_on(mode: Any, meta: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A fake tensor of ``mode`` with ``meta``'s shape, strides and dtype that
-    reports ``device``: torch code that branches on ``tensor.device.type`` takes
-    that device's path, and nothing is allocated. ``meta``: a meta tensor."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return FakeTensor(mode, meta, device)
-
-
 def single_dim_expansion() -> Any:
     """DTensor's ``_expand_single_dim_strategy_to_mesh`` (absent before torch 2.12:
     then None, and ops registered with single-dim strategies do not exist)."""
@@ -395,26 +354,6 @@ def dispatcher_input_reshards(op: Any, args: tuple, kwargs: dict) -> list[tuple[
     return [(arg, tuple(new.placements))
             for arg, old, new in zip(flat_args, info.flat_args_schema, new_specs)
             if isinstance(arg, DTensor) and hasattr(new, "placements") and old != new]
-
-
-def cpu_flash_attention_ops() -> tuple[Any, Any]:
-    """The CPU flash-attention kernel ``F.scaled_dot_product_attention`` runs on
-    CPU tensors, and its backward."""
-    aten = torch.ops.aten
-    return (aten._scaled_dot_product_flash_attention_for_cpu.default,
-            aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
-
-
-def cuda_attention_ops() -> dict[str, tuple[Any, Any]]:
-    """The CUDA fused-attention kernels that return the log-sum-exp, each with
-    its backward: ``"flash"`` (FlashAttention-2) and ``"efficient"`` (the
-    memory-efficient kernel), as their aten schemas read in torch 2.11 to 2.14
-    (the calls :mod:`codegen.cp_kernels` makes)."""
-    aten = torch.ops.aten
-    return {"flash": (aten._scaled_dot_product_flash_attention.default,
-                      aten._scaled_dot_product_flash_attention_backward.default),
-            "efficient": (aten._scaled_dot_product_efficient_attention.default,
-                          aten._scaled_dot_product_efficient_attention_backward.default)}
 
 
 def all_gather_autograd(tensor: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
