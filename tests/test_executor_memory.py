@@ -6,7 +6,7 @@ by reference cycles until Python's cycle collector ran; earlier also by the
 Graph keeping the traced program), 3-20 % over the prediction in bf16 and
 bf16-mixed. Here, in one process on a one-rank plan of ``llama-tiny``, every
 tensor storage made while the model is built and parallelized is counted
-(:class:`benchmarks.memory_fidelity.LiveStorages`) with the cycle collector
+(:class:`benchmarks.live_storages.LiveStorages`) with the cycle collector
 off, so that a copy only the collector would free still counts: what is
 alive must be the executor's placed state (parameters in the master dtype,
 buffers and constants) and the inputs, and after a step also the optimizer's
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from benchmarks.memory_fidelity import LiveStorages
+from benchmarks.live_storages import LiveStorages
 from codegen.executor import PlanExecutor
 from codegen.plan_model import loss_of
 from costmodel.memory import training_state_bytes

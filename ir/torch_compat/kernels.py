@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_flash_attention_ops", "cuda_attention_ops"]
+__all__ = ["cpu_flash_attention_ops", "cuda_attention_ops", "fused_sdp_choice"]
 
 
 def cpu_flash_attention_ops() -> tuple[Any, Any]:
@@ -29,3 +29,10 @@ def cuda_attention_ops() -> dict[str, tuple[Any, Any]]:
                       aten._scaled_dot_product_flash_attention_backward.default),
             "efficient": (aten._scaled_dot_product_efficient_attention.default,
                           aten._scaled_dot_product_efficient_attention_backward.default)}
+
+
+def fused_sdp_choice(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                     is_causal: bool, scale: float | None = None) -> int:
+    """The kernel ``F.scaled_dot_product_attention`` picks for these tensors, no
+    mask and no dropout (``torch._fused_sdp_choice``: 0 is the math path)."""
+    return int(torch._fused_sdp_choice(query, key, value, None, 0.0, is_causal, scale=scale))
