@@ -242,6 +242,9 @@ def test_data_parallel_record_then_replay(tmp_path):
 
 
 @pytest.mark.multiprocess
+# the 2x2 Megatron layout runs, resharding only where planned, in
+# tests/test_megatron.py; a recorded plan runs in the record-then-replay test
+@pytest.mark.slow
 def test_megatron_2x2_matches_one_process(tmp_path):
     skeleton = skeleton_plan(MODEL, [2, 2], megatron_rule, ["S(0)", "R"],
                              axis_names=["dp", "tp"])

@@ -263,6 +263,9 @@ def test_megatron_plan_runs_and_matches_one_process(megatron_2x2, tmp_path):
     result = launch(path, steps=2, check=True)
     assert result["passed"], result.get("output")
     assert result["max_rel_grad_err"] < 1e-5 and result["observed_match"]
+    # the runtime reshards where the plan says, and only there
+    assert result["num_mismatches"] == 0 and result["implicit_reshards"] == 0
+    assert result["explicit_reshards"] == len(megatron_2x2.reshards) > 0
 
 
 def test_auto_plan_is_never_slower_than_the_best_megatron_plan(tmp_path):

@@ -1,4 +1,4 @@
-"""Pipeline plans run under torchrun (4 CPU ranks, gloo) and match one process.
+"""Pipeline plans run under torchrun (CPU ranks, gloo) and match one process.
 
 Each case plans ``tests/pipeline_model.py:gpt8`` (gpt-tiny's shape with 8 blocks)
 with :func:`planner.api.pipeline_plan`, runs one training step of the plan with
@@ -25,10 +25,11 @@ RTOL = 1e-5
 
 def pipeline_test_plan(*, pp: int, stage_mesh: tuple[int, ...], schedule: str,
                        num_microbatches: int, zero_stage: int = 0,
-                       megatron: tuple[int, int] | None = None) -> Plan:
-    """The planner's fixed-configuration pipeline plan of the 8-block GPT on 4 CPU
-    ranks; ``megatron=(tp, dp)`` fixes a Megatron layout on every stage (the ILP
-    places the activations)."""
+                       megatron: tuple[int, int] | None = None,
+                       cluster: str = "local-cpu:4") -> Plan:
+    """The planner's fixed-configuration pipeline plan of the 8-block GPT on
+    ``cluster`` (default: 4 CPU ranks); ``megatron=(tp, dp)`` fixes a Megatron layout on
+    every stage (the ILP places the activations)."""
     from models.source import build_model
     from ir.trace import trace
     from planner.api import pipeline_plan
@@ -38,7 +39,7 @@ def pipeline_test_plan(*, pp: int, stage_mesh: tuple[int, ...], schedule: str,
     fixed = None
     if megatron is not None:
         fixed = megatron_layout(trace(model, inputs), MegatronConfig(*megatron))
-    return pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=pp,
+    return pipeline_plan(model, cluster, example_inputs=inputs, pp=pp,
                          stage_mesh=stage_mesh, schedule=schedule,
                          num_microbatches=num_microbatches, zero_stage=zero_stage,
                          model_source=SOURCE, time_limit_s=5.0, fixed=fixed)
@@ -148,16 +149,18 @@ def test_one_zero3_stage_of_a_gpt2_wide_model_runs_unit_by_unit(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("schedule,num_microbatches", [
-    ("interleaved_1f1b", 4), ("zbv", 4), ("dualpipev", 8),
-    # interleaving and the split backward, each run above
-    pytest.param("interleaved_zero_bubble", 4, marks=pytest.mark.slow),
+@pytest.mark.parametrize("schedule,pp,num_microbatches", [
+    ("zbv", 4, 4),  # split backward, V stages, ranks with neither the first nor last stage
+    ("dualpipev", 2, 4),  # a V of 4 stages on 2 ranks
+    # interleaving runs in the interleaved ZeRO-3 test above; the split backward in zbv
+    pytest.param("interleaved_1f1b", 4, 4, marks=pytest.mark.slow),
+    pytest.param("interleaved_zero_bubble", 4, 4, marks=pytest.mark.slow),
 ])
-def test_pp4_schedules(tmp_path, schedule, num_microbatches):
-    """The schedules of several stages per rank on 4 pipeline ranks (GPipe and
-    1F1B run in the pp=2 tests above)."""
-    plan = pipeline_test_plan(pp=4, stage_mesh=(1,), schedule=schedule,
-                              num_microbatches=num_microbatches)
+def test_multi_stage_schedules(tmp_path, schedule, pp, num_microbatches):
+    """The schedules of several stages per rank, each stage on one rank (GPipe
+    and 1F1B run in the pp=2 tests above)."""
+    plan = pipeline_test_plan(pp=pp, stage_mesh=(1,), schedule=schedule,
+                              num_microbatches=num_microbatches, cluster=f"local-cpu:{pp}")
     _run(plan, tmp_path)
 
 
