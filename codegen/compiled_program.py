@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from ir.torch_compat import compile_counter
+
 __all__ = ["CompileReport", "CompiledRegion", "RegionCompile", "compile_cache_dir"]
 
 
@@ -37,6 +39,8 @@ class RegionCompile:
         cache_hits: inductor FX-graph cache hits during that call (graphs
             reused from an earlier run's artifacts rather than compiled again).
         reason: why it runs eager ("" when compiled).
+        graphs: the graphs dynamo made of it (one where nothing breaks it up;
+            more: parts of it run eager between them).
     """
 
     region: str
@@ -44,13 +48,15 @@ class RegionCompile:
     seconds: float
     cache_hits: int = 0
     reason: str = ""
+    graphs: int = 0
 
     def line(self) -> str:
         """One log line for it."""
         if not self.compiled:
             return f"compile: {self.region} runs eager: {self.reason}"
         reuse = f", {self.cache_hits} graph(s) from the compile cache" if self.cache_hits else ""
-        return f"compile: {self.region} compiled in {self.seconds:.1f} s{reuse}"
+        split = f", in {self.graphs} graphs (parts run eager)" if self.graphs > 1 else ""
+        return f"compile: {self.region} compiled in {self.seconds:.1f} s{reuse}{split}"
 
 
 @dataclass
@@ -65,9 +71,12 @@ class CompileReport:
 
 def _fx_cache_hits() -> int:
     """Inductor's FX-graph cache hits so far in this process."""
-    from torch._dynamo.utils import counters
+    return compile_counter("inductor", "fxgraph_cache_hit")
 
-    return int(counters["inductor"].get("fxgraph_cache_hit", 0))
+
+def _graphs_made() -> int:
+    """The graphs dynamo has made so far in this process."""
+    return compile_counter("stats", "unique_graphs")
 
 
 def _first_line(err: BaseException) -> str:
@@ -107,7 +116,7 @@ class CompiledRegion:
         if self._called:
             return (self.eager if self._compiled is None else self._compiled)(*args)
         self._called = True
-        hits, t0 = _fx_cache_hits(), time.perf_counter()
+        hits, graphs, t0 = _fx_cache_hits(), _graphs_made(), time.perf_counter()
         try:
             out = self._compiled(*args)
         except Exception as err:  # noqa: BLE001 - compile failed: this region runs eager
@@ -118,7 +127,8 @@ class CompiledRegion:
             self._compiled = None
             return self.eager(*args)
         self.report.regions.append(RegionCompile(self.region, True, time.perf_counter() - t0,
-                                                 _fx_cache_hits() - hits))
+                                                 _fx_cache_hits() - hits,
+                                                 graphs=_graphs_made() - graphs))
         return out
 
 

@@ -128,17 +128,19 @@ def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[torch.Ten
     parameter's placement (the data-parallel reduction). Returns the loss (this
     rank's 0-d tensor, detached; reading it waits for the step) and how many
     gradients were redistributed."""
-    from codegen.redistribution import redistribute
+    from codegen.grad_reduction import redistribute_grads
 
     mesh = executor.mesh
     if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
         loss = loss.redistribute(mesh, [Replicate()] * mesh.ndim)
     loss.backward()
-    moved = 0
-    for p in executor.parameters():
-        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-            p.grad = redistribute(p.grad, mesh, p.placements)
-            moved += 1
+    pending = [p for p in executor.parameters()
+               if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements)]
+    # summed together, a few coalesced all-reduces (codegen.grad_reduction)
+    for p, grad in zip(pending, redistribute_grads([p.grad for p in pending],
+                                                   [p.placements for p in pending])):
+        p.grad = grad
+    moved = len(pending)
     local = loss.to_local() if isinstance(loss, DTensor) else loss
     return local.detach(), moved
 
@@ -368,8 +370,9 @@ class ParallelModel:
         updated slices are cast to the compute dtype and all-gathered into the
         parameters forward reads). It is a plain torch
         optimizer, so torch's LR schedulers drive it."""
-        tensors = [tensor for _, tensor, _ in self._stepped.values()]
-        opt = optimizer_class(tensors, **kwargs)
+        from codegen.grad_reduction import prefer_foreach
+
+        opt = prefer_foreach(optimizer_class([t for _, t, _ in self._stepped.values()], **kwargs))
         if self._zero1:
             opt.register_step_post_hook(lambda *_: self._gather_zero1())
         return opt

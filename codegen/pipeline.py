@@ -31,9 +31,9 @@ from torch.distributed.tensor import DTensor
 
 from codegen.capture import capture_program
 from codegen.context_parallel import cut_sequences, layout_of
+from codegen.grad_reduction import redistribute_grads
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.program_inputs import Materialize
-from codegen.redistribution import redistribute
 from codegen.stage_executor import StageExecutor
 from codegen.stage_module import StageModule, fully_shard_stage
 from codegen.zero1 import MakeOptimizer, OptimizerGroup, ShardedStateOptimizer, StateShards
@@ -288,15 +288,14 @@ class PipelineRuntime:
         """Redistribute gradients to their parameter's placement in stages
         without ZeRO (FSDP2 reduces ZeRO-2/3 stages' gradients in the backward,
         the ZeRO-1 optimizer its stage's in its step); returns how many moved."""
-        moved = 0
-        for module, st in zip(self.modules, self.stage_plans):
-            if st.zero_stage:
-                continue
-            for p in module.parameters():
-                if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-                    p.grad = redistribute(p.grad, p.device_mesh, p.placements)
-                    moved += 1
-        return moved
+        pending = [p for module, st in zip(self.modules, self.stage_plans) if not st.zero_stage
+                   for p in module.parameters() if isinstance(p.grad, DTensor)
+                   and tuple(p.grad.placements) != tuple(p.placements)]
+        # summed together, a few coalesced all-reduces (codegen.grad_reduction)
+        for p, grad in zip(pending, redistribute_grads([p.grad for p in pending],
+                                                       [p.placements for p in pending])):
+            p.grad = grad
+        return len(pending)
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Every parameter gradient of this rank's stages as a full tensor (a collective

@@ -13,7 +13,11 @@ optimizer updates):
   updates this rank's slice of the parameter in place (plain tensors that
   alias slices of the parameters' local tensors, so no copy exists; its
   states exist for that slice only), and the updated slices are all-gathered
-  back into the whole parameter (``Shard(d) -> Replicate``);
+  back into the whole parameter (``Shard(d) -> Replicate``); the stage's
+  slices move together, in a few coalesced collectives
+  (:mod:`codegen.grad_reduction`; on gloo, which reduce-scatters by
+  all-reducing each tensor whole, one coalesced all-reduce of which each
+  rank keeps its slice);
 * a parameter the plan already shards on the ZeRO axis (an expert weight
   under expert parallelism) has states for its own shard only; its gradient
   is brought to its placements and it is updated as it is.
@@ -54,6 +58,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
+from codegen.grad_reduction import (gather_slices, is_pending_sum, redistribute_grads,
+                                    reduce_scatter_is_all_reduce, sum_slices)
 from codegen.redistribution import redistribute
 
 __all__ = ["OptimizerGroup", "ShardedStateOptimizer", "StateShards", "slice_bounds"]
@@ -131,6 +137,8 @@ class StateShards:
         self.axis_mesh = mesh[names[zero_axis]] if mesh.ndim > 1 else mesh
         self.zero_axis = zero_axis
         self.parts = self.axis_mesh.size()
+        #: the backend reduce-scatters by all-reducing (gloo): sum the slices together
+        self._all_reduces = reduce_scatter_is_all_reduce(self.axis_mesh)
         self._coordinate = self.axis_mesh.get_local_rank()
         params = list(params)
         self.mixed = compute_dtype is not None and any(
@@ -293,40 +301,71 @@ class StateShards:
         slice's ``grad`` and bring the gradients of the parameters stepped whole
         to their placements (into the master's ``grad`` under a mixed
         precision); the parameters' own gradients are dropped. Returns how many
-        moved."""
+        moved. Where the backend reduce-scatters by all-reducing (gloo), the
+        pending sums are all-reduced together and each rank keeps its slice;
+        the whole ones move together (:mod:`codegen.grad_reduction`)."""
         self.collect_grads()
+        summed: list[tuple[_Entry, DTensor]] = []  # sliced, summed together
+        whole: list[tuple[_Entry, torch.Tensor]] = []
         reduced = 0
         for entry in self.entries:
             grad = self.pending_grad(entry.param)
             if grad is None:
                 continue
             entry.param.grad, entry.main_grad, entry.grad_placements = None, None, None
-            if entry.dim is not None:
+            if entry.dim is None:
+                whole.append((entry, grad))
+            elif self._sums_together(entry, grad):
+                summed.append((entry, grad))
+            else:
                 entry.master.grad = self._reduce_scatter(entry, grad)
-                reduced += 1
-                continue
-            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(
-                    entry.param.placements):
-                grad = redistribute(grad, grad.device_mesh, entry.param.placements)
-                reduced += 1
-            entry.master.grad = grad.to(entry.master.dtype)
-        return reduced
+            reduced += entry.dim is not None
+        self._sum_slices(summed)
+        moving = [(e, g) for e, g in whole if isinstance(g, DTensor)
+                  and tuple(g.placements) != tuple(e.param.placements)]
+        moved = dict(zip((id(e) for e, _ in moving),
+                         redistribute_grads([g for _, g in moving],
+                                            [e.param.placements for e, _ in moving])))
+        for entry, grad in whole:
+            entry.master.grad = moved.get(id(entry), grad).to(entry.master.dtype)
+        return reduced + len(moving)
+
+    def _sums_together(self, entry: _Entry, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` (a sliced parameter's) is a pending sum over the
+        ZeRO axis only, on a backend that reduce-scatters by all-reducing."""
+        if not (isinstance(grad, DTensor) and self._all_reduces):
+            return False
+        return all(is_pending_sum(q) if i == self.zero_axis else q == entry.param.placements[i]
+                   for i, q in enumerate(grad.placements))
+
+    def _sum_slices(self, summed: list[tuple[_Entry, DTensor]]) -> None:
+        """Each entry's master ``grad``: its slice of ``grad`` summed over the
+        ZeRO axis, all in few coalesced all-reduces."""
+        pieces = []
+        for entry, grad in summed:
+            local = grad.to_local()
+            start, length = slice_bounds(local.shape[entry.dim], self.parts, self._coordinate)
+            pieces.append((local, entry.dim, start, length))
+        for (entry, _), piece in zip(summed, sum_slices(pieces, self.axis_mesh)):
+            entry.master.grad = piece.to(entry.master.dtype)
 
     @torch.no_grad()
     def gather_params(self) -> None:
         """Write every rank's updated master slice into the parameters forward
         reads (cast to the compute dtype first under a mixed precision, so the
-        all-gather moves bf16)."""
+        all-gather moves bf16), all slices in few coalesced all-gathers."""
+        sliced = []
         for entry in self.entries:
             local = _local(entry.param)
             if entry.dim is None:
                 if self.mixed:
                     local.copy_(_local(entry.master))
                 continue
-            piece = entry.master.detach().to(local.dtype)
-            sliced = DTensor.from_local(piece, self.axis_mesh, [Shard(entry.dim)],
-                                        run_check=False, shape=local.shape, stride=local.stride())
-            local.copy_(sliced.redistribute(self.axis_mesh, [Replicate()]).to_local())
+            sliced.append((local, (entry.master.detach().to(local.dtype), entry.dim,
+                                   local.shape[entry.dim])))
+        whole = gather_slices([piece for _, piece in sliced], self.axis_mesh)
+        for (local, _), values in zip(sliced, whole):
+            local.copy_(values)
 
     def zero_grad(self) -> None:
         for entry in self.entries:

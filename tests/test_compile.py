@@ -38,6 +38,22 @@ def test_region_that_cannot_compile_runs_eager_and_says_why():
     assert report.lines() == lines and not report.regions[0].compiled
 
 
+def test_placement_checks_trace_into_the_graph():
+    """The lowered program's placement calls (``ToPlacement``) ask
+    ``is_mask_partial``; an exception dynamo meets while tracing it (a failing
+    import) made it give up the whole program, which then ran eager op by op
+    with only the redistributions compiled: on two ranks no faster than eager."""
+    from torch.distributed.tensor import Replicate
+
+    from ir.torch_compat import is_mask_partial
+
+    def placed(x):
+        return x + 1 if any(is_mask_partial(p) for p in (Replicate(),)) else x * 2
+
+    compiled = torch.compile(placed, backend="eager", fullgraph=True)  # raises on a break
+    torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 2.0))
+
+
 @pytest.mark.multiprocess
 def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
     """The DTensor program, lowered (the plan's placements written into it) and
@@ -57,3 +73,4 @@ def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
     assert result["passed"], result.get("output")
     assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
     assert "compile: the program compiled in" in result["output"]
+    assert "parts run eager" not in result["output"]  # one graph

@@ -6,7 +6,8 @@ this package, so that a torch upgrade is checked in one place. The supported
 range is the one pyproject.toml declares. The capture's and DTensor's hooks
 live here; fake tensors, fake process groups and meshes in
 :mod:`ir.torch_compat.fake`; the fused attention kernels' aten ops in
-:mod:`ir.torch_compat.kernels`. Import them all from ``ir.torch_compat``.
+:mod:`ir.torch_compat.kernels`; coalesced functional collectives in
+:mod:`ir.torch_compat.collectives`. Import them all from ``ir.torch_compat``.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import torch
 import torch.fx.config
 from torch.utils._pytree import tree_leaves, tree_map
 
+from ir.torch_compat.collectives import all_gather_coalesced, all_reduce_coalesced
 from ir.torch_compat.fake import (fake_store_type, fake_tensor_mode_type, fake_tensor_on,
                                   mesh_without_groups, outside_fake_mode)
 from ir.torch_compat.kernels import cpu_flash_attention_ops, cuda_attention_ops
 
 __all__ = [
     "FUSED_ATTENTION_ORDER", "KEPT_FUSED_OPS", "OpOverload", "SDPA", "all_gather_autograd",
+    "all_gather_coalesced", "all_reduce_coalesced", "compile_counter",
     "aot_export_module",
     "autograd_redistribute",
     "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
@@ -221,12 +224,13 @@ def single_dim_expansion() -> Any:
 
 
 def mask_partial_type() -> type:
-    """DTensor's masked partial placement (made inside embedding lookups)."""
-    try:
-        from torch.distributed.tensor.placement_types import MaskPartial
-    except ImportError:
-        from torch.distributed.tensor.placement_types import _MaskPartial as MaskPartial
-    return MaskPartial
+    """DTensor's masked partial placement (made inside embedding lookups).
+    Looked up with ``getattr``, not a failing import: dynamo traces this (a
+    lowered program's placement calls) and gives up the whole frame on an
+    exception raised inside it."""
+    from torch.distributed.tensor import placement_types
+
+    return getattr(placement_types, "MaskPartial", None) or placement_types._MaskPartial
 
 
 def is_mask_partial(placement: Any) -> bool:
@@ -573,3 +577,12 @@ def without_local_backward_handoff(stages: Any) -> Any:
         for stage in stages:
             del stage.get_local_bwd_output
             del stage.set_local_bwd_input
+
+
+def compile_counter(section: str, key: str) -> int:
+    """One of ``torch.compile``'s process-wide counters so far (dynamo's
+    ``counters[section][key]``: ``("stats", "unique_graphs")`` the graphs made,
+    ``("inductor", "fxgraph_cache_hit")`` graphs taken from inductor's cache)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters[section].get(key, 0))
