@@ -196,6 +196,17 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
     renamed = _rewire_tied(ep, params, tied or {})
     nodes: list[Node] = []
     layout_memo: dict[tuple[str, str], bool] = {}
+    # a written-out program's nodes share the values of the block they copy,
+    # and its ops a few targets: each read once (the values live in ep's graph)
+    infos: dict[int, TensorInfo | None] = {}
+    targets: dict[Any, str] = {}
+
+    def info(val: Any) -> TensorInfo | None:
+        found = infos.get(id(val), infos)
+        if found is infos:
+            found = infos[id(val)] = _tensor_info(val)
+        return found
+
     for fx_node in ep.graph.nodes:
         val = fx_node.meta.get("val")
         if fx_node.name in renamed:
@@ -214,7 +225,7 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
             flat_args = []
             torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), flat_args.append)
             arg_names = tuple(a.name for a in flat_args)
-            inputs = tuple(_tensor_info(a.meta.get("val")) for a in flat_args)
+            inputs = tuple(info(a.meta.get("val")) for a in flat_args)
             outputs = _outputs_of(val)
             if fx_node.target is operator.getitem:
                 nodes.append(Node(name=fx_node.name, kind=OP, target="getitem",
@@ -222,7 +233,9 @@ def graph_from_exported(ep: torch.export.ExportedProgram, model_name: str = "",
                                   inputs=(), outputs=outputs,
                                   module_path=module_path(fx_node)))
                 continue
-            target = str(fx_node.target)
+            target = targets.get(fx_node.target)
+            if target is None:
+                target = targets[fx_node.target] = str(fx_node.target)
             moved = 0 if target in _VIEW_OPS else (
                 sum(t.nbytes for t in inputs if t) + sum(t.nbytes for t in outputs))
             read_params = tuple(params[a.name] for a in tensor_args if a.name in params)

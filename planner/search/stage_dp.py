@@ -346,8 +346,8 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
         return None
     layers = [[layer_times(i, lv) for i in range(L)] for lv in range(levels)]
     prefix = _prefix_times(layers)
-    cost, level = _stage_costs(layers, prefix, S, copies, budget)
-    candidates, allowed = _stage_bounds(cost, L, S)
+    cost, level, distinct = _stage_costs(layers, prefix, S, copies, budget)
+    candidates, allowed = _stage_bounds(cost, L, S, distinct)
     lo = _least_feasible(allowed, candidates)
     if lo == len(candidates):
         return None
@@ -378,12 +378,14 @@ def _prefix_times(layers: list[list[StageTimes]]) -> list[list[StageTimes]]:
 
 def _stage_costs(layers: list[list[StageTimes]], prefix: list[list[StageTimes]],
                  num_stages: int, copies: Sequence[float],
-                 budget: float) -> tuple[np.ndarray, np.ndarray]:
-    """``(cost, level)``, each ``num_stages x (L + 1) x (L + 1)``, from each
+                 budget: float) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """``(cost, level, distinct)``, the first two each ``num_stages x (L + 1) x (L + 1)``, from each
     layer's times (``layers[lv][k]``) and their prefix sums:
     ``cost[s, i, j]`` the seconds of layers ``[i, j)`` as stage ``s`` at its
     fastest level that fits ``budget`` bytes with its in-flight ``copies``
-    (inf when none fits, or ``j <= i``), ``level[s, i, j]`` that level."""
+    (inf when none fits, or ``j <= i``), ``level[s, i, j]`` that level;
+    ``distinct`` the first stage of each count of in-flight copies (the
+    others have its costs), ascending."""
     levels, L = len(prefix), len(prefix[0]) - 1
     # per level, seconds and bytes of every range [i, j) as (L + 1) x (L + 1) arrays
     p = np.array([[t._values() for t in row] for row in prefix])  # levels x (L+1) x 6
@@ -415,7 +417,7 @@ def _stage_costs(layers: list[list[StageTimes]], prefix: list[list[StageTimes]],
             cost[s][fits] = seconds[lv][fits]
             level[s][fits] = lv
             open_ &= ~fits
-    return cost, level
+    return cost, level, sorted(set(done.values()))
 
 
 def _ranges(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -425,39 +427,53 @@ def _ranges(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return ii, jj, jj > ii
 
 
-def _stage_bounds(cost: np.ndarray, num_layers: int, num_stages: int
+def _stage_bounds(cost: np.ndarray, num_layers: int, num_stages: int, distinct: list[int]
                   ) -> tuple[list[float], np.ndarray]:
     """The candidate bounds on the slowest stage (every finite seconds a
-    stage's range may take, ascending) and each stage's ``cost`` where its
-    range leaves every later stage a layer (inf elsewhere)."""
+    stage's range may take, ascending) and each stage's costs over the
+    ranges it may take while every stage before and after it gets a layer:
+    ``band[s, a, b]`` the seconds of layers ``[s + a, s + b + 1)`` as stage
+    ``s`` (inf where ``b < a``), each ``S x W x W`` with ``W = L - S + 1``
+    (the first layers stage ``s`` may start at, and the ends it may take).
+    No cut from layer 0 reaches another range, so the DP reads no other.
+    ``distinct``: stages whose costs every other stage's equal."""
     L, S = num_layers, num_stages
     ii, jj, ranges = _ranges(L)
     # a stage may not take so many layers that a later stage gets none
-    candidates = np.unique(cost[:, ranges & (jj - ii <= L - S + 1)])
+    # stages of equal in-flight copies have equal costs: each set once
+    candidates = np.unique(cost[distinct][:, ranges & (jj - ii <= L - S + 1)])
     candidates = candidates[np.isfinite(candidates)].tolist()
-    # stage s may start at i <= L - (S - s) and end at j <= L - (S - s - 1)
-    allowed = [ranges & (ii <= L - (S - s)) & (jj <= L - (S - s - 1)) for s in range(S)]
-    return candidates, np.stack([np.where(allowed[s], cost[s], math.inf) for s in range(S)])
+    # stage s may start at s <= i <= L - (S - s) and end at i < j <= L - (S - s - 1)
+    W = L - S + 1
+    a, b = np.arange(W)[:, None], np.arange(W)[None, :]
+    s = np.arange(S)[:, None, None]
+    band = cost[s, s + a, s + 1 + b]
+    return candidates, np.where(b >= a, band, math.inf)
 
 
-def _least_sum(allowed: np.ndarray, t_max: float) -> tuple[float, list[np.ndarray]] | None:
+def _least_sum(band: np.ndarray, t_max: float) -> tuple[float, list[np.ndarray]] | None:
     """Least sum of stage times with every stage at most ``t_max`` seconds
-    (``allowed``: each stage's costs, :func:`_stage_bounds`), and per stage
-    the end layer it takes from each first layer; None when no cut keeps
-    every stage within ``t_max``."""
-    L = allowed[0].shape[0] - 1
-    # g[i]: least sum of stage times for layers i.. in stages s.. (each <= t_max)
-    g = np.full(L + 1, math.inf)
-    g[L] = 0.0
+    (``band``: each stage's costs over the ranges it may take,
+    :func:`_stage_bounds`), and per stage the end layer it takes from each
+    first layer it may start at (indexed by first layer; 0 elsewhere);
+    None when no cut keeps every stage within ``t_max``."""
+    S, W = band.shape[0], band.shape[1]
+    L = S + W - 1
+    # g[a]: least sum of stage times for layers s + 1 + a .. in stages s + 1 ..
+    # (each <= t_max); after the last stage only layer L (nothing left) ends a cut
+    g = np.full(W, math.inf)
+    g[W - 1] = 0.0
     nxt = []
-    rows = np.arange(L + 1)
-    # every stage's costs within t_max at once (allowed: one stacked array)
-    within = np.where(allowed <= t_max, allowed, math.inf)
-    for s in range(len(allowed) - 1, -1, -1):
+    rows = np.arange(W)
+    # every stage's costs within t_max at once
+    within = np.where(band <= t_max, band, math.inf)
+    for s in range(S - 1, -1, -1):
         total = within[s] + g[None, :]
         j = np.argmin(total, axis=1)  # the first (smallest) end layer on ties
         g = total[rows, j]
-        nxt.append(j)
+        ends = np.zeros(L + 1, dtype=np.int64)
+        ends[s:s + W] = j + s + 1
+        nxt.append(ends)
     if not np.isfinite(g[0]):
         return None
     return float(g[0]), nxt[::-1]

@@ -161,7 +161,7 @@ def search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
         for cp in (sizes if requested is not None else sizes[::-1]):
             try:
                 found = _context_parallel_plan(req, model, cluster, example_inputs, dtype,
-                                               budget, say, cp)
+                                               budget, say, cp, like=graph)
             except PlanningError as err:
                 found_errors.append(err)
                 found = None
@@ -355,7 +355,8 @@ def _exact_single_stages(ctx: SearchContext) -> list[ExactPipeline]:
 
 def _context_parallel_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                            example_inputs: tuple, dtype: Precision, budget: float,
-                           progress: Callable[[str], None] | None, cp: int) -> Plan:
+                           progress: Callable[[str], None] | None, cp: int,
+                           like: Graph | None = None) -> Plan:
     """The fastest plan with context-parallel size ``cp``, the search choosing
     everything else, priced as :mod:`planner.search.cp_search` prices it.
 
@@ -375,13 +376,19 @@ def _context_parallel_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cl
     one). The plan's ``training["context_parallel"]`` records cp and the
     exchange, ``predicted["context_parallel"]`` its seconds and buffers.
 
+    ``like``: the capture of the whole batch without cp; one cp rank's
+    program is the same model on shorter sequences, so its capture reuses
+    the method checked on that capture's probes (:func:`ir.trace.trace`'s
+    ``like``: one probe, captured in one pass, instead of two; the same
+    Graph either way).
+
     Raises:
         PlanningError: no plan with this cp fits, or cp does not cut the inputs.
     """
     say = progress or (lambda msg: None)
     say(f"context parallel {cp}: capturing one cp rank's program")
     cut = context_parallel_inputs(example_inputs, cp)
-    graph = trace(model, cut, beside=two_processes)
+    graph = trace(model, cut, like=like, beside=two_processes)
     reserve = min(kv_buffer_bound(graph, cp, t, (cluster.num_devices,)) for t in CP_COMM_TYPES)
     ctx = SearchContext(model, cut,
                         SearchSettings(cluster, dtype, req.optimizer, budget - reserve,
