@@ -27,7 +27,7 @@ gathers copy values only, and are exact.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,9 @@ from torch.distributed.tensor.placement_types import Placement
 from codegen.redistribution import redistribute
 from ir.torch_compat import all_gather_coalesced, all_reduce_coalesced
 
-__all__ = ["BUCKET_BYTES", "gather_slices", "is_pending_sum", "prefer_foreach",
-           "redistribute_grads", "reduce_scatter_is_all_reduce", "sum_slices"]
+__all__ = ["BUCKET_BYTES", "gather_slices", "grads_to_placements", "is_pending_sum",
+           "prefer_foreach", "redistribute_grads", "reduce_scatter_is_all_reduce", "sum_slices",
+           "summed_axis"]
 
 #: The most bytes one coalesced collective moves (DDP's default bucket, 25 MiB).
 BUCKET_BYTES = 25 * 2**20
@@ -51,7 +52,7 @@ def is_pending_sum(placement: Placement) -> bool:
     return type(placement) is Partial and placement.reduce_op == "sum"
 
 
-def _summed_axis(have: Sequence[Placement], want: Sequence[Placement]) -> int | None:
+def summed_axis(have: Sequence[Placement], want: Sequence[Placement]) -> int | None:
     """The mesh axis on which ``have`` is a pending sum that ``want``
     replicates, where it is the only axis that differs; else None."""
     differ = [i for i, (h, w) in enumerate(zip(have, want)) if h != w]
@@ -95,7 +96,7 @@ def redistribute_grads(grads: Sequence[DTensor], targets: Sequence[Sequence[Plac
     groups: dict[tuple[int, int, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     meshes: dict[int, DeviceMesh] = {}
     for i, (grad, want) in enumerate(zip(grads, targets)):
-        axis = _summed_axis(tuple(grad.placements), tuple(want))
+        axis = summed_axis(tuple(grad.placements), tuple(want))
         if axis is None:
             out[i] = redistribute(grad, grad.device_mesh, want)
             continue
@@ -109,6 +110,18 @@ def redistribute_grads(grads: Sequence[DTensor], targets: Sequence[Sequence[Plac
             out[i] = DTensor.from_local(summed, mesh, tuple(targets[i]), run_check=False,
                                         shape=grad.shape, stride=grad.stride())
     return out  # type: ignore[return-value]
+
+
+def grads_to_placements(params: Iterable[torch.nn.Parameter]) -> int:
+    """Bring each of ``params``' DTensor gradients that is not yet on its
+    parameter's placements there (:func:`redistribute_grads`), in place of
+    ``grad``; returns how many moved."""
+    pending = [p for p in params if isinstance(p.grad, DTensor)
+               and tuple(p.grad.placements) != tuple(p.placements)]
+    for p, grad in zip(pending, redistribute_grads([p.grad for p in pending],
+                                                   [p.placements for p in pending])):
+        p.grad = grad
+    return len(pending)
 
 
 def reduce_scatter_is_all_reduce(mesh: DeviceMesh) -> bool:

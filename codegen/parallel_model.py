@@ -128,19 +128,13 @@ def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[torch.Ten
     parameter's placement (the data-parallel reduction). Returns the loss (this
     rank's 0-d tensor, detached; reading it waits for the step) and how many
     gradients were redistributed."""
-    from codegen.grad_reduction import redistribute_grads
+    from codegen.grad_reduction import grads_to_placements
 
     mesh = executor.mesh
     if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
         loss = loss.redistribute(mesh, [Replicate()] * mesh.ndim)
     loss.backward()
-    pending = [p for p in executor.parameters()
-               if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements)]
-    # summed together, a few coalesced all-reduces (codegen.grad_reduction)
-    for p, grad in zip(pending, redistribute_grads([p.grad for p in pending],
-                                                   [p.placements for p in pending])):
-        p.grad = grad
-    moved = len(pending)
+    moved = grads_to_placements(executor.parameters())  # a few coalesced all-reduces
     local = loss.to_local() if isinstance(loss, DTensor) else loss
     return local.detach(), moved
 

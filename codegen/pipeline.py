@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from codegen.capture import capture_program
 from codegen.context_parallel import cut_sequences, layout_of
-from codegen.grad_reduction import redistribute_grads
+from codegen.grad_reduction import grads_to_placements
 from codegen.pipeline_validation import PipelinePlanError, validate_pipeline_plan
 from codegen.program_inputs import Materialize
 from codegen.stage_executor import StageExecutor
@@ -288,14 +288,8 @@ class PipelineRuntime:
         """Redistribute gradients to their parameter's placement in stages
         without ZeRO (FSDP2 reduces ZeRO-2/3 stages' gradients in the backward,
         the ZeRO-1 optimizer its stage's in its step); returns how many moved."""
-        pending = [p for module, st in zip(self.modules, self.stage_plans) if not st.zero_stage
-                   for p in module.parameters() if isinstance(p.grad, DTensor)
-                   and tuple(p.grad.placements) != tuple(p.placements)]
-        # summed together, a few coalesced all-reduces (codegen.grad_reduction)
-        for p, grad in zip(pending, redistribute_grads([p.grad for p in pending],
-                                                       [p.placements for p in pending])):
-            p.grad = grad
-        return len(pending)
+        return grads_to_placements(p for module, st in zip(self.modules, self.stage_plans)
+                                   if not st.zero_stage for p in module.parameters())
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Every parameter gradient of this rank's stages as a full tensor (a collective

@@ -58,8 +58,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from codegen.grad_reduction import (gather_slices, is_pending_sum, redistribute_grads,
-                                    reduce_scatter_is_all_reduce, sum_slices)
+from codegen.grad_reduction import (gather_slices, redistribute_grads,
+                                    reduce_scatter_is_all_reduce, sum_slices, summed_axis)
 from codegen.redistribution import redistribute
 
 __all__ = ["OptimizerGroup", "ShardedStateOptimizer", "StateShards", "slice_bounds"]
@@ -333,10 +333,8 @@ class StateShards:
     def _sums_together(self, entry: _Entry, grad: torch.Tensor) -> bool:
         """Whether ``grad`` (a sliced parameter's) is a pending sum over the
         ZeRO axis only, on a backend that reduce-scatters by all-reducing."""
-        if not (isinstance(grad, DTensor) and self._all_reduces):
-            return False
-        return all(is_pending_sum(q) if i == self.zero_axis else q == entry.param.placements[i]
-                   for i, q in enumerate(grad.placements))
+        return (self._all_reduces and isinstance(grad, DTensor) and summed_axis(
+            tuple(grad.placements), tuple(entry.param.placements)) == self.zero_axis)
 
     def _sum_slices(self, summed: list[tuple[_Entry, DTensor]]) -> None:
         """Each entry's master ``grad``: its slice of ``grad`` summed over the
