@@ -34,9 +34,9 @@ activation checkpointing (``recompute=False`` / ``True``: no layer / every layer
   ``--plan-only --plans DIR`` and carry DIR. ``--measured-from`` prices an earlier
   result's measurements again with this checkout's planner.
 
-Models (:data:`benchmarks.memory_models.MODELS`): real ones run on this CPU (``gpt-tiny``, 8 x 32, and a
-4-layer 256-wide GPT, Llama and MoE, 4 x 256), priced on ``local-cpu:1``; and the grid of issue
-40 under ``FakeTensorMode`` on the CPU (nothing is allocated; MemTracker counts the
+Models (:data:`benchmarks.memory_models.MODELS`): real ones run on this CPU
+(``gpt-tiny``, 8 x 32, and a 4-layer 256-wide GPT, Llama and MoE, 4 x 256),
+priced on ``local-cpu:1``; and the grid of issue 40 under ``FakeTensorMode`` on the CPU (nothing is allocated; MemTracker counts the
 fake storages), priced on one H100: gpt2, gpt3-350m, gpt3-1.3b, gpt3-2.7b, llama3-8b
 with 4 layers, moe-8x with 2, deepseek-v3 with a dense and a MoE layer, each at its
 full width and vocabulary.
@@ -47,8 +47,9 @@ unless ``--no-math``, with the math kernel forced (``SDPBackend.MATH``: the s x 
 scores the capture records), so that a gap can be put on attention or elsewhere.
 A model made from a config has a factory
 (:data:`benchmarks.memory_models.FACTORIES`) that its plans name as their
-source, so that the runtime builds it as it builds any plan's model. Verdict (on the executor where measured, else the plain loop):
-predicted / measured within [1 - :data:`UNDER`, 1 + :data:`TOLERANCE`]
+source, so that the runtime builds it as it builds any plan's model.
+Verdict (on the executor where measured, else the plain loop): predicted /
+measured within [1 - :data:`UNDER`, 1 + :data:`TOLERANCE`]
 (3 % under, 5 % over).
 
 ``--ranks``: instead of the grid, a per-rank table (:func:`ranks_main`) of a small

@@ -379,8 +379,8 @@ def _prefix_times(layers: list[list[StageTimes]]) -> list[list[StageTimes]]:
 def _stage_costs(layers: list[list[StageTimes]], prefix: list[list[StageTimes]],
                  num_stages: int, copies: Sequence[float],
                  budget: float) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """``(cost, level, distinct)``, the first two each ``num_stages x (L + 1) x (L + 1)``, from each
-    layer's times (``layers[lv][k]``) and their prefix sums:
+    """``(cost, level, distinct)``, the first two each ``num_stages x (L + 1)
+    x (L + 1)``, from each layer's times (``layers[lv][k]``) and their prefix sums:
     ``cost[s, i, j]`` the seconds of layers ``[i, j)`` as stage ``s`` at its
     fastest level that fits ``budget`` bytes with its in-flight ``copies``
     (inf when none fits, or ``j <= i``), ``level[s, i, j]`` that level;
