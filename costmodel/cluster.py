@@ -27,6 +27,7 @@ __all__ = [
     "candidate_mesh_shapes",
     "check_mesh_shape",
     "Link",
+    "alpha_beta_table",
     "DeviceSpec",
     "Cluster",
     "BACKENDS",
@@ -182,6 +183,19 @@ def _check_keys(where: str, d: Mapping[str, Any], required: tuple[str, ...], opt
             )
 
 
+def alpha_beta_table(fits: Mapping[str, Any], where: str = "collectives"
+                     ) -> tuple[tuple[str, float, float], ...]:
+    """``{kind: {"latency": s, "bandwidth": bytes/s}}`` (a cluster file's
+    ``collectives`` or ``redistribute``) as :class:`Link`'s
+    ``(kind, latency, bandwidth)`` rows, checked."""
+    per = _need_mapping(where, fits)
+    return tuple(
+        (k, _need_nonnegative(f"{where}.{k}.latency", _need_mapping(f"{where}.{k}", v).get("latency"),
+                              "seconds"),
+         _need_positive(f"{where}.{k}.bandwidth", v.get("bandwidth"), "bytes/s"))
+        for k, v in per.items())
+
+
 @dataclass(frozen=True)
 class Link:
     """One kind of connection between devices.
@@ -194,6 +208,12 @@ class Link:
         per_collective: measured exceptions: ``(kind, latency s, bandwidth
             bytes/s)`` for collectives whose implementation does not follow the
             link's single alpha-beta (``planner profile`` fits one per kind).
+        per_redistribute: the same collectives as DTensor's ``redistribute``
+            issues them, ``(kind, latency s, bandwidth bytes/s)``: through
+            functional collectives, with its host work and layout copies, the
+            path a plan's reshards take (``planner profile`` fits one per
+            kind; :meth:`for_redistribute`). Kinds not listed cost what
+            ``per_collective`` says.
         local: for a mesh axis spanning nodes, ``(in-node link, devices per
             node in one group)``, so collectives may go hierarchically (not part
             of a cluster file; set by ``costmodel.collectives.axis_links``).
@@ -203,6 +223,7 @@ class Link:
     bandwidth: float
     latency: float
     per_collective: tuple[tuple[str, float, float], ...] = ()
+    per_redistribute: tuple[tuple[str, float, float], ...] = ()
     # Set by collectives.axis_links for a mesh axis whose groups span nodes with
     # several devices per node: (the in-node link, devices of a group per node).
     local: tuple["Link", int] | None = None
@@ -211,11 +232,14 @@ class Link:
         _need_name("link.name", self.name)
         _need_positive(f"{self.name}.bandwidth", self.bandwidth, "bytes/s")
         _need_nonnegative(f"{self.name}.latency", self.latency, "seconds")
-        for kind, latency, bandwidth in self.per_collective:
-            _need_name(f"{self.name}.collectives", kind)
-            _need_nonnegative(f"{self.name}.collectives.{kind}.latency", latency, "seconds")
-            _need_positive(f"{self.name}.collectives.{kind}.bandwidth", bandwidth, "bytes/s")
+        for field_name, table in (("collectives", self.per_collective),
+                                  ("redistribute", self.per_redistribute)):
+            for kind, latency, bandwidth in table:
+                _need_name(f"{self.name}.{field_name}", kind)
+                _need_nonnegative(f"{self.name}.{field_name}.{kind}.latency", latency, "seconds")
+                _need_positive(f"{self.name}.{field_name}.{kind}.bandwidth", bandwidth, "bytes/s")
         object.__setattr__(self, "per_collective", tuple(sorted(self.per_collective)))
+        object.__setattr__(self, "per_redistribute", tuple(sorted(self.per_redistribute)))
 
     def alpha_beta(self, kind: str) -> tuple[float, float]:
         """(latency s, bandwidth bytes/s) that collective ``kind`` sees on this link."""
@@ -224,29 +248,37 @@ class Link:
                 return latency, bandwidth
         return self.latency, self.bandwidth
 
+    def for_redistribute(self) -> "Link":
+        """This link as DTensor's ``redistribute`` sees it: the
+        ``per_redistribute`` fits in place of ``per_collective``'s for the kinds
+        they cover (itself when there are none)."""
+        if not self.per_redistribute:
+            return self
+        kinds = {k for k, _, _ in self.per_redistribute}
+        merged = tuple(c for c in self.per_collective if c[0] not in kinds) + self.per_redistribute
+        local = None if self.local is None else (self.local[0].for_redistribute(), self.local[1])
+        return replace(self, per_collective=merged, per_redistribute=(), local=local)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, keys in a fixed order."""
         d: dict[str, Any] = {"name": self.name, "bandwidth": self.bandwidth, "latency": self.latency}
         if self.per_collective:
             d["collectives"] = {k: {"latency": a, "bandwidth": b} for k, a, b in self.per_collective}
+        if self.per_redistribute:
+            d["redistribute"] = {k: {"latency": a, "bandwidth": b} for k, a, b in self.per_redistribute}
         return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "link") -> "Link":
         """Build from :meth:`to_dict` output; ``where`` names the field in errors."""
         d = _need_mapping(where, d)
-        _check_keys(where, d, ("name", "bandwidth", "latency"), ("collectives",))
-        per = _need_mapping(f"{where}.collectives", d.get("collectives", {}))
+        _check_keys(where, d, ("name", "bandwidth", "latency"), ("collectives", "redistribute"))
         return cls(
             name=_need_name(f"{where}.name", d["name"]),
             bandwidth=_need_positive(f"{where}.bandwidth", d["bandwidth"], "bytes/s"),
             latency=_need_nonnegative(f"{where}.latency", d["latency"], "seconds"),
-            per_collective=tuple(
-                (k, _need_nonnegative(f"{where}.collectives.{k}.latency",
-                                      _need_mapping(f"{where}.collectives.{k}", v).get("latency"),
-                                      "seconds"),
-                 _need_positive(f"{where}.collectives.{k}.bandwidth", v.get("bandwidth"), "bytes/s"))
-                for k, v in per.items()),
+            per_collective=alpha_beta_table(d.get("collectives", {}), f"{where}.collectives"),
+            per_redistribute=alpha_beta_table(d.get("redistribute", {}), f"{where}.redistribute"),
         )
 
 
@@ -474,6 +506,16 @@ class Cluster:
         if not 1 <= devices_per_node <= self.devices_per_node:
             raise ClusterError(f"sub_cluster devices_per_node must be in 1..{self.devices_per_node}, got {devices_per_node}")
         return replace(self, num_nodes=num_nodes, devices_per_node=devices_per_node)
+
+    @property
+    def overlaps_collectives(self) -> bool:
+        """Whether a collective the runtime issues beside compute runs at the
+        same time as it: NCCL on GPUs runs collectives on their own streams
+        (FSDP2 prefetches the next unit's all-gather under the current one's
+        compute); gloo on CPU ranks does not, as FSDP2 there waits for each
+        collective where it issues it (no streams), and gloo's thread shares
+        the rank's core."""
+        return self.backend != "gloo"
 
     def running_compiled(self, compiled: bool = True) -> "Cluster":
         """The same cluster with its program run through ``torch.compile``

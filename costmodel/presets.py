@@ -33,7 +33,7 @@ import os
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-from .cluster import Cluster, ClusterError, DeviceSpec, Link
+from .cluster import Cluster, ClusterError, DeviceSpec, Link, alpha_beta_table
 
 __all__ = [
     "PRESETS",
@@ -155,7 +155,7 @@ _LOCAL_CPU_DEFAULTS: dict[str, Any] = {
 LOCAL_CPU_PROFILE_KEYS = (
     "peak_flops", "memory", "memory_bandwidth", "kernel_overhead",
     "flop_efficiency", "memory_efficiency", "link_bandwidth", "link_latency",
-    "collective_links", "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
+    "collective_links", "redistribute_links", "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
     "attention_half_saturation_flops",
 )
 
@@ -173,7 +173,8 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
             ``memory_efficiency`` (fractions), ``link_bandwidth`` (bytes/s per
             direction), ``link_latency`` (s) and ``collective_links`` (collective
             kind -> {"latency": s, "bandwidth": bytes/s}, measured exceptions to the
-            single link). ``planner profile`` fills it.
+            single link), ``redistribute_links`` (the same, through DTensor's
+            redistribute: :attr:`Link.per_redistribute`). ``planner profile`` fills it.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ClusterError(f"local-cpu ranks must be an integer >= 1, got {ranks!r}")
@@ -202,9 +203,9 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
         attention_efficiency=values.get("attention_efficiency", 0.0),
         attention_half_saturation_flops=values.get("attention_half_saturation_flops", 0.0),
     )
-    per_collective = tuple((k, float(v["latency"]), float(v["bandwidth"]))
-                           for k, v in dict(values.get("collective_links", {})).items())
-    loopback = Link("loopback", values["link_bandwidth"], values["link_latency"], per_collective)
+    loopback = Link("loopback", values["link_bandwidth"], values["link_latency"],
+                    alpha_beta_table(values.get("collective_links", {}), "collective_links"),
+                    alpha_beta_table(values.get("redistribute_links", {}), "redistribute_links"))
     return Cluster(f"local-cpu:{ranks}", 1, ranks, device, loopback, loopback, "gloo")
 
 

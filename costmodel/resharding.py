@@ -13,7 +13,10 @@ as DTensor objects or as plan strings (``"R"``, ``"S(d)"``, ``"P"`` /
 N-D mesh, if the source is sharded, first a pass from the last mesh axis to
 the first that also replicates "nested" shardings that do not line up with
 the target, then a pass from first to last for whatever is left. Each step
-changes one mesh axis and is priced as:
+changes one mesh axis and is priced as the collective below, at the link's
+fits for DTensor's own path where ``planner profile`` measured them
+(:attr:`costmodel.cluster.Link.per_redistribute`: the functional collective,
+DTensor's host work and its layout copies):
 
     axis src -> dst   collective                     bytes (B)
     S(d) -> R         all_gather                     tensor gathered over the axis
@@ -270,8 +273,9 @@ def reshard_steps(
 def _plan_time(plan: Sequence[_PlannedStep], shape: tuple[int, ...], itemsize: int,
                mesh: tuple[int, ...], links: Sequence[Link],
                memo: dict[tuple[str, int, int], float] | None = None) -> float:
-    """Seconds of the collectives of ``plan`` for a tensor of ``shape``; ``memo``
-    keeps each collective's seconds by (kind, bytes, mesh axis)."""
+    """Seconds of the collectives of ``plan`` for a tensor of ``shape`` over
+    ``links`` (as DTensor's redistribute sees them: :meth:`Link.for_redistribute`);
+    ``memo`` keeps each collective's seconds by (kind, bytes, mesh axis)."""
     total = 0.0
     for step in plan:
         if step.collective is None:
@@ -313,7 +317,8 @@ def reshard_time(
     _check_links(mesh_shape, links)
     shape = tuple(shape)
     mesh = _check(src, dst, shape, itemsize, mesh_shape)
-    return _plan_time(_plan(src, dst, len(shape), mesh), shape, itemsize, mesh, links)
+    return _plan_time(_plan(src, dst, len(shape), mesh), shape, itemsize, mesh,
+                      [link.for_redistribute() for link in links])
 
 
 class ReshardPricer:
@@ -330,6 +335,7 @@ class ReshardPricer:
         check_mesh_shape(mesh_shape)
         self.mesh_shape = tuple(mesh_shape)
         self.links = list(links)
+        self._redistribute_links = [link.for_redistribute() for link in links]
         self.specs: list[tuple[PlacementLike, ...]] = []  # id -> placements
         self._ids: dict[tuple[PlacementLike, ...], int] = {}
         self._by_object: dict[int, tuple[tuple, int]] = {}  # id(tuple) -> (tuple, spec id)
@@ -420,6 +426,7 @@ class ReshardPricer:
         if plan is None:
             plan = self._plans[pkey] = _plan(self.specs[src], self.specs[dst], len(shape),
                                              self.mesh_shape)
-        t = _plan_time(plan, shape, itemsize, self.mesh_shape, self.links, self._collectives)
+        t = _plan_time(plan, shape, itemsize, self.mesh_shape, self._redistribute_links,
+                       self._collectives)
         self._times[key] = t
         return t

@@ -69,7 +69,8 @@ class ComputePricing(StrategySettings):
                     if size > 1 and type(p) is Partial:
                         nbytes = local_numel(info, placements, self.mesh_shape,
                                              skip_axis=a) * info.itemsize
-                        t += collective_time("all_reduce", nbytes, size, self.links[a])
+                        t += collective_time("all_reduce", nbytes, size,
+                                             self.redistribute_links[a])
             out.append(t)
         return out
 

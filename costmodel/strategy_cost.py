@@ -189,6 +189,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         self.cluster = cluster
         self.mesh_shape = tuple(int(d) for d in mesh_shape)
         self.links = axis_links(cluster, self.mesh_shape)
+        self.redistribute_links = [link.for_redistribute() for link in self.links]
         self._set_precision(dtype)
         # seconds of ZeRO's once-per-step collectives of one byte: their per-message latency
         self._zero_latency = self.zero_collectives(1.0)

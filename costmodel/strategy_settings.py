@@ -24,6 +24,8 @@ class StrategySettings:
     cluster: Cluster
     mesh_shape: tuple[int, ...]
     links: list[Link]
+    # each link as DTensor's redistribute sees it (Link.for_redistribute)
+    redistribute_links: list[Link]
     # the training precision, its compute dtype's name, and the optimizer's name
     precision: Precision
     dtype: str

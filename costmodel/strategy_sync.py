@@ -58,7 +58,7 @@ class GradientSyncPricing(StrategySettings):
         axis = exchange_axis(node.target, s.inputs) if node.kind == OP else None
         if axis is None or self.mesh_shape[axis] == 1:
             return 0.0, 0.0
-        size, link = self.mesh_shape[axis], self.links[axis]
+        size, link = self.mesh_shape[axis], self.redistribute_links[axis]
 
         def moved(info, placements) -> float:
             nbytes = local_numel(info, placements, self.mesh_shape) * info.itemsize
@@ -92,10 +92,13 @@ class GradientSyncPricing(StrategySettings):
                     continue  # a pending sum, reduced once per step
                 if size > 1 and out_split[a] and replicated[a]:
                     nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
+                    # an activation's gradient is redistributed by DTensor in the
+                    # backward; a weight's goes with the step's gradient buckets
+                    link = self.redistribute_links[a]
                     if arg in self.param_derived:  # a weight's gradient, in the reduce dtype
                         nbytes *= self.reduce_scale
-                    out.append((arg, a, collective_time("all_reduce", nbytes, size,
-                                                        self.links[a])))
+                        link = self.links[a]
+                    out.append((arg, a, collective_time("all_reduce", nbytes, size, link)))
         return out
 
     def zero_bytes(self, node: Node, s: Strategy) -> float:

@@ -271,6 +271,30 @@ def test_link_per_collective_override_is_used_and_round_trips():
                         "collectives": {"all_reduce": {"latency": 0.0, "bandwidth": -1}}})
 
 
+def test_reshards_are_priced_at_the_redistribute_fits():
+    """A plan's reshards go through DTensor's redistribute: priced at the
+    link's redistribute fits where measured, the bare collective elsewhere."""
+    from costmodel.cluster import Link
+    from costmodel.collectives import collective_time
+    from costmodel.resharding import ReshardPricer
+
+    link = Link("loopback", 1e9, 1e-4, (("all_gather", 2e-4, 5e8),),
+                per_redistribute=(("all_gather", 2e-3, 2.5e8),))
+    assert Link.from_dict(link.to_dict()) == link
+    shape, mesh = (64, 1024), (4,)
+    gathered = 64 * 1024 * 4
+    assert collective_time("all_gather", gathered, 4, link) == pytest.approx(
+        3 / 4 * gathered / 5e8 + 3 * 2e-4)
+    want = 3 / 4 * gathered / 2.5e8 + 3 * 2e-3
+    assert reshard_time(["S(0)"], ["R"], shape, 4, mesh, [link]) == pytest.approx(want)
+    pricer = ReshardPricer(mesh, [link])
+    assert pricer.links == [link]
+    assert pricer.time(["S(0)"], ["R"], shape, 4) == pytest.approx(want)
+    # a kind without a redistribute fit keeps the link's own
+    assert reshard_time(["P"], ["R"], shape, 4, mesh, [link]) == pytest.approx(
+        collective_time("all_reduce", gathered, 4, link))
+
+
 def test_axis_spanning_nodes_goes_hierarchical_where_cheaper():
     from costmodel.collectives import axis_links, collective_time
     from costmodel.presets import preset

@@ -23,7 +23,7 @@ from costmodel.profiling import (
     summary_rows,
     write_profile,
 )
-from costmodel.profiling.worker import COLLECTIVE_KINDS, count_steps
+from costmodel.profiling.worker import COLLECTIVE_KINDS, REDISTRIBUTIONS, count_steps
 from app.cli import main
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -137,11 +137,15 @@ def test_group_sizes():
     assert group_sizes(8) == [8, 4, 2]
 
 
-def _raw(link, ranks=4, unsupported=None):
-    kinds = [k for k in COLLECTIVE_KINDS if k not in (unsupported or {})]
-    coll = [{"kind": k, "nbytes": b, "group_size": n, "groups": ranks // n, "seconds": t, "reps": [t],
+def _records(link, kinds, groups, ranks):
+    return [{"kind": k, "nbytes": b, "group_size": n, "groups": ranks // n, "seconds": t, "reps": [t],
              "calls_per_rep": 1}
-            for k, b, n, t in _synthetic(link, kinds=kinds, groups=group_sizes(ranks), noise=0.02)]
+            for k, b, n, t in _synthetic(link, kinds=kinds, groups=groups, noise=0.02)]
+
+
+def _raw(link, ranks=4, unsupported=None, redistribute=None):
+    kinds = [k for k in COLLECTIVE_KINDS if k not in (unsupported or {})]
+    coll = _records(link, kinds, group_sizes(ranks), ranks)
     gemms = [{"m": s, "k": s, "n": s, "dtype": "float32", "flops": 2 * s**3, "bytes": 12 * s * s,
               "seconds": (2 * s**3 + 1e5) / 30e9 + 4e-6} for s in (64, 256, 1024)]
     return {
@@ -149,6 +153,8 @@ def _raw(link, ranks=4, unsupported=None):
         "memory": [{"bytes": 2 * 2**26, "size": 2**26, "seconds": 0.02, "reps": [0.02], "calls_per_rep": 1}],
         "gemms": gemms,
         "collectives": coll,
+        "redistribute": (_records(redistribute, list(REDISTRIBUTIONS), [ranks], ranks)
+                         if redistribute else []),
         "unsupported": dict(unsupported or {}),
     }
 
@@ -160,7 +166,8 @@ def _spec(ranks=4):
 
 def test_profile_json_round_trips_into_cluster(tmp_path):
     link = Link("loopback", 6e8, 1e-3)
-    cluster, profile = build_profile(_raw(link), _spec(), 4, wall_s=1.0)
+    via_dtensor = Link("loopback", 3e8, 2e-3)
+    cluster, profile = build_profile(_raw(link, redistribute=via_dtensor), _spec(), 4, wall_s=1.0)
     out = tmp_path / "local-cpu.json"
     write_profile(cluster, profile, out)
     loaded = load_cluster(str(out))
@@ -171,6 +178,11 @@ def test_profile_json_round_trips_into_cluster(tmp_path):
     assert loaded.device.peak_flops["float32"] == pytest.approx(30e9, rel=1e-6)
     assert loaded.device.memory_bandwidth == pytest.approx(2 * 2**26 / 0.02)
     assert loaded.device.kernel_overhead == pytest.approx(4e-6)
+    # the reshards' own fits: what DTensor's redistribute took, kind by kind
+    redistribute = {k: (a, b) for k, a, b in loaded.intra_node.per_redistribute}
+    assert set(redistribute) == set(REDISTRIBUTIONS)
+    for latency, bandwidth in redistribute.values():
+        assert latency == pytest.approx(2e-3, rel=0.1) and bandwidth == pytest.approx(3e8, rel=0.1)
 
     prof = load_profile(profile_path(out))
     assert prof == load_profile(out)  # the cluster path finds its sibling
@@ -222,4 +234,6 @@ def test_planner_profile_quick_end_to_end(tmp_path, capsys):
     measured = {(c["kind"], c["group_size"]) for c in prof["measurements"]["collectives"]}
     assert {k for k, _ in measured} | set(prof["unsupported"]) == set(COLLECTIVE_KINDS)
     assert all(c["seconds"] > 0 for c in prof["measurements"]["collectives"])
+    assert {c["kind"] for c in prof["measurements"]["redistribute"]} == set(REDISTRIBUTIONS)
+    assert {k for k, _, _ in cluster.intra_node.per_redistribute} == set(REDISTRIBUTIONS)
     assert math.isfinite(cluster.intra_node.bandwidth) and cluster.intra_node.bandwidth > 0

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from costmodel.cluster import Cluster, DeviceSpec, Link, canonical_dtype
+from costmodel.cluster import Cluster, DeviceSpec, Link, alpha_beta_table, canonical_dtype
 from costmodel.compute import matmul_efficiency
 from costmodel.presets import local_cpu_cluster
 from costmodel.profiling.file import PROFILE_FORMAT_VERSION
@@ -48,6 +48,7 @@ class _LinkFits:
 
     link: dict[str, Any] | None               # fit_alpha_beta over every collective; None under 2 timings
     per_kind: dict[str, dict[str, Any]]       # collective kind -> its own fit_alpha_beta
+    redistribute: dict[str, dict[str, Any]]   # the same through DTensor's redistribute
 
 
 def host_overhead(raw: Mapping[str, Any]) -> float | None:
@@ -114,15 +115,27 @@ def _collective_samples(records: Iterable[Mapping[str, Any]]) -> list[tuple[str,
     return [(c["kind"], c["nbytes"], c["group_size"], c["seconds"]) for c in records]
 
 
-def _fit_links(collectives: list[Mapping[str, Any]]) -> _LinkFits:
-    """One link over every collective timing, and one per collective kind with >= 2 timings."""
+def _fit_per_kind(records: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Collective kind -> its fit_alpha_beta, for each kind with >= 2 timings."""
     per_kind: dict[str, dict[str, Any]] = {}
     for kind in COLLECTIVE_KINDS:
-        samples = _collective_samples(c for c in collectives if c["kind"] == kind)
+        samples = _collective_samples(c for c in records if c["kind"] == kind)
         if len(samples) >= 2:
             per_kind[kind] = fit_alpha_beta(samples)
+    return per_kind
+
+
+def _fit_links(collectives: list[Mapping[str, Any]],
+               redistribute: list[Mapping[str, Any]]) -> _LinkFits:
+    """One link over every collective timing, one per collective kind, and
+    one per kind of the redistribute timings."""
     link = fit_alpha_beta(_collective_samples(collectives)) if len(collectives) >= 2 else None
-    return _LinkFits(link, per_kind)
+    return _LinkFits(link, _fit_per_kind(collectives), _fit_per_kind(redistribute))
+
+
+def _alpha_beta_fits(per_kind: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """A cluster file's ``{kind: {"latency", "bandwidth"}}`` of per-kind fits."""
+    return {k: {"latency": f["latency"], "bandwidth": f["bandwidth"]} for k, f in per_kind.items()}
 
 
 def _cpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping[str, Any],
@@ -144,8 +157,9 @@ def _cpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
         values["link_bandwidth"] = links.link["bandwidth"]
         values["link_latency"] = links.link["latency"]
     if links.per_kind:
-        values["collective_links"] = {k: {"latency": f["latency"], "bandwidth": f["bandwidth"]}
-                                      for k, f in links.per_kind.items()}
+        values["collective_links"] = _alpha_beta_fits(links.per_kind)
+    if links.redistribute:
+        values["redistribute_links"] = _alpha_beta_fits(links.redistribute)
     return local_cpu_cluster(ranks, profile=values)
 
 
@@ -166,7 +180,9 @@ def _gpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
                      unaligned_gemm_efficiency=device.gemm["unaligned_efficiency"])
     # With one GPU no collective runs: keep an NVLink-like placeholder (noted in the profile).
     fit = links.link
-    link = Link("nvlink", fit["bandwidth"], fit["latency"]) if fit else Link("nvlink", 150e9, 2e-6)
+    redistribute = alpha_beta_table(_alpha_beta_fits(links.redistribute))
+    link = (Link("nvlink", fit["bandwidth"], fit["latency"], per_redistribute=redistribute) if fit
+            else Link("nvlink", 150e9, 2e-6))
     return Cluster(f"local-gpu:{ranks}", 1, ranks, dev, link, link, "nccl")
 
 
@@ -180,7 +196,8 @@ def _notes(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, device: 
         "peak_flops is the fitted asymptotic achieved rate, so flop_efficiency = 1.0; small-GEMM "
         "inefficiency is device.half_saturation_flops (costmodel.compute.matmul_efficiency)",
         "the cluster link is fits.link (one alpha-beta fitted to every collective and group size) "
-        "with fits.collectives (one per collective) as its per-collective exceptions",
+        "with fits.collectives (one per collective) as its per-collective exceptions, and "
+        "fits.redistribute (the same kinds through DTensor's redistribute) as the reshards' own",
     ]
     if links.link is None:
         notes.append("no collective measured (1 rank): the link keeps its default")
@@ -198,7 +215,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
     ``unsupported``); ``wall_s`` is the seconds profiling took.
     """
     device = _fit_device(raw, spec["device"])
-    links = _fit_links(raw["collectives"])
+    links = _fit_links(raw["collectives"], raw.get("redistribute", []))
     build_cluster = _cpu_cluster if spec["device"] == "cpu" else _gpu_cluster
     cluster = build_cluster(ranks, device, links, raw, device_memory_per_rank(spec["device"], ranks))
     profile = {
@@ -219,10 +236,12 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
             "gemm": device.gemm,
             "link": links.link,
             "collectives": links.per_kind,
+            "redistribute": links.redistribute,
         },
         "unsupported": dict(raw["unsupported"]),
         "notes": _notes(raw, spec, ranks, device, links),
         "spec": {k: v for k, v in spec.items() if k not in ("init_method", "result_path")},
-        "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives")},
+        "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
+                                             "redistribute") if k in raw},
     }
     return cluster, profile

@@ -82,6 +82,9 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
                      f"latency, bandwidth; all collectives, fit median err {link['median_abs_pct_error']:.1f}%"))
     for kind, fit in fits.get("collectives", {}).items():
         rows.append((kind, _link_text(fit), f"fit median err {fit['median_abs_pct_error']:.1f}%"))
+    for kind, fit in fits.get("redistribute", {}).items():
+        rows.append((f"{kind} (redistribute)", _link_text(fit),
+                     f"through DTensor; fit median err {fit['median_abs_pct_error']:.1f}%"))
     for kind in profile.get("unsupported", {}):
         rows.append((kind, "skipped", f"not supported by {profile['backend']}"))
     return rows

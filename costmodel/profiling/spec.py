@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from costmodel.profiling.worker import COLLECTIVE_KINDS
+from costmodel.profiling.worker import COLLECTIVE_KINDS, REDISTRIBUTIONS
 
 __all__ = [
     "COLLECTIVE_SIZES",
@@ -101,6 +101,8 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "attention": ([[4, 16, s, 64, dtype] for s in (1024, 2048, 4096)] if gpu
                       else [[2, 4, s, 32, dtype] for s in (128, 256)]),
         "collectives": list(COLLECTIVE_KINDS) if ranks > 1 else [],
+        # the same kinds as DTensor's redistribute issues them, over all ranks
+        "redistribute": list(REDISTRIBUTIONS) if ranks > 1 else [],
         "sizes": list(QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES),
         "group_sizes": [ranks] if quick else group_sizes(ranks),
     }

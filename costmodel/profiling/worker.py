@@ -14,6 +14,10 @@ measurements at the same time, as the ranks of a planned SPMD step would:
 * ``gemms``: seconds per ``torch.mm`` of each ``(m, k, n, dtype)``;
 * ``unaligned_gemms``: the same, recorded in ``gemms`` with ``"unaligned": true``
   (a row not a multiple of 16 bytes);
+* ``redistribute``: seconds per DTensor ``redistribute`` over all ranks that
+  issues each of these collective kinds (:data:`REDISTRIBUTIONS`), at the same
+  sizes: the path a plan's reshards take (functional collectives, DTensor's
+  host work, layout copies), waited for;
 * ``collectives``: seconds per collective of each kind and size, with sizes
   as :func:`costmodel.collectives.collective_time` defines them (the gathered
   tensor for all_gather, the unsharded input for reduce_scatter, bytes per
@@ -66,7 +70,8 @@ def count_steps(spec: dict[str, Any]) -> int:
              + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
              + len(spec.get("attention", ()))
              + len(spec.get("collectives", ())) * len(spec.get("sizes", ()))
-             * len(spec.get("group_sizes") or [0]))
+             * len(spec.get("group_sizes") or [0])
+             + len(spec.get("redistribute", ())) * len(spec.get("sizes", ())))
     return items * (int(spec["reps"]) + 1)
 
 
@@ -197,6 +202,55 @@ def _collective_fn(kind: str, numel: int, group_size: int, torch: Any, dist: Any
     if kind == "all_to_all":
         return lambda: dist.all_to_all_single(out, full, group=group)
     raise ValueError(f"unknown collective kind {kind!r}")
+
+
+#: DTensor transitions on a 1-D mesh that issue each collective kind:
+#: (source placement, destination placement) of a [rows, cols] tensor.
+REDISTRIBUTIONS = {"all_gather": ("S(0)", "R"), "all_reduce": ("P", "R"),
+                   "reduce_scatter": ("P", "S(0)"), "all_to_all": ("S(1)", "S(0)")}
+
+
+def _redistribute_fn(kind: str, nbytes: int, r: "_Rank", dtype: Any) -> tuple[Callable[[], Any], int]:
+    """A closure redistributing a DTensor over every rank as a plan's reshard
+    does, issuing one ``kind`` collective of about ``nbytes`` (cost-model
+    bytes, as :func:`_collective_fn`), waited for; and the bytes it moves."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    torch, g = r.torch, r.world
+    place = {"R": Replicate(), "P": Partial(), "S(0)": Shard(0), "S(1)": Shard(1)}
+    src, dst = REDISTRIBUTIONS[kind]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    # the whole tensor: g*g rows of `cols` elements, so every shard splits evenly
+    whole = nbytes * (g if kind == "all_to_all" else 1)
+    cols = max(g, (whole // elem) // (g * g) // g * g)
+    rows = g * g
+    local_shape = {"S(0)": (rows // g, cols), "S(1)": (rows, cols // g)}.get(src, (rows, cols))
+    mesh = DeviceMesh(r.device.type, list(range(g)))
+    x = DTensor.from_local(torch.zeros(local_shape, dtype=dtype, device=r.device), mesh,
+                           [place[src]], run_check=False)
+    moved = rows * cols * elem // (g if kind == "all_to_all" else 1)
+
+    def step() -> Any:
+        local = x.redistribute(mesh, [place[dst]]).to_local()
+        wait = getattr(local, "wait", None)  # an asynchronous collective's result
+        return wait() if wait is not None else local
+    return step, moved
+
+
+def _redistribute_items(r: "_Rank", spec: dict[str, Any], dtype: Any,
+                        records: list[dict[str, Any]]) -> list["_Item"]:
+    """One item per kind of ``spec["redistribute"]`` and size, over every rank;
+    each appends its record (as a collective's) to ``records``."""
+    items: list[_Item] = []
+    for kind in spec.get("redistribute", ()):
+        for nbytes in spec.get("sizes", ()):
+            fn, moved = _redistribute_fn(kind, int(nbytes), r, dtype)
+            rec = {"kind": kind, "nbytes": moved, "group_size": r.world, "groups": 1}
+            records.append(rec)
+            items.append(_Item(f"redistribute {kind} {moved} B", fn,
+                               float(spec["collective_min_rep_s"]), True, rec))
+    return items
 
 
 def _tiny_training_step(torch: Any, device: Any, model_name: str) -> tuple[Callable[[], Any], int]:
@@ -402,6 +456,9 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     groups = _collective_groups(r, spec)
     kinds = _supported_kinds(r, spec, dtype, len(groups), out["unsupported"], report)
     items = _collective_items(r, spec, dtype, kinds, groups, out["collectives"])
+    out["redistribute"] = []
+    if r.world > 1:
+        items += _redistribute_items(r, spec, dtype, out["redistribute"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner.run(items)

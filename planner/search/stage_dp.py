@@ -177,10 +177,14 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     f = max(f, host_f)
     b = max(b, host_b - w)
     if cost.zero_stage == 3:
-        # FSDP2 layer by layer, in every micro-batch, each layer's collectives
-        # overlapping the compute of its neighbours
+        # FSDP2 layer by layer, in every micro-batch: each layer's collectives
+        # overlap the compute of its neighbours where the backend runs them
+        # beside compute, and add to it where it does not
         gather_f, gather_b = cost.zero3_layer_collectives(zero_bytes, layer_bytes)
-        f, b = max(f, gather_f), max(b, gather_b)
+        if cluster.overlaps_collectives:
+            f, b = max(f, gather_f), max(b, gather_b)
+        else:
+            f, b = f + gather_f, b + gather_b
     else:
         sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
     memory = result.memory
