@@ -1,20 +1,23 @@
 """Predicted vs measured step time of real plans, auto and Megatron, on local ranks.
 
-    python -m benchmarks.measured                      # profile 2 and 4 ranks now, then run every plan
-    python -m benchmarks.measured --profile benchmarks/results/local_cpu_profile.json   # reuse a profile
+    planner profile --ranks 2 -o local-cpu-2.json
+    python -m benchmarks.measured --profile local-cpu-2.profile.json   # every plan on 2 ranks
+    python -m benchmarks.measured                      # profile 2 ranks now, then the same
     python -m benchmarks.measured --quick              # fewer plans and steps (smoke test)
     python -m benchmarks.measured --compile --worlds 2 # compiled plans, priced as compiled
 
-1. Price plans on a profiled cluster: for each world size (default 2 and 4
-   ranks) a fresh ``costmodel.profiling.profile_local`` of this machine, or a
+1. Price plans on a profiled cluster: for each world size (default 2 ranks) a fresh ``costmodel.profiling.profile_local`` of this machine, or a
    cached profile given with ``--profile`` (matched by its rank count; the
    result JSON records which was used, its fits and when it was made).
-2. Make the plans: automatic plans (``planner.plan``, every 1-D and 2-D mesh
-   tried; single-stage unless ``--pipeline``) for the tiny zoo models at two
-   batch sizes, and every Megatron configuration
-   (``planner.baselines.megatron.megatron_configs`` / ``megatron_plan``) at the default
-   batch. Plans that come out identical (same placements everywhere) are run
-   once.
+2. Make the plans of each model (``benchmarks.step_models``, whose step is
+   compute rather than launch overhead): the automatic plan (``planner.plan``,
+   the whole two-level search), the plans each :data:`RECIPES` entry pins (one
+   stage on all ranks: the mesh's own ILP choice, ZeRO-1/2/3, every layer
+   recomputed, 4 accumulated micro-batches; a 2-stage pipeline under GPipe and
+   under 1F1B), and every Megatron configuration
+   (``planner.baselines.megatron.megatron_configs`` / ``megatron_plan``: DP,
+   TP, TP with sequence parallelism). Plans that come out identical (same
+   placements everywhere) are run once.
 3. Run each for real: ``training.launch.launch(plan, steps=N, check=True)``
    (torchrun, gloo on CPU / NCCL on GPU, one thread per rank). The first step is
    warm-up and dropped; the measured step time is the median of the rest. The
@@ -22,18 +25,19 @@
    flagged (``passed``).
 4. Report per plan the predicted and measured step time and their ratio; over
    all plans the Spearman rank correlation and the mean absolute percentage
-   error (``benchmarks.stats``); and per (model, batch, ranks) the auto plan's
-   step time over the best Megatron plan's, measured and predicted.
+   error (``benchmarks.stats``); per (model, batch, ranks) the auto plan's
+   step time over the best other plan's, and its rank among them, measured
+   and predicted.
 
-Writes ``benchmarks/results/measured.json``. On this 2-core machine 4 ranks share
-2 cores, and other users' work shares them too: the load average is recorded.
+Writes ``benchmarks/results/measured.json`` and a scatter plot of predicted
+against measured step time beside it (``measured.png``). Other work on the
+machine shares its cores: the load average is recorded.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import inspect
 import json
 import os
 import sys
@@ -41,7 +45,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -63,22 +67,42 @@ from plan.format import Plan  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 
 
+#: Plan recipes: a name and the :func:`planner.api.plan` options that pin it. The
+#: single-stage ones pin the mesh to all ranks in one axis; "auto" is the whole
+#: two-level search (meshes, pipelines, ZeRO, recompute, micro-batches).
+RECIPES: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "mesh": {"mesh_shape": "all", "recompute": False},
+    "zero-1": {"mesh_shape": "all", "zero_stages": (1,), "recompute": False},
+    "zero-2": {"mesh_shape": "all", "zero_stages": (2,), "recompute": False},
+    "zero-3": {"mesh_shape": "all", "zero_stages": (3,), "recompute": False},
+    "recompute": {"mesh_shape": "all", "recompute": True},
+    "accumulate-4": {"mesh_shape": "all", "num_microbatches": (4,), "recompute": False},
+    "pp2-gpipe": {"pp": (2,), "schedules": ("gpipe",), "num_microbatches": (4,),
+                  "zero_stages": (0,), "context_parallel": (1,)},
+    "pp2-1f1b": {"pp": (2,), "schedules": ("1f1b",), "num_microbatches": (4,),
+                 "zero_stages": (0,), "context_parallel": (1,)},
+}
+
+
 @dataclass(frozen=True)
 class Case:
-    """A group of plans for one model, batch and world size."""
+    """A group of plans for one model, batch and world size: ``recipes`` (keys
+    of :data:`RECIPES`) and, with ``megatron``, every Megatron configuration."""
 
     model: str
     ranks: int
     batch_size: int
-    megatron: bool = True  # also every Megatron configuration
+    megatron: bool = True
+    recipes: tuple[str, ...] = ("auto",)
 
 
-#: The plans: auto at batch 8 and 32, Megatron at batch 8 (every tp size).
-CASES = (
-    Case("gpt-tiny", 2, 8), Case("llama-tiny", 2, 8), Case("gpt-tiny", 2, 32, megatron=False),
-    Case("gpt-tiny", 4, 8), Case("llama-tiny", 4, 8), Case("gpt-tiny", 4, 32, megatron=False),
-    Case("moe-tiny", 4, 8, megatron=False),
-)
+#: Models whose step is compute (hundreds of ms per rank), not launch overhead.
+STEP_MODELS = ("benchmarks.step_models:gpt_small", "benchmarks.step_models:llama_small")
+
+#: The plans: every recipe and Megatron configuration of each step model on 2 ranks.
+CASES = tuple(Case(m, 2, 8, recipes=tuple(RECIPES)) for m in STEP_MODELS)
+#: ``--quick``: the tiny zoo models, auto and Megatron only.
 QUICK_CASES = (Case("gpt-tiny", 2, 8), Case("gpt-tiny", 4, 8))
 
 
@@ -97,15 +121,20 @@ class Row:
 
     @property
     def label(self) -> str:
-        return f"{self.case.model} b{self.case.batch_size} {self.case.ranks}r {self.name} {self.config}"
+        return f"{short_name(self.case.model)} b{self.case.batch_size} {self.case.ranks}r {self.name} {self.config}"
+
+
+def short_name(model: str) -> str:
+    """A model spec without its module: ``gpt_small`` for ``benchmarks.step_models:gpt_small``."""
+    return model.rpartition(":")[2]
 
 
 def plan_signature(p: Plan) -> str:
-    """Identical placements of everything (and the same model and batch) -> identical program."""
+    """Identical placements, stages and training settings (and the same model) -> identical program."""
     d = p.to_dict()
-    key = {k: d.get(k) for k in ("mesh", "parameters", "inputs", "nodes", "checkpoint")}
+    key = {k: d.get(k) for k in ("mesh", "parameters", "inputs", "nodes", "checkpoint", "pipeline")}
     key["fingerprint"] = d.get("model", {}).get("fingerprint")
-    key["zoo_kwargs"] = (d.get("training") or {}).get("zoo_kwargs")
+    key["training"] = {k: v for k, v in (d.get("training") or {}).items() if k != "memory_budget_bytes"}
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -129,13 +158,33 @@ def get_profiles(worlds: list[int], cached: list[str], quick: bool, tmp: str) ->
     return out
 
 
-def _auto_plan_kwargs(pipeline: bool) -> dict[str, Any]:
-    """``plan(pipeline=...)`` where this planner has a pipeline search (intra-op only by default)."""
-    return {"pipeline": pipeline} if "pipeline" in inspect.signature(plan).parameters else {}
+def recipe_options(recipe: str, ranks: int) -> dict[str, Any]:
+    """:func:`planner.api.plan` options of ``recipe`` on ``ranks`` ranks."""
+    opts = dict(RECIPES[recipe])
+    if opts.get("mesh_shape") == "all":
+        opts["mesh_shape"] = (ranks,)
+    return opts
 
 
-def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool = False,
-               compile: bool = False) -> list[Row]:
+def _recipe_config(p: Plan) -> str:
+    """Where a plan runs, in a few words: its mesh, or its stages and schedule."""
+    pipe = p.pipeline
+    if pipe is not None:
+        return f"pp{pipe.pp} {pipe.schedule} x{pipe.num_microbatches}"
+    return "mesh " + "x".join(map(str, p.mesh_shape))
+
+
+def _try_plan(row: Row, make: Callable[[], Plan]) -> Row:
+    t0 = time.perf_counter()
+    try:
+        row.plan = make()
+    except PlanningError as err:
+        row.error = str(err)
+    row.plan_s = time.perf_counter() - t0
+    return row
+
+
+def make_plans(case: Case, cluster: Cluster, time_limit_s: float, compile: bool = False) -> list[Row]:
     """The case's plans on ``cluster``; ``compile``: made, priced and run as
     compiled programs (``--compile``)."""
     kw = {"batch_size": case.batch_size}
@@ -144,30 +193,23 @@ def make_plans(case: Case, cluster: Cluster, time_limit_s: float, pipeline: bool
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        t0 = time.perf_counter()
-        row = Row("auto", "", case)
-        try:
-            row.plan = plan(model, cluster, example_inputs=inputs, model_source=case.model,
-                            time_limit_s=time_limit_s, zoo_kwargs=kw, compile=compile,
-                            **_auto_plan_kwargs(pipeline))
-            row.config = "mesh " + "x".join(map(str, row.plan.mesh_shape))
-        except PlanningError as err:
-            row.error = str(err)
-        row.plan_s = time.perf_counter() - t0
-        rows.append(row)
-        if case.megatron:
-            for cfg in megatron_configs(cluster):
-                t0 = time.perf_counter()
-                row = Row("megatron", f"tp={cfg.tensor_model_parallel_size} dp={cfg.data_parallel_size}", case)
-                try:
-                    row.plan = megatron_plan(model, cluster.running_compiled(compile), cfg,
-                                             example_inputs=inputs, model_source=case.model,
-                                             zoo_kwargs=kw, time_limit_s=time_limit_s,
-                                             graph=graph).with_compile(compile)
-                except PlanningError as err:
-                    row.error = str(err)
-                row.plan_s = time.perf_counter() - t0
-                rows.append(row)
+        for recipe in case.recipes:
+            opts = recipe_options(recipe, case.ranks)
+            row = _try_plan(Row(recipe, "", case), lambda: plan(
+                model, cluster, example_inputs=inputs, model_source=case.model,
+                time_limit_s=time_limit_s, zoo_kwargs=kw, compile=compile, **opts))
+            if row.plan is not None:
+                row.config = _recipe_config(row.plan)
+            rows.append(row)
+        for cfg in megatron_configs(cluster) if case.megatron else ():
+            sp = " sp" if cfg.sequence_parallel else ""
+            rows.append(_try_plan(
+                Row("megatron", f"tp={cfg.tensor_model_parallel_size} dp={cfg.data_parallel_size}{sp}",
+                    case),
+                lambda: megatron_plan(model, cluster.running_compiled(compile), cfg,
+                                      example_inputs=inputs, model_source=case.model,
+                                      zoo_kwargs=kw, time_limit_s=time_limit_s,
+                                      graph=graph).with_compile(compile)))
     return rows
 
 
@@ -191,26 +233,28 @@ def run_row(row: Row, steps: int, warmup: int, timeout_s: float) -> None:
     }
 
 
-def auto_vs_megatron(rows: list[Row]) -> list[dict[str, Any]]:
-    """Per (model, batch, ranks): auto step time / best Megatron step time, measured and predicted."""
+def auto_vs_best(rows: list[Row]) -> list[dict[str, Any]]:
+    """Per (model, batch, ranks): the auto plan's step time over the fastest
+    other plan's, measured and predicted, and its rank (1 = fastest) among the
+    distinct plans as measured."""
     out = []
     for case in dict.fromkeys(r.case for r in rows):
-        group = [r for r in rows if r.case == case and r.result]
-        auto = next((r for r in group if r.name == "auto"), None)
-        megs = [r for r in group if r.name == "megatron"]
-        if auto is None or not megs:
+        group = [r for r in rows if r.case == case and r.result and r.same_as is None]
+        auto = next((r for r in rows if r.case == case and r.name == "auto" and r.result), None)
+        others = [r for r in group if r.name != "auto" and r.signature != getattr(auto, "signature", None)]
+        if auto is None or not others:
             continue
-        best_meas = min(megs, key=lambda r: r.result["measured_s"])
-        best_pred = min(megs, key=lambda r: r.result["predicted_s"])
+        best_meas = min(others, key=lambda r: r.result["measured_s"])
+        best_pred = min(others, key=lambda r: r.result["predicted_s"])
+        measured = sorted(r.result["measured_s"] for r in group)
         out.append({
             "model": case.model, "batch_size": case.batch_size, "ranks": case.ranks,
-            "auto_config": auto.config,
-            "best_megatron_measured": best_meas.config, "best_megatron_predicted": best_pred.config,
-            "auto_over_best_megatron_measured": auto.result["measured_s"] / best_meas.result["measured_s"],
-            "auto_over_best_megatron_predicted": auto.result["predicted_s"] / best_pred.result["predicted_s"],
-            # the Megatron configuration the cost model would pick, as it actually ran
-            "auto_over_predicted_best_megatron_measured":
-                auto.result["measured_s"] / best_pred.result["measured_s"],
+            "auto": f"{auto.config}" + (f" (= {auto.same_as})" if auto.same_as else ""),
+            "auto_rank_measured": 1 + sum(m < auto.result["measured_s"] for m in measured),
+            "distinct_plans": len(group),
+            "best_other_measured": best_meas.label, "best_other_predicted": best_pred.label,
+            "auto_over_best_other_measured": auto.result["measured_s"] / best_meas.result["measured_s"],
+            "auto_over_best_other_predicted": auto.result["predicted_s"] / best_pred.result["predicted_s"],
         })
     return out
 
@@ -245,7 +289,7 @@ def summarize(rows: list[Row]) -> dict[str, Any]:
 def print_report(result: dict[str, Any]) -> None:
     print(f"\n{'plan':<44}{'predicted':>11}{'measured':>11}{'meas/pred':>10}  check")
     for p in result["plans"]:
-        label = f"{p['model']} b{p['batch_size']} {p['ranks']}r {p['name']} {p['config']}"
+        label = f"{short_name(p['model'])} b{p['batch_size']} {p['ranks']}r {p['name']} {p['config']}"
         if "measured_s" not in p:
             print(f"{label:<44}  {p.get('error') or ('same program as ' + p['same_as'])}"[:140])
             continue
@@ -260,12 +304,44 @@ def print_report(result: dict[str, Any]) -> None:
     for k, v in s.items():
         if k.startswith(("spearman_", "mape_pct_")) and "min_step" not in k:
             print(f"  {k}: {fmt(v, '.3f')}")
-    print(f"\n{'model, batch, ranks':<26}{'auto':>9}{'best megatron (meas / pred)':>30}"
-          f"{'auto/best meas':>16}{'auto/best pred':>16}")
-    for a in result["auto_vs_megatron"]:
-        print(f"{a['model'] + ' b' + str(a['batch_size']) + ' ' + str(a['ranks']) + 'r':<26}"
-              f"{a['auto_config']:>9}{a['best_megatron_measured'] + ' / ' + a['best_megatron_predicted']:>30}"
-              f"{a['auto_over_best_megatron_measured']:>16.3f}{a['auto_over_best_megatron_predicted']:>16.3f}")
+    for a in result["auto_vs_best"]:
+        print(f"\n{short_name(a['model'])} b{a['batch_size']} {a['ranks']}r: auto {a['auto']} ranks "
+              f"{a['auto_rank_measured']} of {a['distinct_plans']} measured; auto / best other: "
+              f"measured {a['auto_over_best_other_measured']:.3f} "
+              f"({a['best_other_measured']}), predicted {a['auto_over_best_other_predicted']:.3f}")
+
+
+def draw_scatter(result: dict[str, Any], path: str) -> str:
+    """Predicted against measured step time of every distinct plan (log-log,
+    ms), the diagonal and its +-25 % band; the auto plans ringed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    runs = [p for p in result["plans"] if "measured_s" in p and not p.get("same_as")]
+    for model in dict.fromkeys(p["model"] for p in runs):
+        mine = [p for p in runs if p["model"] == model]
+        ax.scatter([p["measured_s"] * 1e3 for p in mine], [p["predicted_s"] * 1e3 for p in mine],
+                   label=short_name(model), s=24)
+        for p in mine:
+            ax.annotate(p["name"] if p["name"] != "megatron" else p["config"],
+                        (p["measured_s"] * 1e3, p["predicted_s"] * 1e3), fontsize=6,
+                        xytext=(3, 2), textcoords="offset points")
+    autos = [p for p in runs if p["name"] == "auto"]
+    ax.scatter([p["measured_s"] * 1e3 for p in autos], [p["predicted_s"] * 1e3 for p in autos],
+               s=90, facecolors="none", edgecolors="black", label="auto")
+    values = [p[k] * 1e3 for p in runs for k in ("measured_s", "predicted_s")]
+    lo, hi = min(values) / 1.3, max(values) * 1.3
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=1)
+    ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="grey", alpha=0.15,
+                    label="within 25 %")
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step, ms",
+           ylabel="predicted step, ms", title="Step time: predicted against measured")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -273,13 +349,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", nargs="+", default=[], metavar="PATH",
                     help="cached profile JSON(s) (planner profile output, matched by rank count); "
                          "world sizes without one are profiled now")
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4], help="rank counts (default 2 4)")
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2], help="rank counts (default 2)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per plan (default 8)")
     ap.add_argument("--warmup", type=int, default=1, help="leading steps dropped (default 1)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit per solve, s")
-    ap.add_argument("--pipeline", action="store_true",
-                    help="auto plans may be pipelines too (planner.plan's inter-op search); default: "
-                         "single-stage intra-op plans on every 1-D and 2-D mesh")
     ap.add_argument("--quick", action="store_true", help="two cases, quick profiles, 4 steps")
     ap.add_argument("--compile", action="store_true",
                     help="plan, price and run every plan compiled (torch.compile); the first "
@@ -359,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         t_plan = time.perf_counter()
         for case in cases:
             cluster = Cluster.from_dict(profiles[case.ranks]["cluster"])
-            rows += make_plans(case, cluster, args.time_limit, args.pipeline, args.compile)
+            rows += make_plans(case, cluster, args.time_limit, args.compile)
         planning_s = time.perf_counter() - t_plan
         _save_distinct(rows, tmp)
         t_run = time.perf_counter()
@@ -374,22 +447,23 @@ def main(argv: list[str] | None = None) -> int:
                               "created": p.get("created"), "quick": p.get("quick"), "wall_s": p.get("wall_s"),
                               "cluster": p["cluster"]}
                      for w, p in sorted(profiles.items())},
-        "method": {"auto": "planner.plan(..., pipeline=%s): %s" % (
-                       args.pipeline, "single-stage and pipeline plans" if args.pipeline
-                       else "single-stage intra-op plans, every 1-D and 2-D mesh"),
+        "method": {"recipes": {k: {o: list(v) if isinstance(v, tuple) else v for o, v in opts.items()}
+                               for k, opts in RECIPES.items()},
+                   "megatron": "planner.baselines.megatron.megatron_plan of every megatron_configs",
                    "steps": args.steps, "warmup_steps_dropped": args.warmup, "statistic": "median",
                    "launch": "training.launch.launch(plan, steps, check=True)",
                    "compiled": args.compile,
                    "predicted": "plan.predicted['step_time_s'] on the profiled cluster",
                    "spearman_and_mape_over": "distinct plans (identical plans run once)"},
         "summary": summarize(rows),
-        "auto_vs_megatron": auto_vs_megatron([r for r in rows if r.same_as is None or r.result]),
+        "auto_vs_best": auto_vs_best(rows),
         "plans": plans_out,
         "planning_s": planning_s,
         "running_s": running_s,
         "wall_s": time.perf_counter() - t_start,
     }
     write_results(args.output, result)
+    draw_scatter(result, os.path.splitext(args.output)[0] + ".png")
     print_report(result)
     print("\n" + wrote_message(args.output, result))
     return 0
