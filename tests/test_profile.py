@@ -153,8 +153,11 @@ def _raw(link, ranks=4, unsupported=None, redistribute=None):
         "memory": [{"bytes": 2 * 2**26, "size": 2**26, "seconds": 0.02, "reps": [0.02], "calls_per_rep": 1}],
         "gemms": gemms,
         "collectives": coll,
-        "redistribute": (_records(redistribute, list(REDISTRIBUTIONS), [ranks], ranks)
+        # each redistribute timed after a 5 ms burst of compute, and the burst alone
+        "redistribute": ([{**rec, "seconds": rec["seconds"] + 5e-3} for rec in
+                          _records(redistribute, list(REDISTRIBUTIONS), [ranks], ranks)]
                          if redistribute else []),
+        "redistribute_burst": {"gemm": 384, "seconds": 5e-3},
         "unsupported": dict(unsupported or {}),
     }
 

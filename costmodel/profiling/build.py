@@ -125,6 +125,14 @@ def _fit_per_kind(records: list[Mapping[str, Any]]) -> dict[str, dict[str, Any]]
     return per_kind
 
 
+def redistribute_records(raw: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The redistribute timings, each less the compute burst it followed
+    (``redistribute_burst``; none when measured alone), at least a microsecond."""
+    burst = (raw.get("redistribute_burst") or {}).get("seconds", 0.0)
+    return [{**rec, "seconds": max(1e-6, rec["seconds"] - burst)}
+            for rec in raw.get("redistribute", ()) if "seconds" in rec]
+
+
 def _fit_links(collectives: list[Mapping[str, Any]],
                redistribute: list[Mapping[str, Any]]) -> _LinkFits:
     """One link over every collective timing, one per collective kind, and
@@ -215,7 +223,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
     ``unsupported``); ``wall_s`` is the seconds profiling took.
     """
     device = _fit_device(raw, spec["device"])
-    links = _fit_links(raw["collectives"], raw.get("redistribute", []))
+    links = _fit_links(raw["collectives"], redistribute_records(raw))
     build_cluster = _cpu_cluster if spec["device"] == "cpu" else _gpu_cluster
     cluster = build_cluster(ranks, device, links, raw, device_memory_per_rank(spec["device"], ranks))
     profile = {
@@ -242,6 +250,6 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "notes": _notes(raw, spec, ranks, device, links),
         "spec": {k: v for k, v in spec.items() if k not in ("init_method", "result_path")},
         "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
-                                             "redistribute") if k in raw},
+                                             "redistribute", "redistribute_burst") if k in raw},
     }
     return cluster, profile

@@ -103,6 +103,9 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "collectives": list(COLLECTIVE_KINDS) if ranks > 1 else [],
         # the same kinds as DTensor's redistribute issues them, over all ranks
         "redistribute": list(REDISTRIBUTIONS) if ranks > 1 else [],
+        # on CPU ranks each follows a burst of compute, as between a step's reshards
+        # (GEMMs of this size: a few ms); GPUs queue compute and collectives on streams
+        **({"redistribute_burst": 384} if not gpu else {}),
         "sizes": list(QUICK_COLLECTIVE_SIZES if quick else COLLECTIVE_SIZES),
         "group_sizes": [ranks] if quick else group_sizes(ranks),
     }

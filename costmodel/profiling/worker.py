@@ -17,7 +17,11 @@ measurements at the same time, as the ranks of a planned SPMD step would:
 * ``redistribute``: seconds per DTensor ``redistribute`` over all ranks that
   issues each of these collective kinds (:data:`REDISTRIBUTIONS`), at the same
   sizes: the path a plan's reshards take (functional collectives, DTensor's
-  host work, layout copies), waited for;
+  host work, layout copies), waited for; with ``redistribute_burst`` each
+  follows a burst of compute, as a step's reshards do (a rank that computed
+  waits longer: its peer's compute ended at another time, and gloo's thread
+  wakes on a core that was busy), and ``redistribute_burst`` times the burst
+  alone;
 * ``collectives``: seconds per collective of each kind and size, with sizes
   as :func:`costmodel.collectives.collective_time` defines them (the gathered
   tensor for all_gather, the unsharded input for reduce_scatter, bytes per
@@ -71,7 +75,8 @@ def count_steps(spec: dict[str, Any]) -> int:
              + len(spec.get("attention", ()))
              + len(spec.get("collectives", ())) * len(spec.get("sizes", ()))
              * len(spec.get("group_sizes") or [0])
-             + len(spec.get("redistribute", ())) * len(spec.get("sizes", ())))
+             + len(spec.get("redistribute", ())) * len(spec.get("sizes", ()))
+             + int(bool(spec.get("redistribute") and spec.get("redistribute_burst"))))
     return items * (int(spec["reps"]) + 1)
 
 
@@ -238,18 +243,34 @@ def _redistribute_fn(kind: str, nbytes: int, r: "_Rank", dtype: Any) -> tuple[Ca
     return step, moved
 
 
+def _burst_fn(r: "_Rank", size: int) -> Callable[[], Any]:
+    """Three chained ``size`` x ``size`` fp32 GEMMs: the compute a rank does
+    between two of a plan's reshards."""
+    a = r.torch.randn(size, size, device=r.device)
+    return lambda: a @ a @ a @ a
+
+
 def _redistribute_items(r: "_Rank", spec: dict[str, Any], dtype: Any,
-                        records: list[dict[str, Any]]) -> list["_Item"]:
-    """One item per kind of ``spec["redistribute"]`` and size, over every rank;
-    each appends its record (as a collective's) to ``records``."""
+                        out: dict[str, Any]) -> list["_Item"]:
+    """One item per kind of ``spec["redistribute"]`` and size, over every rank,
+    each appending its record (as a collective's) to ``out["redistribute"]``.
+    With ``spec["redistribute_burst"]`` (a GEMM size) each redistribute follows
+    a burst of compute, as in a step, and the burst alone is one more item
+    (``out["redistribute_burst"]``), to subtract."""
+    min_rep_s = float(spec["collective_min_rep_s"])
     items: list[_Item] = []
+    burst = _burst_fn(r, int(spec["redistribute_burst"])) if spec.get("redistribute_burst") else None
+    if burst is not None:
+        out["redistribute_burst"] = {"gemm": int(spec["redistribute_burst"])}
+        items.append(_Item("compute burst", burst, min_rep_s, True, out["redistribute_burst"]))
     for kind in spec.get("redistribute", ()):
         for nbytes in spec.get("sizes", ()):
             fn, moved = _redistribute_fn(kind, int(nbytes), r, dtype)
+            if burst is not None:
+                fn = (lambda f: lambda: (burst(), f()))(fn)
             rec = {"kind": kind, "nbytes": moved, "group_size": r.world, "groups": 1}
-            records.append(rec)
-            items.append(_Item(f"redistribute {kind} {moved} B", fn,
-                               float(spec["collective_min_rep_s"]), True, rec))
+            out["redistribute"].append(rec)
+            items.append(_Item(f"redistribute {kind} {moved} B", fn, min_rep_s, True, rec))
     return items
 
 
@@ -458,7 +479,7 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     items = _collective_items(r, spec, dtype, kinds, groups, out["collectives"])
     out["redistribute"] = []
     if r.world > 1:
-        items += _redistribute_items(r, spec, dtype, out["redistribute"])
+        items += _redistribute_items(r, spec, dtype, out)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         runner.run(items)
