@@ -251,10 +251,12 @@ def auto_vs_best(rows: list[Row]) -> list[dict[str, Any]]:
     distinct plans as measured."""
     out = []
     for case in dict.fromkeys(r.case for r in rows):
-        group = [r for r in rows if r.case == case and r.result and r.same_as is None]
         auto = next((r for r in rows if r.case == case and r.name == "auto" and r.result), None)
-        others = [r for r in group if r.name != "auto" and r.signature != getattr(auto, "signature", None)]
-        if auto is None or not others:
+        if auto is None:
+            continue
+        group = [r for r in rows if r.case == case and r.result and r.same_as is None]
+        others = [r for r in group if r.name != "auto" and r.signature != auto.signature]
+        if not others:
             continue
         best_meas = min(others, key=lambda r: r.result["measured_s"])
         best_pred = min(others, key=lambda r: r.result["predicted_s"])

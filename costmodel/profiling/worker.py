@@ -215,11 +215,12 @@ REDISTRIBUTIONS = {"all_gather": ("S(0)", "R"), "all_reduce": ("P", "R"),
                    "reduce_scatter": ("P", "S(0)"), "all_to_all": ("S(1)", "S(0)")}
 
 
-def _redistribute_fn(kind: str, nbytes: int, r: "_Rank", dtype: Any) -> tuple[Callable[[], Any], int]:
-    """A closure redistributing a DTensor over every rank as a plan's reshard
-    does, issuing one ``kind`` collective of about ``nbytes`` (cost-model
-    bytes, as :func:`_collective_fn`), waited for; and the bytes it moves."""
-    from torch.distributed.device_mesh import DeviceMesh
+def _redistribute_fn(kind: str, nbytes: int, r: "_Rank", dtype: Any,
+                     mesh: Any) -> tuple[Callable[[], Any], int]:
+    """A closure redistributing a DTensor over ``mesh`` (every rank) as a
+    plan's reshard does, issuing one ``kind`` collective of about ``nbytes``
+    (cost-model bytes, as :func:`_collective_fn`), waited for; and the bytes
+    it moves."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     torch, g = r.torch, r.world
@@ -231,7 +232,6 @@ def _redistribute_fn(kind: str, nbytes: int, r: "_Rank", dtype: Any) -> tuple[Ca
     cols = max(g, (whole // elem) // (g * g) // g * g)
     rows = g * g
     local_shape = {"S(0)": (rows // g, cols), "S(1)": (rows, cols // g)}.get(src, (rows, cols))
-    mesh = DeviceMesh(r.device.type, list(range(g)))
     x = DTensor.from_local(torch.zeros(local_shape, dtype=dtype, device=r.device), mesh,
                            [place[src]], run_check=False)
     moved = rows * cols * elem // (g if kind == "all_to_all" else 1)
@@ -257,6 +257,9 @@ def _redistribute_items(r: "_Rank", spec: dict[str, Any], dtype: Any,
     With ``spec["redistribute_burst"]`` (a GEMM size) each redistribute follows
     a burst of compute, as in a step, and the burst alone is one more item
     (``out["redistribute_burst"]``), to subtract."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh(r.device.type, list(range(r.world)))
     min_rep_s = float(spec["collective_min_rep_s"])
     items: list[_Item] = []
     burst = _burst_fn(r, int(spec["redistribute_burst"])) if spec.get("redistribute_burst") else None
@@ -265,7 +268,7 @@ def _redistribute_items(r: "_Rank", spec: dict[str, Any], dtype: Any,
         items.append(_Item("compute burst", burst, min_rep_s, True, out["redistribute_burst"]))
     for kind in spec.get("redistribute", ()):
         for nbytes in spec.get("sizes", ()):
-            fn, moved = _redistribute_fn(kind, int(nbytes), r, dtype)
+            fn, moved = _redistribute_fn(kind, int(nbytes), r, dtype, mesh)
             if burst is not None:
                 fn = (lambda f: lambda: (burst(), f()))(fn)
             rec = {"kind": kind, "nbytes": moved, "group_size": r.world, "groups": 1}
