@@ -192,6 +192,16 @@ def test_zero3_with_pp1_searched_is_a_zero3_plan(tmp_path, capsys):
     assert [(st["zero_stage"], st["zero_axis"]) for st in pipe["stages"]] == [(3, 0)]
 
 
+def test_searching_one_stage_is_never_worse_than_pinning_its_zero_stage():
+    """``--pp 1`` searches every ZeRO stage: it priced ZeRO only for
+    pipelines and stages of several micro-batches, so one stage of the whole
+    batch under ZeRO-1, faster here, lost to the plan without ZeRO."""
+    model, inputs = _gpt_tiny()
+    searched = plan(model, "local-cpu:2", example_inputs=inputs, pp=(1,), **FAST)
+    pinned = plan(model, "local-cpu:2", example_inputs=inputs, pp=(1,), zero_stages=(1,), **FAST)
+    assert searched.predicted["step_time_s"] <= pinned.predicted["step_time_s"] * (1 + 1e-9)
+
+
 def test_microbatches_searched_are_the_counts_asked_for():
     model, inputs = _gpt_tiny()
     p = plan(model, "local-cpu:2", example_inputs=inputs, pp=(1,), num_microbatches=(4,),

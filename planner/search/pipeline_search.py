@@ -20,9 +20,9 @@ from costmodel.schedules.specs import canonical_schedule, default_stages_per_ran
 from costmodel.schedules import ScheduleBook, simulate
 from costmodel.memory import training_state_bytes
 from costmodel.strategy_cost import FSDP_STAGES
-from planner.search.stage_dp import (NO_PIPELINE, SEARCH_SCHEDULES, PipelineCandidate, StageMeshOption,
-                              StageTimes, config_label, in_flight, split_layers,
-                              stage_mesh_options)
+from planner.search.stage_dp import (ACCUMULATING_SCHEDULE, NO_PIPELINE, SEARCH_SCHEDULES,
+                                     PipelineCandidate, StageMeshOption, StageTimes, config_label,
+                                     in_flight, split_layers, stage_mesh_options)
 from planner.search.microbatch_programs import MicrobatchProgram
 from planner.search.context import SearchContext
 from planner.search.phases import own_profiles_of, price_all
@@ -226,8 +226,8 @@ def configurations(ctx: SearchContext, opts: SearchOptions
                     ms = list(opts.num_microbatches) if opts.num_microbatches else \
                         ([1] if zero else []) + _accumulation_options(sequences,
                                                                       opts.microbatch_options)
-                    if "1f1b" in schedules:  # ZeRO's stage of one micro-batch too
-                        accumulating.extend((1, 1, mesh, "1f1b", m) for m in ms
+                    if ACCUMULATING_SCHEDULE in schedules:  # ZeRO's stage of one micro-batch too
+                        accumulating.extend((1, 1, mesh, ACCUMULATING_SCHEDULE, m) for m in ms
                                             if m > 1 or zero)
                     continue
                 for schedule in schedules:
@@ -284,10 +284,11 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
     """For each group of ranked candidates, the ZeRO variants (each stage
     :func:`zero_stages_priced` gives for their mesh) of its
-    :data:`ZERO_CANDIDATES` pipelines (without
-    ZeRO, stage mesh with more than one rank on axis 0) that ZeRO promises
-    most (:func:`_zero3_estimate`), priced, best first; none unless ``opts``
-    allows 0 and a ZeRO stage. The groups are priced together
+    :data:`ZERO_CANDIDATES` candidates (without ZeRO, stage mesh with more
+    than one rank on axis 0) that ZeRO promises most (:func:`_zero3_estimate`),
+    priced, best first; none unless ``opts`` allows 0 and a ZeRO stage. The
+    variant of a single stage of the whole batch (:data:`NO_PIPELINE`) is
+    :func:`_zero_stage_of_whole_batch`. The groups are priced together
     (:func:`planner.search.phases.price_all`; in their order within each
     pricing scope, as if one after the other).
 
@@ -302,20 +303,22 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     if 0 not in zeros or not zero_stages_priced(zeros, ctx.settings.dtype,
                                                 ctx.settings.optimizer, 2):
         return [[] for _ in groups]
+    schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
+
+    def eligible(c: PipelineCandidate) -> bool:
+        return (not c.mesh.zero_stage and c.mesh.shape[0] > 1
+                and (c.schedule != NO_PIPELINE or ACCUMULATING_SCHEDULE in schedules))
 
     def variants(c: PipelineCandidate) -> list[tuple]:
-        spec = schedule_spec(c.schedule)
+        pp, v, schedule, m = _zero_stage_of_whole_batch(c)
         # a schedule that splits the backward runs ZeRO-2 where ZeRO-3 cannot run
-        allowed = [z for z in zeros if not spec.zero_stage_problem(z)]
-        return [(c.pp, c.stages_per_rank, dataclasses.replace(c.mesh, zero_stage=zero),
-                 c.schedule, c.num_microbatches)
+        allowed = [z for z in zeros if not schedule_spec(schedule).zero_stage_problem(z)]
+        return [(pp, v, dataclasses.replace(c.mesh, zero_stage=zero), schedule, m)
                 for zero in zero_stages_priced(allowed, ctx.settings.dtype, ctx.settings.optimizer,
                                                c.mesh.shape[0])]
 
-    per_group = [[v for c in sorted((c for c in ranked if c.schedule != NO_PIPELINE
-                                     and not c.mesh.zero_stage and c.mesh.shape[0] > 1),
-                                    key=_zero3_estimate)[:ZERO_CANDIDATES] for v in variants(c)]
-                 for ranked in groups]
+    per_group = [[v for c in sorted(filter(eligible, ranked), key=_zero3_estimate)[:ZERO_CANDIDATES]
+                  for v in variants(c)] for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (
         f"ZeRO-{config[2].zero_stage} variant {k + 1}/{len(configs)}: {config_label(*config)}"),
@@ -327,6 +330,18 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
         out.append(variants)
         start += len(group)
     return out
+
+
+def _zero_stage_of_whole_batch(c: PipelineCandidate) -> tuple[int, int, str, int]:
+    """(pp, stages per rank, schedule, micro-batches) of ``c``'s ZeRO
+    variants: ``c``'s own, except for a single stage of the whole batch
+    (:data:`NO_PIPELINE`, which runs no schedule and so no ZeRO), whose ZeRO
+    variant is a pipeline of that one stage with one micro-batch
+    (:data:`ACCUMULATING_SCHEDULE`), as :func:`configurations` builds it for a
+    ZeRO stage asked for without 0."""
+    if c.schedule == NO_PIPELINE:
+        return 1, 1, ACCUMULATING_SCHEDULE, 1
+    return c.pp, c.stages_per_rank, c.schedule, c.num_microbatches
 
 
 # The leading candidates whose (stage mesh, micro-batches) get ILP profiles of

@@ -29,15 +29,11 @@ from planner.search.context import SearchContext
 from planner.search.finalists import assemble, solve_exact
 from planner.search.plan_assembly import build_plan
 from planner.search.settings import SearchSettings
-from planner.search.stage_dp import (PipelineCandidate, StageMeshOption, config_label,
-                                     stage_mesh_options)
+from planner.search.stage_dp import (ACCUMULATING_SCHEDULE, PipelineCandidate,
+                                     StageMeshOption, config_label, stage_mesh_options)
 from planner.search.two_level import best_single_stage
 
-__all__ = ["ACCUMULATING_SCHEDULE", "shards_or_accumulates", "single_stage_plan"]
-
-# The schedule of one stage's micro-batches (the search's, for one stage
-# accumulating gradients): the forward and backward of each in turn.
-ACCUMULATING_SCHEDULE = "1f1b"
+__all__ = ["shards_or_accumulates", "single_stage_plan"]
 
 
 def shards_or_accumulates(req: PlanRequest) -> bool:

@@ -278,6 +278,11 @@ class StageMeshOption:
 # The schedule name of a one-stage candidate (no pipeline).
 NO_PIPELINE = "none"
 
+# The schedule of one stage's micro-batches (a pipeline of one stage: the
+# forward and backward of each in turn, gradients accumulated), and of a
+# one-stage ZeRO plan of the whole batch (one such micro-batch).
+ACCUMULATING_SCHEDULE = "1f1b"
+
 
 def config_label(pp: int, v: int, mesh: StageMeshOption, schedule: str, m: int) -> str:
     """A pipeline configuration in words, e.g. ``pp=4 v=1 stage mesh 8x2 ZeRO-3 1f1b m=32``."""
