@@ -13,7 +13,7 @@ import sys
 import warnings
 from typing import Any, Callable, Iterator, Sequence
 
-EXIT_USAGE = 2
+from app.errors import EXIT_USAGE, run_command
 
 
 def _parse_mesh(text: str | None) -> tuple[int, ...] | None:
@@ -52,28 +52,6 @@ def _output_folder(path: str) -> None:
                             f"another -o") from None
     if not os.access(folder, os.W_OK):
         raise PlanningError(f"cannot write {path}: {folder} is not writable; give another -o")
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from costmodel.cluster import ClusterError
-    from ir.program_capture import TraceError
-    from models.source import ModelSourceError
-    from models.zoo import ExampleStepError, UnknownModelError
-    from planner.request import PlanningError
-    from plan.format import PlanError
-
-    errors: list[type[BaseException]] = [ClusterError, ModelSourceError, TraceError,
-                                         UnknownModelError, ExampleStepError, PlanningError,
-                                         PlanError]
-    try:
-        from codegen.capture import PlanMismatchError
-        from codegen.parallel_model import BatchShapeError
-        from training.checkpoint import CheckpointError
-        from training.data import DataError
-        errors += [PlanMismatchError, BatchShapeError, DataError, CheckpointError]
-    except ImportError:
-        pass
-    return tuple(errors)
 
 
 def _int_list(text: str | None, what: str, least: int = 1) -> list[int] | None:
@@ -566,30 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except _user_errors() as err:
-        print(f"planner: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except Exception as err:  # noqa: BLE001 - a bug of ours: one line, the traceback in a file
-        if os.environ.get("PLANNER_TRACEBACK"):
-            raise
-        print(f"planner: error: {_internal_error_line(err)}", file=sys.stderr)
-        return EXIT_USAGE
-
-
-def _internal_error_line(err: BaseException) -> str:
-    """One line for an error the planner did not expect: what it was, and the
-    file its traceback was written to (set PLANNER_TRACEBACK=1 to see it here)."""
-    import tempfile
-    import traceback
-
-    fd, path = tempfile.mkstemp(prefix="planner-error-", suffix=".log")
-    with os.fdopen(fd, "w") as f:
-        traceback.print_exception(err, file=f)
-    text = str(err).strip().splitlines()
-    return (f"internal error {type(err).__name__}: {text[0] if text else ''} (a bug of the "
-            f"planner, not of the model: report it with the traceback in {path})")
+    return run_command(lambda: args.func(args))
 
 
 if __name__ == "__main__":

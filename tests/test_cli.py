@@ -19,6 +19,11 @@ def test_plan_writes_json_and_prints_summary(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "predicted step" in text and "transformer.h.*.mlp.c_fc.weight" in text
     assert json.loads(out.read_text())["mesh"]["shape"] == [2]
+    # its reader gone (``planner show plan.json | head``): no error, the status of SIGPIPE
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "show", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    assert proc.wait(timeout=120) == 141 and proc.stderr.read() == ""
 
 
 def test_plan_with_pipeline_options_writes_a_pipeline_plan(tmp_path, capsys):
