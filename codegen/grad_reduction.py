@@ -27,7 +27,7 @@ gathers copy values only, and are exact.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -78,12 +78,27 @@ def _buckets(items: Sequence[tuple[Any, torch.Tensor]]) -> Iterator[list[tuple[A
         yield run
 
 
-def _sum_over(items: Sequence[tuple[Any, torch.Tensor]], group: Any
-              ) -> Iterator[tuple[Any, torch.Tensor]]:
-    """(key, the tensor summed over ``group``) for every (key, tensor) of
-    ``items``, one coalesced all-reduce per bucket."""
-    for run in _buckets(items):
-        summed = all_reduce_coalesced([t for _, t in run], group)
+def _bucket_runs(items: Iterable[tuple[Hashable, Any, torch.Tensor]]
+                 ) -> Iterator[tuple[Hashable, list[tuple[Any, torch.Tensor]]]]:
+    """``items`` ((group, key, tensor) triples) grouped by ``group`` (in the
+    order groups first appear; a coalesced collective takes one dtype on one
+    process group), each group in runs of :func:`_buckets`: (group, run of
+    (key, tensor) pairs)."""
+    groups: dict[Hashable, list[tuple[Any, torch.Tensor]]] = {}
+    for group, key, tensor in items:
+        groups.setdefault(group, []).append((key, tensor))
+    for group, same in groups.items():
+        for run in _buckets(same):
+            yield group, run
+
+
+def _sum_runs(runs: Iterable[tuple[Any, list[tuple[Any, torch.Tensor]]]],
+              process_group: Callable[[Any], Any]) -> Iterator[tuple[Any, torch.Tensor]]:
+    """(key, the tensor summed) for every (key, tensor) of ``runs``
+    (:func:`_bucket_runs`), one coalesced all-reduce per run over
+    ``process_group(group)``."""
+    for group, run in runs:
+        summed = all_reduce_coalesced([t for _, t in run], process_group(group))
         yield from zip((key for key, _ in run), summed)
 
 
@@ -93,7 +108,7 @@ def redistribute_grads(grads: Sequence[DTensor], targets: Sequence[Sequence[Plac
     own mesh): the pending sums over one mesh axis summed together (see the
     module docstring), the rest by :func:`codegen.redistribution.redistribute`."""
     out: list[DTensor | None] = [None] * len(grads)
-    groups: dict[tuple[int, int, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    pending: list[tuple[Hashable, int, torch.Tensor]] = []
     meshes: dict[int, DeviceMesh] = {}
     for i, (grad, want) in enumerate(zip(grads, targets)):
         axis = summed_axis(tuple(grad.placements), tuple(want))
@@ -101,14 +116,12 @@ def redistribute_grads(grads: Sequence[DTensor], targets: Sequence[Sequence[Plac
             out[i] = redistribute(grad, grad.device_mesh, want)
             continue
         meshes[id(grad.device_mesh)] = grad.device_mesh
-        key = (id(grad.device_mesh), axis, grad.dtype)
-        groups.setdefault(key, []).append((i, grad.to_local()))
-    for (mesh_id, axis, _), items in groups.items():
-        mesh = meshes[mesh_id]
-        for i, summed in _sum_over(items, (mesh, axis)):
-            grad = grads[i]
-            out[i] = DTensor.from_local(summed, mesh, tuple(targets[i]), run_check=False,
-                                        shape=grad.shape, stride=grad.stride())
+        pending.append(((id(grad.device_mesh), axis, grad.dtype), i, grad.to_local()))
+    for i, summed in _sum_runs(_bucket_runs(pending),
+                               lambda group: (meshes[group[0]], group[1])):
+        grad = grads[i]
+        out[i] = DTensor.from_local(summed, grad.device_mesh, tuple(targets[i]), run_check=False,
+                                    shape=grad.shape, stride=grad.stride())
     return out  # type: ignore[return-value]
 
 
@@ -136,16 +149,12 @@ def sum_slices(pieces: Sequence[tuple[torch.Tensor, int, int, int]], mesh: Devic
     """For each (local pending sum, dim, start, length) of ``pieces``: rows
     ``start:start+length`` along ``dim`` of its sum over 1-D ``mesh`` (what
     a reduce-scatter gives this rank), new contiguous tensors."""
-    items = [(k, t) for k, (t, _, _, _) in enumerate(pieces)]
-    by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
-    for k, t in items:
-        by_dtype.setdefault(t.dtype, []).append((k, t))
     out: list[torch.Tensor | None] = [None] * len(pieces)
-    for same in by_dtype.values():
-        for k, summed in _sum_over(same, mesh.get_group()):
-            _, dim, start, length = pieces[k]
-            # a copy: a view would keep the whole sum alive
-            out[k] = summed.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
+    items = ((t.dtype, k, t) for k, (t, _, _, _) in enumerate(pieces))
+    for k, summed in _sum_runs(_bucket_runs(items), lambda _: mesh.get_group()):
+        _, dim, start, length = pieces[k]
+        # a copy: a view would keep the whole sum alive
+        out[k] = summed.narrow(dim, start, length).clone(memory_format=torch.contiguous_format)
     return out  # type: ignore[return-value]
 
 
@@ -158,20 +167,19 @@ def gather_slices(pieces: Sequence[tuple[torch.Tensor, int, int]], mesh: DeviceM
     padded to one length, as DTensor pads them, and all-gathered in one
     coalesced call per dtype and bucket."""
     parts = mesh.size()
-    padded: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+    padded: list[tuple[Hashable, int, torch.Tensor]] = []
     for k, (piece, dim, size) in enumerate(pieces):
         rows = piece.movedim(dim, 0)
         step = -(-size // parts)
         if rows.shape[0] < step:
             rows = torch.cat([rows, rows.new_zeros((step - rows.shape[0],) + rows.shape[1:])])
-        padded.setdefault(piece.dtype, []).append((k, rows.contiguous()))
+        padded.append((piece.dtype, k, rows.contiguous()))
     out: list[torch.Tensor | None] = [None] * len(pieces)
-    for same in padded.values():
-        for run in _buckets(same):
-            gathered = all_gather_coalesced([t for _, t in run], mesh.get_group())
-            for (k, _), whole in zip(run, gathered):
-                _, dim, size = pieces[k]
-                out[k] = whole[:size].movedim(0, dim)
+    for _, run in _bucket_runs(padded):
+        gathered = all_gather_coalesced([t for _, t in run], mesh.get_group())
+        for (k, _), whole in zip(run, gathered):
+            _, dim, size = pieces[k]
+            out[k] = whole[:size].movedim(0, dim)
     return out  # type: ignore[return-value]
 
 
