@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Replicate
 from costmodel.collectives import collective_time
 from costmodel.strategy_settings import StrategySettings
 from ir.graph import OP, PARAM, Node
-from ir.grouped_mm import exchange_axis
+from ir.grouped_mm import BACKWARD_EXCHANGES, exchange_axis
 from ir.strategy import Strategy, local_numel
 
 __all__ = ["GradientSyncPricing"]
@@ -52,10 +52,13 @@ class GradientSyncPricing(StrategySettings):
         expert-parallel grouped matmul (:func:`ir.grouped_mm.exchange_axis`;
         0 for any other node and strategy): its rows of x go to the ranks
         holding their experts and its rows of y come back; the backward moves
-        x and dy there and dx back. Each is priced as the zoo MoE's ``S(i) ->
+        x and dy there and dx back (torch's op moves dy twice:
+        :data:`ir.grouped_mm.BACKWARD_EXCHANGES`). Each is priced as the zoo MoE's ``S(i) ->
         S(j)`` reshard around its expert matmul is: an all-to-all of this
         device's shard over the axis."""
-        axis = exchange_axis(node.target, s.inputs) if node.kind == OP else None
+        if node.kind != OP:
+            return 0.0, 0.0
+        axis = exchange_axis(node.target, s.inputs, [len(i.shape) for i in node.inputs[:2]])
         if axis is None or self.mesh_shape[axis] == 1:
             return 0.0, 0.0
         size, link = self.mesh_shape[axis], self.redistribute_links[axis]
@@ -65,7 +68,8 @@ class GradientSyncPricing(StrategySettings):
             return collective_time("all_to_all", nbytes, size, link)
 
         x, y = moved(node.inputs[0], s.inputs[0]), moved(node.outputs[0], s.outputs[0])
-        return x + y, 2 * x + y
+        nx, ny = BACKWARD_EXCHANGES[node.target]
+        return x + y, nx * x + ny * y
 
     def weight_sync(self, node: Node, s: Strategy) -> float:
         """Seconds of the all-reduces of weight gradients over mesh axis 0 in

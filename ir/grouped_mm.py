@@ -29,7 +29,9 @@ that axis's process group). The backward op ``grouped_mm_fallback_backward``
 (``x, w, offs, dy -> dx, dw``) follows the forward's kinds. Both run through
 DTensor's custom op handlers (:func:`ir.torch_compat.register_dtensor_handler`);
 the planner reads the forward's strategies from DTensor like any op's and the
-cost model prices the ``EP`` all-to-alls (:func:`exchange_axis`).
+cost model prices the ``EP`` all-to-alls (:func:`exchange_axis`). torch's own
+kernel, ``aten._grouped_mm``, which transformers calls instead where it runs
+(bf16 captures), is sharded with the same kinds by :mod:`ir.grouped_mm_aten`.
 """
 
 from __future__ import annotations
@@ -42,17 +44,26 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ir.torch_compat import register_dtensor_handler, register_sharding_rule
 
-__all__ = ["GROUPED_MATMULS", "GROUPED_MM", "exchange_axis", "grouped_mm_flops",
+__all__ = ["ATEN_GROUPED_MM", "BACKWARD_EXCHANGES", "GROUPED_MATMULS", "GROUPED_MM",
+           "exchange_axis", "gradient_placements", "grouped_forward", "grouped_mm_flops",
            "register_grouped_mm_sharding"]
 
-#: The captured node targets of the grouped expert matmul this module shards
-#: (``str`` of the op).
-GROUPED_MM = ("transformers.grouped_mm_fallback.default",)
+#: torch's own grouped matmul (``str`` of the op), which transformers calls
+#: instead of its fallback where torch's kernel runs (bf16 captures).
+ATEN_GROUPED_MM = "aten._grouped_mm.default"
 
-#: Every grouped matmul target whose FLOPs :func:`grouped_mm_flops` counts:
-#: also torch's own kernel, which transformers calls for bf16 steps (DTensor
-#: shards it with its own strategies, experts whole).
-GROUPED_MATMULS = GROUPED_MM + ("aten._grouped_mm.default",)
+#: The captured node targets of the grouped expert matmuls this package shards
+#: (``str`` of the op): transformers' fallback here, torch's own kernel in
+#: :mod:`ir.grouped_mm_aten`.
+GROUPED_MM = ("transformers.grouped_mm_fallback.default", ATEN_GROUPED_MM)
+
+#: Every grouped matmul target whose FLOPs :func:`grouped_mm_flops` counts.
+GROUPED_MATMULS = GROUPED_MM
+
+#: target -> (x-sized, y-sized) all-to-alls of an ``EP`` node's backward:
+#: the fallback's backward moves x and dy to the experts and dx back; torch's
+#: moves dy twice (its weight gradient and its dx are two calls).
+BACKWARD_EXCHANGES = {GROUPED_MM[0]: (2, 1), ATEN_GROUPED_MM: (2, 2)}
 
 _R, _P = Replicate(), Partial()
 _S0, _S1, _S2 = Shard(0), Shard(1), Shard(2)
@@ -81,13 +92,25 @@ def grouped_mm_flops(x_shape: Sequence[int], w_shape: Sequence[int]) -> float:
     return 2.0 * numel * int(w_shape[-1])
 
 
-def exchange_axis(target: str, inputs: Sequence[Sequence[Any]]) -> int | None:
+def exchange_axis(target: str, inputs: Sequence[Sequence[Any]],
+                  ranks: Sequence[int] | None = None) -> int | None:
     """The mesh axis whose all-to-all a grouped matmul node ``target`` runs
     under a strategy whose input placements are ``inputs`` (x, w, offs): the
     axis where x and w are both ``Shard(0)`` (``EP``); None for other ops and
-    strategies."""
+    strategies. ``ranks``: the number of dims of x and w, needed for torch's
+    op, whose forms other than x 2-D by w 3-D exchange nothing (its 3-D by
+    3-D batches shard dim 0 of both too).
+
+    Raises:
+        ValueError: ``ranks`` not given for torch's op.
+    """
     if target not in GROUPED_MM or len(inputs) < 2:
         return None
+    if target == ATEN_GROUPED_MM:
+        if ranks is None:
+            raise ValueError(f"exchange_axis: {target} needs the ranks of x and w")
+        if tuple(ranks[:2]) != (2, 3):
+            return None
     for a, (px, pw) in enumerate(zip(inputs[0], inputs[1])):
         if _is_shard(px, 0) and _is_shard(pw, 0):
             return a
@@ -95,9 +118,14 @@ def exchange_axis(target: str, inputs: Sequence[Sequence[Any]]) -> int | None:
 
 
 def register_grouped_mm_sharding() -> bool:
-    """Give DTensor the grouped matmul's strategies and its sharded runs
-    (forward and backward), once per process; False when transformers'
-    op is not registered (transformers not imported yet)."""
+    """Give DTensor the grouped matmuls' strategies and their sharded runs
+    (forward and backward), once per process: torch's own always
+    (:func:`ir.grouped_mm_aten.register_aten_grouped_mm_sharding`),
+    transformers' fallback where registered; False when it is not
+    (transformers not imported yet)."""
+    from ir.grouped_mm_aten import register_aten_grouped_mm_sharding
+
+    register_aten_grouped_mm_sharding()
     ops = _ops()
     if ops is not None:
         _register(*ops)
@@ -196,16 +224,21 @@ class _Rows:
     Args:
         mesh: the DeviceMesh.
         kinds: each axis's kind (:func:`_kinds`).
-        x, w: the placed arguments (DTensors).
-        ends: ``offs`` as Python ints.
+        rows, row_placements: the number of sorted rows (x's dim 0) and
+            their placements (x's, placed).
+        expert_placements: placements whose ``Shard(0)`` axes split the
+            experts (the placed weight's).
+        ends: ``offs`` as Python ints (one per expert).
     """
 
-    def __init__(self, mesh: Any, kinds: list[str], x: Any, w: Any, ends: list[int]):
+    def __init__(self, mesh: Any, kinds: list[str], rows: int, row_placements: Sequence[Any],
+                 expert_placements: Sequence[Any], ends: list[int]):
         coordinate = list(mesh.get_coordinate())
-        shape, rows, experts = tuple(mesh.shape), int(x.shape[0]), int(w.shape[0])
+        shape, experts = tuple(mesh.shape), len(ends)
+        x_p, w_p = row_placements, expert_placements
         self.ends = ends
-        self.mine = _block(rows, x.placements, shape, coordinate)
-        self.experts = _block(experts, w.placements, shape, coordinate)
+        self.mine = _block(rows, x_p, shape, coordinate)
+        self.experts = _block(experts, w_p, shape, coordinate)
         self.axis = kinds.index("EP") if "EP" in kinds else None
         self.group = None if self.axis is None else mesh.get_group(self.axis)
         if self.axis is None:
@@ -215,8 +248,8 @@ class _Rows:
         peers = []
         for j in range(shape[self.axis]):
             coordinate[self.axis] = j
-            peers.append((_block(rows, x.placements, shape, coordinate),
-                          self._expert_rows(_block(experts, w.placements, shape, coordinate))))
+            peers.append((_block(rows, x_p, shape, coordinate),
+                          self._expert_rows(_block(experts, w_p, shape, coordinate))))
         own_rows = self._expert_rows(self.experts)
         self.send = [_overlap(self.mine, theirs) for _, theirs in peers]
         self.recv = [_overlap(held, own_rows) for held, _ in peers]
@@ -288,46 +321,71 @@ def _wrap(local: torch.Tensor, mesh: Any, placements: tuple, shape: Sequence[int
 
 def _prepare(x: Any, w: Any, offs: Any) -> tuple[list[str], Any, Any, _Rows]:
     """x, w and offs brought to a strategy's placements; the kinds and rows."""
-    mesh = x.device_mesh
     kinds = _kinds(x.placements, w.placements)
     x = _placed(x, _placements(kinds, 0, x.placements))
     w = _placed(w, _placements(kinds, 1))
+    return kinds, x, w, _rows(kinds, x, w.placements, offs)
+
+
+def _rows(kinds: list[str], x: Any, expert_placements: Sequence[Any], offs: Any) -> _Rows:
+    """The :class:`_Rows` of placed ``x`` (the sorted rows on dim 0) and
+    experts placed as ``expert_placements``; ``offs`` read on every rank."""
+    mesh = x.device_mesh
     ends = _placed(_as_dtensor(offs, mesh), (_R,) * mesh.ndim).to_local().tolist()
-    rows = _Rows(mesh, kinds, x, w, [int(e) for e in ends])
+    rows = _Rows(mesh, kinds, int(x.shape[0]), x.placements, expert_placements,
+                 [int(e) for e in ends])
     if x.to_local().shape[0] != rows.mine[1] - rows.mine[0]:
         raise RuntimeError(f"grouped matmul: this rank holds {x.to_local().shape[0]} rows of "
                            f"x {list(x.shape)} {list(x.placements)}, expected rows "
                            f"{rows.mine[0]}:{rows.mine[1]}")
-    return kinds, x, w, rows
+    return rows
 
 
 def _run_forward(op: Any, args: tuple, kwargs: dict) -> Any:
     """``grouped_mm_fallback`` on DTensors (the module docstring's kinds)."""
     x, w, offs = _arguments(args, kwargs, ("input", "weight", "offs"))
+    return grouped_forward(op, x, w, offs)
+
+
+def grouped_forward(call: Any, x: Any, w: Any, offs: Any) -> Any:
+    """``y = call(x, w, offs)`` of the forward form (``x [S, K]`` by
+    ``w [E, K, N]``) on DTensors x and w, placed by their kinds (the module
+    docstring's); ``call`` runs on the local tensors. Rows past ``offs[-1]``
+    come out zero."""
     with torch.no_grad():
         kinds, x, w, rows = _prepare(x, w, offs)
         xl, wl = x.to_local(), w.to_local()
-        y = op(rows.to_experts(xl), wl, rows.offsets(xl.device))
+        y = call(rows.to_experts(xl), wl, rows.offsets(xl.device))
+        if y.shape[0] > sum(rows.counts):
+            y[sum(rows.counts):] = 0
         y = rows.from_experts(y, xl.shape[0])
         return _wrap(y, x.device_mesh, _placements(kinds, 2, x.placements),
                      (x.shape[0], w.shape[2]))
 
 
+def gradient_placements(kinds: list[str], dy: Sequence[Any],
+                        keep: Sequence[Any]) -> tuple[tuple, tuple, tuple]:
+    """Placements of ``(dy, dx, dw)`` under ``kinds`` (the module docstring's
+    table), dy's partial sum kept where everything is replicated (dx and dw
+    come out partial) and ``keep``'s (x's) on ``P`` axes of dw."""
+    want = list(_placements(kinds, 3))
+    dx_p, dw_p = list(_placements(kinds, 4)), list(_placements(kinds, 5, keep))
+    for a, kind in enumerate(kinds):
+        if kind == "R" and isinstance(dy[a], Partial):
+            want[a] = dx_p[a] = dw_p[a] = dy[a]
+    return tuple(want), tuple(dx_p), tuple(dw_p)
+
+
 def _run_backward(op: Any, args: tuple, kwargs: dict) -> Any:
     """``grouped_mm_fallback_backward`` on DTensors: the gradient of y brought
-    to the placements the forward's kinds give it (a partial sum is kept
-    where everything is replicated: dx and dw come out partial)."""
+    to the placements the forward's kinds give it (:func:`gradient_placements`)."""
     x, w, offs, dy = _arguments(args, kwargs, ("input", "weight", "offs", "grad_output"))
     with torch.no_grad():
         kinds, x, w, rows = _prepare(x, w, offs)
-        want = list(_placements(kinds, 3))
-        dx_p, dw_p = list(_placements(kinds, 4)), list(_placements(kinds, 5, x.placements))
-        for a, kind in enumerate(kinds):
-            if kind == "R" and isinstance(dy.placements[a], Partial):
-                want[a] = dx_p[a] = dw_p[a] = dy.placements[a]
-        dy = _placed(dy, tuple(want))
+        want, dx_p, dw_p = gradient_placements(kinds, dy.placements, x.placements)
+        dy = _placed(dy, want)
         xl, wl, dyl = x.to_local(), w.to_local(), dy.to_local()
         dx, dw = op(rows.to_experts(xl), wl, rows.offsets(xl.device), rows.to_experts(dyl))
         dx = rows.from_experts(dx, xl.shape[0])
         mesh = x.device_mesh
-        return (_wrap(dx, mesh, tuple(dx_p), x.shape), _wrap(dw, mesh, tuple(dw_p), w.shape))
+        return (_wrap(dx, mesh, dx_p, x.shape), _wrap(dw, mesh, dw_p, w.shape))
