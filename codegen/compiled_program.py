@@ -9,8 +9,12 @@ which compiles it with inductor on its first call.
 A region that cannot compile runs eager, that region only, and one warning
 says which region and why: never silently. :class:`CompileReport` keeps, per
 region, whether it compiled, the seconds its first (compiling) call took and
-whether inductor's caches held it already (a restart reusing the artifacts of
-an earlier run).
+whether the compile caches held it already (a restart reusing the artifacts
+of an earlier run): AOTAutograd's cache, one entry per region with its forward
+and backward graphs, and inductor's FX-graph cache, one entry per graph. Their
+keys pickle the program's inputs, its ``DeviceMesh`` among them, which carried
+a hash Python salts per process, so no launch found another's entries:
+:func:`ir.torch_compat.compile_cache.stable_mesh_cache_keys` leaves it out.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from ir.torch_compat import compile_counter
+from ir.torch_compat import compile_cache_counts, compile_counter, stable_mesh_cache_keys
 
 __all__ = ["CompileReport", "CompiledRegion", "RegionCompile", "compile_cache_dir"]
 
@@ -41,6 +45,12 @@ class RegionCompile:
         reason: why it runs eager ("" when compiled).
         graphs: the graphs dynamo made of it (one where nothing breaks it up;
             more: parts of it run eager between them).
+        cache_misses: FX-graph cache misses during that call (graphs inductor
+            compiled afresh; one that could not be cached counts too).
+        aot_hits: AOTAutograd cache hits during that call (a region's forward
+            and backward graphs come as one entry, so both load in its first
+            call).
+        aot_misses: AOTAutograd cache misses (traced afresh) or bypasses.
     """
 
     region: str
@@ -49,14 +59,27 @@ class RegionCompile:
     cache_hits: int = 0
     reason: str = ""
     graphs: int = 0
+    cache_misses: int = 0
+    aot_hits: int = 0
+    aot_misses: int = 0
 
     def line(self) -> str:
-        """One log line for it."""
+        """One log line for it: the time, and what the compile caches held."""
         if not self.compiled:
             return f"compile: {self.region} runs eager: {self.reason}"
-        reuse = f", {self.cache_hits} graph(s) from the compile cache" if self.cache_hits else ""
         split = f", in {self.graphs} graphs (parts run eager)" if self.graphs > 1 else ""
-        return f"compile: {self.region} compiled in {self.seconds:.1f} s{reuse}{split}"
+        return f"compile: {self.region} compiled in {self.seconds:.1f} s{self._reuse()}{split}"
+
+    def _reuse(self) -> str:
+        """What came from the compile caches and what did not, as the line's tail."""
+        parts = []
+        if self.cache_hits:
+            parts.append(f"{self.cache_hits} graph(s) from the compile cache")
+        if self.cache_misses:
+            parts.append(f"{self.cache_misses} graph(s) compiled afresh")
+        if self.aot_hits or self.aot_misses:
+            parts.append("AOTAutograd's cache " + ("missed" if self.aot_misses else "hit"))
+        return "".join(", " + part for part in parts)
 
 
 @dataclass
@@ -67,11 +90,6 @@ class CompileReport:
 
     def lines(self) -> list[str]:
         return [r.line() for r in self.regions]
-
-
-def _fx_cache_hits() -> int:
-    """Inductor's FX-graph cache hits so far in this process."""
-    return compile_counter("inductor", "fxgraph_cache_hit")
 
 
 def _graphs_made() -> int:
@@ -108,6 +126,7 @@ class CompiledRegion:
         self.eager = program if eager is None else eager
         self.region = region
         self.report = report
+        stable_mesh_cache_keys()  # else no launch finds another's compiled graphs
         self._compiled: Callable[..., Any] | None = torch.compile(program, backend=backend,
                                                                  dynamic=False)
         self._called = False
@@ -116,7 +135,7 @@ class CompiledRegion:
         if self._called:
             return (self.eager if self._compiled is None else self._compiled)(*args)
         self._called = True
-        hits, graphs, t0 = _fx_cache_hits(), _graphs_made(), time.perf_counter()
+        cache, graphs, t0 = compile_cache_counts(), _graphs_made(), time.perf_counter()
         try:
             out = self._compiled(*args)
         except Exception as err:  # noqa: BLE001 - compile failed: this region runs eager
@@ -126,9 +145,12 @@ class CompiledRegion:
             warnings.warn(outcome.line(), stacklevel=2)
             self._compiled = None
             return self.eager(*args)
-        self.report.regions.append(RegionCompile(self.region, True, time.perf_counter() - t0,
-                                                 _fx_cache_hits() - hits,
-                                                 graphs=_graphs_made() - graphs))
+        seconds, now = time.perf_counter() - t0, compile_cache_counts()
+        lookups = {k: now[k] - cache[k] for k in now}
+        self.report.regions.append(RegionCompile(
+            self.region, True, seconds, lookups["fx_hit"], graphs=_graphs_made() - graphs,
+            cache_misses=lookups["fx_miss"], aot_hits=lookups["aot_hit"],
+            aot_misses=lookups["aot_miss"]))
         return out
 
 

@@ -74,3 +74,57 @@ def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
     assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
     assert "compile: the program compiled in" in result["output"]
     assert "parts run eager" not in result["output"]  # one graph
+
+
+_COMPILE_ONCE = """
+import json
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from codegen.compiled_program import CompileReport, CompiledRegion
+
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+hash(mesh)  # as DTensor's sharding caches do: the mesh keeps Python's salted hash
+
+def program(w, x, mesh):  # a lowered program: the mesh is one of its inputs
+    y = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return (y @ w).relu().redistribute(mesh, (Replicate(),)).to_local().sum()
+
+report = CompileReport()
+w = distribute_tensor(torch.ones(8, 8), mesh, [Replicate()]).requires_grad_()
+CompiledRegion(program, "the program", report)(w, torch.ones(4, 8), mesh).backward()
+region = report.regions[0]
+print(json.dumps({"line": region.line(), "fx_hits": region.cache_hits,
+                  "fx_misses": region.cache_misses, "aot_hits": region.aot_hits,
+                  "aot_misses": region.aot_misses}))
+dist.destroy_process_group()
+"""
+
+
+def test_second_launch_takes_the_compiled_graphs_from_the_cache(tmp_path):
+    """A restart reuses the compiled graphs: a DTensor program compiled in one
+    process is, in a fresh process sharing the cache folder, found in
+    AOTAutograd's and inductor's caches (their keys once held the mesh's
+    per-process salted hash, and every launch missed both)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def launch(hash_seed: str) -> dict:  # two launches salt Python's hash differently
+        done = subprocess.run([sys.executable, "-c", _COMPILE_ONCE], cwd=root,
+                              env={**env, "PYTHONHASHSEED": hash_seed},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = launch("1"), launch("2")
+    assert first["aot_misses"] == 1 and first["fx_misses"] >= 1 and first["fx_hits"] == 0
+    assert second["aot_hits"] == 1 and second["aot_misses"] == 0, second
+    assert second["fx_hits"] == 2 and second["fx_misses"] == 0, second  # forward and backward
+    assert "2 graph(s) from the compile cache, AOTAutograd's cache hit" in second["line"]

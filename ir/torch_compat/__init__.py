@@ -7,7 +7,8 @@ range is the one pyproject.toml declares. The capture's and DTensor's hooks
 live here; fake tensors, fake process groups and meshes in
 :mod:`ir.torch_compat.fake`; the fused attention kernels' aten ops in
 :mod:`ir.torch_compat.kernels`; coalesced functional collectives in
-:mod:`ir.torch_compat.collectives`. Import them all from ``ir.torch_compat``.
+:mod:`ir.torch_compat.collectives`; compile-cache keys stable across launches in
+:mod:`ir.torch_compat.compile_cache`. Import them all from ``ir.torch_compat``.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import torch.fx.config
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ir.torch_compat.collectives import all_gather_coalesced, all_reduce_coalesced
+from ir.torch_compat.compile_cache import compile_cache_counts, stable_mesh_cache_keys
 from ir.torch_compat.fake import (fake_store_type, fake_tensor_mode_type, fake_tensor_on,
                                   mesh_without_groups, outside_fake_mode)
 from ir.torch_compat.kernels import cpu_flash_attention_ops, cuda_attention_ops
 
 __all__ = [
     "FUSED_ATTENTION_ORDER", "KEPT_FUSED_OPS", "OpOverload", "SDPA", "all_gather_autograd",
-    "all_gather_coalesced", "all_reduce_coalesced", "compile_counter",
+    "all_gather_coalesced", "all_reduce_coalesced", "compile_cache_counts", "compile_counter",
     "aot_export_module",
     "autograd_redistribute",
     "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
@@ -38,7 +40,8 @@ __all__ = [
     "is_strided_shard", "local_tensor", "mesh_without_groups", "mask_partial_type", "op_schema_info",
     "op_strategy_functions", "register_dtensor_handler", "register_fused_attention_sharding",
     "register_sharding_rule", "register_zeros_like_input_sharding", "sharding_propagator",
-    "single_dim_expansion", "strided_shard", "strided_shard_type", "without_dtensor_handler",
+    "single_dim_expansion", "stable_mesh_cache_keys", "strided_shard", "strided_shard_type",
+    "without_dtensor_handler",
     "without_dtensor_redistribute_costs", "zero_masked_rows",
 ]
 
