@@ -105,9 +105,15 @@ class StageExecutor(PlanExecutor):
         # from its own copy of the micro-batch, not from the stage before: values
         # that get no gradient are not sent (torch 2.11's stages mark every
         # received buffer as requiring one, which integers cannot).
+        # The program's constants (attributes torch.export lifts, e.g. rotary
+        # tables) are the program's inputs too, but each stage holds its own.
         users = set(self.user_input_names)
-        self.received = [n for n in self.stage.inputs if self.is_first or n not in users]
-        self.sent = [n for n in self.stage.outputs if self.is_last or n not in users]
+        self.constants = {spec.arg.name for spec in sig.input_specs
+                          if spec.kind.name == "CONSTANT_TENSOR"}
+        self.received = [n for n in self.stage.inputs if n not in self.constants
+                         and (self.is_first or n not in users)]
+        self.sent = [n for n in self.stage.outputs if n not in self.constants
+                     and (self.is_last or n not in users)]
         if not self.is_first:
             for n in self.received:
                 val = self._vals.get(n)
@@ -268,7 +274,8 @@ class StageExecutor(PlanExecutor):
         have = set(self.stage.inputs) | set(self._placeholders)
         if self.is_first:
             have |= set(self.user_input_names)
-            extra = [n for n in self.stage.inputs if n not in self.user_input_names]
+            extra = [n for n in self.stage.inputs
+                     if n not in self.user_input_names and n not in self.constants]
             if extra:
                 raise PipelinePlanError(f"the first stage's input {extra[0]} is not a user input "
                                         f"({', '.join(self.user_input_names)})")
@@ -385,7 +392,7 @@ class StageExecutor(PlanExecutor):
     def _local_user_inputs(self) -> dict[str, DTensor]:
         """The user inputs a later stage reads, from this rank's copy of the
         current micro-batch, at the stage's planned placements."""
-        wanted = [n for n in self.stage.inputs if n not in self.received]
+        wanted = [n for n in self.stage.inputs if n not in self.received and n not in self.constants]
         if not wanted:
             return {}
         if not 0 <= self.microbatch_index < len(self.microbatches):
