@@ -118,14 +118,10 @@ def exchange_axis(target: str, inputs: Sequence[Sequence[Any]],
 
 
 def register_grouped_mm_sharding() -> bool:
-    """Give DTensor the grouped matmuls' strategies and their sharded runs
-    (forward and backward), once per process: torch's own always
-    (:func:`ir.grouped_mm_aten.register_aten_grouped_mm_sharding`),
-    transformers' fallback where registered; False when it is not
-    (transformers not imported yet)."""
-    from ir.grouped_mm_aten import register_aten_grouped_mm_sharding
-
-    register_aten_grouped_mm_sharding()
+    """Give DTensor transformers' grouped matmul's strategies and its sharded
+    runs (forward and backward), once per process; False when the op is not
+    registered (transformers not imported yet). torch's own op:
+    :func:`ir.grouped_mm_aten.register_aten_grouped_mm_sharding`."""
     ops = _ops()
     if ops is not None:
         _register(*ops)

@@ -21,6 +21,7 @@ from ir.block_capture.program import SynthesizedProgram
 from ir.block_capture.trace import fast_trace
 from ir.graph import Graph
 from ir.grouped_mm import GROUPED_MM, register_grouped_mm_sharding
+from ir.grouped_mm_aten import register_aten_grouped_mm_sharding
 from ir.program_capture import (TraceError, as_tuple, capture, eager_error, torch_output_logged,
                                 value_read, value_read_reason, write_torch_log)
 
@@ -47,7 +48,8 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[Any] | Any,
     What torch prints or logs meanwhile (a failed export's program dumps)
     stays off the terminal; a failure's error names the file it went to.
     A program with Hugging Face's grouped expert matmul registers its DTensor
-    sharding (:func:`ir.grouped_mm.register_grouped_mm_sharding`), one with
+    sharding (:func:`ir.grouped_mm.register_grouped_mm_sharding`, torch's own
+    :func:`ir.grouped_mm_aten.register_aten_grouped_mm_sharding`), one with
     functional writes their backward (:mod:`ir.functional_backward`).
 
     Raises:
@@ -75,6 +77,7 @@ def _register_op_support(graph: Graph) -> None:
     targets = {node.target for node in graph.nodes}
     if targets.intersection(GROUPED_MM):
         register_grouped_mm_sharding()
+        register_aten_grouped_mm_sharding()
     register_functional_backward(targets)
 
 

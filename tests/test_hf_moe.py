@@ -23,6 +23,7 @@ pytest.importorskip("transformers", reason="Hugging Face transformers is not ins
 import transformers.integrations.moe  # noqa: E402,F401 - registers transformers' ops
 
 from ir.grouped_mm import exchange_axis, register_grouped_mm_sharding  # noqa: E402
+from ir.grouped_mm_aten import register_aten_grouped_mm_sharding  # noqa: E402
 from ir.torch_compat import fake_store_type, register_zeros_like_input_sharding  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -190,6 +191,7 @@ def _grouped_mm_rank(rank: int, world: int, port: int, dtypes: tuple) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     register_grouped_mm_sharding()
+    register_aten_grouped_mm_sharding()
     for dtype in dtypes:
         _check_grouped_mm_cases(dtype)
     dist.destroy_process_group()
