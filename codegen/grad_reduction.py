@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.placement_types import Placement
 
 from codegen.redistribution import redistribute
+from costmodel.cluster import backend_reduce_scatters_by_all_reduce
 from ir.torch_compat import all_gather_coalesced, all_reduce_coalesced
 
 __all__ = ["BUCKET_BYTES", "gather_slices", "grads_to_placements", "is_pending_sum",
@@ -141,7 +142,7 @@ def reduce_scatter_is_all_reduce(mesh: DeviceMesh) -> bool:
     """Whether the backend of 1-D ``mesh`` reduce-scatters by all-reducing
     each tensor whole (gloo): one coalesced all-reduce then costs no more
     bytes, and one call instead of one per tensor."""
-    return dist.get_backend(mesh.get_group()) == "gloo"
+    return backend_reduce_scatters_by_all_reduce(dist.get_backend(mesh.get_group()))
 
 
 def sum_slices(pieces: Sequence[tuple[torch.Tensor, int, int, int]], mesh: DeviceMesh

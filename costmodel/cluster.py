@@ -28,6 +28,7 @@ __all__ = [
     "check_mesh_shape",
     "Link",
     "alpha_beta_table",
+    "backend_reduce_scatters_by_all_reduce",
     "DeviceSpec",
     "Cluster",
     "BACKENDS",
@@ -194,6 +195,14 @@ def alpha_beta_table(fits: Mapping[str, Any], where: str = "collectives"
                               "seconds"),
          _need_positive(f"{where}.{k}.bandwidth", v.get("bandwidth"), "bytes/s"))
         for k, v in per.items())
+
+
+def backend_reduce_scatters_by_all_reduce(backend: str) -> bool:
+    """Whether ``backend`` reduce-scatters by all-reducing each tensor whole
+    (gloo), so that a ZeRO-1 step all-reduces its gradients in one coalesced
+    call and each rank keeps its slice (:mod:`codegen.zero1`, which the cost
+    model prices as it runs)."""
+    return backend == "gloo"
 
 
 @dataclass(frozen=True)
@@ -506,6 +515,11 @@ class Cluster:
         if not 1 <= devices_per_node <= self.devices_per_node:
             raise ClusterError(f"sub_cluster devices_per_node must be in 1..{self.devices_per_node}, got {devices_per_node}")
         return replace(self, num_nodes=num_nodes, devices_per_node=devices_per_node)
+
+    @property
+    def reduce_scatters_by_all_reduce(self) -> bool:
+        """:func:`backend_reduce_scatters_by_all_reduce` of this cluster's backend."""
+        return backend_reduce_scatters_by_all_reduce(self.backend)
 
     @property
     def overlaps_collectives(self) -> bool:

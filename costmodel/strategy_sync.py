@@ -120,11 +120,15 @@ class GradientSyncPricing(StrategySettings):
         their gradients (in the reduce dtype) and the all-gather of the
         parameters (in the compute dtype), one collective each (as FSDP2 issues
         them for a stage; ring: together the bytes and time of the one
-        all-reduce, in the reduce dtype, Megatron's DDP issues under ``reduce_once``)."""
+        all-reduce, in the reduce dtype, Megatron's DDP issues under ``reduce_once``).
+        ZeRO-1 (:mod:`codegen.zero1`) on a backend that reduce-scatters by
+        all-reducing (gloo) all-reduces the gradients instead, as it runs."""
         if self.step_sync_ranks == 1 or nbytes <= 0:
             return 0.0
         n, link = self.step_sync_ranks, self.links[0]
-        return (collective_time("reduce_scatter", nbytes * self.reduce_scale, n, link)
+        gradients = ("all_reduce" if self.zero_stage == 1
+                     and self.cluster.reduce_scatters_by_all_reduce else "reduce_scatter")
+        return (collective_time(gradients, nbytes * self.reduce_scale, n, link)
                 + collective_time("all_gather", nbytes * self.gather_scale, n, link))
 
     def zero3_layer_collectives(self, nbytes: float, layer_bytes: float) -> tuple[float, float]:

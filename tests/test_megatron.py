@@ -210,8 +210,9 @@ def test_megatron_pipeline_prices_the_distributed_optimizer_over_dp():
     """Megatron's distributed optimizer in a pipeline (tp=1 pp=2 dp=2, 4
     micro-batches): its stages record ZeRO-1 over the dp axis, keep half the
     optimizer states of the same configuration without it and update half of
-    them; both reduce the gradients once per step (reduce-scatter and
-    all-gather, or DDP's all-reduce: the same ring time)."""
+    them; both reduce the gradients once per step: DDP all-reduces them, and
+    the distributed optimizer on gloo too (it reduce-scatters by
+    all-reducing), then all-gathers the updated parameters."""
     model, inputs = build_model("gpt-tiny", device="meta")
     plans = [megatron_plan(model, "local-cpu:4", MegatronConfig(
         1, 2, use_distributed_optimizer=dist, pipeline_model_parallel_size=2,
@@ -223,7 +224,7 @@ def test_megatron_pipeline_prices_the_distributed_optimizer_over_dp():
         b = plain.predicted["memory_bytes_per_device"]
         assert a["optimizer"] == pytest.approx(b["optimizer"] / 2, rel=1e-6, abs=2)
         assert a["params"] == b["params"] and a["grads"] == b["grads"]
-        assert zero1.predicted["grad_sync_s"] == pytest.approx(plain.predicted["grad_sync_s"])
+        assert zero1.predicted["grad_sync_s"] > plain.predicted["grad_sync_s"]
         assert zero1.predicted["backward_input_s"] == pytest.approx(
             plain.predicted["backward_input_s"])
         assert zero1.predicted["update_s"] < plain.predicted["update_s"]

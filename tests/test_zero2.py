@@ -102,3 +102,23 @@ def test_plan_with_zero_stages_2_records_zero2_stages_and_refuses_bad_stages():
     for bad in ([4], [-1], []):
         with pytest.raises(PlanningError, match=r"ZeRO stages must be 0 \(none\), 1 "):
             plan(model, "local-cpu:4", zero_stages=bad, **kwargs)
+
+
+def test_zero1_on_gloo_is_priced_as_the_all_reduce_it_runs():
+    """ZeRO-1's step (codegen.zero1) all-reduces the gradients on gloo, which
+    reduce-scatters by all-reducing each tensor whole, and each rank keeps
+    its slice; on NCCL it reduce-scatters; FSDP2's ZeRO-2 reduce-scatters on
+    both. The updated parameters are all-gathered on all."""
+    import dataclasses
+
+    model, inputs = build_model("gpt-tiny", device="meta")
+    graph = trace(model, inputs)
+    gloo = load_cluster("local-cpu:4")
+    link = axis_links(gloo, (4,))[0]
+    nbytes = 4.0e6
+    gather = collective_time("all_gather", nbytes, 4, link)
+    for cluster, zero, kind in ((gloo, 1, "all_reduce"), (gloo, 2, "reduce_scatter"),
+                                (dataclasses.replace(gloo, backend="nccl"), 1, "reduce_scatter")):
+        cost = IntraOpCost(graph, cluster, (4,), "float32", "adam", zero_stage=zero)
+        assert cost.zero_collectives(nbytes) == pytest.approx(
+            collective_time(kind, nbytes, 4, link) + gather, rel=1e-12), (cluster.backend, zero)
