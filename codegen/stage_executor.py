@@ -392,7 +392,8 @@ class StageExecutor(PlanExecutor):
     def _local_user_inputs(self) -> dict[str, DTensor]:
         """The user inputs a later stage reads, from this rank's copy of the
         current micro-batch, at the stage's planned placements."""
-        wanted = [n for n in self.stage.inputs if n not in self.received and n not in self.constants]
+        wanted = [n for n in self.stage.inputs
+                  if n not in self.received and n not in self.constants]
         if not wanted:
             return {}
         if not 0 <= self.microbatch_index < len(self.microbatches):

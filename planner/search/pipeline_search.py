@@ -173,6 +173,11 @@ class SearchOptions:
     zero_finalists: int = 2
 
     @property
+    def schedule_choices(self) -> list[str]:
+        """The schedules allowed (canonical names): ``schedules``, or all the search tries."""
+        return [canonical_schedule(s) for s in (self.schedules or SEARCH_SCHEDULES)]
+
+    @property
     def zero_choices(self) -> list[int]:
         """The ZeRO stages allowed: ``zero_stages``, or all the search knows."""
         return list(SEARCH_ZERO_STAGES if self.zero_stages is None else self.zero_stages)
@@ -197,7 +202,7 @@ def configurations(ctx: SearchContext, opts: SearchOptions
     micro-batches are counted in whole sequences (cp rows of the program
     each) and only the configurations :meth:`SearchContext.allows` are kept."""
     n = ctx.settings.cluster.num_devices
-    schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
+    schedules = opts.schedule_choices
     pps = list(opts.pp) if opts.pp else [p for p in range(1, n + 1) if n % p == 0]
     zeros = opts.zero_choices
     num_layers = len(ctx.program(1).layers)
@@ -288,7 +293,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     than one rank on axis 0) that ZeRO promises most (:func:`_zero3_estimate`),
     priced, best first; none unless ``opts`` allows 0 and a ZeRO stage. The
     variant of a single stage of the whole batch (:data:`NO_PIPELINE`) is
-    :func:`_zero_stage_of_whole_batch`. The groups are priced together
+    :func:`_zero_variant_schedule`. The groups are priced together
     (:func:`planner.search.phases.price_all`; in their order within each
     pricing scope, as if one after the other).
 
@@ -303,14 +308,14 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     if 0 not in zeros or not zero_stages_priced(zeros, ctx.settings.dtype,
                                                 ctx.settings.optimizer, 2):
         return [[] for _ in groups]
-    schedules = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
+    schedules = opts.schedule_choices
 
     def eligible(c: PipelineCandidate) -> bool:
         return (not c.mesh.zero_stage and c.mesh.shape[0] > 1
                 and (c.schedule != NO_PIPELINE or ACCUMULATING_SCHEDULE in schedules))
 
     def variants(c: PipelineCandidate) -> list[tuple]:
-        pp, v, schedule, m = _zero_stage_of_whole_batch(c)
+        pp, v, schedule, m = _zero_variant_schedule(c)
         # a schedule that splits the backward runs ZeRO-2 where ZeRO-3 cannot run
         allowed = [z for z in zeros if not schedule_spec(schedule).zero_stage_problem(z)]
         return [(pp, v, dataclasses.replace(c.mesh, zero_stage=zero), schedule, m)
@@ -332,7 +337,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     return out
 
 
-def _zero_stage_of_whole_batch(c: PipelineCandidate) -> tuple[int, int, str, int]:
+def _zero_variant_schedule(c: PipelineCandidate) -> tuple[int, int, str, int]:
     """(pp, stages per rank, schedule, micro-batches) of ``c``'s ZeRO
     variants: ``c``'s own, except for a single stage of the whole batch
     (:data:`NO_PIPELINE`, which runs no schedule and so no ZeRO), whose ZeRO

@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from costmodel.cluster import Cluster, candidate_mesh_shapes
-from costmodel.schedules import canonical_schedule, default_stages_per_rank
+from costmodel.schedules import default_stages_per_rank
 from costmodel.strategy_cost import IntraOpCost
 from ir.exported_graph import tied_parameters
 from ir.graph import Graph
@@ -41,7 +41,7 @@ from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             whole_batch_allowed, zero_variants)
 from planner.search.plan_assembly import build_plan, model_record, training_record
 from planner.search.settings import SearchSettings
-from planner.search.stage_dp import SEARCH_SCHEDULES, PipelineCandidate, stage_mesh_options
+from planner.search.stage_dp import PipelineCandidate, stage_mesh_options
 from planner.search.stage_reuse import total_memory
 
 __all__ = ["best_single_stage", "check_zero_stages", "search_plan", "two_processes",
@@ -106,7 +106,7 @@ def _no_pipeline_reason(ctx: SearchContext, opts: SearchOptions) -> str:
     """Why the search could build no pipeline of the sizes ``opts.pp`` asks for."""
     layers = len(ctx.program(1).layers)
     sizes = ",".join(map(str, opts.pp))
-    wanted = [canonical_schedule(s) for s in (opts.schedules or SEARCH_SCHEDULES)]
+    wanted = opts.schedule_choices
     fewest = min(min(opts.pp) * default_stages_per_rank(s) for s in wanted)
     if fewest > layers:
         return (f"no pipeline with pp={sizes}: the model has {layers} pipeline layer(s) (its "
