@@ -17,7 +17,7 @@ The stage's parameters are owned by :class:`codegen.stage_module.StageModule`;
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ from codegen.pipeline_validation import PipelinePlanError
 from codegen.redistribution import contiguous_strides, redistribute
 from codegen.zero3_units import UnitModule, UnitRun
 from costmodel.strategy_cost import FSDP_STAGES
+from ir.node import draws_random
 from ir.placements import parse_placements, placement_str
 from ir.precision import cast_float
 from ir.repeated_blocks import find_layers
@@ -40,7 +41,7 @@ from ir.shard_units import ShardUnit, shard_units
 from ir.torch_compat import is_strided_shard
 from plan.format import Plan, StagePlan
 
-__all__ = ["StageExecutor", "local_shape"]
+__all__ = ["StageExecutor", "local_shape", "recomputable_cones"]
 
 
 # ------------------------------------------------------------------ local shapes
@@ -107,20 +108,27 @@ class StageExecutor(PlanExecutor):
         # received buffer as requiring one, which integers cannot).
         # The program's constants (attributes torch.export lifts, e.g. rotary
         # tables) are the program's inputs too, but each stage holds its own.
+        # Values that carry no gradient and come from the user inputs alone (an
+        # attention mask) are computed again by each stage that reads them.
         users = set(self.user_input_names)
         self.constants = {spec.arg.name for spec in sig.input_specs
                           if spec.kind.name == "CONSTANT_TENSOR"}
+        not_sent = set() if self.is_last else set(recomputable_cones(self.ep, self.stage.outputs))
         self.received = [n for n in self.stage.inputs if n not in self.constants
-                         and (self.is_first or n not in users)]
+                         and (self.is_first or (n not in users and n not in self._recomputed))]
         self.sent = [n for n in self.stage.outputs if n not in self.constants
-                     and (self.is_last or n not in users)]
+                     and (self.is_last or n not in users) and n not in not_sent]
+        self._local_inputs = [n for n in self.user_input_names if n in self._reads_of_calls()
+                              or (n in self.stage.inputs and n not in self.received)]
         if not self.is_first:
             for n in self.received:
                 val = self._vals.get(n)
                 if isinstance(val, torch.Tensor) and not val.is_floating_point():
                     raise PipelinePlanError(
                         f"stage {stage.index} would receive {n} ({val.dtype}) from the stage "
-                        f"before; only floating values, which carry a gradient, cross stages")
+                        f"before; only floating values, which carry a gradient, cross stages, "
+                        f"and it is not made from the user inputs alone; plan this model "
+                        f"without a pipeline (--pp 1)")
         # set by the runtime for each step and micro-batch (:class:`codegen.pipeline._Stage`)
         self.microbatches: list[tuple[Any, ...]] = []
         self.microbatch_index = 0
@@ -237,22 +245,30 @@ class StageExecutor(PlanExecutor):
                                     f"{want} but its sub-mesh has shape {list(mesh.shape)}")
 
     def _program_calls(self) -> list[torch.fx.Node]:
+        """The stage's ops, and before a later stage's, the ops that compute the
+        values it recomputes instead of receiving (:func:`recomputable_cones`)."""
         calls = [n for n in self.ep.graph.nodes if n.op == "call_function"]
         names = {n.name for n in calls}
         unknown = [n for n in self.stage.nodes if n not in names]
         if unknown:
             raise PlanMismatchError(f"stage {self.stage.index} runs node {unknown[0]} that the "
                                     f"captured program does not have; re-plan this model")
-        wanted = set(self.stage.nodes)
+        cones = {} if self.stage.index == 0 else recomputable_cones(self.ep, self.stage.inputs)
+        self._recomputed = set(cones)
+        wanted = set(self.stage.nodes) | {n.name for cone in cones.values() for n in cone}
         return [n for n in calls if n.name in wanted]
 
     def _kept_values(self) -> set[str]:
         return set(self.stage.outputs)
 
     def _wants_placeholder(self, name: str) -> bool:
+        return name in self._reads_of_calls()
+
+    def _reads_of_calls(self) -> set[str]:
+        """The names of the values the stage's ops read."""
         if not hasattr(self, "_reads"):
             self._reads = {a.name for n in self._calls for a in n.all_input_nodes}
-        return name in self._reads
+        return self._reads
 
     def _checkpoint_layers(self) -> list[str]:
         if not self.stage.checkpoint:
@@ -267,11 +283,11 @@ class StageExecutor(PlanExecutor):
         return list(self.stage.checkpoint)
 
     def _planned_node_names(self) -> list[str]:
-        return list(self.stage.nodes)
+        return [n.name for n in self._calls]
 
     def _check_boundary(self) -> None:
         """Every value the stage reads is its input, its own, or a parameter/buffer/constant."""
-        have = set(self.stage.inputs) | set(self._placeholders)
+        have = set(self.stage.inputs) | set(self._placeholders) | set(self._local_inputs)
         if self.is_first:
             have |= set(self.user_input_names)
             extra = [n for n in self.stage.inputs
@@ -392,8 +408,7 @@ class StageExecutor(PlanExecutor):
     def _local_user_inputs(self) -> dict[str, DTensor]:
         """The user inputs a later stage reads, from this rank's copy of the
         current micro-batch, at the stage's planned placements."""
-        wanted = [n for n in self.stage.inputs
-                  if n not in self.received and n not in self.constants]
+        wanted = self._local_inputs
         if not wanted:
             return {}
         if not 0 <= self.microbatch_index < len(self.microbatches):
@@ -404,6 +419,44 @@ class StageExecutor(PlanExecutor):
                                      parse_placements(self._input_placements(n)),
                                      src_data_rank=None)
                 for n in wanted}
+
+
+def recomputable_cones(program: Any, names: Iterable[str]) -> dict[str, list[torch.fx.Node]]:
+    """The values among ``names`` that a later stage computes for itself rather
+    than receive from the stage before: those that are not floating (they carry
+    no gradient, and only values that do cross stages) and that the program
+    computes from its user inputs and lifted constants alone, by ops that draw
+    no random numbers (an attention mask made from the token ids). Each maps to
+    the ops that compute it, in program order. The sending and the receiving
+    stage both ask this, so they agree on what crosses."""
+    signature = program.graph_signature
+    sources = {spec.arg.name for spec in signature.input_specs
+               if spec.kind.name in ("USER_INPUT", "CONSTANT_TENSOR")}
+    nodes = {n.name: n for n in program.graph.nodes}
+    order = {n: i for i, n in enumerate(program.graph.nodes)}
+    cones: dict[str, list[torch.fx.Node]] = {}
+    for name in names:
+        node = nodes.get(name)
+        val = node.meta.get("val") if node is not None else None
+        if (node is None or node.op != "call_function" or not isinstance(val, torch.Tensor)
+                or val.is_floating_point()):
+            continue
+        cone: set[torch.fx.Node] = set()
+        stack, computable = [node], True
+        while stack and computable:
+            n = stack.pop()
+            if n in cone:
+                continue
+            if n.op == "placeholder":
+                computable = n.name in sources
+            elif n.op != "call_function" or draws_random(str(n.target)):
+                computable = False
+            else:
+                cone.add(n)
+                stack.extend(n.all_input_nodes)
+        if computable:
+            cones[name] = sorted(cone, key=order.__getitem__)
+    return cones
 
 
 class _NotAView(torch.autograd.Function):

@@ -109,3 +109,56 @@ def test_check_refuses_a_model_with_dropout_before_starting_ranks(tmp_path):
         launch(path, check=True)
     message = str(err.value)
     assert err.value.user_error and "native_dropout" in message and "dropout to 0" in message
+
+
+def test_a_mask_made_from_the_token_ids_is_recomputed_by_later_stages_not_sent():
+    """A pipeline stage after the first computes Qwen2's boolean attention mask
+    again from its own copy of the micro-batch (only values with a gradient cross
+    stages); values of the activations are never recomputed. The pp=2 plan runs
+    with ``--check`` in test_a_pipeline_of_qwen2_with_its_mask_passes_check."""
+    import operator
+
+    from codegen.capture import capture_program
+    from codegen.stage_executor import recomputable_cones
+
+    model, inputs = build_model(f"hf:qwen2,{SMALL},tie_word_embeddings=false", device="meta",
+                                batch_size=2, seq_len=16)
+    program = capture_program(model, inputs, device=torch.device("cpu")).ep
+    values = [n for n in program.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    cones = recomputable_cones(program, [n.name for n in values])
+    masks = [n for n in values if n.name in cones and n.meta["val"].dtype == torch.bool
+             and n.meta["val"].dim() == 4]
+    assert masks, "no 4-d boolean mask among the recomputable values"
+    user_inputs = set(program.graph_signature.user_inputs)
+    for name, cone in cones.items():
+        assert not cone[-1].meta["val"].is_floating_point() and cone[-1].name == name
+        read = {a.name for n in cone for a in n.all_input_nodes if a.op == "placeholder"}
+        assert read <= user_inputs | set(program.graph_signature.inputs_to_lifted_tensor_constants)
+    floats = [n.name for n in values if n.op == "call_function"
+              and n.meta["val"].is_floating_point() and n.target is not operator.getitem]
+    assert not set(recomputable_cones(program, floats))
+
+
+@pytest.mark.slow  # 60 s on 2 ranks; the mask's recompute is checked above without ranks
+def test_a_pipeline_of_qwen2_with_its_mask_passes_check(tmp_path):
+    from planner.api import pipeline_plan
+
+    spec = f"hf:qwen2,{SMALL},tie_word_embeddings=false"
+    model, inputs = build_model(spec, device="meta", batch_size=4, seq_len=16)
+    result = pipeline_plan(model, "local-cpu:2", example_inputs=inputs, pp=2, stage_mesh=(1,),
+                           schedule="1f1b", num_microbatches=2, model_source=spec,
+                           zoo_kwargs={"batch_size": 4, "seq_len": 16})
+    path = tmp_path / "plan.json"
+    result.save(str(path))
+    outcome = launch(path, check=True, steps=1)
+    assert outcome["passed"], outcome["output"]
+
+
+def test_the_cli_refuses_pipelines_of_a_tied_model_in_one_line(tmp_path, capsys):
+    from app.cli import main
+
+    code = main(["plan", "--model", f"hf:qwen2,{SMALL},tie_word_embeddings=true", "--cluster",
+                 "local-cpu:2", "--seq-len", "16", "--pp", "2", "-o", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and not (tmp_path / "p.json").exists()
+    assert "no pipeline with pp=2: parameter hf.lm_head.weight is tied to " in err

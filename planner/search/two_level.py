@@ -83,10 +83,14 @@ def _pipeline_sizes(pp: Sequence[int] | None, model: torch.nn.Module) -> Sequenc
     """The pipeline sizes to search: ``pp`` (None: all), or only 1 (no pipeline)
     for a model with tied parameters, which the pipeline runtime cannot split
     over stages (GPT-2's embedding and head would be one tensor in the first
-    and the last stage), said in a warning."""
+    and the last stage), said in a warning; a :class:`PlanningError` where
+    ``pp`` asks for pipelines only."""
     why = unpipelinable(model)
     if why is None or (pp is not None and list(pp) == [1]):
         return pp
+    if pp is not None and 1 not in pp:
+        raise PlanningError(f"no pipeline with pp={','.join(map(str, pp))}: {why}; plan "
+                            f"pp=1, or untie them")
     warnings.warn(f"no pipeline plans: {why}; single-stage plans only", stacklevel=3)
     return [1]
 
