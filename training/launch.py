@@ -1,8 +1,13 @@
 """Start a plan's ranks: ``planner run`` (:func:`launch`) and ``planner train``
 (:func:`train`), on this node or one node of several.
 
-Both run the one training job, ``torchrun ... -m training.job``, its settings
-(:class:`training.config.TrainConfig`) handed over as JSON in the environment.
+Both run the one training job (:mod:`training.job`), its settings
+(:class:`training.config.TrainConfig`) handed over as JSON: on one node, its
+ranks are started by torch's elastic agent in this process and forked from a
+preloaded forkserver (:mod:`training.local_agent`; a script that calls these
+functions needs Python's ``if __name__ == "__main__":`` guard, as for any
+multiprocessing); over several nodes, by ``torchrun ... -m training.job`` on
+each node.
 :func:`launch` runs ``planner run``'s job (``report="run"``: a constant
 learning rate, the ``--check`` hook, :mod:`training.run_check`) and returns
 rank 0's result JSON:
@@ -27,14 +32,16 @@ import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 from ir.node import draws_random
 from plan.format import load_plan
 from training.config import CONFIG_ENV, TrainConfig
+from training.local_agent import run_local_ranks
 from training.torchrun import (LaunchError, Nodes, cpu_fallback_note, end_group,
                                first_error_line, keep_log, output_tail, rank_env,
-                               rank_failure_line, run_ranks, runnable_world, torchrun_placement)
+                               rank_failure_line, run_ranks, runnable_world, timeout_error,
+                               torchrun_placement)
 
 __all__ = ["TrainOutcome", "launch", "train"]
 
@@ -134,31 +141,57 @@ def train(config: TrainConfig, *, nodes: Nodes | None = None, max_restarts: int 
     note = cpu_fallback_note(job.plan, config.plan)
     if note:
         print(f"note: {note}", file=out, flush=True)
+    log_path = _log_path(config)
+    with open(log_path, "a") as log, _Progress(out) as progress:
+        def show(line: str) -> None:
+            log.write(line)
+            log.flush()
+            progress.line(line.rstrip("\n"))
+
+        if nodes is None:  # every rank here: the elastic agent in this process
+            returncode, stdout, stderr, _ = run_local_ranks(
+                job.plan.world_size, json.dumps(config.as_dict()), rank_env(env),
+                on_cpu=_on_cpu(job.plan),
+                max_restarts=max_restarts, on_rank0_line=show)
+            output = stdout + stderr
+            log.write(output)  # every rank's whole output, after rank 0's lines as they came
+        else:
+            returncode, output = _train_on_nodes(config, job.plan.world_size, nodes, max_restarts,
+                                                  env, show)
+    error = first_error_line(output) if returncode else None
+    bad_input = returncode != 0 and bool(re.search(r"exitcode\s*:\s*2\b", output))
+    return TrainOutcome(returncode, log_path, error, bad_input)
+
+
+def _on_cpu(plan: Any) -> bool:
+    """Whether the plan's ranks run on the CPU here (:func:`codegen.rank_process.runtime_device`)."""
+    from codegen.rank_process import runtime_device
+
+    return runtime_device(plan.cluster, 0)[1].type == "cpu"
+
+
+def _train_on_nodes(config: TrainConfig, world: int, nodes: Nodes, max_restarts: int,
+                    env: dict[str, str] | None, show: Callable[[str], None]) -> tuple[int, str]:
+    """This node's ranks of a job over several nodes, under torchrun, each line
+    they write handed to ``show``; torchrun's exit status and the whole output."""
     # the config goes to the ranks in the environment: torchrun's own parser would
     # take some of the job's flags (--log) for abbreviations of its options
     cmd = [sys.executable, "-m", "torch.distributed.run",
-           *_torchrun_args(job.plan.world_size, nodes, max_restarts, config.plan),
+           *_torchrun_args(world, nodes, max_restarts, config.plan),
            "-m", "training.job"]
     env = {**(env or {}), CONFIG_ENV: json.dumps(config.as_dict())}
-    log_path = _log_path(config)
     text: list[str] = []
-    with open(log_path, "a") as log, _Progress(out) as progress:
-        proc = subprocess.Popen(cmd, env=rank_env(env), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        try:
-            for line in proc.stdout:
-                log.write(line)
-                log.flush()
-                text.append(line)
-                progress.line(line.rstrip("\n"))
-            proc.wait()
-        except BaseException:
-            end_group(proc)
-            raise
-    output = "".join(text)
-    error = first_error_line(output) if proc.returncode else None
-    bad_input = proc.returncode != 0 and bool(re.search(r"exitcode\s*:\s*2\b", output))
-    return TrainOutcome(proc.returncode, log_path, error, bad_input)
+    proc = subprocess.Popen(cmd, env=rank_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        for line in proc.stdout:
+            text.append(line)
+            show(line)
+        proc.wait()
+    except BaseException:
+        end_group(proc)
+        raise
+    return proc.returncode, "".join(text)
 
 
 def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int = 1,
@@ -201,7 +234,6 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
     world = runnable_world(plan, plan_path, nproc)
     if check:
         _refuse_random_check(plan, plan_path)
-    where = torchrun_placement(world, nodes, plan_path)
     with tempfile.TemporaryDirectory(prefix="planner-run-") as tmp:
         result_path = os.path.join(tmp, "result.json")
         config = TrainConfig(
@@ -209,10 +241,18 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
             lr=float(lr), min_lr_ratio=1.0, report="run", check=bool(check), rtol=rtol,
             record=os.path.abspath(os.fspath(record)) if record is not None else None,
             result_json=result_path, compile=compile)
-        cmd = [sys.executable, "-m", "torch.distributed.run", *where, "-m", "training.job"]
+        if nodes is None:  # every rank here: the elastic agent in this process
+            returncode, stdout, stderr, timed_out = run_local_ranks(
+                world, json.dumps(config.as_dict()), rank_env(env), on_cpu=_on_cpu(plan),
+                cwd=os.fspath(cwd) if cwd else None, timeout_s=timeout_s)
+            if timed_out:
+                raise timeout_error(plan_path, timeout_s, world, stdout + stderr)
+            return _read_result(result_path, returncode, stdout, stderr, plan_path, world)
+        cmd = [sys.executable, "-m", "torch.distributed.run",
+               *torchrun_placement(world, nodes, plan_path), "-m", "training.job"]
         run_env = rank_env({**(env or {}), CONFIG_ENV: json.dumps(config.as_dict())})
         returncode, stdout, stderr = run_ranks(cmd, cwd, run_env, timeout_s, plan_path, world)
-        if nodes is not None and nodes.node_rank != 0:
+        if nodes.node_rank != 0:
             return _node_status(nodes.node_rank, returncode, stdout, stderr, plan_path, world)
         return _read_result(result_path, returncode, stdout, stderr, plan_path, world)
 

@@ -24,7 +24,7 @@ from plan.format import placement_error
 
 __all__ = ["LaunchError", "Nodes", "REPO_ROOT", "cpu_fallback_note", "end_group",
            "first_error_line", "keep_log", "output_tail", "rank_env", "rank_failure_line",
-           "run_ranks", "runnable_world", "torchrun_placement"]
+           "run_ranks", "runnable_world", "timeout_error", "torchrun_placement"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -200,6 +200,15 @@ def rank_env(env: dict[str, str] | None) -> dict[str, str]:
     return run_env
 
 
+def timeout_error(plan_path: str, timeout_s: float, world: int, output: str) -> LaunchError:
+    """The error of ranks that ran past ``timeout_s`` seconds and were ended."""
+    log_path = keep_log(output)
+    line = (f"plan {plan_path} did not finish within {timeout_s:.0f} s on {world} ranks "
+            f"(ended); the ranks' whole output: {log_path}")
+    return LaunchError(f"{line}\noutput tail:\n{output_tail(output)}", first_line=line,
+                       log_path=log_path)
+
+
 def run_ranks(cmd: list[str], cwd: str | os.PathLike | None, run_env: dict[str, str],
               timeout_s: float, plan_path: str, world: int) -> tuple[int, str, str]:
     """Run torchrun's ``cmd`` (plan ``plan_path`` on ``world`` ranks); its exit
@@ -215,11 +224,7 @@ def run_ranks(cmd: list[str], cwd: str | os.PathLike | None, run_env: dict[str, 
     except subprocess.TimeoutExpired:
         end_group(proc)
         stdout, stderr = proc.communicate()
-        log_path = keep_log(stdout + stderr)
-        line = (f"plan {plan_path} did not finish within {timeout_s:.0f} s on {world} ranks "
-                f"(ended); the ranks' whole output: {log_path}")
-        raise LaunchError(f"{line}\noutput tail:\n{output_tail(stdout + stderr)}",
-                          first_line=line, log_path=log_path) from None
+        raise timeout_error(plan_path, timeout_s, world, stdout + stderr) from None
     except BaseException:
         end_group(proc)
         raise
