@@ -16,7 +16,7 @@ Every :class:`DataError` message is one line: what is wrong, then what to do.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
