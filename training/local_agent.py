@@ -109,12 +109,12 @@ class _Follower(threading.Thread):
 
     def read_new(self) -> None:
         for path in _rank_logs(self.log_dir, "stdout", 0) + _rank_logs(self.log_dir, "stderr", 0):
-            with open(path, errors="replace") as f:
+            with open(path, "rb") as f:  # bytes: an offset stays exact past any odd byte
                 f.seek(self.offsets.get(path, 0))
                 chunk = f.read()
-                complete = chunk[:chunk.rfind("\n") + 1]
-                self.offsets[path] = self.offsets.get(path, 0) + len(complete.encode())
-            for line in complete.splitlines(keepends=True):
+            complete = chunk[:chunk.rfind(b"\n") + 1]
+            self.offsets[path] = self.offsets.get(path, 0) + len(complete)
+            for line in complete.decode(errors="replace").splitlines(keepends=True):
                 self.on_line(line)
 
 
