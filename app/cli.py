@@ -443,7 +443,8 @@ def _add_plan_readers(sub: Any) -> None:
     readers = {}
     for name, help_text, func in (
             ("show", "print a plan.json as tables", cmd_show),
-            ("run", "run a plan with torchrun, on this node or several", cmd_run)):
+            ("run", "run a plan's ranks (torch's elastic agent, as torchrun), on this "
+                    "node or several", cmd_run)):
         readers[name] = sub.add_parser(name, help=help_text)
         readers[name].add_argument("plan")
         readers[name].set_defaults(func=func)
@@ -486,7 +487,7 @@ def _add_data_command(sub: Any) -> None:
 def _add_train_command(sub: Any) -> None:
     """``planner train``: a training job."""
     t = sub.add_parser("train", help="train a model with a plan: data, LR schedule, "
-                       "checkpoints, resume, export (torchrun, on this node or several)")
+                       "checkpoints, resume, export (on this node or several)")
     from training.config import add_train_arguments
 
     add_train_arguments(t)
