@@ -149,12 +149,11 @@ def train(config: TrainConfig, *, nodes: Nodes | None = None, max_restarts: int 
             progress.line(line.rstrip("\n"))
 
         if nodes is None:  # every rank here: the elastic agent in this process
-            returncode, stdout, stderr, _ = run_local_ranks(
-                job.plan.world_size, json.dumps(config.as_dict()), rank_env(env),
-                on_cpu=_on_cpu(job.plan),
-                max_restarts=max_restarts, on_rank0_line=show)
-            output = stdout + stderr
-            log.write(output)  # every rank's whole output, after rank 0's lines as they came
+            run = run_local_ranks(job.plan.world_size, json.dumps(config.as_dict()),
+                                  rank_env(env), on_cpu=_on_cpu(job.plan),
+                                  max_restarts=max_restarts, on_line=show)
+            log.write(run.agent_log)  # the ranks' lines went to the log as they came
+            returncode, output = run.returncode, run.output
         else:
             returncode, output = _train_on_nodes(config, job.plan.world_size, nodes, max_restarts,
                                                   env, show)
@@ -242,12 +241,13 @@ def launch(plan_path: str | os.PathLike, *, nproc: int | None = None, steps: int
             record=os.path.abspath(os.fspath(record)) if record is not None else None,
             result_json=result_path, compile=compile)
         if nodes is None:  # every rank here: the elastic agent in this process
-            returncode, stdout, stderr, timed_out = run_local_ranks(
-                world, json.dumps(config.as_dict()), rank_env(env), on_cpu=_on_cpu(plan),
-                cwd=os.fspath(cwd) if cwd else None, timeout_s=timeout_s)
-            if timed_out:
-                raise timeout_error(plan_path, timeout_s, world, stdout + stderr)
-            return _read_result(result_path, returncode, stdout, stderr, plan_path, world)
+            run = run_local_ranks(world, json.dumps(config.as_dict()), rank_env(env),
+                                  on_cpu=_on_cpu(plan), cwd=os.fspath(cwd) if cwd else None,
+                                  timeout_s=timeout_s)
+            if run.timed_out:
+                raise timeout_error(plan_path, timeout_s, world, run.output)
+            return _read_result(result_path, run.returncode, run.stdout,
+                                run.stderr + run.agent_log, plan_path, world)
         cmd = [sys.executable, "-m", "torch.distributed.run",
                *torchrun_placement(world, nodes, plan_path), "-m", "training.job"]
         run_env = rank_env({**(env or {}), CONFIG_ENV: json.dumps(config.as_dict())})

@@ -30,9 +30,10 @@ import sys
 import tempfile
 import threading
 import uuid
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
-__all__ = ["PRELOADED", "rank_main", "run_local_ranks"]
+__all__ = ["PRELOADED", "LocalRun", "rank_main", "run_local_ranks"]
 
 #: what the forkserver imports once for every rank it forks: torch, its export
 #: and compile machinery, and the job with the runtime it drives
@@ -92,8 +93,8 @@ def _read_all(paths: list[str]) -> str:
 
 
 class _Follower(threading.Thread):
-    """Hands each line rank 0 writes (to either stream) to ``on_line`` as it
-    comes, over every attempt."""
+    """Hands each line a rank writes (to either stream) to ``on_line`` as it
+    comes, over every attempt (whole lines, file by file)."""
 
     def __init__(self, log_dir: str, on_line: Callable[[str], None]):
         super().__init__(daemon=True)
@@ -108,7 +109,7 @@ class _Follower(threading.Thread):
         self.read_new()
 
     def read_new(self) -> None:
-        for path in _rank_logs(self.log_dir, "stdout", 0) + _rank_logs(self.log_dir, "stderr", 0):
+        for path in _rank_logs(self.log_dir, "stdout") + _rank_logs(self.log_dir, "stderr"):
             with open(path, "rb") as f:  # bytes: an offset stays exact past any odd byte
                 f.seek(self.offsets.get(path, 0))
                 chunk = f.read()
@@ -174,21 +175,32 @@ def _quiet_resource_tracker() -> None:
         os.close(saved)
 
 
+@dataclass(frozen=True)
+class LocalRun:
+    """How one node's ranks ended (:func:`run_local_ranks`)."""
+
+    returncode: int  # 0: every rank finished; 1 otherwise, as torchrun's
+    stdout: str  # the ranks' standard output, rank by rank
+    stderr: str  # the ranks' standard error, rank by rank
+    agent_log: str  # what the agent logged, then its record of a failure, as torchrun prints it
+    timed_out: bool  # the timeout passed first and the ranks were killed
+
+    @property
+    def output(self) -> str:
+        """Everything, as torchrun's output would hold it."""
+        return self.stdout + self.stderr + self.agent_log
+
+
 def run_local_ranks(world: int, config_json: str, env: dict[str, str], *, on_cpu: bool,
                     cwd: str | None = None, timeout_s: float | None = None,
-                    max_restarts: int = 0, on_rank0_line: Callable[[str], None] | None = None
-                    ) -> tuple[int, str, str, bool]:
+                    max_restarts: int = 0, on_line: Callable[[str], None] | None = None
+                    ) -> LocalRun:
     """Run ``world`` ranks of the job configured by ``config_json`` on this node
     and wait: torch's elastic agent in this process, ranks forked from the
     preloaded forkserver where they run ``on_cpu`` (else spawned), restarted
     up to ``max_restarts`` times after a
-    failure. ``on_rank0_line`` gets rank 0's output line by line as it comes
-    (its progress lines).
-
-    Returns the exit status (0: every rank finished, 1 as torchrun's otherwise),
-    the ranks' standard output and standard error (rank by rank, the agent's
-    record of a failure last, as torchrun prints it), and whether ``timeout_s``
-    seconds passed first (the ranks were then killed)."""
+    failure. ``on_line`` gets each line the ranks write as it comes (rank
+    0's progress lines, any rank's error line)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -212,7 +224,7 @@ def run_local_ranks(world: int, config_json: str, env: dict[str, str], *, on_cpu
             _end_ranks(pid_dir)
 
         timer = threading.Timer(timeout_s, expire) if timeout_s else None
-        follower = _Follower(log_dir, on_rank0_line) if on_rank0_line else None
+        follower = _Follower(log_dir, on_line) if on_line else None
         for thread in (timer, follower):
             if thread is not None:
                 thread.start()
@@ -231,7 +243,7 @@ def run_local_ranks(world: int, config_json: str, env: dict[str, str], *, on_cpu
             if follower is not None:
                 follower.done.set()
                 follower.join()
-        stdout = _read_all(_rank_logs(log_dir, "stdout"))
-        stderr = _read_all(_rank_logs(log_dir, "stderr")) + records.getvalue() + failure
-        return returncode, stdout, stderr, timed_out.is_set()
+        return LocalRun(returncode, _read_all(_rank_logs(log_dir, "stdout")),
+                        _read_all(_rank_logs(log_dir, "stderr")), records.getvalue() + failure,
+                        timed_out.is_set())
 
