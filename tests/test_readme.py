@@ -1,13 +1,16 @@
 """README.md is a user's guide whose commands work (issue 28).
 
 Every line starting with ``planner `` in README.md's shell blocks (```bash,
-```sh or plain ```) is run as ``python -m app.cli ...``, in README order, in
-one temporary folder, so that a command finds what an earlier one wrote
-(``planner show plan.json`` reads the plan ``planner plan ... -o plan.json``
-made). Two commands run at a time where no file links them (a command is
-mostly one process, and the machine this was written on has two cores), so
-the file takes about a minute there rather than two. Each command must exit 0
-and leave the files it says it wrote; ``planner run --check`` must pass.
+```sh or plain ```) is run as the ``planner`` command runs it
+(``app.cli.main``), in README order, in one temporary folder, so that a
+command finds what an earlier one wrote (``planner show plan.json`` reads the
+plan ``planner plan ... -o plan.json`` made). They run in this test's process:
+a fresh interpreter per command would import torch and the planner again each
+time, most of a short command's seconds, and ``planner run``'s ranks start
+from this process's forkserver, whose imports the other tests' launches have
+paid. Each command must exit 0 and leave the files it says it wrote;
+``planner run --check`` must pass. (``tests/test_cli.py`` runs ``python -m
+app.cli`` itself, as a user's shell does.)
 
 Inputs the README has the user make themselves are made here:
 
@@ -25,20 +28,19 @@ still checked against the ``planner`` parser.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import os
 import re
 import shlex
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from app.cli import build_parser
+from app.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -46,8 +48,6 @@ README = ROOT / "README.md"
 #: ``planner train`` and its loop of the README's own came in.)
 MAX_LINES = 250
 SHELL_FENCES = {"", "bash", "sh", "shell"}
-PARALLEL = 2
-COMMAND_TIMEOUT_S = 300
 
 #: README commands not run here, with the reason.
 SKIPPED = {
@@ -146,88 +146,56 @@ def _prepare_inputs(folder: Path) -> None:
     (folder / "h100.json").write_text(one_gpu.to_json())
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 @dataclasses.dataclass
 class _Run:
     command: list[str]
     deps: list[int]
-    proc: subprocess.Popen | None = None
-    log: Path | None = None
-    started: float = 0.0
     seconds: float = 0.0
     returncode: int | None = None
     output: str = ""
     note: str = ""
 
 
-def _start(run: _Run, folder: Path, index: int) -> None:
-    run.log = folder / f".readme-cmd-{index}.log"
-    log = open(run.log, "w")
-    run.started = time.perf_counter()
-    # its own session, so that a timeout ends torchrun's ranks too
-    run.proc = subprocess.Popen([sys.executable, "-m", "app.cli", *run.command[1:]],
-                                cwd=folder, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    log.close()
+@contextlib.contextmanager
+def _working_directory(folder: Path):
+    saved = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(saved)
 
 
-def _finish(run: _Run) -> bool:
-    """Whether ``run`` has ended (it is ended past the timeout)."""
-    run.seconds = time.perf_counter() - run.started
-    if run.proc.poll() is None:
-        if run.seconds < COMMAND_TIMEOUT_S:
-            return False
-        os.killpg(run.proc.pid, signal.SIGKILL)
-        run.proc.wait()
-        run.note = f"killed after {COMMAND_TIMEOUT_S} s"
-    run.returncode = run.proc.returncode
-    run.output = run.log.read_text()
-    return True
+def _run_here(run: _Run, folder: Path) -> None:
+    """Run ``run.command`` as ``planner`` would (``app.cli.main``) in this
+    process, in ``folder``, with what it prints in ``run.output``."""
+    printed = io.StringIO()
+    started = time.perf_counter()
+    with _working_directory(folder), contextlib.redirect_stdout(printed), \
+            contextlib.redirect_stderr(printed):
+        try:
+            run.returncode = main(run.command[1:])
+        except SystemExit as stop:  # argparse's own exits
+            run.returncode = stop.code if isinstance(stop.code, int) else 2
+    run.seconds = time.perf_counter() - started
+    run.output = printed.getvalue()
 
 
 def _run_all(commands: list[list[str]], folder: Path) -> list[_Run]:
-    """Run ``commands`` in ``folder``, at most PARALLEL at once, each after the
-    earlier commands that write a file it reads; the results in README order."""
+    """Run ``commands`` in ``folder``, in README order; a command whose input
+    an earlier command failed to write is not run."""
     runs = []
     for i, command in enumerate(commands):
         reads = _inputs(command)
         deps = [j for j in range(i) if reads & set(_outputs(commands[j]))]
-        runs.append(_Run(command, deps))
-    # `planner run` starts several ranks, which keep both cores busy by themselves:
-    # it goes after the single-process commands, so that none of those is left
-    # to run alone on one core at the end.
-    pending = sorted(range(len(runs)), key=lambda i: (runs[i].command[1] in ("run", "train"), i))
-    running: list[int] = []
-    try:
-        while pending or running:
-            for i in list(pending):
-                if len(running) >= PARALLEL:
-                    break
-                if any(runs[d].returncode is None for d in runs[i].deps):
-                    continue
-                pending.remove(i)
-                failed = [d for d in runs[i].deps if runs[d].returncode != 0]
-                if failed:
-                    runs[i].returncode = -1
-                    runs[i].note = f"not run: `{_key(runs[failed[0]].command)}` failed"
-                    continue
-                _start(runs[i], folder, i)
-                running.append(i)
-            for i in list(running):
-                if _finish(runs[i]):
-                    running.remove(i)
-            time.sleep(0.05)
-    finally:  # interrupted: end what this test started
-        for i in running:
-            if runs[i].proc.poll() is None:
-                os.killpg(runs[i].proc.pid, signal.SIGKILL)
-                runs[i].proc.wait()
+        run = _Run(command, deps)
+        failed = [d for d in deps if runs[d].returncode != 0]
+        if failed:
+            run.returncode = -1
+            run.note = f"not run: `{_key(runs[failed[0]].command)}` failed"
+        else:
+            _run_here(run, folder)
+        runs.append(run)
     return runs
 
 
@@ -258,11 +226,9 @@ def test_readme_commands_run(tmp_path):
     _prepare_inputs(tmp_path)
     commands = [c for c in readme_commands() if _key(c) not in SKIPPED]
     assert any(c[1] == "run" for c in commands), "no `planner run` of the README is run"
-    t0 = time.perf_counter()
     runs = _run_all(commands, tmp_path)
     for run in runs:  # shown with -s, or when the test fails
-        start = f"{run.started - t0:5.1f}" if run.started else "    -"
-        print(f"{start} +{run.seconds:5.1f} s  exit {run.returncode}  {_key(run.command)}")
+        print(f"{run.seconds:5.1f} s  exit {run.returncode}  {_key(run.command)}")
     problems = []
     for run in runs:
         what = f"`{_key(run.command)}` ({run.seconds:.1f} s)"
