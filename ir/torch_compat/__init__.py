@@ -28,7 +28,7 @@ from ir.torch_compat.fake import (fake_store_type, fake_tensor_mode_type, fake_t
 from ir.torch_compat.kernels import cpu_flash_attention_ops, cuda_attention_ops
 
 __all__ = [
-    "FUSED_ATTENTION_ORDER", "KEPT_FUSED_OPS", "OpOverload", "SDPA", "all_gather_autograd",
+    "FUSED_ATTENTION_ORDER", "KEPT_FUSED_OPS", "KEPT_NATIVE_OPS", "OpOverload", "SDPA", "all_gather_autograd",
     "all_gather_coalesced", "all_reduce_coalesced", "compile_cache_counts", "compile_counter",
     "aot_export_module",
     "autograd_redistribute",
@@ -55,6 +55,13 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 #: Ops the capture keeps whole instead of decomposing them to core ATen: torch
 #: runs them as one fused kernel, which is what the cost model must price.
 KEPT_FUSED_OPS = (SDPA,)
+
+#: Ops with a kernel of their own that the capture keeps whole although export's
+#: table decomposes them: the decomposition computes a bf16 or fp16 input in
+#: fp32 through whole fp32 tensors (a copy up, the math, a copy down), where
+#: torch's kernel, which eager training runs, keeps fp32 per element only and
+#: writes the input's dtype. SiLU (Llama's and the MoE experts' MLP) is one.
+KEPT_NATIVE_OPS = (torch.ops.aten.silu.default,)
 
 
 @contextlib.contextmanager
@@ -87,8 +94,10 @@ def is_assertion_op(op: Any) -> bool:
 
 def capture_decompositions(table: dict) -> dict:
     """``table`` (export's decompositions, materialised) without the
-    :data:`KEPT_FUSED_OPS`, which the capture keeps as one node each."""
-    return {op: fn for op, fn in table.items() if op not in KEPT_FUSED_OPS}
+    :data:`KEPT_FUSED_OPS` and :data:`KEPT_NATIVE_OPS`, which the capture keeps
+    as one node each."""
+    kept = set(KEPT_FUSED_OPS) | set(KEPT_NATIVE_OPS)
+    return {op: fn for op, fn in table.items() if op not in kept}
 
 
 def aot_export_module(*args: Any, **kwargs: Any) -> Any:
