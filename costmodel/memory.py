@@ -244,15 +244,19 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
                                                                         optimizer_step)
 
 
-def backward_timeline_excess(steps: "Iterable[tuple[float, float, float]]") -> float:
+def backward_timeline_excess(steps: "Iterable[tuple[float, ...]]") -> float:
     """The most bytes a backward holds beyond the saved activations, from its
     ops in the order they run: per op ``(gradients it makes, its transient,
-    activations freed once it has run)``. At an op the gradients made so far
-    (its own too) and its transient are alive, and the activations of the ops
-    that ran before it are freed. 0 for no op."""
+    activations freed once it has run)``, and optionally a fourth, the
+    activations made again before it runs (a checkpointed layer recomputed
+    when its backward begins). At an op the gradients made so far (its own
+    too), the activations made again and not yet freed, and its transient are
+    alive, and the activations of the ops that ran before it are freed. 0 for
+    no op."""
     made = freed = best = 0.0
-    for grads, transient, released in steps:
+    for grads, transient, released, *remade in steps:
         made += grads
+        freed -= sum(remade)
         best = max(best, made + transient - freed)
         freed += released
     return best

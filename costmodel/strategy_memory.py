@@ -153,10 +153,11 @@ class MemoryPricing(StrategySettings):
         its experts' gradients, made at once while the earlier layers'
         activations are alive, can lift it far above that (DeepSeek-V3's MoE
         layer: 22 GB of bf16 gradients). Under the ``chosen`` strategies (None:
-        every value whole, as captured). Ops of ``checkpointed`` layers (names
-        of the graph's layers) free nothing: their activations were not kept (their
-        recomputation is :func:`costmodel.memory.step_peak_bytes`'
-        ``recomputed_layer``).
+        every value whole, as captured). A ``checkpointed`` layer (names of the
+        graph's layers) kept none of its activations in the forward: its
+        recompute makes those its own ops free again before its first op in the
+        backward runs, and they are freed as its ops run, beside the gradients
+        of the later layers made so far.
 
         Gradients count as :meth:`memory_breakdown` has them, less the fp32
         main-gradient slice of ZeRO-1 under a mixed precision, which exists at
@@ -183,16 +184,29 @@ class MemoryPricing(StrategySettings):
         made: dict[str, float] = {}
         for param, op in last_reader.items():
             made[op] = made.get(op, 0.0) + self._gradient_made(self.graph[param], strategy)
-        recomputed = self.graph.layer_ops(checkpointed)
+        layer_of = self._recomputed_layer_of(checkpointed)
+        entry = {layer_of[n.name]: n.name for n in ops if n.name in layer_of}  # its last op
+        remade: dict[str, float] = {}
         for base, op in release_points(self.graph, self.requires_grad).items():
             node = self.graph[base]
-            if node.kind != OP or base in recomputed:
+            if node.kind != OP:
                 continue
+            layer = layer_of.get(base)
+            if layer is not None and layer_of.get(op) != layer:
+                continue  # kept past its layer: the next layer's checkpoint input
             kept = self.memory_breakdown(node, strategy(node)).get("activations", 0.0)
             freed[op] = freed.get(op, 0.0) + kept
+            if layer is not None:
+                remade[entry[layer]] = remade.get(entry[layer], 0.0) + kept
         return backward_timeline_excess(
             (made.get(n.name, 0.0), self.backward_transient(n, strategy(n)),
-             freed.get(n.name, 0.0)) for n in reversed(ops))
+             freed.get(n.name, 0.0), remade.get(n.name, 0.0)) for n in reversed(ops))
+
+    def _recomputed_layer_of(self, checkpointed: Sequence[str]) -> dict[str, str]:
+        """Op name -> the name of the ``checkpointed`` layer it belongs to."""
+        wanted = set(checkpointed)
+        return {op: layer.name for layer in self.graph.layers if layer.name in wanted
+                for op in layer.nodes}
 
     def _parameter_readers(self, ops: Sequence[Node]) -> tuple[dict[str, str], dict[str, str]]:
         """(parameter -> the first of ``ops`` that reads it, parameter -> the
