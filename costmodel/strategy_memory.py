@@ -154,10 +154,10 @@ class MemoryPricing(StrategySettings):
         activations are alive, can lift it far above that (DeepSeek-V3's MoE
         layer: 22 GB of bf16 gradients). Under the ``chosen`` strategies (None:
         every value whole, as captured). A ``checkpointed`` layer (names of the
-        graph's layers) kept none of its activations in the forward: its
-        recompute makes those its own ops free again before its first op in the
-        backward runs, and they are freed as its ops run, beside the gradients
-        of the later layers made so far.
+        graph's layers) kept none of its saved tensors in the forward: its
+        recompute makes them again just before its first op in the backward
+        (its last in the forward) runs, and its ops free them as they run, on
+        top of the gradients made so far.
 
         Gradients count as :meth:`memory_breakdown` has them, less the fp32
         main-gradient slice of ZeRO-1 under a mixed precision, which exists at

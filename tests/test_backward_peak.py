@@ -9,7 +9,6 @@ gradients made so far, the op's transient, less the activations already freed.
 """
 
 import pytest
-import torch
 
 from costmodel.memory import backward_timeline_excess, step_peak_bytes
 from costmodel.saved_tensors import release_points
@@ -36,6 +35,9 @@ def test_timeline_excess_by_hand():
     assert backward_timeline_excess([(0, 5, 1), (10, 1, 4), (1, 0, 4)]) == 10
     # made gradients stay; freed activations are gone from the next op on
     assert backward_timeline_excess([(3, 0, 2), (3, 0, 2), (3, 0, 2)]) == 5
+    # a checkpointed layer made again (4 bytes) before its first backward op, on
+    # top of the gradients made so far (2 + 3), then freed by its ops
+    assert backward_timeline_excess([(2, 0, 0), (3, 1, 2, 4), (0, 0, 2)]) == 10
 
 
 def _parts(precision: str):
