@@ -163,7 +163,9 @@ class MemoryPricing(StrategySettings):
         main-gradient slice of ZeRO-1 under a mixed precision, which exists at
         the optimizer step only; the compute-dtype copy of a parameter
         (:meth:`step_copy`) is freed by the first op in the forward that reads
-        it, the last of its readers to run backward."""
+        it, the last of its readers to run backward. Under a mixed precision
+        with whole parameters a last reader makes the copy's gradient, and the
+        master gradients come after the last op, each beside its copy's."""
         def strategy(node: Node) -> Strategy:
             if chosen is not None:
                 return chosen[node.name]
@@ -181,9 +183,20 @@ class MemoryPricing(StrategySettings):
             copy = self.step_copy(self.graph[param], strategy(self.graph[param]))
             if copy:
                 freed[op] = freed.get(op, 0.0) + copy
+        # under a mixed precision with whole parameters the step casts every
+        # parameter before the forward, so autograd runs the casts' backward,
+        # which makes the master gradients, after every other op (the lowest
+        # sequence numbers run last): a last reader makes the copy's gradient
+        cast_first = self.precision.mixed and not self.params_sharded
         made: dict[str, float] = {}
+        converted = []  # (master gradient, copy's gradient), in the order the casts' backward runs
         for param, op in last_reader.items():
-            made[op] = made.get(op, 0.0) + self._gradient_made(self.graph[param], strategy)
+            master = self._gradient_made(self.graph[param], strategy)
+            copy = self.step_copy(self.graph[param], strategy(self.graph[param])) if cast_first \
+                else master
+            made[op] = made.get(op, 0.0) + copy
+            if cast_first:
+                converted.append((master, copy))
         layer_of = self._recomputed_layer_of(checkpointed)
         entry = {layer_of[n.name]: n.name for n in ops if n.name in layer_of}  # its last op
         remade: dict[str, float] = {}
@@ -198,9 +211,11 @@ class MemoryPricing(StrategySettings):
             freed[op] = freed.get(op, 0.0) + kept
             if layer is not None:
                 remade[entry[layer]] = remade.get(entry[layer], 0.0) + kept
-        return backward_timeline_excess(
-            (made.get(n.name, 0.0), self.backward_transient(n, strategy(n)),
-             freed.get(n.name, 0.0), remade.get(n.name, 0.0)) for n in reversed(ops))
+        steps = [(made.get(n.name, 0.0), self.backward_transient(n, strategy(n)),
+                  freed.get(n.name, 0.0), remade.get(n.name, 0.0)) for n in reversed(ops)]
+        # each cast's backward makes the master gradient while the copy's is alive
+        steps += [(master - copy, copy, 0.0) for master, copy in reversed(converted)]
+        return backward_timeline_excess(steps)
 
     def _recomputed_layer_of(self, checkpointed: Sequence[str]) -> dict[str, str]:
         """Op name -> the name of the ``checkpointed`` layer it belongs to."""
@@ -227,8 +242,8 @@ class MemoryPricing(StrategySettings):
         return first_reader, last_reader
 
     def _gradient_made(self, node: Node, strategy: Callable[[Node], Strategy]) -> float:
-        """Bytes of parameter ``node``'s gradient its last reader's backward
-        makes, under ``strategy(node)`` (see :meth:`backward_excess`)."""
+        """Bytes of parameter ``node``'s master gradient, under
+        ``strategy(node)`` (see :meth:`backward_excess`)."""
         s = strategy(node)
         grads = self.memory_breakdown(node, s).get("grads", 0.0)
         numel, zero, _ = self._state_layout(node, s)
