@@ -176,14 +176,16 @@ class MemoryPricing(StrategySettings):
         ops = [n for n in self.graph.nodes
                if n.kind == OP and not n.is_view and n.name in self.requires_grad]
         first_reader, last_reader = self._parameter_readers(ops)
+        # the compute-dtype copy the step made of each parameter (a mixed
+        # precision's cast, FSDP2's gathered parameters)
+        copies = {param: self.step_copy(self.graph[param], strategy(self.graph[param]))
+                  for param in first_reader}
         freed: dict[str, float] = {}
         for param, op in first_reader.items():
-            # the compute-dtype copy the step made (a mixed precision's cast, FSDP2's
-            # gathered parameters) is freed once the last op that reads it has run
-            copy = self.step_copy(self.graph[param], strategy(self.graph[param]))
-            if copy:
-                freed[op] = freed.get(op, 0.0) + copy
-        # under a mixed precision with whole parameters the step casts every
+            # freed once the last op that reads it has run
+            if copies[param]:
+                freed[op] = freed.get(op, 0.0) + copies[param]
+        # under a mixed precision with whole parameters the step casts each
         # parameter before the forward, so autograd runs the casts' backward,
         # which makes the master gradients, after every other op (the lowest
         # sequence numbers run last): a last reader makes the copy's gradient
@@ -192,10 +194,9 @@ class MemoryPricing(StrategySettings):
         converted = []  # (master gradient, copy's gradient), in the order the casts' backward runs
         for param, op in last_reader.items():
             master = self._gradient_made(self.graph[param], strategy)
-            copy = self.step_copy(self.graph[param], strategy(self.graph[param])) if cast_first \
-                else master
-            made[op] = made.get(op, 0.0) + copy
-            if cast_first:
+            copy = copies.get(param, 0.0) if cast_first else 0.0
+            made[op] = made.get(op, 0.0) + (copy or master)
+            if copy:
                 converted.append((master, copy))
         layer_of = self._recomputed_layer_of(checkpointed)
         entry = {layer_of[n.name]: n.name for n in ops if n.name in layer_of}  # its last op
