@@ -48,7 +48,7 @@ import tempfile
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -328,14 +328,17 @@ def print_report(result: dict[str, Any]) -> None:
               f"({a['best_other_measured']}), predicted {a['auto_over_best_other_predicted']:.3f}")
 
 
-def draw_scatter(result: dict[str, Any], path: str) -> str:
+def draw_scatter(result: dict[str, Any], path: str) -> str | None:
     """Predicted against measured step time of every distinct plan (log-log,
-    ms), the diagonal and its +-25 % band; the auto plans ringed."""
+    ms), the diagonal and its +-25 % band; the auto plans ringed. None (no
+    plot) when no plan ran."""
+    runs = [p for p in result["plans"] if "measured_s" in p and not p.get("same_as")]
+    if not runs:
+        return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
-    runs = [p for p in result["plans"] if "measured_s" in p and not p.get("same_as")]
     for model in dict.fromkeys(p["model"] for p in runs):
         mine = [p for p in runs if p["model"] == model]
         ax.scatter([p["measured_s"] * 1e3 for p in mine], [p["predicted_s"] * 1e3 for p in mine],
@@ -379,6 +382,10 @@ def _parser() -> argparse.ArgumentParser:
                          "step compiles, so keep --warmup >= 1")
     ap.add_argument("--models", nargs="+", default=None, metavar="NAME",
                     help="only the cases of these models")
+    ap.add_argument("--recipes", nargs="+", default=None, choices=tuple(RECIPES), metavar="NAME",
+                    help="only these recipes of each case (default all; "
+                         f"{', '.join(RECIPES)}); Megatron's configurations run unless --no-megatron")
+    ap.add_argument("--no-megatron", action="store_true", help="leave out Megatron's configurations")
     ap.add_argument("-o", "--output", default=None,
                     help="result JSON (default benchmarks/results/measured.json, "
                          "measured_compiled.json with --compile)")
@@ -443,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     load_before = load_average()
-    cases = [c for c in (QUICK_CASES if args.quick else CASES) if c.ranks in args.worlds
+    cases = [replace(c, recipes=tuple(r for r in c.recipes
+                                      if args.recipes is None or r in args.recipes),
+                     megatron=c.megatron and not args.no_megatron)
+             for c in (QUICK_CASES if args.quick else CASES) if c.ranks in args.worlds
              and (args.models is None or c.model in args.models)]
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="measured-") as tmp:
