@@ -44,6 +44,8 @@ CASES: dict[str, list[str]] = {
                    "--batch-size", "4", "--seq-len", "16"],
     "gpt-tiny-pp2-1f1b": ["--model", "gpt-tiny", "--cluster", "local-cpu:2", "--pp", "2",
                           "--schedule", "1f1b"],
+    "gpt-tiny-pp2-zbv": ["--model", "gpt-tiny", "--cluster", "local-cpu:2", "--pp", "2",
+                         "--schedule", "zbv"],
     "llama-tiny-cp2": ["--model", "llama-tiny", "--cluster", "local-cpu:2", "--cp", "2"],
 }
 

@@ -21,7 +21,7 @@ stages whose ``pp_rank`` is its row of the ``pp`` axis:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -74,6 +74,18 @@ _NO_SYNC_SETTERS = ("set_is_last_backward", "set_reshard_after_backward",
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
     """A setting left as it is."""
+
+
+def _weight_pass_done() -> Callable[..., None]:
+    """The weight pass of a stage whose input pass ran its whole backward.
+
+    A compiled stage's backward is one autograd node (AOTAutograd's compiled
+    backward graph) that makes input and weight gradients together, so torch's
+    split of it (``autograd.grad`` over the inputs, then over the weights) would
+    run it twice. Given as torch's ``dw_builder``, this has the stage run its
+    whole backward in the input pass and nothing in the weight pass; the cost
+    model prices a compiled stage so (``planner.search.stage_dp.stage_times``)."""
+    return _ignore
 
 
 class _Stage(PipelineStage):
@@ -210,7 +222,8 @@ class PipelineRuntime:
             stages.append(_Stage(
                 module, st.index, len(pipe.stages), device,
                 input_args=executor.example_inputs(microbatch),
-                output_args=executor.example_outputs(), group=world.get_group("pp")))
+                output_args=executor.example_outputs(), group=world.get_group("pp"),
+                dw_builder=_weight_pass_done if plan.compiles else None))
             modules.append(module)
         arg = stages[0] if spec.single_stage else stages
         sched = spec.torch_type(arg, n_microbatches=m, loss_fn=_stage_loss, scale_grads=True)

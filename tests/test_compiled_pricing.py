@@ -10,6 +10,7 @@ from ir.graph import OP
 from ir.trace import trace
 from models.zoo import build
 from planner.ilp.intra_op import prepare_intra_op, solve_prepared
+from planner.search.stage_dp import stage_times
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +72,17 @@ def test_compiled_problem_prices_what_it_solves(llama_graph):
     prepared = prepare_intra_op(llama_graph, load_cluster("local-cpu:2").running_compiled(), (2,))
     result = solve_prepared(prepared)  # asserts objective == breakdown
     assert result.breakdown.total_s > 0
+
+
+def test_a_compiled_stage_prices_its_backward_whole(llama_graph):
+    """A compiled stage's backward is one graph, which the runtime runs whole in a
+    zero-bubble schedule's input pass (``codegen.pipeline._weight_pass_done``):
+    priced with no weight pass, its one backward pass makes both gradients (about
+    twice the forward's GEMMs)."""
+    times = {}
+    for compiled in (False, True):
+        cluster = load_cluster("local-cpu:2").running_compiled(compiled)
+        result = solve_prepared(prepare_intra_op(llama_graph, cluster, (2,)))
+        times[compiled] = stage_times(result, cluster, "float32", "adam")
+    assert times[False].backward_weight_s > 0 and times[True].backward_weight_s == 0
+    assert times[True].backward_input_s > 1.5 * times[True].forward_s

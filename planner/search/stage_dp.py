@@ -187,6 +187,10 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
             f, b = f + gather_f, b + gather_b
     else:
         sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
+    if cluster.device.compiled:
+        # a compiled stage's backward is one graph, whose weight gradients come
+        # with its input gradients (codegen.pipeline._weight_pass_done)
+        b, w = b + w, 0.0
     memory = result.memory
     activations = memory.get("activations", 0.0)
     state = sum(v for k, v in memory.items() if k != "activations")
