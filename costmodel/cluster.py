@@ -42,6 +42,8 @@ BACKENDS = ("nccl", "gloo")
 
 #: Fixed cost of launching one GPU kernel, seconds (CUDA launch + tail, ~5 us).
 DEFAULT_KERNEL_OVERHEAD = 5e-6
+#: DeviceSpec fields of a compiled region call's host cost, written only where measured
+_COMPILED_CALL_KEYS = ("compiled_call_overhead", "compiled_param_overhead")
 #: Fraction of dense peak FLOP/s a large, well-shaped GEMM reaches (60-80% is
 #: typical for transformer GEMMs on A100/H100; calibrated by profiling later).
 DEFAULT_FLOP_EFFICIENCY = 0.7
@@ -336,6 +338,15 @@ class DeviceSpec:
             rows, and the library falls back to slower ones. Measured by
             ``planner profile`` on GPUs; 1 = no penalty (CPUs, and the
             datasheet presets, which state no such figure).
+        compiled_call_overhead: host seconds one call of a compiled region
+            costs beyond its kernels, forward and backward together (dynamo's
+            guards, AOTAutograd's wrappers, DTensor's unwrapping and
+            wrapping of its inputs and outputs); charged per stage and
+            micro-batch when the program runs compiled. Measured by
+            ``planner profile``; 0 = not priced (the presets state no such figure).
+        compiled_param_overhead: host seconds each parameter adds to such a
+            call (its guard, and the eager accumulation of its gradient,
+            which runs outside the graph). Measured with it; 0 = not priced.
         compiled: the plan's program runs through ``torch.compile``
             (inductor) on this device: memory-bound chains fuse into a few
             kernels (:mod:`costmodel.fusion`), and no op pays the eager
@@ -357,6 +368,8 @@ class DeviceSpec:
     attention_half_saturation_flops: float = 0.0
     host_overhead: float = 0.0
     unaligned_gemm_efficiency: float = 1.0
+    compiled_call_overhead: float = 0.0
+    compiled_param_overhead: float = 0.0
     compiled: bool = False
 
     def __post_init__(self) -> None:
@@ -365,6 +378,9 @@ class DeviceSpec:
             _need_fraction("device.attention_efficiency", self.attention_efficiency)
         _need_nonnegative("device.dispatch_overhead", self.dispatch_overhead, "seconds")
         _need_nonnegative("device.host_overhead", self.host_overhead, "seconds")
+        _need_nonnegative("device.compiled_call_overhead", self.compiled_call_overhead, "seconds")
+        _need_nonnegative("device.compiled_param_overhead", self.compiled_param_overhead,
+                          "seconds")
         _need_fraction("device.unaligned_gemm_efficiency", self.unaligned_gemm_efficiency)
         _need_nonnegative("device.attention_half_saturation_flops",
                           self.attention_half_saturation_flops, "FLOPs")
@@ -405,7 +421,10 @@ class DeviceSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form, keys in a fixed order."""
+        """JSON-ready form, keys in a fixed order; the compiled-call overheads
+        only where measured (non-zero)."""
+        compiled_calls = {key: getattr(self, key) for key in _COMPILED_CALL_KEYS
+                          if getattr(self, key)}
         return {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
@@ -420,25 +439,26 @@ class DeviceSpec:
             "attention_half_saturation_flops": self.attention_half_saturation_flops,
             "host_overhead": self.host_overhead,
             "unaligned_gemm_efficiency": self.unaligned_gemm_efficiency,
+            **compiled_calls,
         }
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "device") -> "DeviceSpec":
-        """Build from :meth:`to_dict` output; the last three fields are optional."""
+        """Build from :meth:`to_dict` output; all but the first four fields are optional."""
         d = _need_mapping(where, d)
         _check_keys(
             where, d,
             ("name", "peak_flops", "memory", "memory_bandwidth"),
             ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops",
              "dispatch_overhead", "attention_efficiency", "attention_half_saturation_flops",
-             "host_overhead", "unaligned_gemm_efficiency"),
+             "host_overhead", "unaligned_gemm_efficiency", *_COMPILED_CALL_KEYS),
         )
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
         kwargs: dict[str, Any] = {}
         for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                     "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
                     "attention_half_saturation_flops", "host_overhead",
-                    "unaligned_gemm_efficiency"):
+                    "unaligned_gemm_efficiency", *_COMPILED_CALL_KEYS):
             if key in d:
                 kwargs[key] = d[key]
         return cls(

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from ir.graph import Graph, Node
 
 __all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times", "backward_kernels",
-           "host_passes", "host_pass_counts", "host_seconds", "gemm_aligned", "GEMM_ALIGNMENT_BYTES",
+           "host_passes", "host_pass_counts", "host_seconds", "compiled_call_seconds",
+           "gemm_aligned", "GEMM_ALIGNMENT_BYTES",
            "DEFAULT_HALF_SATURATION_FLOPS", "FUSED_ATTENTION", "ATTENTION_BACKWARD_FLOPS"]
 
 #: FLOPs at which a GEMM reaches half its maximum efficiency. ~1e9 FLOPs (a
@@ -243,3 +244,16 @@ def host_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:
         return 0.0, 0.0
     forward, backward = host_pass_counts(graph)
     return forward * device.host_overhead, backward * device.host_overhead
+
+
+def compiled_call_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:
+    """Host seconds of one call of ``graph`` as a compiled region, beyond its
+    kernels: ``(forward, backward)``, the call's own cost
+    (``device.compiled_call_overhead``) in the forward and each parameter's
+    (``device.compiled_param_overhead``: its guard and the eager
+    accumulation of its gradient) in the backward; (0, 0) for an eager
+    program. A stage pays it once per micro-batch."""
+    if not device.compiled:
+        return 0.0, 0.0
+    params = sum(1 for n in graph.nodes if n.kind == "param")
+    return device.compiled_call_overhead, params * device.compiled_param_overhead

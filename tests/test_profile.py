@@ -158,6 +158,8 @@ def _raw(link, ranks=4, unsupported=None, redistribute=None):
                           _records(redistribute, list(REDISTRIBUTIONS), [ranks], ranks)]
                          if redistribute else []),
         "redistribute_burst": {"gemm": 384, "seconds": 5e-3},
+        # a compiled region's call: 150 us, and 20 us per parameter
+        "compiled_call": [{"params": k, "seconds": 1.5e-4 + k * 2e-5} for k in (1, 32)],
         "unsupported": dict(unsupported or {}),
     }
 
@@ -181,6 +183,8 @@ def test_profile_json_round_trips_into_cluster(tmp_path):
     assert loaded.device.peak_flops["float32"] == pytest.approx(30e9, rel=1e-6)
     assert loaded.device.memory_bandwidth == pytest.approx(2 * 2**26 / 0.02)
     assert loaded.device.kernel_overhead == pytest.approx(4e-6)
+    assert loaded.device.compiled_call_overhead == pytest.approx(1.5e-4)
+    assert loaded.device.compiled_param_overhead == pytest.approx(2e-5)
     # the reshards' own fits: what DTensor's redistribute took, kind by kind
     redistribute = {k: (a, b) for k, a, b in loaded.intra_node.per_redistribute}
     assert set(redistribute) == set(REDISTRIBUTIONS)
@@ -240,3 +244,5 @@ def test_planner_profile_quick_end_to_end(tmp_path, capsys):
     assert {c["kind"] for c in prof["measurements"]["redistribute"]} == set(REDISTRIBUTIONS)
     assert {k for k, _, _ in cluster.intra_node.per_redistribute} == set(REDISTRIBUTIONS)
     assert math.isfinite(cluster.intra_node.bandwidth) and cluster.intra_node.bandwidth > 0
+    # a compiled region's host cost, measured by compiling one
+    assert cluster.device.compiled_call_overhead > 0 and "compiled call" in text

@@ -22,12 +22,14 @@ from typing import Any, Iterable, Mapping, Sequence
 from costmodel.cluster import Cluster, DeviceSpec, Link, alpha_beta_table, canonical_dtype
 from costmodel.compute import matmul_efficiency
 from costmodel.presets import local_cpu_cluster
+from costmodel.profiling.compiled_call import fit_call_overheads
 from costmodel.profiling.file import PROFILE_FORMAT_VERSION
 from costmodel.profiling.fit import attention_fit, fit_alpha_beta, fit_gemm
 from costmodel.profiling.machine import device_memory_per_rank, machine_info
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
-__all__ = ["build_profile", "dispatch_overhead", "host_overhead", "unaligned_gemm_efficiency"]
+__all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "host_overhead",
+           "unaligned_gemm_efficiency"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,15 @@ def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
     if not d or "seconds" not in d.get("plain", {}) or "seconds" not in d.get("dtensor", {}):
         return None
     return max(0.0, (d["dtensor"]["seconds"] - d["plain"]["seconds"]) / (2 * d["ops"]))
+
+
+def compiled_call_overheads(raw: Mapping[str, Any]) -> dict[str, float]:
+    """``DeviceSpec.compiled_call_overhead`` and ``compiled_param_overhead``
+    fitted to the ``compiled_call`` measurement; empty when it was not made."""
+    fit = fit_call_overheads(raw.get("compiled_call") or ())
+    if fit is None:
+        return {}
+    return {"compiled_call_overhead": fit[0], "compiled_param_overhead": fit[1]}
 
 
 def _fit_device(raw: Mapping[str, Any], device: str) -> _DeviceFits:
@@ -161,6 +172,7 @@ def _cpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
     dispatch = dispatch_overhead(raw)
     if dispatch is not None:
         values["dispatch_overhead"] = dispatch
+    values.update(compiled_call_overheads(raw))
     if links.link is not None:
         values["link_bandwidth"] = links.link["bandwidth"]
         values["link_latency"] = links.link["latency"]
@@ -185,7 +197,8 @@ def _gpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
                      attention_half_saturation_flops=device.attention.get(
                          "attention_half_saturation_flops", 0.0),
                      host_overhead=host_overhead(raw) or 0.0,
-                     unaligned_gemm_efficiency=device.gemm["unaligned_efficiency"])
+                     unaligned_gemm_efficiency=device.gemm["unaligned_efficiency"],
+                     **compiled_call_overheads(raw))
     # With one GPU no collective runs: keep an NVLink-like placeholder (noted in the profile).
     fit = links.link
     redistribute = alpha_beta_table(_alpha_beta_fits(links.redistribute))
@@ -240,6 +253,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "fits": {
             "kernel_overhead": device.overhead,
             "dispatch_overhead": dispatch_overhead(raw),
+            **compiled_call_overheads(raw),
             "memory_bandwidth": device.memory_bandwidth,
             "gemm": device.gemm,
             "link": links.link,
@@ -250,6 +264,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "notes": _notes(raw, spec, ranks, device, links),
         "spec": {k: v for k, v in spec.items() if k not in ("init_method", "result_path")},
         "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
-                                             "redistribute", "redistribute_burst") if k in raw},
+                                             "redistribute", "redistribute_burst",
+                                             "compiled_call") if k in raw},
     }
     return cluster, profile

@@ -75,6 +75,10 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("kernel overhead", f"{fits['kernel_overhead'] * 1e6:.2f} us", "per eager op"),
         *([("dispatch overhead", f"{fits['dispatch_overhead'] * 1e6:.1f} us",
             "DTensor, per op and pass")] if fits.get("dispatch_overhead") is not None else []),
+        *([("compiled call", f"{fits['compiled_call_overhead'] * 1e6:.1f} us",
+            f"per region call (forward and backward), and "
+            f"{fits['compiled_param_overhead'] * 1e6:.1f} us per parameter")]
+          if "compiled_call_overhead" in fits else []),
     ]
     link = fits.get("link")
     if link:

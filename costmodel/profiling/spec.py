@@ -92,6 +92,8 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "collective_min_rep_s": 0.005 if quick else 0.02,
         "overhead": True,
         "dispatch": ranks > 1,
+        # a compiled region's host cost per call: regions of 1 and 32 parameters
+        "compiled_call": [1, 32],
         # host time per op: a training step of this zoo model, too small for the GPU to matter
         **({"host": "gpt-tiny"} if gpu else {}),
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],

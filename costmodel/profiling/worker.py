@@ -9,6 +9,9 @@ measurements at the same time, as the ranks of a planned SPMD step would:
 * ``dispatch``: seconds per forward+backward of a chain of ``ops`` tiny
   elementwise ops on plain tensors and on replicated DTensors (needs ranks > 1);
   the difference per op is the distributed runtime's dispatch cost;
+* ``compiled_call``: seconds per forward+backward call of a compiled region of
+  each count of replicated DTensor parameters, host-bound
+  (:mod:`costmodel.profiling.compiled_call`);
 * ``memory``: seconds per ``dst.copy_(src)`` of a large tensor (bytes moved =
   2 x size: one read, one write);
 * ``gemms``: seconds per ``torch.mm`` of each ``(m, k, n, dtype)``;
@@ -69,7 +72,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def count_steps(spec: dict[str, Any]) -> int:
     """Progress steps :func:`run_worker` reports for ``spec``: one per item and pass."""
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
-             + int(bool(spec.get("host")))
+             + int(bool(spec.get("host"))) + len(spec.get("compiled_call", ()))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
              + len(spec.get("attention", ()))
@@ -412,7 +415,39 @@ def _compute_items(r: _Rank, spec: dict[str, Any], out: dict[str, Any]) -> list[
         items.append(_Item("host per op", step, min_rep_s, False, out["host"]))
     if spec.get("dispatch") and r.dist.is_initialized():
         items += _dispatch_items(r, min_rep_s, out)
+    if spec.get("compiled_call"):
+        items += _compiled_call_items(r, spec["compiled_call"], min_rep_s, out)
     return items + _kernel_items(r, spec, min_rep_s, out)
+
+
+def _compiled_call_items(r: _Rank, counts: list[int], min_rep_s: float,
+                         out: dict[str, Any]) -> list[_Item]:
+    """A compiled region's call with each of ``counts`` parameters
+    (:mod:`costmodel.profiling.compiled_call`); records into
+    ``out["compiled_call"]``. A region that cannot compile here (no C++
+    compiler, no Triton) is recorded in ``out["unsupported"]`` instead."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from costmodel.profiling.compiled_call import region_call_fn
+
+    if not r.dist.is_initialized():  # one rank: a group of one, for the region's mesh
+        r.dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo",
+                                  store=r.dist.HashStore(), rank=0, world_size=1)
+    mesh = DeviceMesh(r.device.type, list(range(r.world)))
+    items, records = [], []
+    for k in counts:
+        fn = region_call_fn(r.torch, mesh, k)
+        try:
+            fn()  # compiles
+        except Exception as err:  # noqa: BLE001 - any compile failure leaves the figure unmeasured
+            out.setdefault("unsupported", {})["compiled_call"] = \
+                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            return []
+        rec = {"params": k}
+        records.append(rec)
+        items.append(_Item(f"compiled call of {k} parameters", fn, min_rep_s, False, rec))
+    out["compiled_call"] = records
+    return items
 
 
 def _collective_groups(r: _Rank, spec: dict[str, Any]) -> list[tuple[int, Any]]:

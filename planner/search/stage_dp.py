@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from costmodel.cluster import Cluster
-from costmodel.compute import host_seconds
+from costmodel.compute import compiled_call_seconds, host_seconds
 from costmodel.resharding import ReshardPricer, gradient_placements
 from costmodel.schedules import ScheduleBook, peak_activations
 from costmodel.strategy_cost import IntraOpCost
@@ -176,6 +176,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     host_f, host_b = host_seconds(graph, cluster.device)
     f = max(f, host_f)
     b = max(b, host_b - w)
+    call_f, call_b = compiled_call_seconds(graph, cluster.device)  # a compiled stage's call
+    f, b = f + call_f, b + call_b
     if cost.zero_stage == 3:
         # FSDP2 layer by layer, in every micro-batch: each layer's collectives
         # overlap the compute of its neighbours where the backend runs them
