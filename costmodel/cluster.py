@@ -44,6 +44,11 @@ BACKENDS = ("nccl", "gloo")
 DEFAULT_KERNEL_OVERHEAD = 5e-6
 #: DeviceSpec fields of a compiled region call's host cost, written only where measured
 _COMPILED_CALL_KEYS = ("compiled_call_overhead", "compiled_param_overhead")
+#: DeviceSpec fields a cluster file may leave out (their defaults apply)
+_OPTIONAL_DEVICE_KEYS = ("kernel_overhead", "flop_efficiency", "memory_efficiency",
+                         "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
+                         "attention_half_saturation_flops", "host_overhead",
+                         "unaligned_gemm_efficiency", *_COMPILED_CALL_KEYS)
 #: Fraction of dense peak FLOP/s a large, well-shaped GEMM reaches (60-80% is
 #: typical for transformer GEMMs on A100/H100; calibrated by profiling later).
 DEFAULT_FLOP_EFFICIENCY = 0.7
@@ -446,21 +451,10 @@ class DeviceSpec:
     def from_dict(cls, d: Any, where: str = "device") -> "DeviceSpec":
         """Build from :meth:`to_dict` output; all but the first four fields are optional."""
         d = _need_mapping(where, d)
-        _check_keys(
-            where, d,
-            ("name", "peak_flops", "memory", "memory_bandwidth"),
-            ("kernel_overhead", "flop_efficiency", "memory_efficiency", "half_saturation_flops",
-             "dispatch_overhead", "attention_efficiency", "attention_half_saturation_flops",
-             "host_overhead", "unaligned_gemm_efficiency", *_COMPILED_CALL_KEYS),
-        )
+        _check_keys(where, d, ("name", "peak_flops", "memory", "memory_bandwidth"),
+                    _OPTIONAL_DEVICE_KEYS)
         peak = _need_mapping(f"{where}.peak_flops", d["peak_flops"])
-        kwargs: dict[str, Any] = {}
-        for key in ("kernel_overhead", "flop_efficiency", "memory_efficiency",
-                    "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
-                    "attention_half_saturation_flops", "host_overhead",
-                    "unaligned_gemm_efficiency", *_COMPILED_CALL_KEYS):
-            if key in d:
-                kwargs[key] = d[key]
+        kwargs = {key: d[key] for key in _OPTIONAL_DEVICE_KEYS if key in d}
         return cls(
             name=d["name"],
             peak_flops=dict(peak),

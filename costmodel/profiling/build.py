@@ -42,6 +42,7 @@ class _DeviceFits:
     gemm: dict[str, Any]            # fit_gemm's result, plus "dtype"
     peak_flops: dict[str, float]    # dtype -> FLOP/s
     attention: dict[str, float]     # attention_fit's result, {} when not measured
+    compiled_calls: dict[str, float]  # compiled_call_overheads' result, {} when not measured
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def compiled_call_overheads(raw: Mapping[str, Any]) -> dict[str, float]:
 def _fit_device(raw: Mapping[str, Any], device: str) -> _DeviceFits:
     """Kernel overhead, memory bandwidth (of the largest copy), the GEMM curve in
     the device's main dtype (fp32 on CPU, bf16 on GPU), the achieved rate of
-    any other GEMM dtype, and the attention curve."""
+    any other GEMM dtype, the attention curve and a compiled region's call."""
     overhead = float(raw["overhead"]["seconds"])
     mem = max(raw["memory"], key=lambda r: r["bytes"])
     main_dtype = "bfloat16" if device == "cuda" else "float32"
@@ -117,7 +118,8 @@ def _fit_device(raw: Mapping[str, Any], device: str) -> _DeviceFits:
     gemm["unaligned_efficiency"] = unaligned_gemm_efficiency(
         [g for g in raw["gemms"] if g.get("unaligned") and g["dtype"] == main_dtype], gemm, overhead)
     attention = attention_fit(raw.get("attention", ()), overhead, peak[main_dtype]) or {}
-    return _DeviceFits(main_dtype, overhead, mem["bytes"] / mem["seconds"], gemm, peak, attention)
+    return _DeviceFits(main_dtype, overhead, mem["bytes"] / mem["seconds"], gemm, peak, attention,
+                       compiled_call_overheads(raw))
 
 
 def _collective_samples(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, float, int, float]]:
@@ -172,7 +174,7 @@ def _cpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
     dispatch = dispatch_overhead(raw)
     if dispatch is not None:
         values["dispatch_overhead"] = dispatch
-    values.update(compiled_call_overheads(raw))
+    values.update(device.compiled_calls)
     if links.link is not None:
         values["link_bandwidth"] = links.link["bandwidth"]
         values["link_latency"] = links.link["latency"]
@@ -198,7 +200,7 @@ def _gpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
                          "attention_half_saturation_flops", 0.0),
                      host_overhead=host_overhead(raw) or 0.0,
                      unaligned_gemm_efficiency=device.gemm["unaligned_efficiency"],
-                     **compiled_call_overheads(raw))
+                     **device.compiled_calls)
     # With one GPU no collective runs: keep an NVLink-like placeholder (noted in the profile).
     fit = links.link
     redistribute = alpha_beta_table(_alpha_beta_fits(links.redistribute))
@@ -253,7 +255,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "fits": {
             "kernel_overhead": device.overhead,
             "dispatch_overhead": dispatch_overhead(raw),
-            **compiled_call_overheads(raw),
+            **device.compiled_calls,
             "memory_bandwidth": device.memory_bandwidth,
             "gemm": device.gemm,
             "link": links.link,
