@@ -53,7 +53,8 @@ from ir.torch_compat import is_strided_shard
 from .cluster import Link, check_mesh_shape
 from .collectives import collective_time
 
-__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_time", "gradient_placements"]
+__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_time", "gradient_placements",
+           "weight_gradient_placements"]
 
 PlacementLike = Union[Placement, str]
 
@@ -64,6 +65,22 @@ def gradient_placements(placements: Sequence[PlacementLike]) -> tuple[PlacementL
     a value that is reduced later reaches every rank whole)."""
     return tuple(Replicate() if isinstance(_as_placement(p), Partial) else p
                  for p in placements)
+
+
+def weight_gradient_placements(src: Sequence[PlacementLike], dst: Sequence[PlacementLike]
+                               ) -> tuple[PlacementLike, ...]:
+    """Placements of the gradient that flows back into a weight (a parameter
+    or a view of one) moved from ``src`` to ``dst`` placements: those of
+    :func:`gradient_placements` of ``dst``, but a pending sum on mesh axis 0
+    where the move gathers it whole there (``Shard`` to ``Replicate``). Its
+    users' rows are split over the data-parallel axis 0, so its gradient is
+    the sum over those ranks, which DTensor's backward of the gather
+    reduce-scatters in each micro-batch (a weight replicated on axis 0 keeps
+    the sum pending until the step's end)."""
+    back = gradient_placements(dst)
+    if isinstance(_as_placement(src[0]), Shard) and isinstance(_as_placement(dst[0]), Replicate):
+        back = (Partial(),) + tuple(back[1:])
+    return back
 
 
 @dataclass(frozen=True)
@@ -344,6 +361,8 @@ class ReshardPricer:
         self._collectives: dict[tuple[str, int, int], float] = {}
         self._checked: set[tuple] = set()  # (shape, itemsize) already validated
         self._gradient_ids: dict[int, int] = {}  # spec id -> id of gradient_placements
+        # (src, dst) spec ids -> id of weight_gradient_placements
+        self._weight_gradient_ids: dict[tuple[int, int], int] = {}
         # edge_seconds' matrices by (srcs, dsts, shape, itemsize, with_gradient)
         self._edges: dict[tuple, tuple[tuple[float, ...], ...]] = {}
         self._memos: dict[str, dict] = {}  # see memo
@@ -379,28 +398,43 @@ class ReshardPricer:
             i = self._gradient_ids[spec] = self.spec_id(gradient_placements(self.specs[spec]))
         return i
 
+    def gradient_seconds(self, src: int, dst: int, shape: tuple[int, ...], itemsize: int,
+                         weight: bool = False) -> float:
+        """Seconds of the gradient's way back over an edge that moves a tensor
+        from placements ``src`` to ``dst`` (ids of :meth:`spec_id`): from
+        :func:`gradient_placements` of ``dst`` to that of ``src``, or for a
+        ``weight`` from :func:`weight_gradient_placements`."""
+        if weight:
+            back = self._weight_gradient_ids.get((src, dst))
+            if back is None:
+                back = self._weight_gradient_ids[src, dst] = self.spec_id(
+                    weight_gradient_placements(self.specs[src], self.specs[dst]))
+        else:
+            back = self.gradient_id(dst)
+        to = self.gradient_id(src)
+        return 0.0 if back == to else self.time_ids(back, to, shape, itemsize)
+
     def edge_seconds(self, srcs: tuple[int, ...], dsts: tuple[int, ...], shape: tuple[int, ...],
-                     itemsize: int, with_gradient: bool) -> tuple[tuple[float, ...], ...]:
+                     itemsize: int, with_gradient: bool, weight: bool = False
+                     ) -> tuple[tuple[float, ...], ...]:
         """Seconds of an edge between ops, ``[i][j]`` for a tensor that leaves
         its producer placed as ``srcs[i]`` and enters its consumer as
         ``dsts[j]`` (ids of :meth:`spec_id`): the forward reshard, plus with
         ``with_gradient`` the reverse reshard of its gradient
-        (:func:`gradient_placements` of both ends). Memoised as a whole: the
-        blocks of a model and the stages searched on one mesh ask for the same
-        matrices many times (llama3-8b on 64 GPUs: 8 times each)."""
-        key = (srcs, dsts, shape, itemsize, with_gradient)
+        (:meth:`gradient_seconds`; ``weight``: of a weight). Memoised as a
+        whole: the blocks of a model and the stages searched on one mesh ask
+        for the same matrices many times (llama3-8b on 64 GPUs: 8 times each)."""
+        key = (srcs, dsts, shape, itemsize, with_gradient, weight)
         matrix = self._edges.get(key)
         if matrix is not None:
             return matrix
-        grads = [self.gradient_id(i) for i in (*srcs, *dsts)] if with_gradient else []
         rows = []
-        for i, a in enumerate(srcs):
+        for a in srcs:
             row = []
-            for j, b in enumerate(dsts):
+            for b in dsts:
                 t = 0.0 if a == b else self.time_ids(a, b, shape, itemsize)
-                if with_gradient:
-                    ga, gb = grads[i], grads[len(srcs) + j]
-                    t += 0.0 if ga == gb else self.time_ids(gb, ga, shape, itemsize)
+                if with_gradient and a != b:
+                    t += self.gradient_seconds(a, b, shape, itemsize, weight)
                 row.append(t)
             rows.append(tuple(row))
         matrix = self._edges[key] = tuple(rows)

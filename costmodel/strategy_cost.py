@@ -95,16 +95,13 @@ class NodePrices:
     """What one node costs under one strategy (:meth:`IntraOpCost.prices`):
     seconds of :meth:`IntraOpCost.compute`, of its forward alone, of its
     backward (input gradient, weight gradient), of its gradient collectives,
-    bytes per device by kind (:meth:`IntraOpCost.memory_breakdown`), and the
-    part of its collectives that all-reduces weight gradients over mesh axis 0
-    in each micro-batch (what ZeRO or ``reduce_once`` does once per step)."""
+    and bytes per device by kind (:meth:`IntraOpCost.memory_breakdown`)."""
 
     compute_s: float
     forward_s: float
     backward_s: tuple[float, float]
     collectives_s: float
     memory: Mapping[str, float]
-    weight_sync_s: float = 0.0
 
 
 class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
@@ -119,8 +116,10 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
     ``zero_stage``: how the parameter states and gradient sums use mesh axis 0
     (the data-parallel axis; parameters replicated on it):
 
-    * 0: every device holds whole states; the gradients are all-reduced in
-      each micro-batch's backward (DTensor's Partial -> Replicate);
+    * 0: every device holds whole states; the gradient sums on axis 0
+      accumulate over the step's micro-batches and are all-reduced once, at
+      its end, in buckets (:mod:`codegen.grad_reduction`, as Megatron's and
+      torch's DDP reduce them);
     * 1: the optimizer states are sharded over axis 0; the gradient sums on
       it wait for the end of the step, are reduce-scattered once and the
       updated parameters all-gathered once (Megatron's distributed optimizer);
@@ -147,7 +146,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
     def __init__(self, graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], dtype: str,
                  optimizer: str = "adam", activation_copies: float = 1.0,
                  pricer: ReshardPricer | None = None, zero_stage: int = 0,
-                 reduce_once: bool = False, step_share: float = 1.0,
+                 step_share: float = 1.0,
                  units_gathered: bool = True):
         """``dtype``: the training precision's name (:func:`ir.precision.get_precision`;
         a plain dtype name too). ``optimizer``: its name
@@ -157,11 +156,6 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         cluster to share (its prices are memoised, so graphs priced on the same
         mesh one after another reuse them); a new one when None.
         ``zero_stage``: see the class.
-
-        ``reduce_once`` (with ``zero_stage`` 0): whole states, but the gradient
-        sums on axis 0 accumulate over the micro-batches and are all-reduced
-        once per step (Megatron's DDP; torch DDP under ``no_sync``), priced as
-        the reduce-scatter and all-gather a ring all-reduce is made of.
 
         ``units_gathered`` (ZeRO-3): False prices ``graph`` as one layer of a
         stage that holds other units too (a layer profile of the pipeline
@@ -182,7 +176,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         if zero_stage not in ZERO_STAGES:
             raise ValueError(f"zero_stage must be one of {ZERO_STAGES}, got {zero_stage!r}")
         self.graph = graph
-        self._set_zero(zero_stage, mesh_shape, reduce_once, units_gathered)
+        self._set_zero(zero_stage, mesh_shape, units_gathered)
         # micro-batches whose saved activations are alive at once (pipeline in-flight)
         self.activation_copies = float(activation_copies)
         self.optimizer = optimizer
@@ -203,8 +197,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         # NodePrices of the (node, strategy) pairs asked for by prices()
         self._prices: dict[tuple[str, int], tuple[Strategy, NodePrices]] = {}
 
-    def _set_zero(self, zero_stage: int, mesh_shape: Sequence[int], reduce_once: bool,
-                  units_gathered: bool) -> None:
+    def _set_zero(self, zero_stage: int, mesh_shape: Sequence[int], units_gathered: bool) -> None:
         """The settings that follow from the ZeRO stage (see the class)."""
         self.zero_stage = zero_stage
         # ranks the parameter states are sharded over (mesh axis 0 under ZeRO)
@@ -222,7 +215,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
             self.pass_params, at_peak = zero3_param_sets(self.graph)
             self.gathered_params = at_peak if units_gathered else self.pass_params
         # ranks whose gradient sums on mesh axis 0 wait for the end of the step
-        self.step_sync_ranks = int(mesh_shape[0]) if zero_stage or reduce_once else 1
+        self.step_sync_ranks = int(mesh_shape[0])
 
     def _set_precision(self, dtype: str) -> None:
         """The training precision ``dtype`` names, and the byte ratios of the
@@ -258,7 +251,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         # as compute() adds them
         compute = forward + b + w if node.kind == OP else self.compute(node, s)
         prices = NodePrices(compute, forward, (b, w), self.backward_collectives(node, s),
-                            self.memory_breakdown(node, s), self.weight_sync(node, s))
+                            self.memory_breakdown(node, s))
         self._prices[key] = (s, prices)
         return prices
 
@@ -274,12 +267,22 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         return self._pricer.time(src, dst, info.shape, info.itemsize)
 
     def edge(self, producer_out: Placements, consumer_in: Placements, info: TensorInfo,
-             requires_grad: bool) -> float:
+             requires_grad: bool, weight: bool = False) -> float:
         """Seconds of an edge: forward reshard of ``info`` from the producer's output
         placements into the consumer's input placements, plus (``requires_grad``)
-        the reverse reshard of its gradient."""
+        the reverse reshard of its gradient (:meth:`gradient_reshard`)."""
         return self.edge_seconds((self.spec_id(producer_out),), (self.spec_id(consumer_in),),
-                                 info, requires_grad)[0][0]
+                                 info, requires_grad, weight)[0][0]
+
+    def gradient_reshard(self, src: Placements, dst: Placements, info: TensorInfo,
+                         weight: bool = False) -> float:
+        """Seconds of an edge's gradient reshard, from the consumer's input
+        placements ``dst`` back to the producer's output placements ``src``
+        (:meth:`ReshardPricer.gradient_seconds`): for a ``weight`` gathered on
+        mesh axis 0 for its use, the reduce-scatter of its gradient in each
+        micro-batch (:func:`costmodel.resharding.weight_gradient_placements`)."""
+        return self._pricer.gradient_seconds(self.spec_id(src), self.spec_id(dst), info.shape,
+                                             info.itemsize, weight)
 
     @property
     def edge_matrices(self) -> dict[tuple, tuple]:
@@ -288,9 +291,10 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         return self._pricer.memo("edge_matrices")
 
     def edge_seconds(self, srcs: tuple[int, ...], dsts: tuple[int, ...], info: TensorInfo,
-                     requires_grad: bool) -> tuple[tuple[float, ...], ...]:
+                     requires_grad: bool, weight: bool = False) -> tuple[tuple[float, ...], ...]:
         """:meth:`edge` for every (producer output, consumer input) pair of
         placements given by :meth:`spec_id`: seconds, ``[i][j]`` for ``srcs[i]``
         and ``dsts[j]`` (memoised by the mesh's :class:`ReshardPricer`,
         :meth:`ReshardPricer.edge_seconds`)."""
-        return self._pricer.edge_seconds(srcs, dsts, info.shape, info.itemsize, requires_grad)
+        return self._pricer.edge_seconds(srcs, dsts, info.shape, info.itemsize, requires_grad,
+                                         weight)

@@ -5,9 +5,17 @@
 strategy implies for gradients: the all-reduce of each input gradient that
 comes out partial in a micro-batch's backward (and the all-to-alls of an
 expert-parallel grouped matmul, forward and backward), and the collectives over mesh
-axis 0 that ZeRO (or ``reduce_once``) issues once per step instead: the
-reduce-scatter of the gradient sums and the all-gather of the updated
-parameters, or ZeRO-3's layer by layer gathers in every micro-batch.
+axis 0 that every stage issues once per step for its parameters' gradient
+sums (the runtime lets them accumulate over the step's micro-batches, as
+Megatron's and torch's DDP do): their all-reduce, or under ZeRO the
+reduce-scatter of the sums and the all-gather of the updated parameters, or
+ZeRO-3's layer by layer gathers in every micro-batch.
+
+A parameter replicated on axis 0 is taken to get a pending sum there (its
+users' rows split over the data-parallel ranks), one gathered for its use a
+reduce-scatter of it (:meth:`IntraOpCost.gradient_reshard`); an op that
+computes on whole rows on every rank (no sum to make) is rare and priced
+so too.
 
 Gradient communication is not overlapped with backward: the code generator
 reduces gradients after backward, so the model charges it in full.
@@ -37,10 +45,9 @@ class GradientSyncPricing(StrategySettings):
 
     def backward_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds of the all-reduce of input gradients that come out partial
-        under ``s``, in each micro-batch's backward. Under ZeRO
-        (:attr:`zero_stage` > 0) or ``reduce_once`` a parameter's gradient sum
-        on mesh axis 0 waits for the end of the step instead, and the parameter
-        node itself carries that step's collectives over axis 0
+        under ``s``, in each micro-batch's backward. A parameter's gradient
+        sum on mesh axis 0 waits for the end of the step instead, and the
+        parameter node itself carries that step's collectives over axis 0
         (:meth:`state_collectives`)."""
         if node.kind == PARAM:
             return self.state_collectives(node, s)
@@ -71,13 +78,6 @@ class GradientSyncPricing(StrategySettings):
         nx, ny = BACKWARD_EXCHANGES[node.target]
         return x + y, nx * x + ny * y
 
-    def weight_sync(self, node: Node, s: Strategy) -> float:
-        """Seconds of the all-reduces of weight gradients over mesh axis 0 in
-        each micro-batch's backward under ``s`` (what ZeRO or ``reduce_once``
-        does once per step instead)."""
-        return sum(t for arg, a, t in self._gradient_all_reduces(node, s)
-                   if a == 0 and arg in self.param_derived)
-
     def _gradient_all_reduces(self, node: Node, s: Strategy) -> list[tuple[str, int, float]]:
         """(argument, mesh axis, seconds) of each all-reduce of an input gradient
         that comes out partial under ``s`` in a micro-batch's backward."""
@@ -92,7 +92,7 @@ class GradientSyncPricing(StrategySettings):
             if arg not in self.requires_grad:
                 continue
             for a, size in enumerate(self.mesh_shape):
-                if a == 0 and self.step_sync_ranks > 1 and arg in self.param_derived:
+                if a == 0 and arg in self.param_derived:
                     continue  # a pending sum, reduced once per step
                 if size > 1 and out_split[a] and replicated[a]:
                     nbytes = local_numel(info, pin, self.mesh_shape, skip_axis=a) * info.itemsize
@@ -107,8 +107,7 @@ class GradientSyncPricing(StrategySettings):
 
     def zero_bytes(self, node: Node, s: Strategy) -> float:
         """Bytes per device of a parameter whose gradient sum on mesh axis 0
-        (where it is replicated) is reduced once per step, under ZeRO or
-        ``reduce_once``; 0 for anything else."""
+        (where it is replicated) is reduced once per step; 0 for anything else."""
         if node.kind != PARAM or self.step_sync_ranks == 1 or not isinstance(s.outputs[0][0],
                                                                              Replicate):
             return 0.0
@@ -116,19 +115,26 @@ class GradientSyncPricing(StrategySettings):
 
     def zero_collectives(self, nbytes: float) -> float:
         """Seconds of the once-per-step collectives over mesh axis 0 for
-        ``nbytes`` of parameters in the compute dtype: the reduce-scatter of
-        their gradients (in the reduce dtype) and the all-gather of the
-        parameters (in the compute dtype), one collective each (as FSDP2 issues
-        them for a stage; ring: together the bytes and time of the one
-        all-reduce, in the reduce dtype, Megatron's DDP issues under ``reduce_once``).
-        ZeRO-1 (:mod:`codegen.zero1`) on a backend that reduce-scatters by
-        all-reducing (gloo) all-reduces the gradients instead, as it runs."""
+        ``nbytes`` of parameters in the compute dtype.
+
+        Under ZeRO: the reduce-scatter of their gradients (in the reduce dtype)
+        and the all-gather of the parameters (in the compute dtype), one
+        collective each (as FSDP2 issues them for a stage). Without: the
+        all-reduce of the gradients (in the reduce dtype) that
+        :func:`codegen.grad_reduction.redistribute_grads` and Megatron's DDP
+        issue, priced as the reduce-scatter and all-gather a ring all-reduce
+        is made of. On a backend that reduce-scatters by all-reducing (gloo)
+        the gradients are all-reduced as they run: one all-reduce without
+        ZeRO, and under ZeRO-1 (:mod:`codegen.zero1`) one before the gather."""
         if self.step_sync_ranks == 1 or nbytes <= 0:
             return 0.0
         n, link = self.step_sync_ranks, self.links[0]
-        gradients = ("all_reduce" if self.zero_stage == 1
-                     and self.cluster.reduce_scatters_by_all_reduce else "reduce_scatter")
-        return (collective_time(gradients, nbytes * self.reduce_scale, n, link)
+        gradient_bytes = nbytes * self.reduce_scale
+        by_all_reduce = self.cluster.reduce_scatters_by_all_reduce
+        if not self.zero_stage and by_all_reduce:
+            return collective_time("all_reduce", gradient_bytes, n, link)
+        gradients = "all_reduce" if self.zero_stage == 1 and by_all_reduce else "reduce_scatter"
+        return (collective_time(gradients, gradient_bytes, n, link)
                 + collective_time("all_gather", nbytes * self.gather_scale, n, link))
 
     def zero3_layer_collectives(self, nbytes: float, layer_bytes: float) -> tuple[float, float]:

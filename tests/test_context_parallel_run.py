@@ -108,13 +108,16 @@ def test_the_exchange_counts_and_sends_each_kv_head_once():
 
 def _cp_plan(tmp_path: Any, model: str, devices: int, cp: int, *, precision: str = "fp32",
              comm_type: str | None = None, pp: tuple[int, ...] = (1,),
-             schedule: str | None = None, zero: int | None = None) -> Any:
-    """A searched plan of zoo ``model`` with context parallel size ``cp`` on
-    ``local-cpu:devices`` (its exchange set to ``comm_type`` where given: the
-    runtime runs what the plan says), saved; returns its path."""
-    m, inputs = build_model(model, device="meta", seed=0)
+             schedule: str | None = None, zero: int | None = None,
+             batch_size: int | None = None) -> Any:
+    """A searched plan of zoo ``model`` (of ``batch_size`` sequences, where
+    given) with context parallel size ``cp`` on ``local-cpu:devices`` (its
+    exchange set to ``comm_type`` where given: the runtime runs what the plan
+    says), saved; returns its path."""
+    zoo_kwargs = {} if batch_size is None else {"batch_size": batch_size}
+    m, inputs = build_model(model, device="meta", seed=0, **zoo_kwargs)
     p = plan(m, f"local-cpu:{devices}", example_inputs=inputs, context_parallel=(cp,), pp=pp,
-             precision=precision, model_source=model, time_limit_s=5.0,
+             precision=precision, model_source=model, zoo_kwargs=zoo_kwargs, time_limit_s=5.0,
              schedules=(schedule,) if schedule else None,
              zero_stages=(zero,) if zero is not None else None)
     path = tmp_path / f"{model}_{devices}_{cp}.json"
@@ -135,10 +138,10 @@ def _cp_plan(tmp_path: Any, model: str, devices: int, cp: int, *, precision: str
 def test_context_parallel_plans_train_as_one_process_does(tmp_path, model, devices, cp,
                                                           precision, comm_type):
     with_tp = devices == 4 and cp == 2
-    # without ZeRO there: the search's one stage under ZeRO-1 takes the whole
-    # mesh for cp x data parallelism, and this case is cp x tensor parallelism
+    # without ZeRO there, and of two sequences: with more the search takes the
+    # whole mesh for cp x data parallelism, and this case is cp x tensor parallelism
     path = _cp_plan(tmp_path, model, devices, cp, precision=precision, comm_type=comm_type,
-                    zero=0 if with_tp else None)
+                    zero=0 if with_tp else None, batch_size=2 if with_tp else None)
     p = load_plan(path)
     assert p.training["context_parallel"]["size"] == cp and unrunnable_reason(p) is None
     if with_tp:  # the other mesh axis splits weights (tensor parallelism)

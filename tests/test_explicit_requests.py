@@ -159,7 +159,8 @@ def test_the_summary_names_lifted_constants_by_module_not_as_inputs(mesh_plan):
               "c_transformer_h_1_attn_lifted_tensor_1": ["R"],
               "c_lifted_tensor_2": ["S(0)"], **mesh_plan.inputs}
     text = format_plan(dataclasses.replace(mesh_plan, inputs=inputs))
-    assert "inputs: idx [R], targets [R]\n" in text and "lifted_tensor" not in text
+    own = ", ".join(f"{name} [{', '.join(pl)}]" for name, pl in mesh_plan.inputs.items())
+    assert f"inputs: {own}\n" in text and "lifted_tensor" not in text
     assert ("constants lifted into inputs by the capture, by the module that makes them: "
             "transformer.h.*.attn [R] x2, the model [S(0)] x1") in text
 

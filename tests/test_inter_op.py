@@ -249,7 +249,8 @@ def test_zero3_stages_count_sharded_states_and_gather_in_every_microbatch():
     top, at its peak, the whole parameters and gradients of the units FSDP2
     holds gathered at once. Every micro-batch all-gathers the parameters in
     its forward and reduce-scatters the gradients in its backward, overlapped
-    with the compute: nothing is left to synchronise at the end of the step."""
+    with the compute: nothing is left to synchronise at the end of the step,
+    where the plain stage all-reduces its gradient sums once."""
     from planner.megatron_layout import MegatronConfig, megatron_layout
 
     model, inputs = build_model("gpt-tiny")
@@ -265,11 +266,10 @@ def test_zero3_stages_count_sharded_states_and_gather_in_every_microbatch():
         assert 0.5 * a["params"] < b["params"] < 1.5 * a["params"]
         assert b["grads"] == pytest.approx(b["params"], rel=1e-6, abs=2)
         assert b["optimizer"] == pytest.approx(0.5 * a["optimizer"], rel=1e-6, abs=2)
-        assert zero3.predicted["grad_sync_s"] == 0.0
+        assert zero3.predicted["grad_sync_s"] == 0.0 < plain.predicted["grad_sync_s"]
         assert zero3.predicted["forward_s"] >= collective_time("all_gather", a["params"], 2, link)
         assert zero3.predicted["backward_input_s"] >= collective_time("reduce_scatter",
                                                                       a["params"], 2, link)
-    assert plans[1].predicted["step_time_s"] < plans[0].predicted["step_time_s"]
 
 
 def test_zero3_counts_whole_only_the_units_fsdp2_holds_gathered_at_once():
@@ -316,23 +316,26 @@ def test_zero3_is_refused_with_a_split_backward_and_the_search_takes_zero2_there
     assert {st.zero_stage for st in found.pipeline.stages} <= {0, 2}
 
 
-def test_plan_searches_zero3_stages_and_keeps_them_when_faster():
+def test_plan_searches_zero3_stages_and_keeps_the_faster():
     """plan() also tries ZeRO for pipeline stages (under bf16-mixed ZeRO-3,
     FSDP2 over stage mesh axis 0): on gpt-tiny, pp=2 x 2 with 4
-    micro-batches, one gradient sync per step beats one per micro-batch, so
-    the plan takes it; restricted to ``zero_stages=[0]`` it cannot. Other
-    stages are refused in one line (fp32 and ZeRO-1, which on 2 ranks holds
-    as little as ZeRO-3 and is taken when allowed: tests/test_zero1.py)."""
+    micro-batches, allowed ZeRO-3 and none it keeps the faster of the plans
+    each alone gives. Other stages are refused in one line (fp32 and ZeRO-1,
+    which on 2 ranks holds as little as ZeRO-3 and is taken when allowed:
+    tests/test_zero1.py)."""
     from planner.api import plan
 
     model, inputs = build_model("gpt-tiny")
     kwargs = dict(example_inputs=inputs, pp=[2], schedules=["1f1b"], num_microbatches=[4],
                   time_limit_s=10, precision="bf16-mixed")
-    auto = plan(model, "local-cpu:4", zero_stages=[0, 3], **kwargs)
-    plain = plan(model, "local-cpu:4", zero_stages=[0], **kwargs)
-    assert {(st.zero_stage, st.zero_axis) for st in auto.pipeline.stages} == {(3, 0)}
+    auto, plain, zero3 = (plan(model, "local-cpu:4", zero_stages=z, **kwargs)
+                          for z in ([0, 3], [0], [3]))
+    assert {(st.zero_stage, st.zero_axis) for st in zero3.pipeline.stages} == {(3, 0)}
     assert {st.zero_stage for st in plain.pipeline.stages} == {0}
-    assert auto.predicted["step_time_s"] < plain.predicted["step_time_s"]
+    best = min(plain, zero3, key=lambda p: p.predicted["step_time_s"])
+    assert auto.predicted["step_time_s"] == pytest.approx(best.predicted["step_time_s"], rel=1e-9)
+    assert ({st.zero_stage for st in auto.pipeline.stages}
+            == {st.zero_stage for st in best.pipeline.stages})
     with pytest.raises(PlanningError, match="ZeRO stages must be 0"):
         plan(model, "local-cpu:4", zero_stages=[5], **kwargs)
 

@@ -103,7 +103,8 @@ def test_expert_parallel_layout_shards_expert_weights_and_their_memory(moe_tiny)
 def test_expert_gradients_are_reduced_over_expert_data_parallel_ranks_only(moe_tiny):
     """The cost model all-reduces a weight's gradient over a mesh axis only where
     the weight is replicated: expert weights S(0) on the expert-parallel axes
-    reduce over the other axes only (none when ep = dp x tp)."""
+    reduce over the other axes only (none when ep = dp x tp). Axis 0's sums
+    wait for the step's end, priced at the parameter node."""
     from costmodel.strategy_cost import IntraOpCost
     from planner.ilp.intra_op import solve_intra_op
     from planner.megatron_layout import expert_weights
@@ -120,6 +121,8 @@ def test_expert_gradients_are_reduced_over_expert_data_parallel_ranks_only(moe_t
         axes[ep] = {a for n in graph.nodes if n.target == "aten.bmm.default"
                     for arg, a, _ in cost._gradient_all_reduces(n, r.chosen[n.name])
                     if arg in experts}
+        if any(cost.zero_bytes(graph[e], r.chosen[e]) > 0 for e in experts):
+            axes[ep].add(0)
     assert axes == {1: {0}, 2: {0}, 4: set()}  # meshes (4,), (2, 2) with ep on axis 1, (4,)
 
 

@@ -94,19 +94,18 @@ def test_zero1_prices_sharded_states_only_for_parameters_replicated_on_axis_0():
 
 
 def test_plan_picks_zero1_in_fp32_and_bf16_mixed_on_two_ranks():
-    """gpt-tiny, pp=2 x 2, 4 micro-batches: ZeRO beats per-micro-batch
-    all-reduces; with parameters all replicated on the ZeRO axis the stage
-    it takes is the one holding least memory (on 2 ranks under bf16-mixed
-    ZeRO-1 holds 6 + 12/2 bytes per parameter, FSDP2 4 + 16/2: a tie, which
-    goes to ZeRO-1)."""
+    """gpt-tiny, pp=2 x 2, 4 micro-batches, ZeRO asked for: with parameters
+    all replicated on the ZeRO axis the stage it takes is the one holding
+    least memory (on 2 ranks under bf16-mixed ZeRO-1 holds 6 + 12/2 bytes
+    per parameter, FSDP2 4 + 16/2: a tie, which goes to ZeRO-1)."""
     from planner.api import plan
 
     model, inputs = build_model("gpt-tiny")
     kwargs = dict(example_inputs=inputs, pp=[2], schedules=["1f1b"], num_microbatches=[4],
                   time_limit_s=10)
-    fp32 = plan(model, "local-cpu:4", precision="fp32", **kwargs)
-    fsdp = plan(model, "local-cpu:4", precision="fp32", zero_stages=[0, 3], **kwargs)
-    mixed = plan(model, "local-cpu:4", precision="bf16-mixed", **kwargs)
+    fp32 = plan(model, "local-cpu:4", precision="fp32", zero_stages=[1, 2, 3], **kwargs)
+    fsdp = plan(model, "local-cpu:4", precision="fp32", zero_stages=[3], **kwargs)
+    mixed = plan(model, "local-cpu:4", precision="bf16-mixed", zero_stages=[1, 2, 3], **kwargs)
     assert {(st.zero_stage, st.zero_axis) for st in fp32.pipeline.stages} == {(1, 0)}
     assert {st.zero_stage for st in fsdp.pipeline.stages} == {3}
     assert {st.zero_stage for st in mixed.pipeline.stages} == {1}

@@ -102,7 +102,8 @@ from planner.baselines.megatron_grid import megatron_configs
 from planner.baselines.megatron_memory import (MegatronDoesNotFit, correct, master_state_bytes,
                                                state_floor, zero1_correction)
 from planner.baselines.megatron_pipeline import PAD_HINT, pipeline_plan
-from planner.ilp.intra_op import FixedPlacementError, MemoryInfeasibleError, solve_intra_op
+from planner.ilp.fixed_layout import FixedPlacementError
+from planner.ilp.intra_op import MemoryInfeasibleError, solve_intra_op
 from planner.megatron_layout import MegatronConfig, expert_weights, megatron_layout, num_experts
 from planner.request import PlanningError, default_memory_budget, resolve_precision
 from planner.search.context import global_batch_of

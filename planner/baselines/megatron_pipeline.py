@@ -24,7 +24,8 @@ from ir.graph import Graph
 from ir.layers import block_count
 from plan.format import Plan
 from planner.baselines.megatron_memory import MegatronDoesNotFit, correct, zero1_correction
-from planner.ilp.intra_op import FixedPlacementError, IntraOpResult, MemoryInfeasibleError
+from planner.ilp.fixed_layout import FixedPlacementError
+from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError
 from planner.megatron_layout import MegatronConfig
 from planner.request import PlanningError
 from planner.search.context import SearchContext
@@ -108,10 +109,10 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster, cfg: MegatronConfig,
                             f"into sub-meshes inside a node or of whole nodes")
     # the distributed optimizer: optimizer states sharded over dp (mesh axis 0),
     # gradients reduced once per step (ZeRO-1); without it DDP's all-reduce,
-    # also once per step
+    # also once per step (as every stage's, see IntraOpCost)
     zero = 1 if cfg.use_distributed_optimizer and cfg.dp > 1 else 0
     mesh = StageMeshOption(cfg.mesh_shape, options[0].num_nodes, options[0].devices_per_node,
-                           zero_stage=zero, reduce_once=not zero and cfg.dp > 1)
+                           zero_stage=zero)
     ctx = _search_context(cache, cfg, model, example_inputs, cluster, dtype, optimizer, budget,
                           time_limit_s, layout, graph)
     prog = ctx.program(m, traced=True)

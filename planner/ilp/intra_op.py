@@ -29,6 +29,7 @@ from planner.ilp.solve import (AssignmentProblem, CheckpointGroup, EdgeMatrix, H
                          greedy_assignment, solve, warm_start_value)
 from planner.megatron_layout import MegatronConfig, megatron_layout
 from planner.report import format_bytes
+from planner.ilp.fixed_layout import pin_fixed
 from planner.ilp.strategies import build_strategies
 
 
@@ -259,23 +260,25 @@ def _edge_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies,
     out_idx = node.arg_index if node.target == "getitem" else 0
     info = node.inputs[k] if node.inputs else prod.node.outputs[out_idx]
     rg = node.args[k] in cost.requires_grad and info.is_float
+    weight = rg and node.args[k] in cost.param_derived
     # the strategy lists come from the search's strategy cache, so other
     # graphs on this mesh ask for the same matrix (~36k asks, ~4k matrices
     # in a llama3-8b search); filed with the lists, so that their ids stay theirs
     key = (id(prod.strategies), id(cons.strategies), out_idx, k, info.shape, info.itemsize, rg,
-           node.target == "getitem" or k in node.layout_bound)
+           weight, node.target == "getitem" or k in node.layout_bound)
     memo = cost.edge_matrices
     known = memo.get(key)
     if known is not None and known[0] is prod.strategies and known[1] is cons.strategies:
         return known[2]
-    matrix = _priced_matrix(cost, prod, cons, k, out_idx, info, rg)
+    matrix = _priced_matrix(cost, prod, cons, k, out_idx, info, rg, weight)
     memo[key] = (prod.strategies, cons.strategies, matrix)
     return matrix
 
 
 def _priced_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies, k: int,
-                   out_idx: int, info: TensorInfo, rg: bool) -> list[list[float]]:
-    """:func:`_edge_matrix`, priced (``rg``: with the gradient's reshard)."""
+                   out_idx: int, info: TensorInfo, rg: bool, weight: bool) -> list[list[float]]:
+    """:func:`_edge_matrix`, priced (``rg``: with the gradient's reshard;
+    ``weight``: of a weight, :meth:`IntraOpCost.gradient_reshard`)."""
     node = cons.node
     srcs, src_of = _distinct([cost.spec_id(ps.outputs[out_idx]) for ps in prod.strategies])
     dsts, dst_of = _distinct([cost.spec_id(cs.inputs[k]) for cs in cons.strategies])
@@ -284,15 +287,11 @@ def _priced_matrix(cost: IntraOpCost, prod: NodeStrategies, cons: NodeStrategies
         # captured strides (ir.node.Node.layout_bound): it follows its producer
         priced = [[0.0 if a == b else math.inf for b in dsts] for a in srcs]
     else:
-        priced = cost.edge_seconds(tuple(srcs), tuple(dsts), info, rg)
+        priced = cost.edge_seconds(tuple(srcs), tuple(dsts), info, rg, weight)
     # producer strategies with the same output placement share one row object
     # (planner.ilp.problem.compress_edge recognises them by identity)
     rows = [[row[j] for j in dst_of] for row in priced]
     return [rows[i] for i in src_of]
-
-
-class FixedPlacementError(ValueError):
-    """A placement the caller fixed is not available for that tensor on this mesh."""
 
 
 class MemoryInfeasibleError(RuntimeError):
@@ -457,28 +456,20 @@ def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], 
                      activation_copies: float = 1.0,
                      strategies: list[NodeStrategies] | None = None,
                      pricer: ReshardPricer | None = None,
-                     zero_stage: int = 0, reduce_once: bool = False,
+                     zero_stage: int = 0,
                      step_share: float = 1.0, units_gathered: bool = True) -> PreparedIntraOp:
     """Strategies and the priced (tied) problem of :func:`solve_intra_op`, so that
     several budgets can be solved without pricing again. ``pricer``,
-    ``zero_stage``, ``reduce_once``, ``step_share``, ``units_gathered``: see
+    ``zero_stage``, ``step_share``, ``units_gathered``: see
     :class:`IntraOpCost`."""
     mesh_shape = tuple(int(d) for d in mesh_shape)
     if strategies is None:
         strategies = build_strategies(graph, mesh_shape)
     strategies = list(strategies)
-    for i, ns in enumerate(strategies):
-        key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
-        if fixed and key in fixed:
-            want = tuple(fixed[key])
-            ns = strategies[i] = NodeStrategies(
-                ns.node, [s for s in ns.strategies if s.outputs[0] == want], ns.fallback)
-            if not ns.strategies:
-                raise FixedPlacementError(
-                    f"{key} {list(ns.node.output.shape)} cannot take placements {list(want)} "
-                    f"on mesh {'x'.join(map(str, mesh_shape))} (uneven or unknown dim)")
+    if fixed:
+        strategies = pin_fixed(strategies, fixed, mesh_shape)
     cost = IntraOpCost(graph, cluster, mesh_shape, dtype, optimizer, activation_copies, pricer,
-                       zero_stage, reduce_once, step_share, units_gathered)
+                       zero_stage, step_share, units_gathered)
     return PreparedIntraOp(graph, mesh_shape, strategies, cost, build_problem(cost, strategies),
                            float(activation_copies))
 

@@ -336,7 +336,7 @@ class SearchContext:
         prepared = prepare_intra_op(sub, mesh.cluster(self.settings.cluster), mesh.shape,
                                     dtype=self.settings.dtype, optimizer=self.settings.optimizer,
                                     strategies=strategies, pricer=self.pricing.pricer(mesh),
-                                    zero_stage=mesh.zero_stage, reduce_once=mesh.reduce_once,
+                                    zero_stage=mesh.zero_stage,
                                     step_share=self.pricing.step_share(prog), units_gathered=False)
         points = []
         for chosen, weight in zip(ref.assignments, ref.weights):

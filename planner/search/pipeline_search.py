@@ -274,32 +274,20 @@ def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
 ZERO_CANDIDATES = 6
 
 
-def _zero3_estimate(c: PipelineCandidate) -> float:
-    """What ``c``'s step would take if its weight gradients were reduced once per
-    step rather than in each of its micro-batches (ZeRO-3's main change): its
-    step less all but one micro-batch's weight-gradient all-reduces of its
-    slowest-syncing stage. Ranks the candidates whose ZeRO-3 variants are priced."""
-    if c.split is None:
-        return c.step_time_s
-    sync = max(t.weight_sync_s for t in c.split.times)
-    return c.step_time_s - (c.num_microbatches - 1) * sync
-
-
 def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
     """For each group of ranked candidates, the ZeRO variants (each stage
     :func:`zero_stages_priced` gives for their mesh) of its
     :data:`ZERO_CANDIDATES` candidates (without ZeRO, stage mesh with more
-    than one rank on axis 0) that ZeRO promises most (:func:`_zero3_estimate`),
-    priced, best first; none unless ``opts`` allows 0 and a ZeRO stage. The
+    than one rank on axis 0) priced fastest, priced, best first; none unless ``opts`` allows 0 and a ZeRO stage. The
     variant of a single stage of the whole batch (:data:`NO_PIPELINE`) is
     :func:`_zero_variant_schedule`. The groups are priced together
     (:func:`planner.search.phases.price_all`; in their order within each
     pricing scope, as if one after the other).
 
-    ZeRO shards the parameters' states over axis 0 and synchronises
-    gradients once per step instead of in every micro-batch
-    (:class:`planner.ilp.intra_op.IntraOpCost`). Its layer profiles are ILPs of
+    ZeRO shards the parameters' states over axis 0, and reduce-scatters
+    their gradients where the plain stage all-reduces them
+    (:class:`costmodel.strategy_cost.IntraOpCost`). Its layer profiles are ILPs of
     their own (a mesh family of its own). Only the leading configurations
     are tried: the ILP without ZeRO may already shard parameter states on any
     axis, so ZeRO mostly changes how fast a configuration is, not whether it
@@ -322,7 +310,8 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                 for zero in zero_stages_priced(allowed, ctx.settings.dtype, ctx.settings.optimizer,
                                                c.mesh.shape[0])]
 
-    per_group = [[v for c in sorted(filter(eligible, ranked), key=_zero3_estimate)[:ZERO_CANDIDATES]
+    per_group = [[v for c in sorted(filter(eligible, ranked),
+                                    key=lambda c: c.step_time_s)[:ZERO_CANDIDATES]
                   for v in variants(c)] for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (

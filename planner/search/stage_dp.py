@@ -37,7 +37,7 @@ import numpy as np
 
 from costmodel.cluster import Cluster
 from costmodel.compute import compiled_call_seconds, host_seconds
-from costmodel.resharding import ReshardPricer, gradient_placements
+from costmodel.resharding import ReshardPricer
 from costmodel.schedules import ScheduleBook, peak_activations
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT, OP, PARAM, Graph
@@ -61,9 +61,7 @@ class StageTimes:
     reduction) and ``update_s`` (the optimizer's update and the mixed-precision
     casts of the parameters). ``state_bytes`` (parameters, gradients, optimizer
     states) and ``activation_bytes`` (one micro-batch's saved activations) per
-    device. ``weight_sync_s``: the part of ``backward_input_s`` that all-reduces
-    weight gradients over the data-parallel axis in each micro-batch (what
-    ZeRO would do once per step instead)."""
+    device."""
 
     forward_s: float
     backward_input_s: float
@@ -72,7 +70,6 @@ class StageTimes:
     state_bytes: float
     activation_bytes: float
     update_s: float = 0.0
-    weight_sync_s: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
@@ -97,16 +94,15 @@ class StageTimes:
 
     def _values(self) -> tuple[float, ...]:
         return (self.forward_s, self.backward_input_s, self.backward_weight_s, self.grad_sync_s,
-                self.state_bytes, self.activation_bytes, self.update_s, self.weight_sync_s)
+                self.state_bytes, self.activation_bytes, self.update_s)
 
 
-ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def step_collectives(result: IntraOpResult, cost: IntraOpCost) -> float:
     """Seconds of the collectives in ``result``'s communication that run once
-    per step, not per micro-batch: ZeRO's (or ``reduce_once``'s) reduction of
-    the parameters' gradients and gathering of the parameters over mesh axis
+    per step, not per micro-batch: the reduction of the parameters' gradients and gathering of the parameters over mesh axis
     0, as the ILP priced them (:meth:`IntraOpCost.state_collectives`, without
     the stage's one per-message latency)."""
     return sum(cost.state_collectives(n, result.chosen[n.name])
@@ -115,17 +111,17 @@ def step_collectives(result: IntraOpResult, cost: IntraOpCost) -> float:
 
 def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: str,
                 zero_stage: int = 0, pricer: ReshardPricer | None = None,
-                cost: IntraOpCost | None = None, reduce_once: bool = False) -> StageTimes:
+                cost: IntraOpCost | None = None) -> StageTimes:
     """Split an intra-op solution's step into the parts a pipeline schedules apart.
 
     Forward compute and forward reshards (including gathering sharded
     parameters) run per micro-batch in the forward; input-gradient compute,
-    gradient collectives, gradient reshards of activations and
+    gradient collectives, gradient reshards (of activations and of
+    parameters gathered for an op: :meth:`IntraOpCost.gradient_reshard`) and
     recomputation in the backward; weight-gradient compute in the weight
-    backward; the gradient reshards of parameters and, under ZeRO
-    (``zero_stage``, see :class:`IntraOpCost`), the parameters' all-gather and
-    reduce-scatter over mesh axis 0 once per step (so too the gradient
-    all-reduce under ``reduce_once``, see :class:`IntraOpCost`). ``pricer``: the
+    backward; once per step, the reduction of the parameters' gradients over
+    mesh axis 0 (and under ZeRO, ``zero_stage``, the parameters' all-gather;
+    see :class:`IntraOpCost`). ``pricer``: the
     :class:`ReshardPricer` of this mesh to share (its prices are memoised).
     ``cost``: the :class:`IntraOpCost` the result was solved with, to share
     (its node prices are kept; it prices as these arguments would).
@@ -133,8 +129,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     graph, chosen = result.graph, result.chosen
     if cost is None:
         cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer,
-                           zero_stage=zero_stage, pricer=pricer, reduce_once=reduce_once)
-    f = b = w = sync = update = weight_sync = 0.0
+                           zero_stage=zero_stage, pricer=pricer)
+    f = b = w = sync = update = 0.0
     zero_bytes = 0.0  # bytes of the parameters ZeRO's collectives move
     layer_bytes = 0.0  # of which ZeRO-3 gathers layer by layer
     for n in graph.nodes:
@@ -153,7 +149,6 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         f += prices.forward_s
         bi, bw = prices.backward_s
         b += bi + prices.collectives_s
-        weight_sync += prices.weight_sync_s
         w += bw
         for k, arg in enumerate(n.args):
             idx = n.arg_index if n.target == "getitem" else 0
@@ -163,11 +158,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
             info = n.inputs[k] if n.inputs else graph[arg].outputs[idx]
             f += cost.reshard(src, dst, info)
             if arg in cost.requires_grad and info.is_float:
-                g = cost.reshard(gradient_placements(dst), gradient_placements(src), info)
-                if arg in cost.param_derived:
-                    sync += g
-                else:
-                    b += g
+                # in each micro-batch's backward, as DTensor's backward of the move runs
+                b += cost.gradient_reshard(src, dst, info, arg in cost.param_derived)
     # the objective weighs the once-per-step seconds by step_share (IntraOpCost)
     once = step_collectives(result, cost) + update
     recompute = result.solution.objective_s - (f + b + w + sync + result.step_share * once)
@@ -196,7 +188,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     memory = result.memory
     activations = memory.get("activations", 0.0)
     state = sum(v for k, v in memory.items() if k != "activations")
-    return StageTimes(f, b, w, sync, state, activations, update, weight_sync)
+    return StageTimes(f, b, w, sync, state, activations, update)
 
 
 def layer_signature(graph: Graph, layer: PipelineLayer) -> str:
@@ -240,7 +232,7 @@ def mesh_family(mesh_key: tuple) -> tuple:
     ``mesh_key``: the meshes whose layer placements carry over to each other
     (a layer profile of one re-prices at another) have the same number of
     axes, the same inner (in-node, tensor-parallel) axis size, the same
-    ZeRO stage and gradient reduction. Searches of different families share
+    ZeRO stage. Searches of different families share
     no profile."""
     shape = mesh_key[0]
     return (len(shape), shape[-1] if len(shape) > 1 else 0, *mesh_key[1:])
@@ -258,15 +250,12 @@ class StageMeshOption:
     # (FSDP2, parameters replicated on axis 0) or 1 (Megatron's distributed
     # optimizer, priced for its baselines only)
     zero_stage: int = 0
-    # with zero_stage 0: the gradients on axis 0 all-reduced once per step, not
-    # per micro-batch (Megatron's DDP; priced for its baselines only)
-    reduce_once: bool = False
 
     @property
     def key(self) -> tuple:
-        """What the stage's problems depend on besides its layers: shape, ZeRO
-        stage and when the gradients are reduced."""
-        return self.shape, self.zero_stage, self.reduce_once
+        """What the stage's problems depend on besides its layers: shape and
+        ZeRO stage."""
+        return self.shape, self.zero_stage
 
     @property
     def family(self) -> tuple:

@@ -56,7 +56,7 @@ class StagePricing:
                                 dtype=settings.dtype, optimizer=settings.optimizer,
                                 fixed=settings.fixed or None, activation_copies=copies,
                                 strategies=strategies, pricer=self.pricer(mesh),
-                                zero_stage=mesh.zero_stage, reduce_once=mesh.reduce_once,
+                                zero_stage=mesh.zero_stage,
                                 step_share=self.step_share(prog), units_gathered=not profile)
 
     def zero3_headroom(self, prog: MicrobatchProgram, mesh: StageMeshOption) -> float:
@@ -109,4 +109,4 @@ class StagePricing:
         settings = self.settings
         return IntraOpCost(result.graph, mesh.cluster(settings.cluster), result.mesh_shape,
                            settings.dtype, settings.optimizer, zero_stage=mesh.zero_stage,
-                           pricer=self.pricer(mesh), reduce_once=mesh.reduce_once)
+                           pricer=self.pricer(mesh))

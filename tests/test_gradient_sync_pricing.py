@@ -1,0 +1,66 @@
+"""Weight gradients priced as the runtime reduces them.
+
+The runtime lets a data-parallel weight gradient's sum accumulate over the
+step's micro-batches and all-reduces it once, in buckets
+(``codegen.grad_reduction``); a weight stored sharded and gathered for its
+use gets its gradient reduce-scattered by DTensor's backward of the gather,
+in every micro-batch; a fixed (Megatron) layout computes with its split
+weights and never gathers them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from costmodel.collectives import axis_links, collective_time
+from costmodel.presets import load_cluster
+from costmodel.resharding import weight_gradient_placements
+from costmodel.strategy_cost import IntraOpCost
+from ir.graph import PARAM
+from ir.trace import trace
+from models.source import build_model
+from planner.baselines.megatron import MegatronConfig, megatron_plan
+from planner.api import pipeline_plan
+
+
+def test_a_gathered_weight_gets_its_gradient_reduce_scattered():
+    r, s0 = Replicate(), Shard(0)
+    assert weight_gradient_placements((s0,), (r,)) == (Partial(),)
+    assert weight_gradient_placements((s0, s0), (r, s0)) == (Partial(), s0)
+    assert weight_gradient_placements((r,), (r,)) == (r,)  # the sum waits for the step's end
+    assert weight_gradient_placements((r, s0), (r, r)) == (r, r)  # gathered on axis 1 only
+    model, inputs = build_model("gpt-tiny", device="meta")
+    cluster = load_cluster("local-cpu:2")
+    cost = IntraOpCost(trace(model, inputs), cluster, (2,), "float32")
+    info = next(n.output for n in cost.graph.nodes if n.kind == PARAM
+                and len(n.output.shape) == 2)
+    link = axis_links(cluster, (2,))[0]
+    nbytes = info.numel * info.itemsize
+    assert cost.gradient_reshard((s0,), (r,), info, weight=True) == pytest.approx(
+        collective_time("reduce_scatter", nbytes, 2, link), rel=1e-9)
+    assert cost.gradient_reshard((s0,), (r,), info) == 0.0  # an activation: a local slice
+
+
+def test_a_plain_stage_reduces_its_weight_gradients_once_per_step():
+    """Micro-batches of gpt-tiny on 2 ranks without ZeRO: the weights'
+    all-reduce is in the step's gradient sync, once: as long for 8 of them
+    as for 2."""
+    model, inputs = build_model("gpt-tiny", device="meta")
+    plans = {m: pipeline_plan(model, "local-cpu:2", example_inputs=inputs, pp=1, stage_mesh=(2,),
+                              schedule="1f1b", num_microbatches=m, zero_stage=0, time_limit_s=10)
+             for m in (2, 8)}
+    sync = {m: p.pipeline.stages[0].predicted["grad_sync_s"] for m, p in plans.items()}
+    assert sync[2] > 0 and sync[8] == pytest.approx(sync[2], rel=1e-9)
+
+
+def test_megatron_tensor_parallel_weights_are_used_where_they_lie():
+    """tp=2 on a one-axis mesh: the column- and row-parallel weights of every
+    block compute split; none is gathered for its op."""
+    model, inputs = build_model("gpt-tiny", device="meta")
+    p = megatron_plan(model, "local-cpu:2", MegatronConfig(2, 1), example_inputs=inputs,
+                      time_limit_s=10)
+    split = {f"p_{fqn.replace('.', '_')}" for fqn, pl in p.parameters.items()
+             if ".h." in fqn and pl != ["R"]}
+    assert split
+    assert not [r for r in p.reshards if r.arg in split]
