@@ -6,8 +6,8 @@ its parameter is replicated on (DTensor ``Partial``). DTensor's
 each paying the collective's latency (a millisecond on gloo) and DTensor's
 per-call work on the host. :func:`redistribute_grads` sums those gradients
 together instead, as DDP buckets its gradients: per (mesh, axis, dtype), in
-buckets of at most :data:`BUCKET_BYTES`, one coalesced all-reduce
-(:func:`ir.torch_compat.all_reduce_coalesced`) each. Every other move goes
+buckets of at most :data:`BUCKET_BYTES`, one all-reduce of the bucket's
+tensors concatenated (:func:`all_reduce_flat`) each. Every other move goes
 through DTensor's ``redistribute``.
 
 ZeRO-1 (:mod:`codegen.zero1`) uses :func:`sum_slices` where the backend has
@@ -37,9 +37,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from codegen.redistribution import redistribute
 from costmodel.cluster import backend_reduce_scatters_by_all_reduce
-from ir.torch_compat import all_gather_coalesced, all_reduce_coalesced
+from ir.torch_compat import all_gather_coalesced
 
-__all__ = ["BUCKET_BYTES", "gather_slices", "grads_to_placements", "is_pending_sum",
+__all__ = ["BUCKET_BYTES", "all_reduce_flat", "gather_slices", "grads_to_placements", "is_pending_sum",
            "prefer_foreach", "redistribute_grads", "reduce_scatter_is_all_reduce", "sum_slices",
            "summed_axis"]
 
@@ -93,13 +93,33 @@ def _bucket_runs(items: Iterable[tuple[Hashable, Any, torch.Tensor]]
             yield group, run
 
 
+def all_reduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
+    """The sums of ``tensors`` (one dtype) over ``group`` (a process group,
+    or ``(mesh, axis)``), new tensors of their shapes and strides: one
+    all-reduce of them concatenated, as DDP reduces a bucket. (torch's
+    coalesced all-reduce waits for and copies each tensor apart: on gloo 2-3x
+    the time of one all-reduce of the same bytes for 160 tensors.)"""
+    if not tensors:
+        return []
+    if isinstance(group, tuple):
+        mesh, axis = group
+        group = mesh.get_group(axis)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    out = []
+    for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors):
+        summed = piece.view(t.shape)
+        out.append(summed if t.is_contiguous() else torch.empty_like(t).copy_(summed))
+    return out
+
+
 def _sum_runs(runs: Iterable[tuple[Any, list[tuple[Any, torch.Tensor]]]],
               process_group: Callable[[Any], Any]) -> Iterator[tuple[Any, torch.Tensor]]:
     """(key, the tensor summed) for every (key, tensor) of ``runs``
-    (:func:`_bucket_runs`), one coalesced all-reduce per run over
+    (:func:`_bucket_runs`), one flat all-reduce per run over
     ``process_group(group)``."""
     for group, run in runs:
-        summed = all_reduce_coalesced([t for _, t in run], process_group(group))
+        summed = all_reduce_flat([t for _, t in run], process_group(group))
         yield from zip((key for key, _ in run), summed)
 
 

@@ -134,7 +134,7 @@ def backward_to_placements(executor: Any, loss: torch.Tensor) -> tuple[torch.Ten
     if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
         loss = loss.redistribute(mesh, [Replicate()] * mesh.ndim)
     loss.backward()
-    moved = grads_to_placements(executor.parameters())  # a few coalesced all-reduces
+    moved = grads_to_placements(executor.parameters())  # a few flat all-reduces
     local = loss.to_local() if isinstance(loss, DTensor) else loss
     return local.detach(), moved
 

@@ -1,7 +1,8 @@
-"""torch's coalesced functional collectives (``torch.distributed._functional_collectives``):
+"""torch's coalesced functional all-gather (``torch.distributed._functional_collectives``):
 many tensors in one call, which a backend runs as one collective where it
-can (gloo flattens an all-reduce or an all-gather of many tensors into one
-buffer; NCCL groups the calls)."""
+can (gloo flattens an all-gather of many tensors into one buffer; NCCL
+groups the calls). Gradients are all-reduced flat instead
+(:func:`codegen.grad_reduction.all_reduce_flat`)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed._functional_collectives as funcol
 
-__all__ = ["all_gather_coalesced", "all_reduce_coalesced"]
-
-
-def all_reduce_coalesced(tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
-    """The sums of ``tensors`` over ``group`` (a process group or ``(mesh, dim)``),
-    new tensors, waited for: one coalesced all-reduce."""
-    return [funcol.wait_tensor(t) for t in funcol.all_reduce_coalesced(list(tensors), "sum",
-                                                                        group)]
+__all__ = ["all_gather_coalesced"]
 
 
 def all_gather_coalesced(tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
