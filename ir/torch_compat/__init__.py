@@ -6,8 +6,7 @@ this package, so that a torch upgrade is checked in one place. The supported
 range is the one pyproject.toml declares. The capture's and DTensor's hooks
 live here; fake tensors, fake process groups and meshes in
 :mod:`ir.torch_compat.fake`; the fused attention kernels' aten ops in
-:mod:`ir.torch_compat.kernels`; coalesced functional collectives in
-:mod:`ir.torch_compat.collectives`; compile-cache keys stable across launches in
+:mod:`ir.torch_compat.kernels`; compile-cache keys stable across launches in
 :mod:`ir.torch_compat.compile_cache`. Import them all from ``ir.torch_compat``.
 """
 
@@ -21,7 +20,6 @@ import torch
 import torch.fx.config
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ir.torch_compat.collectives import all_gather_coalesced
 from ir.torch_compat.compile_cache import compile_cache_counts, stable_mesh_cache_keys
 from ir.torch_compat.fake import (fake_store_type, fake_tensor_mode_type, fake_tensor_on,
                                   mesh_without_groups, outside_fake_mode)
@@ -29,7 +27,7 @@ from ir.torch_compat.kernels import cpu_flash_attention_ops, cuda_attention_ops
 
 __all__ = [
     "FUSED_ATTENTION_ORDER", "KEPT_FUSED_OPS", "KEPT_NATIVE_OPS", "OpOverload", "SDPA", "all_gather_autograd",
-    "all_gather_coalesced", "compile_cache_counts", "compile_counter",
+    "compile_cache_counts", "compile_counter",
     "aot_export_module",
     "autograd_redistribute",
     "capture_decompositions", "cuda_memory_history", "decomposition_registry_size", "dispatcher_input_reshards",
