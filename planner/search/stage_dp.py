@@ -102,8 +102,9 @@ ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 def step_collectives(result: IntraOpResult, cost: IntraOpCost) -> float:
     """Seconds of the collectives in ``result``'s communication that run once
-    per step, not per micro-batch: the reduction of the parameters' gradients and gathering of the parameters over mesh axis
-    0, as the ILP priced them (:meth:`IntraOpCost.state_collectives`, without
+    per step, not per micro-batch: the reduction of the parameters' gradients
+    and (under ZeRO) gathering of the parameters over mesh axis 0, as the ILP
+    priced them (:meth:`IntraOpCost.state_collectives`, without
     the stage's one per-message latency)."""
     return sum(cost.state_collectives(n, result.chosen[n.name])
                for n in result.graph.nodes if n.kind == PARAM)
