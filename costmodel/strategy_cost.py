@@ -267,12 +267,12 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         return self._pricer.time(src, dst, info.shape, info.itemsize)
 
     def edge(self, producer_out: Placements, consumer_in: Placements, info: TensorInfo,
-             requires_grad: bool, weight: bool = False) -> float:
+             requires_grad: bool) -> float:
         """Seconds of an edge: forward reshard of ``info`` from the producer's output
         placements into the consumer's input placements, plus (``requires_grad``)
-        the reverse reshard of its gradient (:meth:`gradient_reshard`)."""
+        the reverse reshard of its gradient."""
         return self.edge_seconds((self.spec_id(producer_out),), (self.spec_id(consumer_in),),
-                                 info, requires_grad, weight)[0][0]
+                                 info, requires_grad)[0][0]
 
     def gradient_reshard(self, src: Placements, dst: Placements, info: TensorInfo,
                          weight: bool = False) -> float:
