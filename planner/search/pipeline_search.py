@@ -276,10 +276,11 @@ ZERO_CANDIDATES = 6
 
 def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
-    """For each group of ranked candidates, the ZeRO variants (each stage
+    """For each group of candidates (ranked fastest first), the ZeRO variants (each stage
     :func:`zero_stages_priced` gives for their mesh) of its
     :data:`ZERO_CANDIDATES` candidates (without ZeRO, stage mesh with more
-    than one rank on axis 0) priced fastest, priced, best first; none unless ``opts`` allows 0 and a ZeRO stage. The
+    than one rank on axis 0) that lead it, priced, best first; none unless
+    ``opts`` allows 0 and a ZeRO stage. The
     variant of a single stage of the whole batch (:data:`NO_PIPELINE`) is
     :func:`_zero_variant_schedule`. The groups are priced together
     (:func:`planner.search.phases.price_all`; in their order within each
@@ -310,8 +311,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                 for zero in zero_stages_priced(allowed, ctx.settings.dtype, ctx.settings.optimizer,
                                                c.mesh.shape[0])]
 
-    per_group = [[v for c in sorted(filter(eligible, ranked),
-                                    key=lambda c: c.step_time_s)[:ZERO_CANDIDATES]
+    per_group = [[v for c in [c for c in ranked if eligible(c)][:ZERO_CANDIDATES]
                   for v in variants(c)] for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (
