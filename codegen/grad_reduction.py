@@ -38,8 +38,8 @@ from torch.distributed.tensor.placement_types import Placement
 from codegen.redistribution import redistribute
 from costmodel.cluster import backend_reduce_scatters_by_all_reduce
 
-__all__ = ["BUCKET_BYTES", "all_gather_flat", "all_reduce_flat", "gather_slices", "grads_to_placements", "is_pending_sum",
-           "prefer_foreach", "redistribute_grads", "reduce_scatter_is_all_reduce", "sum_slices",
+__all__ = ["BUCKET_BYTES", "all_gather_flat", "all_reduce_flat", "gather_slices",
+           "grads_to_placements", "is_pending_sum", "prefer_foreach", "redistribute_grads", "reduce_scatter_is_all_reduce", "sum_slices",
            "summed_axis"]
 
 #: The most bytes one coalesced collective moves (DDP's default bucket, 25 MiB).
@@ -98,16 +98,13 @@ def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def all_reduce_flat(tensors: Sequence[torch.Tensor], group: Any) -> list[torch.Tensor]:
-    """The sums of ``tensors`` (one dtype) over ``group`` (a process group,
-    or ``(mesh, axis)``), new tensors of their shapes and strides: one
-    all-reduce of them concatenated, as DDP reduces a bucket. (torch's
-    coalesced all-reduce waits for and copies each tensor apart: on gloo 2-3x
-    the time of one all-reduce of the same bytes for 160 tensors.)"""
+    """The sums of ``tensors`` (one dtype) over process ``group``, new
+    tensors of their shapes and strides: one all-reduce of them concatenated,
+    as DDP reduces a bucket. (torch's coalesced all-reduce waits for and
+    copies each tensor apart: on gloo 2-3x the time of one all-reduce of the
+    same bytes for 160 tensors.)"""
     if not tensors:
         return []
-    if isinstance(group, tuple):
-        mesh, axis = group
-        group = mesh.get_group(axis)
     flat = _flat(tensors)
     dist.all_reduce(flat, group=group)
     out = []
@@ -164,7 +161,7 @@ def redistribute_grads(grads: Sequence[DTensor], targets: Sequence[Sequence[Plac
         meshes[id(grad.device_mesh)] = grad.device_mesh
         pending.append(((id(grad.device_mesh), axis, grad.dtype), i, grad.to_local()))
     for i, summed in _sum_runs(_bucket_runs(pending),
-                               lambda group: (meshes[group[0]], group[1])):
+                               lambda group: meshes[group[0]].get_group(group[1])):
         grad = grads[i]
         out[i] = DTensor.from_local(summed, grad.device_mesh, tuple(targets[i]), run_check=False,
                                     shape=grad.shape, stride=grad.stride())
