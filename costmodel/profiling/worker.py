@@ -398,9 +398,11 @@ def _kernel_items(r: _Rank, spec: dict[str, Any], min_rep_s: float, out: dict[st
     return items
 
 
-def _compute_items(r: _Rank, spec: dict[str, Any], out: dict[str, Any]) -> list[_Item]:
+def _compute_items(r: _Rank, spec: dict[str, Any], out: dict[str, Any],
+                   report: Callable[[str], None]) -> list[_Item]:
     """Every non-collective measurement of ``spec``, in the order they run;
-    each records into its place in ``out``."""
+    each records into its place in ``out`` (``report``: see
+    :func:`_compiled_call_items`)."""
     torch, device = r.torch, r.device
     min_rep_s = float(spec["compute_min_rep_s"])
     items: list[_Item] = []
@@ -416,16 +418,18 @@ def _compute_items(r: _Rank, spec: dict[str, Any], out: dict[str, Any]) -> list[
     if spec.get("dispatch") and r.dist.is_initialized():
         items += _dispatch_items(r, min_rep_s, out)
     if spec.get("compiled_call"):
-        items += _compiled_call_items(r, spec["compiled_call"], min_rep_s, out)
+        items += _compiled_call_items(r, spec["compiled_call"], int(spec["reps"]), min_rep_s,
+                                      out, report)
     return items + _kernel_items(r, spec, min_rep_s, out)
 
 
-def _compiled_call_items(r: _Rank, counts: list[int], min_rep_s: float,
-                         out: dict[str, Any]) -> list[_Item]:
+def _compiled_call_items(r: _Rank, counts: list[int], reps: int, min_rep_s: float,
+                         out: dict[str, Any], report: Callable[[str], None]) -> list[_Item]:
     """A compiled region's call with each of ``counts`` parameters
     (:mod:`costmodel.profiling.compiled_call`); records into
     ``out["compiled_call"]``. A region that cannot compile here (no C++
-    compiler, no Triton) is recorded in ``out["unsupported"]`` instead."""
+    compiler, no Triton) is recorded in ``out["unsupported"]`` instead, and
+    the progress steps of its ``reps`` passes reported as done."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from costmodel.profiling.compiled_call import region_call_fn
@@ -442,6 +446,8 @@ def _compiled_call_items(r: _Rank, counts: list[int], min_rep_s: float,
         except Exception as err:  # noqa: BLE001 - any compile failure leaves the figure unmeasured
             out.setdefault("unsupported", {})["compiled_call"] = \
                 f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            for _ in range(len(counts) * (reps + 1)):
+                report("compiled call unsupported")
             return []
         rec = {"params": k}
         records.append(rec)
@@ -509,7 +515,7 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     r = _join(rank, world, spec)
     runner = _Runner(r.torch, r.dist, r.device, world, int(spec["reps"]), report)
     out: dict[str, Any] = {"overhead": None, "memory": [], "gemms": [], "collectives": [], "unsupported": {}}
-    runner.run(_compute_items(r, spec, out))
+    runner.run(_compute_items(r, spec, out, report))
 
     dtype = getattr(r.torch, _DTYPES[spec.get("collective_dtype", "float32")])
     groups = _collective_groups(r, spec)
