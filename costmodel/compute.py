@@ -23,6 +23,8 @@ from typing import Any
 
 from typing import TYPE_CHECKING
 
+from ir.node import PARAM
+
 from .cluster import DEFAULT_FLOP_EFFICIENCY, DeviceSpec
 
 if TYPE_CHECKING:
@@ -255,5 +257,5 @@ def compiled_call_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, fl
     program. A stage pays it once per micro-batch."""
     if not device.compiled:
         return 0.0, 0.0
-    params = sum(1 for n in graph.nodes if n.kind == "param")
+    params = sum(1 for n in graph.nodes if n.kind == PARAM)
     return device.compiled_call_overhead, params * device.compiled_param_overhead
