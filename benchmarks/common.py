@@ -126,6 +126,18 @@ def time_alternating(steps: dict[str, Callable[[], Any]], *, warmup: int, rounds
     return timed
 
 
+def training_step(model: Any, inputs: Sequence[Any], optimizer: Any,
+                  losses: list[float]) -> Callable[[], None]:
+    """One training step of ``model`` (a :class:`codegen.parallel_model.ParallelModel`:
+    forward and backward on ``inputs``, then ``optimizer``'s update, gradients
+    dropped) as a call that appends the step's loss to ``losses``."""
+    def step() -> None:
+        losses.append(float(model.step(*inputs)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return step
+
+
 def check_fields(result: dict[str, Any]) -> dict[str, Any]:
     """What a benchmark row records of a ``training.launch.launch(..., check=True)``
     result: the verdict, the loss and gradient errors against one process, the
@@ -164,6 +176,26 @@ def wrote_message(path: str, result: dict[str, Any] | None = None) -> str:
     if result is not None and "wall_s" in result:
         return f"wrote {path} ({result['wall_s']:.0f} s)"
     return f"wrote {path}"
+
+
+def report_results(path: str, result: dict[str, Any], lines: Sequence[str]) -> int:
+    """Write ``result`` to ``path`` (:func:`write_results`), print ``lines``
+    (the run's summary) and where it wrote; 0, a benchmark's exit status."""
+    write_results(path, result)
+    for line in lines:
+        print(line)
+    print(wrote_message(path, result))
+    return 0
+
+
+def add_timing_args(ap: Any, *, steps: int, out: str) -> None:
+    """The timing flags of a benchmark that alternates its cases in rounds
+    (:func:`time_alternating`): ``--warmup`` and ``--rounds`` (counts),
+    ``--steps`` (steps a case a round) and ``--out`` (its JSON)."""
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--out", default=out)
 
 
 def git_commit(tree: str | None = None) -> str | None:

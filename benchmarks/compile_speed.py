@@ -26,7 +26,7 @@ import statistics
 import sys
 from typing import Any, Callable
 
-from benchmarks.common import machine_info, time_alternating, write_results
+from benchmarks.common import machine_info, add_timing_args, time_alternating, write_results
 from benchmarks.executor_vs_loop import _model, _plan, executor_step
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -67,10 +67,7 @@ def _one_case(name: str, batch: int, seq: int, eager_plan: Any,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_timing_args(ap, steps=4, out=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
     import torch

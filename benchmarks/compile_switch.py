@@ -23,7 +23,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import load_average, machine_block, write_results, wrote_message  # noqa: E402
+from benchmarks.common import load_average, machine_block, report_results  # noqa: E402
 from benchmarks.stats import median_after_warmup  # noqa: E402
 from models.source import build_model  # noqa: E402
 from planner.api import plan  # noqa: E402
@@ -82,12 +82,10 @@ def main(argv: list[str] | None = None) -> int:
               "switch_agrees": faster_measured == "compiled"
               or rows["eager"]["layout"] == rows["compiled"]["layout"],
               "load_after": load_average()}
-    write_results(args.output, result)
-    for name, row in rows.items():
-        print(f"{name:9s} {row['layout']}  measured {row['measured_median_s'] * 1e3:.1f} ms "
-              f"(predicted as priced {row['predicted_as_priced_s'] * 1e3:.1f} ms)")
-    print(wrote_message(args.output, result))
-    return 0
+    return report_results(args.output, result, [
+        f"{name:9s} {row['layout']}  measured {row['measured_median_s'] * 1e3:.1f} ms "
+        f"(predicted as priced {row['predicted_as_priced_s'] * 1e3:.1f} ms)"
+        for name, row in rows.items()])
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ def rank_main(plan_path: str, out_dir: str) -> None:
     from codegen.parallel_model import parallelize
     from models.source import build_model
     from plan.format import load_plan
+    from benchmarks.common import training_step
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -103,13 +104,8 @@ def rank_main(plan_path: str, out_dir: str) -> None:
     del model
     params = [p for _, p in pm.named_parameters()]
     opt = torch.optim.Adam(params, lr=1e-3)
-    losses = []
-
-    def step() -> None:
-        losses.append(float(pm.step(*inputs)))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    losses: list[float] = []
+    step = training_step(pm, inputs, opt, losses)
     step()
     tracker = MemTracker()
     tracker.track_external(opt, *params, *inputs)

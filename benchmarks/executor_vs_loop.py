@@ -32,7 +32,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import time_alternating  # noqa: E402
+from benchmarks.common import add_timing_args, time_alternating  # noqa: E402
 
 DEFAULT_OUT = os.path.join(HERE, "results", "executor_vs_loop.json")
 #: (zoo name, batch size, sequence length, precisions, recompute) measured by default
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="gpt-tiny, fp32 and bf16-mixed")
     ap.add_argument("--precisions", nargs="+", default=None,
                     help="precisions to measure (default: each case's own)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", default=DEFAULT_OUT)
+    add_timing_args(ap, steps=3, out=DEFAULT_OUT)
     args = ap.parse_args(argv)
 
     import torch

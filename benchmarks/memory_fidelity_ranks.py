@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import load_average, machine_block, write_results, wrote_message
+from benchmarks.common import (load_average, machine_block, training_step, write_results,
+                               wrote_message)
 from benchmarks.live_storages import LiveStorages
 from benchmarks.memory_models import MODELS, build, model_source
 
@@ -102,13 +103,8 @@ def rank_worker(plan_path: str, out_path: str) -> None:
         runtime = parallelize(plan)
         built = live.reset_peak()
         opt = runtime.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
-        losses = []
-
-        def step() -> None:
-            losses.append(float(runtime.step(*inputs)))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        losses: list[float] = []
+        step = training_step(runtime, inputs, opt, losses)
         step()
         before = live.reset_peak()
         step()

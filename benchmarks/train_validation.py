@@ -47,7 +47,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import (RESULTS_DIR, file_tail, git_commit, job_env, load_average,  # noqa: E402
-                               machine_block, write_results, wrote_message)
+                               machine_block, report_results)
 
 RESULT_PATH = os.path.join(RESULTS_DIR, "train_validation.json")
 RUN_DIR = os.path.join(RESULTS_DIR, "train_validation")
@@ -179,12 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         "plot": os.path.relpath(os.path.join(args.run_dir, "loss.png"), ROOT),
         "log_tail": file_tail(log + ".ranks.log", 3),
     }
-    write_results(args.output, result)
     v = result["validation"]
-    print(f"validation loss {v['first']:.4f} (step {TRAIN['eval_every']}) -> {v['last']:.4f} "
-          f"(step {args.steps}); falls: {v['falls']}; training loss {run['final_loss']:.4f}")
-    print(wrote_message(args.output, result))
-    return 0
+    return report_results(args.output, result, [
+        f"validation loss {v['first']:.4f} (step {TRAIN['eval_every']}) -> {v['last']:.4f} "
+        f"(step {args.steps}); falls: {v['falls']}; training loss {run['final_loss']:.4f}"])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from costmodel.schedules.specs import schedule_spec
+from costmodel.schedules.specs import ScheduleSpec, schedule_spec
 from costmodel.strategy_cost import ZERO_STAGES
 from plan.format import Plan
 
@@ -55,32 +55,10 @@ def validate_pipeline_plan(plan: Plan) -> None:
     if list(plan.mesh_shape) != [pp] + shape or (plan.mesh.get("axis_names") or ["pp"])[0] != "pp":
         raise PipelinePlanError(f"plan mesh {plan.mesh} is not the world mesh [pp={pp}] + "
                                 f"stage mesh {shape} with first axis 'pp'")
-    size = math.prod(shape)
     for i, st in enumerate(stages):
-        if st.index != i:
-            raise PipelinePlanError(f"stage at position {i} has index {st.index}; list stages "
-                                    f"in index order")
-        want = stage_to_rank[i]
-        if st.pp_rank != want:
-            raise PipelinePlanError(f"stage {i} is on pipeline rank {st.pp_rank} but torch's "
-                                    f"{spec.torch_class} runs it on rank {want}")
-        if list(st.ranks) != list(range(want * size, (want + 1) * size)):
-            raise PipelinePlanError(f"stage {i} ranks {st.ranks} are not row {want} of the world "
-                                    f"mesh {list(plan.mesh_shape)}")
-        if st.zero_stage not in ZERO_STAGES:
-            raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage}; this runtime "
-                                    f"runs 0 (as placed), 1 (sharded optimizer states), "
-                                    f"2 or 3 (FSDP2)")
-        problem = spec.zero_stage_problem(st.zero_stage)
+        problem = _stage_problem(plan, spec, i, stage_to_rank[i], math.prod(shape), len(shape))
         if problem:
-            raise PipelinePlanError(f"stage {i}: {problem}")
-        if st.zero_stage and not (isinstance(st.zero_axis, int)
-                                                 and 0 <= st.zero_axis < len(shape)):
-            raise PipelinePlanError(f"stage {i} has zero_stage {st.zero_stage} but zero_axis "
-                                    f"{st.zero_axis!r} is not an axis of the {len(shape)}-D "
-                                    f"stage mesh")
-        if not st.nodes:
-            raise PipelinePlanError(f"stage {i} runs no nodes")
+            raise PipelinePlanError(problem)
     for a, b in zip(stages, stages[1:]):
         if list(a.outputs) != list(b.inputs):
             raise PipelinePlanError(f"stage {a.index} sends {list(a.outputs)} but stage {b.index} "
@@ -95,3 +73,31 @@ def validate_pipeline_plan(plan: Plan) -> None:
                                 f"{list(stages[-1].outputs)}")
     if pipe.num_microbatches < 1:
         raise PipelinePlanError(f"num_microbatches is {pipe.num_microbatches}")
+
+
+def _stage_problem(plan: Plan, spec: ScheduleSpec, i: int, pp_rank: int, size: int,
+                   stage_axes: int) -> str | None:
+    """Why stage ``i`` of ``plan`` cannot run as torch's schedule ``spec``
+    places it (on pipeline rank ``pp_rank``, over ``size`` ranks of a stage
+    mesh of ``stage_axes`` axes), or None when it can."""
+    st = plan.pipeline.stages[i]
+    if st.index != i:
+        return f"stage at position {i} has index {st.index}; list stages in index order"
+    if st.pp_rank != pp_rank:
+        return (f"stage {i} is on pipeline rank {st.pp_rank} but torch's "
+                f"{spec.torch_class} runs it on rank {pp_rank}")
+    if list(st.ranks) != list(range(pp_rank * size, (pp_rank + 1) * size)):
+        return (f"stage {i} ranks {st.ranks} are not row {pp_rank} of the world "
+                f"mesh {list(plan.mesh_shape)}")
+    if st.zero_stage not in ZERO_STAGES:
+        return (f"stage {i} has zero_stage {st.zero_stage}; this runtime runs 0 (as placed), "
+                f"1 (sharded optimizer states), 2 or 3 (FSDP2)")
+    problem = spec.zero_stage_problem(st.zero_stage)
+    if problem:
+        return f"stage {i}: {problem}"
+    if st.zero_stage and not (isinstance(st.zero_axis, int) and 0 <= st.zero_axis < stage_axes):
+        return (f"stage {i} has zero_stage {st.zero_stage} but zero_axis {st.zero_axis!r} "
+                f"is not an axis of the {stage_axes}-D stage mesh")
+    if not st.nodes:
+        return f"stage {i} runs no nodes"
+    return None

@@ -87,12 +87,18 @@ def test_microbatches_on_a_mesh_accumulate_gradients_on_the_one_stage():
     assert [st.zero_stage for st in p.pipeline.stages] == [0]
 
 
-def test_microbatches_that_do_not_divide_the_batch_are_refused(tmp_path, capsys):
+@pytest.mark.parametrize("stage_flag, message", [
+    (["--mesh", "2"], "3 micro-batches do not divide the batch of 8"),  # pinned one stage
+    (["--pp", "1"], "--microbatches 3 divides the batch of 8"),  # one stage searched
+])
+def test_microbatches_that_do_not_divide_the_batch_are_refused_in_one_line(
+        tmp_path, capsys, stage_flag, message):
     out = tmp_path / "p.json"
-    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--mesh", "2",
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", *stage_flag,
                  "--microbatches", "3", *STEP, "--quiet", "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "3 micro-batches do not divide the batch of 8" in err[0], err
+    assert len(err) == 1 and message in err[0], err
+    assert not out.exists()
 
 
 def test_recompute_on_a_mesh_is_honoured_with_and_without_zero(mesh_plan):
@@ -209,15 +215,6 @@ def test_microbatches_searched_are_the_counts_asked_for():
              **FAST)
     assert p.pipeline is not None and p.pipeline.pp == 1 and p.pipeline.num_microbatches == 4
     assert p.training["microbatch_size"] == 2
-
-
-def test_searched_microbatches_that_cannot_fit_are_refused_in_one_line(tmp_path, capsys):
-    out = tmp_path / "p.json"
-    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local-cpu:2", "--pp", "1",
-                 "--microbatches", "3", *STEP, "--quiet", "-o", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--microbatches 3 divides the batch of 8" in err[0], err
-    assert not out.exists()
 
 
 def test_searched_zero_that_does_not_fit_in_memory_is_refused_not_replaced():
