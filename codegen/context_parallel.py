@@ -171,28 +171,29 @@ class ContextParallelRuntime:
                 f"return the log-sum-exp), not on {mesh.device_type}; plan without it")
         self.layout = layout
         self.local_tokens = local_tokens
-        #: the program's token positions (aranges), and the ops computing from
-        #: them and not from the rows (the positions among them)
-        self.position_aranges, self.position_values = self.check(plan, program, graph)
+        for n in program.nodes:
+            if n.op == "call_function" and n.target is SDPA:
+                self._check_attention(plan, n)
+        aranges = {n.name for n in program.nodes if _is_positions(n, local_tokens)}
+        carried = self._check_rows(plan, graph)
         #: per attention op, how often each K/V head repeats in its k and v
         #: (grouped-query attention): the ranks exchange each K/V head once
         self.kv_repeats = {n.name: (kv_head_repeats(graph, n, 1), kv_head_repeats(graph, n, 2))
                            for n in graph.nodes if n.target == FUSED_ATTENTION}
+        #: the program's token positions (aranges), and the ops computing from
+        #: them and not from the rows (the positions among them)
+        self.position_aranges, self.position_values = self._check_positions(
+            plan, program, aranges, carried)
         self.group_ranks, self.index, self.group = _cp_group(mesh, layout)
         self.positions = chunk_positions(local_tokens, layout.size, self.index,
                                          mesh.device_type)
 
-    def check(self, plan: Plan, program: torch.fx.Graph, graph: Graph
-              ) -> tuple[set[str], set[str]]:
-        """Refuse (:class:`PlanMismatchError`) what this runtime cannot run as
-        one program over whole sequences (``program``: the captured program,
-        ``graph``: its :class:`ir.graph.Graph`): attention other than causal
-        fused attention, token rows not split over mesh axis 0
-        (:func:`planner.search.cp_search.pinned_strategies` says why), and
-        values of the token positions split or gathered over it (each rank
-        holds its own positions under one name). Returns the names of the
-        program's positions (its ``arange`` over a rank's tokens) and of the
-        ops computing from them and not from the rows."""
+    @staticmethod
+    def _check_rows(plan: Plan, graph: Graph) -> set[str]:
+        """Refuse (:class:`PlanMismatchError`) token rows not split over mesh
+        axis 0 (:func:`planner.search.cp_search.pinned_strategies` says why);
+        the names of the values of ``graph`` computed from the rows
+        (:func:`plan.cp_rules.carries_rows`)."""
         users = [n for n in graph.nodes if n.kind == INPUT]
         user_names = {n.name for n in users}
         inputs = dict(plan.inputs)  # a pipeline's first stage places them
@@ -210,32 +211,42 @@ class ContextParallelRuntime:
                 raise PlanMismatchError(
                     f"the plan holds the token rows of {n.name} as {placements[0]} on mesh axis "
                     f"0; context parallelism needs them S(0) there; re-plan")
-        aranges: set[str] = set()
-        positions: set[str] = set()
+        return carried
+
+    @staticmethod
+    def _check_positions(plan: Plan, program: torch.fx.Graph, aranges: set[str],
+                         carried: set[str]) -> tuple[set[str], set[str]]:
+        """Refuse (:class:`PlanMismatchError`) values of the token positions
+        split or gathered over mesh axis 0 (each rank holds its own positions
+        under one name). ``aranges``: the program's ops that may be its
+        positions (:func:`_is_positions`); ``carried``: the values computed
+        from the rows. Returns the names of the positions (those aranges not
+        computed from the rows) and of the ops computing from them and not
+        from the rows."""
+        positions_at: set[str] = set()
+        values: set[str] = set()
         for n in program.nodes:
             if n.op != "call_function":
                 continue
-            reads = {a.name for a in n.all_input_nodes}
-            if n.target is SDPA:
-                self._check_attention(plan, n)
             if n.name in carried or is_assertion_op(n.target):  # checks move no data
                 continue
-            if _is_positions(n, self.local_tokens):
-                aranges.add(n.name)
-            if n.name in aranges or reads & positions:
-                positions.add(n.name)
+            reads = {a.name for a in n.all_input_nodes}
+            if n.name in aranges:
+                positions_at.add(n.name)
+            if n.name in positions_at or reads & values:
+                values.add(n.name)
             entry = plan.nodes.get(n.name)
             if entry is None:
                 continue
-            placed = [p for a, p in zip(n.all_input_nodes, entry.inputs) if a.name in positions]
-            if n.name in positions:
+            placed = [p for a, p in zip(n.all_input_nodes, entry.inputs) if a.name in values]
+            if n.name in values:
                 placed += list(entry.outputs)
             if any(p and p[0] != "R" for p in placed):
                 raise PlanMismatchError(
                     f"the plan splits values of the token positions over mesh axis 0 (at "
                     f"{n.name}), whose ranks each hold other positions under context "
                     f"parallelism; re-plan")
-        return aranges, positions
+        return positions_at, values
 
     @staticmethod
     def _check_attention(plan: Plan, node: torch.fx.Node) -> None:
