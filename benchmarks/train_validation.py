@@ -4,6 +4,7 @@ validation loss, and its picture.
     OMP_NUM_THREADS=1 python benchmarks/train_validation.py             # 2 CPU ranks, bytes
     python benchmarks/train_validation.py --ranks 1 --steps 50
     python benchmarks/train_validation.py --tokenizer ~/my-tokenizer    # a local HF tokenizer
+    OMP_NUM_THREADS=1 python benchmarks/train_validation.py --hf        # transformers' Llama
 
 Every step is the command a user types (subprocesses, ``OMP_NUM_THREADS=1``):
 
@@ -16,16 +17,20 @@ Every step is the command a user types (subprocesses, ``OMP_NUM_THREADS=1``):
    width 64, 4 heads, 32 tokens a row, batch 8) with a vocabulary that holds
    the data's: the zoo's gpt-tiny has 128 ids, fewer than bytes' 256, so a
    factory file with the vocabulary of the data folder's ``meta.json``
-   (rounded up to a multiple of 64) is written to the work folder.
+   (rounded up to a multiple of 64) is written to the work folder. With
+   ``--hf``, the model is transformers' ``LlamaForCausalLM`` of the same size
+   (``--model hf:llama,...``, 2 layers, width 64, 4 heads of which 2 K/V
+   heads, that vocabulary).
 3. ``planner train PLAN --data DATA --steps 200 --eval-every 20 --eval-batches
    8 --log .../train.jsonl``: AdamW, lr 1e-3, 10 warm-up steps, cosine decay
    to 0.1 x lr, gradients clipped to 1.0; the validation loss is the mean over
    the same 8 held-out batches (2,048 tokens) after every 20th step.
 
-Writes ``benchmarks/results/train_validation.json`` (machine, commands, wall
+Writes ``benchmarks/results/train_validation.json`` (``train_validation_hf.json``
+with ``--hf``: machine, commands, wall
 times, the data's meta.json, the plan's layout, every logged training loss,
 every validation loss and whether it fell) and, in
-``benchmarks/results/train_validation/``, copies of the job's own
+``benchmarks/results/train_validation/`` (``train_validation_hf/``), copies of the job's own
 ``train.jsonl`` and of the ``loss.png`` that ``planner train`` drew beside it. Work files go to
 ``--workdir`` (default: a new temporary folder).
 """
@@ -51,6 +56,12 @@ from benchmarks.common import (RESULTS_DIR, file_tail, git_commit, job_env, load
 
 RESULT_PATH = os.path.join(RESULTS_DIR, "train_validation.json")
 RUN_DIR = os.path.join(RESULTS_DIR, "train_validation")
+RESULT_PATH_HF = os.path.join(RESULTS_DIR, "train_validation_hf.json")
+RUN_DIR_HF = os.path.join(RESULTS_DIR, "train_validation_hf")
+#: transformers' Llama of gpt-tiny's size, with the data's vocabulary
+HF_MODEL = ("hf:llama,num_hidden_layers=2,hidden_size=64,intermediate_size=128,"
+            "num_attention_heads=4,num_key_value_heads=2,vocab_size={vocab},"
+            "max_position_embeddings=64")
 TEXTS = ("README.md", "docs/design.md")
 #: the training settings of the run
 TRAIN = {"lr": 1e-3, "warmup": 10, "grad_clip": 1.0, "eval_every": 20, "eval_batches": 8,
@@ -116,11 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=2, help="CPU ranks (default 2)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--tokenizer", help="a local Hugging Face tokenizer folder (default: bytes)")
+    ap.add_argument("--hf", action="store_true",
+                    help="train transformers' Llama of gpt-tiny's size instead")
     ap.add_argument("--workdir", help="work files (default: a new temporary folder)")
-    ap.add_argument("--output", default=RESULT_PATH)
-    ap.add_argument("--run-dir", default=RUN_DIR,
-                    help="where the job's train.jsonl and loss.png go")
+    ap.add_argument("--output", help=f"the result JSON (default {RESULT_PATH}, "
+                    f"or {RESULT_PATH_HF} with --hf)")
+    ap.add_argument("--run-dir", help="where the job's train.jsonl and loss.png go "
+                    f"(default {RUN_DIR}, or {RUN_DIR_HF} with --hf)")
     args = ap.parse_args(argv)
+    args.output = args.output or (RESULT_PATH_HF if args.hf else RESULT_PATH)
+    args.run_dir = args.run_dir or (RUN_DIR_HF if args.hf else RUN_DIR)
     workdir = args.workdir or tempfile.mkdtemp(prefix="train-validation-")
     os.makedirs(workdir, exist_ok=True)
     loadavg = load_average()
@@ -133,12 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(data, "meta.json")) as f:
         meta = json.load(f)
     vocab = -(-int(meta["vocab_size"]) // 64) * 64
-    model = os.path.join(workdir, "model.py")
-    with open(model, "w") as f:
-        f.write(MODEL_FILE.format(vocab=vocab))
+    if args.hf:
+        model_args = ["--model", HF_MODEL.format(vocab=vocab), "--batch-size", "8",
+                      "--seq-len", "32"]
+    else:
+        model = os.path.join(workdir, "model.py")
+        with open(model, "w") as f:
+            f.write(MODEL_FILE.format(vocab=vocab))
+        model_args = ["--model", f"{model}:make"]
     plan = os.path.join(workdir, "plan.json")
-    _planner(["plan", "--model", f"{model}:make", "--cluster", f"local-cpu:{args.ranks}",
-              "--quiet", "-o", plan], commands)
+    _planner(["plan", *model_args, "--cluster", f"local-cpu:{args.ranks}", "--quiet", "-o", plan],
+             commands)
     with open(plan) as f:
         layout = json.load(f)
     log = os.path.join(workdir, "run", "train.jsonl")
@@ -162,9 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "train_validation", "git_commit": git_commit(),
         "machine": machine_block(loadavg, after=True), "wall_s": time.perf_counter() - t0,
         "ranks": args.ranks, "steps": args.steps, "settings": TRAIN,
-        "model": {"shape": "gpt-tiny (2 layers, width 64, 4 heads, batch 8 x 32)",
+        "model": {"shape": ("transformers' LlamaForCausalLM" if args.hf else "gpt-tiny")
+                  + " (2 layers, width 64, 4 heads, batch 8 x 32)",
                   "vocab_size": vocab, "why": "gpt-tiny's vocabulary (128) is below the data's"
-                  if vocab > 128 else None},
+                  if vocab > 128 and not args.hf else None},
         "data": {"texts": list(TEXTS), **{k: meta[k] for k in ("dtype", "vocab_size", "tokenizer",
                                                                 "tokens", "val_fraction")}},
         "plan": {"mesh": layout["mesh"].get("shape"), "schedule": pipeline.get("schedule"),

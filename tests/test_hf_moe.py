@@ -303,3 +303,22 @@ def test_a_mixtral_plan_runs_and_checks_on_2_ranks(tmp_path, precision, target):
     assert len(experts) == 4 and any(e.outputs != [["R"]] for e in experts)
     run = cli("run", plan_path, "--check")
     assert run.returncode == 0 and "check PASSED" in run.stdout, run.stdout + run.stderr
+
+
+def test_the_search_shards_large_experts_over_the_expert_axis():
+    """Issue 48: with experts worth splitting (8 of 1024 x 4096, bf16 on 8
+    H100s), the plan places the first grouped matmul expert parallel: its
+    weight split by experts (``S(0)``), its tokens exchanged (all-to-all)."""
+    from models.source import build_model
+    from planner.api import plan
+
+    spec = ("hf:mixtral,num_hidden_layers=2,hidden_size=1024,intermediate_size=4096,"
+            "num_attention_heads=8,num_key_value_heads=2,vocab_size=1024,num_local_experts=8,"
+            "max_position_embeddings=2048")
+    model, inputs = build_model(spec, device="meta", batch_size=16, seq_len=1024)
+    p = plan(model, "dgx-h100:1", example_inputs=inputs, mesh_shape=(8,),
+             precision="bf16-mixed", time_limit_s=10.0)
+    assert all(p.parameters[f"hf.model.layers.{i}.mlp.experts.gate_up_proj"] == ["S(0)"]
+               for i in range(2))
+    grouped = [e for e in p.nodes.values() if e.op == "aten._grouped_mm.default"]
+    assert any(e.inputs[1] == ["S(0)"] for e in grouped)
