@@ -248,9 +248,11 @@ def host_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:
     return forward * device.host_overhead, backward * device.host_overhead
 
 
-def compiled_call_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:
-    """Host seconds of one call of ``graph`` as a compiled region, beyond its
-    kernels: ``(forward, backward)``, the call's own cost
+def compiled_call_seconds(graph: "Graph", device: DeviceSpec,
+                          regions: int = 1) -> tuple[float, float]:
+    """Host seconds of one pass of ``graph`` run as ``regions`` compiled
+    regions (one, or a ZeRO-3 stage's one per unit), beyond their kernels:
+    ``(forward, backward)``, each region's call
     (``device.compiled_call_overhead``) in the forward and each parameter's
     (``device.compiled_param_overhead``: its guard and the eager
     accumulation of its gradient) in the backward; (0, 0) for an eager
@@ -258,4 +260,4 @@ def compiled_call_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, fl
     if not device.compiled:
         return 0.0, 0.0
     params = sum(1 for n in graph.nodes if n.kind == PARAM)
-    return device.compiled_call_overhead, params * device.compiled_param_overhead
+    return regions * device.compiled_call_overhead, params * device.compiled_param_overhead

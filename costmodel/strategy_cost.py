@@ -32,7 +32,7 @@ from costmodel.strategy_memory import MemoryPricing
 from costmodel.strategy_sync import GradientSyncPricing
 from ir.graph import OP, PARAM, Graph, Node, TensorInfo
 from ir.precision import get_precision
-from ir.shard_units import shard_units
+from ir.shard_units import ShardUnit, shard_units
 from ir.strategy import Placements, Strategy
 
 __all__ = ["CostBreakdown", "FSDP_STAGES", "IntraOpCost", "NodePrices", "ZERO_STAGES",
@@ -55,7 +55,8 @@ FSDP_STAGES = (2, 3)
 ZERO3_UNITS_GATHERED = 2
 
 
-def zero3_param_sets(graph: Graph) -> tuple[frozenset[str], frozenset[str]]:
+def zero3_param_sets(graph: Graph, units: Sequence[ShardUnit] | None = None
+                     ) -> tuple[frozenset[str], frozenset[str]]:
     """Under ZeRO-3, the parameter nodes of ``graph`` (one stage) that FSDP2
     keeps gathered for a whole forward and backward, and those whose whole
     copy and gradient count toward the step's peak.
@@ -65,8 +66,9 @@ def zero3_param_sets(graph: Graph) -> tuple[frozenset[str], frozenset[str]]:
     stage's own unit holds. The second: those and the parameters of the
     :data:`ZERO3_UNITS_GATHERED` consecutive units (in program order, the
     order FSDP2 gathers them, forward and backward) that hold the most bytes
-    (the first such run on ties)."""
-    units = shard_units(graph)
+    (the first such run on ties). ``units``: ``shard_units(graph)``, where
+    the caller has them."""
+    units = shard_units(graph) if units is None else units
     in_units = {p for u in units for p in u.params}
     whole_pass = frozenset(n.name for n in graph.nodes
                            if n.kind == PARAM and n.name not in in_units)
@@ -211,9 +213,14 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         # all (None) under ZeRO-2, whose stage is one FSDP2 unit; under ZeRO-3
         # those FSDP2 keeps gathered at once (zero3_param_sets)
         self.gathered_params: frozenset[str] | None = None
+        # compiled regions a pass of the stage calls: one, or under ZeRO-3 one
+        # per unit (codegen.executor compiles each unit inside its FSDP2 hooks)
+        self.compiled_regions = 1
         if zero_stage == 3:
-            self.pass_params, at_peak = zero3_param_sets(self.graph)
+            units = shard_units(self.graph)
+            self.pass_params, at_peak = zero3_param_sets(self.graph, units)
             self.gathered_params = at_peak if units_gathered else self.pass_params
+            self.compiled_regions = max(1, len(units))
         # ranks whose gradient sums on mesh axis 0 wait for the end of the step
         self.step_sync_ranks = int(mesh_shape[0])
 

@@ -9,6 +9,7 @@ from costmodel.fusion import fused_chains, fused_shares
 from costmodel.presets import load_cluster
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import OP, PARAM
+from ir.shard_units import shard_units
 from ir.trace import trace
 from models.zoo import build
 from planner.ilp.intra_op import prepare_intra_op, solve_prepared
@@ -90,21 +91,26 @@ def test_a_compiled_stage_prices_its_backward_whole(llama_graph):
     assert times[True].backward_input_s > 1.5 * times[True].forward_s
 
 
-def test_a_compiled_stage_pays_its_measured_call(llama_graph):
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_a_compiled_stage_pays_its_measured_call(llama_graph, zero_stage):
     """Each micro-batch's call of a compiled stage costs the host what ``planner
-    profile`` measured: per call in the forward, per parameter in the backward;
-    an eager stage pays neither."""
+    profile`` measured: per call in the forward (under ZeRO-3 one call per
+    FSDP2 unit, each compiled apart), per parameter in the backward; an eager
+    stage pays neither."""
     base = load_cluster("local-cpu:2")
     measured = replace(base, device=replace(base.device, compiled_call_overhead=1e-3,
                                             compiled_param_overhead=1e-4))
     params = sum(1 for n in llama_graph.nodes if n.kind == PARAM)
+    calls = len(shard_units(llama_graph)) if zero_stage == 3 else 1
+    assert calls > 2 or zero_stage == 0  # llama-tiny: its layers, embedding and head
     for compiled in (False, True):
         times = []
         for cluster in (base, measured):
             cluster = cluster.running_compiled(compiled)
-            result = solve_prepared(prepare_intra_op(llama_graph, cluster, (2,)))
-            times.append(stage_times(result, cluster, "float32", "adam"))
+            result = solve_prepared(prepare_intra_op(llama_graph, cluster, (2,),
+                                                     zero_stage=zero_stage))
+            times.append(stage_times(result, cluster, "float32", "adam", zero_stage=zero_stage))
         added_f = times[1].forward_s - times[0].forward_s
         added_b = times[1].backward_input_s - times[0].backward_input_s
-        assert (added_f, added_b) == ((pytest.approx(1e-3), pytest.approx(params * 1e-4))
+        assert (added_f, added_b) == ((pytest.approx(calls * 1e-3), pytest.approx(params * 1e-4))
                                       if compiled else (0.0, 0.0))

@@ -89,7 +89,7 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
     # ops more slowly than the device runs them
     host_s = sum(host_seconds(graph, cluster.device))
     # a compiled program's call costs the host beyond its kernels (costmodel.compute)
-    call_s = sum(compiled_call_seconds(graph, cluster.device))
+    call_s = sum(compiled_call_seconds(graph, cluster.device, cost.compiled_regions))
     predicted = {
         "step_time_s": max(sol.objective_s, host_s) + call_s,
         "compute_s": b.compute_s,

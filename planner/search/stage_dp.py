@@ -169,7 +169,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     host_f, host_b = host_seconds(graph, cluster.device)
     f = max(f, host_f)
     b = max(b, host_b - w)
-    call_f, call_b = compiled_call_seconds(graph, cluster.device)  # a compiled stage's call
+    # a compiled stage's calls of its regions
+    call_f, call_b = compiled_call_seconds(graph, cluster.device, cost.compiled_regions)
     f, b = f + call_f, b + call_b
     if cost.zero_stage == 3:
         # FSDP2 layer by layer, in every micro-batch: each layer's collectives
