@@ -125,17 +125,43 @@ class GradientSyncPricing(StrategySettings):
         issue, priced as the reduce-scatter and all-gather a ring all-reduce
         is made of. On a backend that reduce-scatters by all-reducing (gloo)
         the gradients are all-reduced as they run: one all-reduce without
-        ZeRO, and under ZeRO-1 (:mod:`codegen.zero1`) one before the gather."""
+        ZeRO, and under ZeRO-1 (:mod:`codegen.zero1`) one before the gather.
+        With the copies into and out of their flat buffers
+        (:meth:`flat_copy_seconds`)."""
         if self.step_sync_ranks == 1 or nbytes <= 0:
             return 0.0
         n, link = self.step_sync_ranks, self.links[0]
-        gradient_bytes = nbytes * self.reduce_scale
+        gradient_bytes, gather_bytes = nbytes * self.reduce_scale, nbytes * self.gather_scale
+        copies = self.flat_copy_seconds(gradient_bytes, gather_bytes)
         by_all_reduce = self.cluster.reduce_scatters_by_all_reduce
         if not self.zero_stage and by_all_reduce:
-            return collective_time("all_reduce", gradient_bytes, n, link)
+            return collective_time("all_reduce", gradient_bytes, n, link) + copies
         gradients = "all_reduce" if self.zero_stage == 1 and by_all_reduce else "reduce_scatter"
         return (collective_time(gradients, gradient_bytes, n, link)
-                + collective_time("all_gather", nbytes * self.gather_scale, n, link))
+                + collective_time("all_gather", gather_bytes, n, link) + copies)
+
+    def flat_copy_seconds(self, gradient_bytes: float, gather_bytes: float) -> float:
+        """Seconds of the copies between the parameters' own tensors and the
+        flat buffers that the once-per-step collectives over mesh axis 0 move
+        (:meth:`zero_collectives`: ``gradient_bytes`` of gradients reduced,
+        ``gather_bytes`` of parameters gathered), each copy reading and
+        writing its bytes once at the device's streaming bandwidth, as the
+        runtime makes them. Without ZeRO, the gradient bucket's concatenation
+        (:func:`codegen.grad_reduction.all_reduce_flat`; its sums are views of
+        it). Under FSDP2 (ZeRO-2/3), the copy into and out of each collective:
+        the whole tensors on one side, this rank's shards on the other. Under
+        ZeRO-1 (:mod:`codegen.zero1`) the gradients likewise, and the gathered
+        parameters twice on the whole side (the gathered rows made contiguous,
+        then written into the parameters)."""
+        n = self.step_sync_ranks
+        if not self.zero_stage:
+            copied = gradient_bytes
+        elif self.zero_stage == 1:
+            copied = gradient_bytes * (1 + 1 / n) + gather_bytes * (2 + 1 / n)
+        else:
+            copied = (gradient_bytes + gather_bytes) * (1 + 1 / n)
+        device = self.cluster.device
+        return 2 * copied / (device.memory_bandwidth * device.memory_efficiency)
 
     def zero3_layer_collectives(self, nbytes: float, layer_bytes: float) -> tuple[float, float]:
         """``(forward, backward)`` seconds per micro-batch of ZeRO-3's collectives
@@ -144,15 +170,19 @@ class GradientSyncPricing(StrategySettings):
         all-gather of ``nbytes`` of parameters (compute dtype) in the forward;
         in the backward the all-gather again of the ``layer_bytes`` of them in
         layers (the others stay gathered for the pass) and the reduce-scatter
-        of all their gradients (reduce dtype)."""
+        of all their gradients (reduce dtype); each with FSDP2's copies into
+        and out of its flat buffer (:meth:`flat_copy_seconds`)."""
         if self.step_sync_ranks == 1 or nbytes <= 0:
             return 0.0, 0.0
         n, link = self.step_sync_ranks, self.links[0]
-        gather = collective_time("all_gather", nbytes * self.gather_scale, n, link)
+        gather = (collective_time("all_gather", nbytes * self.gather_scale, n, link)
+                  + self.flat_copy_seconds(0.0, nbytes * self.gather_scale))
         again = (collective_time("all_gather", layer_bytes * self.gather_scale, n, link)
+                 + self.flat_copy_seconds(0.0, layer_bytes * self.gather_scale)
                  if layer_bytes > 0 else 0.0)
-        return gather, again + collective_time("reduce_scatter", nbytes * self.reduce_scale,
-                                               n, link)
+        gradients = nbytes * self.reduce_scale
+        return gather, (again + collective_time("reduce_scatter", gradients, n, link)
+                        + self.flat_copy_seconds(gradients, 0.0))
 
     def state_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds one parameter adds to :meth:`zero_collectives` of its stage:

@@ -112,7 +112,7 @@ def test_in_flight_follows_the_schedule():
 def test_search_equals_exhaustive_cuts_and_sub_meshes(monkeypatch):
     """On <= 6 layers and <= 8 devices, the DP inside the search picks what
     enumerating every cut (for every sub-mesh, schedule and micro-batch
-    count) picks under the same layer costs."""
+    count) picks under the same layer costs: cuts of the same objective."""
     model, inputs = build_model("mlp-tiny", batch_size=16)
 
     def best(splitter):
@@ -122,12 +122,11 @@ def test_search_equals_exhaustive_cuts_and_sub_meshes(monkeypatch):
             min_layers=6)
         cands = pipeline_search.search(ctx, pipeline_search.SearchOptions(
             pp=[2, 4], schedules=["1f1b", "gpipe"], microbatch_options=2))
-        return [(c.label(), c.split.bounds, round(c.step_time_s, 12)) for c in cands]
+        return sorted((c.label(), round(c.split.objective_s, 12)) for c in cands)
 
-    dp = best(split_layers)
-    brute = best(exhaustive_split)
-    assert dp and dp[0][2] == brute[0][2]
-    assert sorted(x[2] for x in dp) == sorted(x[2] for x in brute)
+    # the same objective for every candidate (where cuts tie on it, each may
+    # take another of them)
+    assert best(split_layers) == best(exhaustive_split) != []
 
 
 def test_pipelines_of_more_stages_than_layers_are_not_searched():

