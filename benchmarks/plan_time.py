@@ -22,7 +22,8 @@ included) and runs nothing else; ``--omp-one-thread`` runs them with
 ``"commands"`` (rows of other names or OMP settings are kept), records wall
 and CPU seconds (the command and its forked workers), the pure-Python loop
 probe (:func:`loop_probe`) before and after, the wall scaled to the
-reference speed (``wall x 2.4 s / probe``, the faster probe), the load
+reference speed (``wall x 2.4 s / probe``, the faster probe), the same with
+the loop run as a one-line script (:func:`script_loop_probe`), the load
 averages, whether ``OMP_NUM_THREADS`` was set, and the plan's SHA-256 (the
 same bytes from run to run and change to change).
 """
@@ -191,6 +192,21 @@ def loop_probe() -> float:
     return time.perf_counter() - t0
 
 
+#: issue 49's loop as a one-line script writes it: at module level, where
+#: ``s`` and ``i`` are globals (slower than :func:`loop_probe`'s locals)
+SCRIPT_LOOP = ("import time\nt = time.perf_counter()\ns = 0\nfor i in range(20_000_000):\n"
+               "    s += i\nprint(time.perf_counter() - t)")
+
+
+def script_loop_probe() -> float:
+    """Seconds of issue 49's loop run as a script at module level
+    (:data:`SCRIPT_LOOP`, in a fresh interpreter); the other reading of
+    "a pure-Python loop of 20 million additions" beside :func:`loop_probe`."""
+    done = subprocess.run([sys.executable, "-c", SCRIPT_LOOP], capture_output=True, text=True,
+                          check=True)
+    return float(done.stdout.strip())
+
+
 def time_command(name: str, omp_one_thread: bool = False) -> dict:
     """Wall and CPU seconds of ``planner plan`` with :data:`COMMANDS`'s
     arguments for ``name``, run as its own process (as a user runs it)."""
@@ -204,6 +220,7 @@ def time_command(name: str, omp_one_thread: bool = False) -> dict:
         cmd = [sys.executable, "-m", "app.cli", "plan", *COMMANDS[name], "--quiet", "-o", out]
         load_before = load_average()
         probe_before = loop_probe()
+        script_before = script_loop_probe()
         kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         done = subprocess.run(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL,
@@ -212,6 +229,7 @@ def time_command(name: str, omp_one_thread: bool = False) -> dict:
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         load_after = load_average()
         probe_after = loop_probe()
+        script_after = script_loop_probe()
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
         with open(out, "rb") as fh:
@@ -223,6 +241,8 @@ def time_command(name: str, omp_one_thread: bool = False) -> dict:
             "omp_num_threads_set": omp_one_thread, "wall_s": wall, "cpu_s": cpu,
             "loop_probe_s": [probe_before, probe_after],
             "scaled_wall_s": wall * REFERENCE_LOOP_S / probe,
+            "script_loop_probe_s": [script_before, script_after],
+            "scaled_wall_by_script_s": wall * REFERENCE_LOOP_S / min(script_before, script_after),
             "reference_loop_s": REFERENCE_LOOP_S, "target_s": COMMAND_TARGET_S,
             "loadavg_before": load_before, "loadavg_after": load_after,
             "plan_sha256": digest, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -245,7 +265,8 @@ def run_commands(names: list[str], omp_one_thread: bool, path: str) -> None:
         print(f"planner plan {name}{' (OMP_NUM_THREADS=1)' if omp_one_thread else ''}: "
               f"{row['wall_s']:.1f} s wall, {row['cpu_s']:.1f} s CPU, loop probe "
               f"{min(row['loop_probe_s']):.2f} s -> {row['scaled_wall_s']:.1f} s at the "
-              f"reference speed (load {row['loadavg_before']})", flush=True)
+              f"reference speed; as a script {min(row['script_loop_probe_s']):.2f} s -> "
+              f"{row['scaled_wall_by_script_s']:.1f} s (load {row['loadavg_before']})", flush=True)
 
 
 def main() -> None:
