@@ -235,10 +235,14 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
         step_temporaries = float(state_bytes)
     else:
         step_temporaries = parts.get("optimizer", 0.0) / states
-    # the loss's transient comes first; a checkpointed layer is recomputed after it
-    backward_start = parts.get("activations", 0.0) + max(parts.get("backward_transient", 0.0),
-                                                         parts.get("recomputed_layer", 0.0),
-                                                         backward_excess or 0.0)
+    # the loss's transient comes first; a checkpointed layer is recomputed after
+    # it; the backward's timeline, where given, holds each op's transient less
+    # the activations freed before it runs, so the largest transient alone
+    # (as if every activation were alive beside it) stands in only without it
+    transient = (parts.get("backward_transient", 0.0) if backward_excess is None
+                 else backward_excess)
+    backward_start = parts.get("activations", 0.0) + max(transient,
+                                                         parts.get("recomputed_layer", 0.0))
     optimizer_step = parts.get("grads", 0.0) + step_temporaries - step_copy
     return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + max(backward_start,
                                                                         optimizer_step)
