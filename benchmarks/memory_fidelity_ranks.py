@@ -102,7 +102,10 @@ def rank_worker(plan_path: str, out_path: str) -> None:
                        else t for t in meta_inputs)
         runtime = parallelize(plan)
         built = live.reset_peak()
-        opt = runtime.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
+        # the update planner train runs: multi-tensor where the runtime can
+        # (codegen.grad_reduction.prefer_foreach); a ZeRO-1 stage mixes its
+        # plain master slices with DTensors, which one foreach call refuses
+        opt = runtime.optimizer(torch.optim.AdamW, lr=1e-4)
         losses: list[float] = []
         step = training_step(runtime, inputs, opt, losses)
         step()
