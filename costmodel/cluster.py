@@ -407,6 +407,12 @@ class DeviceSpec:
         _need_fraction("device.flop_efficiency", self.flop_efficiency)
         _need_fraction("device.memory_efficiency", self.memory_efficiency)
 
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Bytes/s a streaming (memory-bound) kernel reaches: the memory
+        bandwidth times its efficiency."""
+        return self.memory_bandwidth * self.memory_efficiency
+
     def flops(self, dtype: Any) -> float:
         """Dense peak FLOP/s for ``dtype`` (a name like ``'bf16'`` or a ``torch.dtype``).
 

@@ -181,5 +181,5 @@ def fused_seconds(share: tuple[float, float], shard_factor: int, device: DeviceS
     (:func:`fused_shares`), split over ``shard_factor`` devices: its bytes at
     the device's streaming bandwidth plus its share of the chain's launches."""
     nbytes, kernels = share
-    return (nbytes / shard_factor / (device.memory_bandwidth * device.memory_efficiency)
+    return (nbytes / shard_factor / device.streaming_bandwidth
             + kernels * device.kernel_overhead)

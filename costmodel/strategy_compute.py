@@ -96,8 +96,7 @@ class ComputePricing(StrategySettings):
         nbytes = numel * OPTIMIZER_ACCESSES.get(self.optimizer, 0) * self.precision.master_bytes
         if nbytes <= 0:
             return 0.0
-        memory = self.cluster.device.memory_bandwidth * self.cluster.device.memory_efficiency
-        return nbytes / memory
+        return nbytes / self.cluster.device.streaming_bandwidth
 
     def cast_time(self, node: Node, s: Strategy) -> float:
         """Seconds of a mixed-precision step's two casts of a parameter: the

@@ -160,8 +160,7 @@ class GradientSyncPricing(StrategySettings):
             copied = gradient_bytes * (1 + 1 / n) + gather_bytes * (2 + 1 / n)
         else:
             copied = (gradient_bytes + gather_bytes) * (1 + 1 / n)
-        device = self.cluster.device
-        return 2 * copied / (device.memory_bandwidth * device.memory_efficiency)
+        return 2 * copied / self.cluster.device.streaming_bandwidth
 
     def zero3_layer_collectives(self, nbytes: float, layer_bytes: float) -> tuple[float, float]:
         """``(forward, backward)`` seconds per micro-batch of ZeRO-3's collectives
