@@ -221,8 +221,6 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
             self.pass_params, at_peak = zero3_param_sets(self.graph, units)
             self.gathered_params = at_peak if units_gathered else self.pass_params
             self.compiled_regions = max(1, len(units))
-        # ranks whose gradient sums on mesh axis 0 wait for the end of the step
-        self.step_sync_ranks = int(mesh_shape[0])
 
     def _set_precision(self, dtype: str) -> None:
         """The training precision ``dtype`` names, and the byte ratios of the

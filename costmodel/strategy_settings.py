@@ -37,8 +37,6 @@ class StrategySettings:
     params_sharded: bool
     # the parameters whose whole copy and gradient count toward the peak (None: all)
     gathered_params: frozenset[str] | None
-    # ranks whose gradient sums on mesh axis 0 wait for the end of the step
-    step_sync_ranks: int
     # bytes of a reduced gradient element, and of a gathered parameter element
     # once per step, over a compute-dtype one
     reduce_scale: float
@@ -55,6 +53,12 @@ class StrategySettings:
     # op -> its share (bytes, kernels) of its fused chain when the program runs
     # compiled (costmodel.fusion.fused_shares); empty when it runs eagerly
     fused_shares: dict[str, tuple[float, float]]
+
+    @property
+    def step_sync_ranks(self) -> int:
+        """Ranks whose gradient sums on mesh axis 0 wait for the end of the
+        step (every stage reduces them once per step): axis 0's size."""
+        return self.mesh_shape[0]
 
     def shard_factor(self, s: Strategy) -> int:
         """Devices one op instance is split over under strategy ``s``."""
