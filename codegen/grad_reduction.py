@@ -39,8 +39,8 @@ from codegen.redistribution import redistribute
 from costmodel.cluster import backend_reduce_scatters_by_all_reduce
 
 __all__ = ["BUCKET_BYTES", "all_gather_flat", "all_reduce_flat", "gather_slices",
-           "grads_to_placements", "is_pending_sum", "prefer_foreach", "redistribute_grads", "reduce_scatter_is_all_reduce", "sum_slices",
-           "summed_axis"]
+           "grads_to_placements", "is_pending_sum", "prefer_foreach", "redistribute_grads",
+           "reduce_scatter_is_all_reduce", "sum_slices", "summed_axis"]
 
 #: The most bytes one coalesced collective moves (DDP's default bucket, 25 MiB).
 BUCKET_BYTES = 25 * 2**20

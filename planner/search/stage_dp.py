@@ -131,7 +131,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     if cost is None:
         cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer,
                            zero_stage=zero_stage, pricer=pricer)
-    f = b = w = sync = update = 0.0
+    f = b = w = update = 0.0
     zero_bytes = 0.0  # bytes of the parameters ZeRO's collectives move
     layer_bytes = 0.0  # of which ZeRO-3 gathers layer by layer
     for n in graph.nodes:
@@ -163,7 +163,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
                 b += cost.gradient_reshard(src, dst, info, arg in cost.param_derived)
     # the objective weighs the once-per-step seconds by step_share (IntraOpCost)
     once = step_collectives(result, cost) + update
-    recompute = result.solution.objective_s - (f + b + w + sync + result.step_share * once)
+    recompute = result.solution.objective_s - (f + b + w + result.step_share * once)
     b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
     # a pass takes at least the host's time to issue its ops (costmodel.compute)
     host_f, host_b = host_seconds(graph, cluster.device)
@@ -172,6 +172,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     # a compiled stage's calls of its regions
     call_f, call_b = compiled_call_seconds(graph, cluster.device, cost.compiled_regions)
     f, b = f + call_f, b + call_b
+    sync = 0.0  # the stage's once-per-step collectives over mesh axis 0
     if cost.zero_stage == 3:
         # FSDP2 layer by layer, in every micro-batch: each layer's collectives
         # overlap the compute of its neighbours where the backend runs them
@@ -182,7 +183,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         else:
             f, b = f + gather_f, b + gather_b
     else:
-        sync += cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
+        sync = cost.zero_collectives(zero_bytes)  # one pair of collectives for the stage
     if cluster.device.compiled:
         # a compiled stage's backward is one graph, whose weight gradients come
         # with its input gradients (codegen.pipeline._weight_pass_done)
