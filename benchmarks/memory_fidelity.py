@@ -136,8 +136,8 @@ def measure_executor_step(name: str, precision: str, plan: Any, attention: str,
     mode: Any = contextlib.nullcontext()
     if fake:
         mode = fake_tensor_mode_type()()
-    with mode as fake_mode, attention_kernel(attention, fake), one_rank_group(), \
-            warnings.catch_warnings(), LiveStorages(fake_mode if fake else None) as live:
+    with mode as fake_mode, one_rank_group(), warnings.catch_warnings(), \
+            LiveStorages(fake_mode if fake else None) as live, contextlib.ExitStack() as kernels:
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         model, inputs = build(name, "cpu", batch, seq)
@@ -147,6 +147,8 @@ def measure_executor_step(name: str, precision: str, plan: Any, attention: str,
         else:  # fake tensors (the meta build captures under a fake mode of its own)
             runtime = parallelize(plan, model, inputs)
             del model
+        # the steps run the kernel; the capture above kept the planned program
+        kernels.enter_context(attention_kernel(attention, fake))
         held = live.reset_peak()
         opt = runtime.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
 

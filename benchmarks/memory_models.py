@@ -134,42 +134,69 @@ def _cpu_takes_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
         return fused_sdp_choice(*small, is_causal=is_causal, scale=scale) == 0
 
 
+def _efficient_instead(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
+                       scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
+    """CUDA's memory-efficient attention of these arguments where the CPU would
+    take the math path for them (see :func:`_target_attention`), else None."""
+    if (attn_mask is None and not dropout_p and not enable_gqa and query.dim() == 4
+            and query.shape[-1] % 8 == 0 and value.shape[-1] % 8 == 0
+            and _cpu_takes_math(query, key, value, is_causal, scale)):
+        grad = any(t.requires_grad for t in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, grad, 0.0, is_causal, scale=scale)[0]
+    return None
+
+
 @contextlib.contextmanager
 def _target_attention() -> Iterator[None]:
     """Fake models are priced on an H100: where the CPU has no fused attention
     kernel for a shape (DeepSeek-V3's value heads of 128 beside query/key heads
     of 192: CPU's flash kernel needs equal head sizes) and would take the math
     path (an s x s score matrix, in fp32 for bf16 inputs), which no GPU runs,
-    ``F.scaled_dot_product_attention`` runs CUDA's memory-efficient kernel
-    instead, what SDPA picks there for unequal head sizes (flash needs them
-    equal), through its meta kernels on the fake tensors. It saves what the
-    planner prices for the fused node: q, k, v, the output and a float32
-    log-sum-exp. Shapes the CPU runs fused are left alone (CPU's flash kernel
-    saves what CUDA's does). The function is replaced for the duration, not
-    hooked through a mode, so that a checkpointed layer's recomputation (run
-    by the autograd engine) calls the same kernel."""
+    attention runs CUDA's memory-efficient kernel instead, what SDPA picks
+    there for unequal head sizes (flash needs them equal), through its meta
+    kernels on the fake tensors. It saves what the planner prices for the fused
+    node: q, k, v, the output and a float32 log-sum-exp. Shapes the CPU runs
+    fused are left alone (CPU's flash kernel saves what CUDA's does).
+
+    Both ways attention is called are replaced for the duration:
+    ``F.scaled_dot_product_attention`` (the model's forward, in the plain loop)
+    and a call of the captured op ``aten.scaled_dot_product_attention`` (the
+    executor's node runner, which runs the plan's program). Replaced, not hooked
+    through a mode, so that a checkpointed layer's recomputation (run by the
+    autograd engine) calls the same kernel. A program captured meanwhile would
+    hold the efficient kernel's node instead of the planned one: the executor
+    is built outside this context (:func:`attention_kernel`'s ``capture``)."""
     import torch.nn.functional as F
 
+    from ir.torch_compat import SDPA, OpOverload
+
     original = F.scaled_dot_product_attention
+    original_call = OpOverload.__call__
 
     def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
              is_causal: bool = False, scale: float | None = None,
              enable_gqa: bool = False) -> torch.Tensor:
-        if (attn_mask is None and not dropout_p and not enable_gqa and query.dim() == 4
-                and query.shape[-1] % 8 == 0 and value.shape[-1] % 8 == 0
-                and _cpu_takes_math(query, key, value, is_causal, scale)):
-            grad = any(t.requires_grad for t in (query, key, value))
-            return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, None, grad, 0.0, is_causal, scale=scale)[0]
+        out = _efficient_instead(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                         enable_gqa=enable_gqa)
 
+    def call(op: Any, /, *args: Any, **kwargs: Any) -> Any:
+        if op is SDPA:
+            return sdpa(*args, **kwargs)
+        return original_call(op, *args, **kwargs)
+
     F.scaled_dot_product_attention = sdpa
+    OpOverload.__call__ = call
     try:
         yield
     finally:
         F.scaled_dot_product_attention = original
+        OpOverload.__call__ = original_call
 
 
 @contextlib.contextmanager
