@@ -106,7 +106,7 @@ def measure_step(name: str, precision: str, checkpoint: list[str], attention: st
     mode: Any = contextlib.nullcontext()
     if fake:
         mode = fake_tensor_mode_type()()
-    with mode, attention_kernel(attention, fake):
+    with mode as fake_mode, attention_kernel(attention, fake_mode):
         model, inputs = build(name, "cpu", batch, seq)
         loop = PlainLoop(model, inputs, precision=precision, checkpoint=checkpoint)
         out = tracked_peak_memory(loop, warmup=1)
@@ -136,8 +136,9 @@ def measure_executor_step(name: str, precision: str, plan: Any, attention: str,
     mode: Any = contextlib.nullcontext()
     if fake:
         mode = fake_tensor_mode_type()()
-    with mode as fake_mode, one_rank_group(), warnings.catch_warnings(), \
-            LiveStorages(fake_mode if fake else None) as live, contextlib.ExitStack() as kernels:
+    with mode as fake_mode, attention_kernel(attention, fake_mode), one_rank_group(), \
+            warnings.catch_warnings(), LiveStorages(fake_mode if fake else None) as live, \
+            contextlib.ExitStack() as steps:
         warnings.simplefilter("ignore")
         torch.manual_seed(0)
         model, inputs = build(name, "cpu", batch, seq)
@@ -147,8 +148,7 @@ def measure_executor_step(name: str, precision: str, plan: Any, attention: str,
         else:  # fake tensors (the meta build captures under a fake mode of its own)
             runtime = parallelize(plan, model, inputs)
             del model
-        # the steps run the kernel; the capture above kept the planned program
-        kernels.enter_context(attention_kernel(attention, fake))
+        steps.enter_context(attention_kernel(attention, fake_mode, runtime=True))
         held = live.reset_peak()
         opt = runtime.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
 

@@ -134,11 +134,22 @@ def _cpu_takes_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
         return fused_sdp_choice(*small, is_causal=is_causal, scale=scale) == 0
 
 
-def _efficient_instead(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def _efficient_instead(fake_mode: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
                        scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
     """CUDA's memory-efficient attention of these arguments where the CPU would
-    take the math path for them (see :func:`_target_attention`), else None."""
+    take the math path for them (see :func:`_target_attention`), else None.
+    Tensors of another fake mode than the measured model's ``fake_mode`` (the
+    probes a capture runs under its own, whose program must keep the planned
+    node) are left alone; the measured model's, and wrappers without a mode
+    of their own over them (an export's), are not."""
+    from torch.distributed.tensor import DTensor
+
+    from ir.torch_compat import local_tensor
+
+    local = local_tensor(query) if isinstance(query, DTensor) else query
+    if getattr(local, "fake_mode", fake_mode) is not fake_mode:
+        return None
     if (attn_mask is None and not dropout_p and not enable_gqa and query.dim() == 4
             and query.shape[-1] % 8 == 0 and value.shape[-1] % 8 == 0
             and _cpu_takes_math(query, key, value, is_causal, scale)):
@@ -149,25 +160,26 @@ def _efficient_instead(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 @contextlib.contextmanager
-def _target_attention() -> Iterator[None]:
+def _target_attention(fake_mode: Any, runtime: bool) -> Iterator[None]:
     """Fake models are priced on an H100: where the CPU has no fused attention
     kernel for a shape (DeepSeek-V3's value heads of 128 beside query/key heads
     of 192: CPU's flash kernel needs equal head sizes) and would take the math
     path (an s x s score matrix, in fp32 for bf16 inputs), which no GPU runs,
-    attention runs CUDA's memory-efficient kernel instead, what SDPA picks
-    there for unequal head sizes (flash needs them equal), through its meta
-    kernels on the fake tensors. It saves what the planner prices for the fused
-    node: q, k, v, the output and a float32 log-sum-exp. Shapes the CPU runs
-    fused are left alone (CPU's flash kernel saves what CUDA's does).
+    attention on ``fake_mode``'s tensors runs CUDA's memory-efficient kernel
+    instead, what SDPA picks there for unequal head sizes (flash needs them
+    equal), through its meta kernels on the fake tensors. It saves what the
+    planner prices for the fused node: q, k, v, the output and a float32
+    log-sum-exp. Shapes the CPU runs fused are left alone (CPU's flash kernel
+    saves what CUDA's does).
 
-    Both ways attention is called are replaced for the duration:
-    ``F.scaled_dot_product_attention`` (the model's forward, in the plain loop)
-    and a call of the captured op ``aten.scaled_dot_product_attention`` (the
-    executor's node runner, which runs the plan's program). Replaced, not hooked
-    through a mode, so that a checkpointed layer's recomputation (run by the
-    autograd engine) calls the same kernel. A program captured meanwhile would
-    hold the efficient kernel's node instead of the planned one: the executor
-    is built outside this context (:func:`attention_kernel`'s ``capture``)."""
+    Replaced for the duration where attention is called:
+    ``F.scaled_dot_product_attention`` (the model's forward: the plain loop),
+    and with ``runtime`` also a call of the captured op
+    ``aten.scaled_dot_product_attention`` (the executor's node runner, which
+    runs the plan's program: enter it once the runtime is built, as a capture
+    calls ops through the same method). Replaced, not hooked through a mode,
+    so that a checkpointed layer's recomputation (run by the autograd engine)
+    calls the same kernel."""
     import torch.nn.functional as F
 
     from ir.torch_compat import SDPA, OpOverload
@@ -179,7 +191,8 @@ def _target_attention() -> Iterator[None]:
              attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
              is_causal: bool = False, scale: float | None = None,
              enable_gqa: bool = False) -> torch.Tensor:
-        out = _efficient_instead(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        out = _efficient_instead(fake_mode, query, key, value, attn_mask, dropout_p, is_causal,
+                                 scale, enable_gqa)
         if out is not None:
             return out
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
@@ -187,11 +200,19 @@ def _target_attention() -> Iterator[None]:
 
     def call(op: Any, /, *args: Any, **kwargs: Any) -> Any:
         if op is SDPA:
-            return sdpa(*args, **kwargs)
+            named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), args))
+            named.update(kwargs)
+            out = _efficient_instead(fake_mode, named["query"], named["key"], named["value"],
+                                     named.get("attn_mask"), named.get("dropout_p", 0.0),
+                                     named.get("is_causal", False), named.get("scale"),
+                                     named.get("enable_gqa", False))
+            if out is not None:
+                return out
         return original_call(op, *args, **kwargs)
 
     F.scaled_dot_product_attention = sdpa
-    OpOverload.__call__ = call
+    if runtime:
+        OpOverload.__call__ = call
     try:
         yield
     finally:
@@ -200,12 +221,14 @@ def _target_attention() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def attention_kernel(kind: str, fake: bool = False) -> Iterator[None]:
-    """``default``: the kernel SDPA picks (for ``fake`` models, the target GPU's
-    where the CPU would take the math path: :func:`_target_attention`);
-    ``math``: the math kernel forced."""
+def attention_kernel(kind: str, fake_mode: Any = None, runtime: bool = False) -> Iterator[None]:
+    """``default``: the kernel SDPA picks (for a fake model, ``fake_mode`` its
+    FakeTensorMode, the target GPU's where the CPU would take the math path:
+    :func:`_target_attention`, also in a built runtime's calls with
+    ``runtime``); ``math``: the math kernel forced."""
     if kind == "default":
-        with _target_attention() if fake else contextlib.nullcontext():
+        with (_target_attention(fake_mode, runtime) if fake_mode is not None
+              else contextlib.nullcontext()):
             yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
