@@ -12,13 +12,14 @@ Units: bytes per device.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from costmodel.memory import backward_timeline_excess, step_copy_bytes, training_state_bytes
-from costmodel.saved_tensors import extra_saved_bytes, release_points
+from costmodel.saved_tensors import extra_saved_bytes, release_points, savers_of
 from costmodel.strategy_settings import StrategySettings
 from ir.graph import INPUT, OP, PARAM, Node
 from ir.strategy import Strategy, local_numel
@@ -74,6 +75,61 @@ class MemoryPricing(StrategySettings):
         micro-batch in flight (``activation_copies``)."""
         return float(sum(v * (self.activation_copies if k == "activations" else 1.0)
                          for k, v in self.memory_breakdown(node, s).items()))
+
+    def gathered_parameter_bytes(self, chosen: Mapping[str, Strategy],
+                                 checkpointed: Sequence[str] = ()) -> float:
+        """Bytes per device of the parameter copies the forward's redistributes
+        gather and the backward keeps, under the assignment ``chosen`` (node
+        name -> strategy): :meth:`parameter_gathers` of every parameter. An
+        edge term: it depends on a parameter's and its readers' strategies
+        both, which the ILP's per-node memory cannot see; the solver checks
+        its answer against it (:func:`planner.ilp.intra_op.solve_prepared`)."""
+        return float(sum(self.parameter_gathers(n, chosen[n.name], chosen, checkpointed)
+                         for n in self.graph.nodes if n.kind == PARAM))
+
+    def parameter_gathers(self, node: Node, stored: Strategy, chosen: Mapping[str, Strategy],
+                          checkpointed: Sequence[str] = ()) -> float:
+        """Bytes per device of parameter ``node``'s gathered copies, stored
+        under ``stored``, with its readers' strategies from ``chosen``.
+
+        An op that reads a parameter stored sharded on a mesh axis where it
+        takes it replicated (a weight DTensor shards over the data axis, read
+        whole by a batch-sharded matmul) gets a gathered copy, and when an
+        op's backward keeps the parameter (a matmul its weight, through views
+        too) it keeps that copy, from the forward to its backward, once per
+        micro-batch. Under a mixed precision the local compute-dtype cast it
+        was gathered from is then freed, and counted once less. None where
+        every op that keeps the parameter is in a ``checkpointed`` layer (the
+        recomputation gathers it again) or FSDP2 gathers the parameters
+        (:func:`costmodel.memory.training_state_bytes` counts those)."""
+        readers, keepers = self._parameter_uses.get(node.name, ((), ()))
+        if self.params_sharded or not keepers:
+            return 0.0
+        if checkpointed and all(op in self._recomputed_layer_of(checkpointed) for op in keepers):
+            return 0.0
+        gathered = []
+        for reader, position in readers:
+            wanted = chosen[reader].inputs[position]
+            if any(isinstance(a, Shard) and isinstance(b, Replicate) and size > 1
+                   for a, b, size in zip(stored.outputs[0], wanted, self.mesh_shape)):
+                gathered.append(local_numel(node.output, wanted, self.mesh_shape)
+                                * self.precision.compute_dtype.itemsize)
+        total = float(sum(gathered))
+        if gathered and len(gathered) == len(readers) and self.precision.mixed:
+            total -= self.step_copy(node, stored)
+        return total
+
+    @functools.cached_property
+    def _parameter_uses(self) -> dict[str, tuple[list[tuple[str, int]], list[str]]]:
+        """Parameter name -> ((reader, the argument position it reads it at),
+        the ops whose backward keeps it, through views too)."""
+        keepers = savers_of(self.graph, self.requires_grad)
+        out: dict[str, tuple[list[tuple[str, int]], list[str]]] = {}
+        for name, readers in self.graph.users().items():
+            if self.graph[name].kind == PARAM:
+                out[name] = ([(r, self.graph[r].args.index(name)) for r in readers],
+                             keepers.get(name, []))
+        return out
 
     def _gathered(self, node: Node) -> bool:
         """Whether parameter ``node``'s whole copy and gradient count toward the

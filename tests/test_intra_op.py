@@ -142,7 +142,8 @@ def test_megatron_warm_start_and_time_limited_solve():
     """The Megatron-style warm start pins the Megatron parameter layout, is far
     cheaper than replicating everything on a small-batch model, and a solve cut off
     by a tiny time limit is never worse than it."""
-    from planner.ilp.intra_op import best_warm_start, prepare_intra_op, solve_prepared, warm_starts
+    from planner.ilp.intra_op import prepare_intra_op, solve_prepared
+    from planner.ilp.warm_starts import best_warm_start, warm_starts
 
     model, inputs = build_from_config(GPTConfig(1, 1024, 16, vocab_size=50304, block_size=1024),
                                       batch_size=1)

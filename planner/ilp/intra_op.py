@@ -6,7 +6,11 @@ strategies (:mod:`planner.ilp.strategies`) and their prices
 seconds of one training step (forward, backward and gradient
 synchronisation): a node's cost is its strategy's compute and collectives, an
 edge's cost the resharding of the producer's output placement into the
-consumer's input placement, forward and backward.
+consumer's input placement, forward and backward. Memory is a sum over nodes
+(bytes per device); the parameter copies a reader's redistribute gathers
+depend on an edge's two ends, so each answer is checked with them counted
+and, where they take it over the budget, solved again with them charged to
+the parameters' strategies (:func:`solve_prepared`).
 """
 
 from __future__ import annotations
@@ -17,20 +21,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Replicate
 
 from costmodel.cluster import Cluster
 from costmodel.resharding import ReshardPricer
 from costmodel.strategy_cost import CostBreakdown, IntraOpCost
-from ir.graph import INPUT, OP, PARAM, Graph, TensorInfo
+from ir.graph import OP, PARAM, Graph, TensorInfo
 from ir.repeated_blocks import Layer
 from ir.strategy import NodeStrategies, Placements, Strategy, local_numel
-from planner.ilp.solve import (AssignmentProblem, CheckpointGroup, EdgeMatrix, Hint, Solution,
-                         greedy_assignment, solve, warm_start_value)
-from planner.megatron_layout import MegatronConfig, megatron_layout
+from planner.ilp.solve import AssignmentProblem, CheckpointGroup, EdgeMatrix, Hint, Solution, solve
 from planner.report import format_bytes
 from planner.ilp.fixed_layout import pin_fixed
 from planner.ilp.strategies import build_strategies
+from planner.ilp.warm_starts import best_warm_start, warm_starts
 
 
 
@@ -310,70 +312,6 @@ class MemoryInfeasibleError(RuntimeError):
             f"- use devices with that much memory, more devices, or a smaller batch")
 
 
-def _replicated_index(ns: NodeStrategies) -> int:
-    """Index of the all-replicate strategy, or 0 if there is none."""
-    for i, s in enumerate(ns.strategies):
-        if all(isinstance(p, Replicate) for pl in (*s.inputs, *s.outputs) for p in pl):
-            return i
-    return 0
-
-
-def megatron_targets(graph: Graph, mesh_shape: Sequence[int]) -> dict[str, list[Placements]]:
-    """Megatron-style output placements of parameters (by FQN) and user inputs (by
-    name), most wanted first: tensor parallel on the last mesh axis (column-parallel
-    weights ``S(0)``, row-parallel ``S(1)``, vocabulary-parallel embedding, as
-    :func:`planner.megatron_layout.megatron_layout` classifies them) and data parallel on
-    every other axis (parameters replicated, inputs split on the batch dim); then
-    the same without the data-parallel split; then replicated."""
-    n = len(tuple(mesh_shape))
-    r = Replicate()
-    layout = megatron_layout(graph, MegatronConfig(tensor_model_parallel_size=2,
-                                                   data_parallel_size=2))  # (dp, tp) each
-    out: dict[str, list[Placements]] = {}
-    for key, (dp_p, tp_p) in layout.items():
-        wanted = [(dp_p,) * (n - 1) + (tp_p,) if n > 1 else (tp_p,),
-                  (r,) * (n - 1) + (tp_p,), (r,) * n]
-        out[key] = list(dict.fromkeys(wanted))
-    return out
-
-
-def warm_starts(prepared: "PreparedIntraOp") -> dict[str, list[int]]:
-    """Candidate warm starts, one strategy index per problem variable (class):
-
-    * ``replicate``: every node all-replicated where it can be;
-    * ``megatron``: parameters and user inputs on :func:`megatron_targets`'s
-      layout, every op then taking greedily (in program order) the strategy
-      cheapest given what its producers took (:func:`planner.ilp.solve.greedy_assignment`).
-    """
-    strategies, built = prepared.strategies, prepared.built
-    replicate = [_replicated_index(strategies[group[0]]) for group in built.members]
-    targets = megatron_targets(prepared.graph, prepared.mesh_shape)
-    allowed: list[list[int] | None] = []
-    for group in built.members:
-        ns = strategies[group[0]]
-        key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
-        allowed.append(None)
-        if ns.node.kind in (PARAM, INPUT) and key in targets:
-            for want in targets[key]:
-                match = [i for i, s in enumerate(ns.strategies) if s.outputs[0] == want]
-                if match:
-                    allowed[-1] = match
-                    break
-    return {"replicate": replicate, "megatron": greedy_assignment(built.problem, allowed)}
-
-
-def best_warm_start(problem: AssignmentProblem, candidates: Mapping[str, list[int]]) -> str:
-    """Name of the candidate with the least seconds among those that fit
-    ``problem``'s memory budget (:func:`planner.ilp.solve.warm_start_value`, which may
-    checkpoint every group); if none fits, the one with the least seconds without
-    checkpointing. Ties: the first."""
-    values = {k: warm_start_value(problem, c) for k, c in candidates.items()}
-    fitting = [k for k, v in values.items() if v is not None]
-    if fitting:
-        return min(fitting, key=lambda k: values[k][0])
-    return min(candidates, key=lambda k: problem.evaluate(candidates[k]))
-
-
 def _best_hint(prepared: PreparedIntraOp, problem: AssignmentProblem) -> list[int]:
     """The best of ``prepared``'s warm starts for ``problem`` (:func:`best_warm_start`)."""
     return prepared.hints[best_warm_start(problem, prepared.hints)]
@@ -530,16 +468,62 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     Raises:
         MemoryInfeasibleError: no assignment fits the budget.
     """
-    graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
-    cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
-    problem = dataclasses.replace(built.problem, memory_budget=memory_budget,
+    problem = dataclasses.replace(prepared.built.problem, memory_budget=memory_budget,
                                   memory_weight=memory_weight)
     groups = problem.checkpoint_groups
     if recompute is not None:
         problem = (_with_checkpointing(problem) if recompute
                    else dataclasses.replace(problem, checkpoint_groups=[]))
     if memory_budget is not None and least_memory(problem) > memory_budget:
-        raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
+        raise MemoryInfeasibleError(least_memory(problem), memory_budget, prepared.mesh_shape)
+    result, held = _solved(prepared, problem, problem, groups, recompute, time_limit_s)
+    # the gathered parameter copies are an edge term the ILP's memory row leaves
+    # out: where they take the answer over the budget, solve again with each
+    # parameter's strategies charged the copies its readers' placements in the
+    # last answer would gather (the term linearised there)
+    for _ in range(_BUDGET_PASSES):
+        if memory_budget is None or held <= memory_budget:
+            return result
+        charged = _charge_gathers(prepared, problem, result)
+        if least_memory(charged) > memory_budget:
+            raise MemoryInfeasibleError(least_memory(charged), memory_budget, prepared.mesh_shape)
+        result, held = _solved(prepared, charged, problem, groups, recompute, time_limit_s)
+    if memory_budget is not None and held > memory_budget:
+        raise MemoryInfeasibleError(held, memory_budget, prepared.mesh_shape)
+    return result
+
+
+#: solves again with the gathered copies charged, at most
+_BUDGET_PASSES = 2
+
+
+def _charge_gathers(prepared: PreparedIntraOp, problem: AssignmentProblem,
+                    last: IntraOpResult) -> AssignmentProblem:
+    """``problem`` with every parameter strategy's memory charged the copies
+    its readers would gather under their strategies in ``last``
+    (:meth:`IntraOpCost.parameter_gathers`), per micro-batch in flight."""
+    cost, built = prepared.cost, prepared.built
+    node_memory = [list(m) for m in problem.node_memory]
+    for c, group in enumerate(built.members):
+        first = prepared.strategies[group[0]]
+        if first.node.kind != PARAM:
+            continue
+        for i in range(len(node_memory[c])):
+            node_memory[c][i] += prepared.activation_copies * sum(
+                cost.parameter_gathers(prepared.strategies[m].node, prepared.strategies[m].strategies[i],
+                                       last.chosen, last.checkpointed) for m in group)
+    return dataclasses.replace(problem, node_memory=node_memory)
+
+
+def _solved(prepared: PreparedIntraOp, problem: AssignmentProblem, counted: AssignmentProblem,
+            groups: list[CheckpointGroup], recompute: bool | None,
+            time_limit_s: float) -> tuple[IntraOpResult, float]:
+    """The solution of ``problem`` (:func:`solve_prepared`), and the bytes per
+    device it holds as the budget counts them (``counted``'s memory row, the
+    problem before any charge) with the gathered parameter copies
+    (:meth:`IntraOpCost.gathered_parameter_bytes`)."""
+    graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
+    cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
     hint: Hint = [0] * len(problem.node_costs)  # one assignment (e.g. re-pricing)
     if not all(len(c) == 1 for c in problem.node_costs):
         # made only where a MIP runs: the LP relaxation is integral on almost
@@ -581,5 +565,10 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     weighed = breakdown.total_s - (1.0 - cost.step_share) * once
     assert math.isclose(weighed, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (
         breakdown, solution.objective_s, solution.status, checkpointed)
+    gathered = cost.gathered_parameter_bytes(chosen, checkpointed) * activation_copies
+    if gathered:
+        memory["activations"] = memory.get("activations", 0.0) + gathered
+    held = (counted.memory(solution.choice, solution.checkpoint) + gathered
+            if counted.memory_budget is not None and counted.node_memory is not None else 0.0)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
-                         memory, checkpointed, cost.step_share)
+                         memory, checkpointed, cost.step_share), held
