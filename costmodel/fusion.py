@@ -84,7 +84,8 @@ def fused_chains(graph: Graph) -> list[FusedChain]:
     return chains
 
 
-def fused_shares(graph: Graph) -> dict[str, tuple[float, float]]:
+def fused_shares(graph: Graph, eager: frozenset[str] = frozenset()
+                 ) -> dict[str, tuple[float, float]]:
     """Op name -> its part of its fused chain: ``(bytes, kernels)``. An op's
     bytes are those it alone accounts for: each value it reads from outside
     the chain (through the chain's views of it too), split evenly among the
@@ -92,10 +93,12 @@ def fused_shares(graph: Graph) -> dict[str, tuple[float, float]]:
     (through the views of them too); its kernels, one if it writes such a
     value (a kernel ends where a value is written). The parts depend on each
     op's own neighbourhood only, so that the copies of a repeated block price
-    alike. Ops in no chain (contractions, library fallbacks, views) are absent."""
+    alike. Ops in no chain (contractions, library fallbacks, views) are absent,
+    and so are the ``eager`` ops, which run outside any compiled region (each
+    its own kernel, between the chains it cuts)."""
     by_name, users, outputs = graph.by_name, graph.users(), set(graph.output_names)
     shares: dict[str, tuple[float, float]] = {}
-    for chain in _chain_members(graph):
+    for chain in _chain_members(graph, eager):
         members = set(chain)
         computing = [by_name[m] for m in chain if not by_name[m].is_view]
         reads = {n.name: _outside_reads(n, members, by_name) for n in computing}
@@ -116,10 +119,11 @@ def fused_shares(graph: Graph) -> dict[str, tuple[float, float]]:
     return shares
 
 
-def _chain_members(graph: Graph) -> list[list[str]]:
-    """The ops of each chain, in graph order (see :func:`fused_chains`)."""
+def _chain_members(graph: Graph, eager: frozenset[str] = frozenset()) -> list[list[str]]:
+    """The ops of each chain, in graph order (see :func:`fused_chains`), none
+    of the ``eager`` ops among them."""
     by_name = graph.by_name
-    parent = {n.name: n.name for n in graph.nodes if fusible(n)}
+    parent = {n.name: n.name for n in graph.nodes if fusible(n) and n.name not in eager}
 
     def root(name: str) -> str:
         while parent[name] != name:
@@ -127,7 +131,7 @@ def _chain_members(graph: Graph) -> list[list[str]]:
             name = parent[name]
         return name
 
-    epoch = _epochs(graph)
+    epoch = _epochs(graph, frozenset(parent))
     for name in parent:
         for arg in by_name[name].args:
             if arg in parent and epoch[arg] == epoch[name]:
@@ -139,15 +143,15 @@ def _chain_members(graph: Graph) -> list[list[str]]:
     return list(groups.values())
 
 
-def _epochs(graph: Graph) -> dict[str, int]:
+def _epochs(graph: Graph, fused: frozenset[str]) -> dict[str, int]:
     """Node name -> how many unfused kernels lie on the longest path to it
-    from the program's inputs (an unfused op counts itself). Ops of one
-    chain share a count: a path from one to the other through an unfused
-    kernel would make it differ."""
+    from the program's inputs (an op not among the ``fused`` counts itself).
+    Ops of one chain share a count: a path from one to the other through an
+    unfused kernel would make it differ."""
     epoch: dict[str, int] = {}
     for n in graph.nodes:
         before = max((epoch[a] for a in n.args), default=0)
-        epoch[n.name] = before + (1 if n.kind == OP and not fusible(n) else 0)
+        epoch[n.name] = before + (1 if n.kind == OP and n.name not in fused else 0)
     return epoch
 
 

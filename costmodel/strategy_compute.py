@@ -113,8 +113,10 @@ class ComputePricing(StrategySettings):
 
     def _dispatch(self, node: Node) -> float:
         """Host seconds the distributed runtime adds to running the op once
-        (none in a compiled program: DTensor's dispatch ran when it was traced)."""
-        if node.target == "getitem" or self.cluster.device.compiled:
+        (none in a compiled program: DTensor's dispatch ran when it was traced;
+        an op the compiled program runs eagerly, between ZeRO-3's units, pays it)."""
+        if node.target == "getitem" or (self.cluster.device.compiled
+                                          and node.name not in self.eager_ops):
             return 0.0
         return self.cluster.device.dispatch_overhead
 

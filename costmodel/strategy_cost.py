@@ -194,7 +194,7 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         # node -> indices of its outputs autograd keeps for backward
         self.saved = saved_outputs(graph, self.requires_grad)
         self.transient_node = self._largest_transient()
-        self.fused_shares = fused_shares(graph) if cluster.device.compiled else {}
+        self.fused_shares = fused_shares(graph, self.eager_ops) if cluster.device.compiled else {}
         self._pricer = self._own_pricer(pricer)
         # NodePrices of the (node, strategy) pairs asked for by prices()
         self._prices: dict[tuple[str, int], tuple[Strategy, NodePrices]] = {}
@@ -216,11 +216,16 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         # compiled regions a pass of the stage calls: one, or under ZeRO-3 one
         # per unit (codegen.executor compiles each unit inside its FSDP2 hooks)
         self.compiled_regions = 1
+        # ops a compiled stage runs eagerly: under ZeRO-3 those between its units
+        self.eager_ops: frozenset[str] = frozenset()
         if zero_stage == 3:
             units = shard_units(self.graph)
             self.pass_params, at_peak = zero3_param_sets(self.graph, units)
             self.gathered_params = at_peak if units_gathered else self.pass_params
             self.compiled_regions = max(1, len(units))
+            inside = {op for unit in units for op in unit.ops}
+            self.eager_ops = frozenset(n.name for n in self.graph.nodes
+                                       if n.kind == OP and n.name not in inside)
 
     def _set_precision(self, dtype: str) -> None:
         """The training precision ``dtype`` names, and the byte ratios of the

@@ -53,6 +53,8 @@ class StrategySettings:
     # op -> its share (bytes, kernels) of its fused chain when the program runs
     # compiled (costmodel.fusion.fused_shares); empty when it runs eagerly
     fused_shares: dict[str, tuple[float, float]]
+    # ops a compiled program runs eagerly (ZeRO-3: those between its units)
+    eager_ops: frozenset[str]
 
     @property
     def step_sync_ranks(self) -> int:

@@ -114,3 +114,25 @@ def test_a_compiled_stage_pays_its_measured_call(llama_graph, zero_stage):
         added_b = times[1].backward_input_s - times[0].backward_input_s
         assert (added_f, added_b) == ((pytest.approx(calls * 1e-3), pytest.approx(params * 1e-4))
                                       if compiled else (0.0, 0.0))
+
+
+def test_ops_between_zero3_units_are_priced_eager(llama_graph):
+    """A compiled ZeRO-3 stage compiles each FSDP2 unit apart and runs the ops
+    between them (the loss) eagerly: those pay the per-op dispatch and their
+    own memory passes, the units' ops the fused price."""
+    compiled = load_cluster("local-cpu:2").running_compiled()
+    inside = {op for unit in shard_units(llama_graph) for op in unit.ops}
+    between = [n for n in llama_graph.nodes if n.kind == OP and n.name not in inside]
+    assert any(n.bytes_moved > 0 for n in between)  # the loss's ops
+    cost_3 = IntraOpCost(llama_graph, compiled, (2,), "float32", zero_stage=3)
+    cost_0 = IntraOpCost(llama_graph, compiled, (2,), "float32")
+    assert cost_3.eager_ops == frozenset(n.name for n in between) and not cost_0.eager_ops
+    eager = IntraOpCost(llama_graph, load_cluster("local-cpu:2"), (2,), "float32", zero_stage=3)
+    prepared = prepare_intra_op(llama_graph, compiled, (2,), zero_stage=3)
+    for ns in prepared.strategies:
+        s = ns.strategies[0]
+        if ns.node.name in cost_3.eager_ops:
+            assert cost_3.compute(ns.node, s) == pytest.approx(eager.compute(ns.node, s), rel=1e-9)
+        elif ns.node.name in cost_0.fused_shares:  # still fused (a chain the loss cut: its part)
+            assert ns.node.name in cost_3.fused_shares
+            assert cost_3.compute(ns.node, s) < eager.compute(ns.node, s)
