@@ -102,13 +102,15 @@ class MemoryPricing(StrategySettings):
         every op that keeps the parameter is in a ``checkpointed`` layer (the
         recomputation gathers it again) or FSDP2 gathers the parameters
         (:func:`costmodel.memory.training_state_bytes` counts those)."""
-        readers, keepers = self._parameter_uses.get(node.name, ((), ()))
-        if self.params_sharded or not keepers:
+        readers, keepers = self._parameter_uses.get(node.name, ((), {}))
+        if self.params_sharded:
             return 0.0
-        if checkpointed and all(op in self._recomputed_layer_of(checkpointed) for op in keepers):
-            return 0.0
+        recomputed = self._recomputed_layer_of(checkpointed) if checkpointed else {}
+        kept_through = {reader for op, reader in keepers.items() if op not in recomputed}
         gathered = []
         for reader, position in readers:
+            if reader not in kept_through:
+                continue
             wanted = chosen[reader].inputs[position]
             if any(isinstance(a, Shard) and isinstance(b, Replicate) and size > 1
                    for a, b, size in zip(stored.outputs[0], wanted, self.mesh_shape)):
@@ -120,15 +122,25 @@ class MemoryPricing(StrategySettings):
         return total
 
     @functools.cached_property
-    def _parameter_uses(self) -> dict[str, tuple[list[tuple[str, int]], list[str]]]:
+    def _parameter_uses(self) -> dict[str, tuple[list[tuple[str, int]], dict[str, str]]]:
         """Parameter name -> ((reader, the argument position it reads it at),
-        the ops whose backward keeps it, through views too)."""
-        keepers = savers_of(self.graph, self.requires_grad)
-        out: dict[str, tuple[list[tuple[str, int]], list[str]]] = {}
-        for name, readers in self.graph.users().items():
-            if self.graph[name].kind == PARAM:
-                out[name] = ([(r, self.graph[r].args.index(name)) for r in readers],
-                             keepers.get(name, []))
+        {op whose backward keeps it: the reader it keeps it through}): an op
+        keeps a parameter through a chain of views, whose first is the reader."""
+        graph = self.graph
+        out: dict[str, tuple[list[tuple[str, int]], dict[str, str]]] = {}
+        for name, readers in graph.users().items():
+            if graph[name].kind == PARAM:
+                out[name] = ([(r, graph[r].args.index(name)) for r in readers], {})
+        for base, keepers in savers_of(graph, self.requires_grad).items():
+            if base not in out:
+                continue
+            for keeper in keepers:
+                for arg in graph[keeper].args:
+                    reader = keeper
+                    while arg != base and graph[arg].kind == OP and graph[arg].is_view and graph[arg].args:
+                        reader, arg = arg, graph[arg].args[0]
+                    if arg == base:
+                        out[base][1][keeper] = reader
         return out
 
     def _gathered(self, node: Node) -> bool:
@@ -204,7 +216,8 @@ class MemoryPricing(StrategySettings):
         the ops that ran before it. The backward runs the ops in the reverse of
         the forward's order; an op makes the gradient of a parameter it is the
         last reader of, and frees the saved tensors it is the first keeper of
-        (:func:`costmodel.saved_tensors.release_points`). At the loss it is the
+        (:func:`costmodel.saved_tensors.release_points`), the parameter copies
+        gathered for it too (:meth:`parameter_gathers`). At the loss it is the
         loss's transient; at a mixture-of-experts layer near the end of the model
         its experts' gradients, made at once while the earlier layers'
         activations are alive, can lift it far above that (DeepSeek-V3's MoE
@@ -241,6 +254,12 @@ class MemoryPricing(StrategySettings):
             # freed once the last op that reads it has run
             if copies[param]:
                 freed[op] = freed.get(op, 0.0) + copies[param]
+        if chosen is not None:  # the gathered copies, counted with the activations
+            released = release_points(self.graph, self.requires_grad)
+            for param in first_reader:
+                gathered = self.parameter_gathers(self.graph[param], chosen[param], chosen, checkpointed)
+                if gathered:
+                    freed[released[param]] = freed.get(released[param], 0.0) + gathered
         # under a mixed precision with whole parameters the step casts each
         # parameter before the forward, so autograd runs the casts' backward,
         # which makes the master gradients, after every other op (the lowest
