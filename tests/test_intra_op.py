@@ -149,7 +149,8 @@ def test_megatron_warm_start_and_time_limited_solve():
                                       batch_size=1)
     graph = trace(model, inputs)
     prepared = prepare_intra_op(graph, _a100(4), (4,))
-    hints = warm_starts(prepared)
+    hints = warm_starts(prepared.graph, prepared.mesh_shape, prepared.strategies,
+                        prepared.built.members, prepared.built.problem)
     problem, built = prepared.built.problem, prepared.built
     meg = {prepared.strategies[g[0]].node.fqn: prepared.strategies[g[0]].strategies[i].outputs[0]
            for g, i in zip(built.members, hints["megatron"])

@@ -385,7 +385,8 @@ class PreparedIntraOp:
     def hints(self) -> dict[str, list[int]]:
         """:func:`warm_starts` of this problem, made once: every budget and
         memory weight it is solved under starts from them."""
-        return warm_starts(self)
+        return warm_starts(self.graph, self.mesh_shape, self.strategies, self.built.members,
+                           self.built.problem)
 
 
 def prepare_intra_op(graph: Graph, cluster: Cluster, mesh_shape: Sequence[int], *,

@@ -4,7 +4,7 @@ choice of the best of them under a problem's memory budget."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Replicate
 
@@ -12,9 +12,6 @@ from ir.graph import INPUT, PARAM, Graph
 from ir.strategy import NodeStrategies, Placements
 from planner.ilp.solve import AssignmentProblem, greedy_assignment, warm_start_value
 from planner.megatron_layout import MegatronConfig, megatron_layout
-
-if TYPE_CHECKING:
-    from planner.ilp.intra_op import PreparedIntraOp
 
 __all__ = ["best_warm_start", "megatron_targets", "warm_starts"]
 
@@ -46,19 +43,21 @@ def megatron_targets(graph: Graph, mesh_shape: Sequence[int]) -> dict[str, list[
     return out
 
 
-def warm_starts(prepared: "PreparedIntraOp") -> dict[str, list[int]]:
-    """Candidate warm starts, one strategy index per problem variable (class):
+def warm_starts(graph: Graph, mesh_shape: Sequence[int], strategies: list[NodeStrategies],
+                members: list[list[int]], problem: AssignmentProblem) -> dict[str, list[int]]:
+    """Candidate warm starts of ``problem``, whose variable c is the class of
+    nodes ``members[c]`` (indices into ``strategies``), one strategy index per
+    variable:
 
     * ``replicate``: every node all-replicated where it can be;
     * ``megatron``: parameters and user inputs on :func:`megatron_targets`'s
       layout, every op then taking greedily (in program order) the strategy
       cheapest given what its producers took (:func:`planner.ilp.solve.greedy_assignment`).
     """
-    strategies, built = prepared.strategies, prepared.built
-    replicate = [_replicated_index(strategies[group[0]]) for group in built.members]
-    targets = megatron_targets(prepared.graph, prepared.mesh_shape)
+    replicate = [_replicated_index(strategies[group[0]]) for group in members]
+    targets = megatron_targets(graph, mesh_shape)
     allowed: list[list[int] | None] = []
-    for group in built.members:
+    for group in members:
         ns = strategies[group[0]]
         key = ns.node.fqn if ns.node.kind == PARAM else ns.node.name
         allowed.append(None)
@@ -68,7 +67,7 @@ def warm_starts(prepared: "PreparedIntraOp") -> dict[str, list[int]]:
                 if match:
                     allowed[-1] = match
                     break
-    return {"replicate": replicate, "megatron": greedy_assignment(built.problem, allowed)}
+    return {"replicate": replicate, "megatron": greedy_assignment(problem, allowed)}
 
 
 def best_warm_start(problem: AssignmentProblem, candidates: Mapping[str, list[int]]) -> str:
