@@ -3,6 +3,7 @@ eagerly, both run compiled: does the measured step agree with the switch?
 
     python -m benchmarks.compile_switch                  # llama-tiny on local-cpu:2
     python -m benchmarks.compile_switch --model gpt-tiny --ranks 2 --steps 10
+    python -m benchmarks.compile_switch --cluster local-cpu-2.json   # a profiled cluster
 
 Plans ``--model`` on ``local-cpu:RANKS`` twice (eager pricing, compiled
 pricing), runs each plan compiled (``training.launch.launch(compile=True)``,
@@ -49,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each plan")
+    ap.add_argument("--cluster", default=None,
+                    help="cluster the plans are priced on: a preset or a `planner profile` "
+                         "cluster file of RANKS devices (default local-cpu:RANKS)")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "compile_switch.json"))
     args = ap.parse_args(argv)
     load_before = load_average()
-    cluster = f"local-cpu:{args.ranks}"
+    cluster = args.cluster or f"local-cpu:{args.ranks}"
     model, inputs = build_model(args.model, device="meta", batch_size=args.batch_size)
     kw = dict(example_inputs=inputs, model_source=args.model,
               zoo_kwargs={"batch_size": args.batch_size})
