@@ -25,7 +25,7 @@ from typing import Callable, Mapping
 from costmodel.compute import FUSED_ATTENTION
 from ir.graph import OP, Graph, Node
 
-__all__ = ["SavedRule", "SAVED", "saved_outputs", "release_points", "extra_saved_bytes"]
+__all__ = ["SavedRule", "SAVED", "saved_outputs", "savers_of", "release_points", "extra_saved_bytes"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,17 @@ def saved_outputs(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
     for _, base, idx in _savers(graph, requires_grad):
         saved.setdefault(base, set()).add(idx)
     return {k: frozenset(v) for k, v in saved.items()}
+
+
+def savers_of(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
+              ) -> dict[str, list[str]]:
+    """Node name (a base of :func:`saved_outputs`) -> the ops whose backward
+    keeps it, in the forward's order."""
+    out: dict[str, list[str]] = {}
+    for saver, base, _ in _savers(graph, requires_grad):
+        if saver not in out.setdefault(base, []):
+            out[base].append(saver)
+    return out
 
 
 def release_points(graph: Graph, requires_grad: Callable[[str], bool] | set[str]

@@ -12,13 +12,14 @@ Units: bytes per device.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Mapping, Sequence
 
-from torch.distributed.tensor.placement_types import Replicate
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from costmodel.memory import backward_timeline_excess, step_copy_bytes, training_state_bytes
-from costmodel.saved_tensors import extra_saved_bytes, release_points
+from costmodel.saved_tensors import extra_saved_bytes, release_points, savers_of
 from costmodel.strategy_settings import StrategySettings
 from ir.graph import INPUT, OP, PARAM, Node
 from ir.strategy import Strategy, local_numel
@@ -74,6 +75,73 @@ class MemoryPricing(StrategySettings):
         micro-batch in flight (``activation_copies``)."""
         return float(sum(v * (self.activation_copies if k == "activations" else 1.0)
                          for k, v in self.memory_breakdown(node, s).items()))
+
+    def gathered_parameter_bytes(self, chosen: Mapping[str, Strategy],
+                                 checkpointed: Sequence[str] = ()) -> float:
+        """Bytes per device of the parameter copies the forward's redistributes
+        gather and the backward keeps, under the assignment ``chosen`` (node
+        name -> strategy): :meth:`parameter_gathers` of every parameter. An
+        edge term: it depends on a parameter's and its readers' strategies
+        both, which the ILP's per-node memory cannot see; the solver checks
+        its answer against it (:func:`planner.ilp.intra_op.solve_prepared`)."""
+        return float(sum(self.parameter_gathers(n, chosen[n.name], chosen, checkpointed)
+                         for n in self.graph.nodes if n.kind == PARAM))
+
+    def parameter_gathers(self, node: Node, stored: Strategy, chosen: Mapping[str, Strategy],
+                          checkpointed: Sequence[str] = ()) -> float:
+        """Bytes per device of parameter ``node``'s gathered copies, stored
+        under ``stored``, with its readers' strategies from ``chosen``.
+
+        An op that reads a parameter stored sharded on a mesh axis where it
+        takes it replicated (a weight DTensor shards over the data axis, read
+        whole by a batch-sharded matmul) gets a gathered copy, and when an
+        op's backward keeps the parameter (a matmul its weight, through views
+        too) it keeps that copy, from the forward to its backward, once per
+        micro-batch. Under a mixed precision the local compute-dtype cast it
+        was gathered from is then freed, and counted once less. None where
+        every op that keeps the parameter is in a ``checkpointed`` layer (the
+        recomputation gathers it again) or FSDP2 gathers the parameters
+        (:func:`costmodel.memory.training_state_bytes` counts those)."""
+        readers, keepers = self._parameter_uses.get(node.name, ((), {}))
+        if self.params_sharded:
+            return 0.0
+        recomputed = self._recomputed_layer_of(checkpointed) if checkpointed else {}
+        kept_through = {reader for op, reader in keepers.items() if op not in recomputed}
+        gathered = []
+        for reader, position in readers:
+            if reader not in kept_through:
+                continue
+            wanted = chosen[reader].inputs[position]
+            if any(isinstance(a, Shard) and isinstance(b, Replicate) and size > 1
+                   for a, b, size in zip(stored.outputs[0], wanted, self.mesh_shape)):
+                gathered.append(local_numel(node.output, wanted, self.mesh_shape)
+                                * self.precision.compute_dtype.itemsize)
+        total = float(sum(gathered))
+        if gathered and len(gathered) == len(readers) and self.precision.mixed:
+            total -= self.step_copy(node, stored)
+        return total
+
+    @functools.cached_property
+    def _parameter_uses(self) -> dict[str, tuple[list[tuple[str, int]], dict[str, str]]]:
+        """Parameter name -> ((reader, the argument position it reads it at),
+        {op whose backward keeps it: the reader it keeps it through}): an op
+        keeps a parameter through a chain of views, whose first is the reader."""
+        graph = self.graph
+        out: dict[str, tuple[list[tuple[str, int]], dict[str, str]]] = {}
+        for name, readers in graph.users().items():
+            if graph[name].kind == PARAM:
+                out[name] = ([(r, graph[r].args.index(name)) for r in readers], {})
+        for base, keepers in savers_of(graph, self.requires_grad).items():
+            if base not in out:
+                continue
+            for keeper in keepers:
+                for arg in graph[keeper].args:
+                    reader = keeper
+                    while arg != base and graph[arg].kind == OP and graph[arg].is_view and graph[arg].args:
+                        reader, arg = arg, graph[arg].args[0]
+                    if arg == base:
+                        out[base][1][keeper] = reader
+        return out
 
     def _gathered(self, node: Node) -> bool:
         """Whether parameter ``node``'s whole copy and gradient count toward the
@@ -148,7 +216,8 @@ class MemoryPricing(StrategySettings):
         the ops that ran before it. The backward runs the ops in the reverse of
         the forward's order; an op makes the gradient of a parameter it is the
         last reader of, and frees the saved tensors it is the first keeper of
-        (:func:`costmodel.saved_tensors.release_points`). At the loss it is the
+        (:func:`costmodel.saved_tensors.release_points`), the parameter copies
+        gathered for it too (:meth:`parameter_gathers`). At the loss it is the
         loss's transient; at a mixture-of-experts layer near the end of the model
         its experts' gradients, made at once while the earlier layers'
         activations are alive, can lift it far above that (DeepSeek-V3's MoE
@@ -185,6 +254,12 @@ class MemoryPricing(StrategySettings):
             # freed once the last op that reads it has run
             if copies[param]:
                 freed[op] = freed.get(op, 0.0) + copies[param]
+        if chosen is not None:  # the gathered copies, counted with the activations
+            released = release_points(self.graph, self.requires_grad)
+            for param in first_reader:
+                gathered = self.parameter_gathers(self.graph[param], chosen[param], chosen, checkpointed)
+                if gathered:
+                    freed[released[param]] = freed.get(released[param], 0.0) + gathered
         # under a mixed precision with whole parameters the step casts each
         # parameter before the forward, so autograd runs the casts' backward,
         # which makes the master gradients, after every other op (the lowest

@@ -6,7 +6,12 @@ strategies (:mod:`planner.ilp.strategies`) and their prices
 seconds of one training step (forward, backward and gradient
 synchronisation): a node's cost is its strategy's compute and collectives, an
 edge's cost the resharding of the producer's output placement into the
-consumer's input placement, forward and backward.
+consumer's input placement, forward and backward. Memory is a sum over nodes
+(bytes per device); the parameter copies a reader's redistribute gathers
+depend on an edge's two ends, so each answer is checked with them counted
+and, where they take it over the budget, solved again with them charged to
+the parameters' strategies (:func:`solve_prepared`); a memory-weighted solve
+(a layer profile's point) leaves them out.
 """
 
 from __future__ import annotations
@@ -465,16 +470,62 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     Raises:
         MemoryInfeasibleError: no assignment fits the budget.
     """
-    graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
-    cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
-    problem = dataclasses.replace(built.problem, memory_budget=memory_budget,
+    problem = dataclasses.replace(prepared.built.problem, memory_budget=memory_budget,
                                   memory_weight=memory_weight)
     groups = problem.checkpoint_groups
     if recompute is not None:
         problem = (_with_checkpointing(problem) if recompute
                    else dataclasses.replace(problem, checkpoint_groups=[]))
     if memory_budget is not None and least_memory(problem) > memory_budget:
-        raise MemoryInfeasibleError(least_memory(problem), memory_budget, mesh_shape)
+        raise MemoryInfeasibleError(least_memory(problem), memory_budget, prepared.mesh_shape)
+    result, held = _solved(prepared, problem, problem, groups, recompute, time_limit_s)
+    # the gathered parameter copies are an edge term the ILP's memory row leaves
+    # out: where they take the answer over the budget, solve again with each
+    # parameter's strategies charged the copies its readers' placements in the
+    # last answer would gather (the term linearised there)
+    for _ in range(_BUDGET_PASSES):
+        if memory_budget is None or held <= memory_budget:
+            return result
+        charged = _charge_gathers(prepared, problem, result)
+        if least_memory(charged) > memory_budget:
+            raise MemoryInfeasibleError(least_memory(charged), memory_budget, prepared.mesh_shape)
+        result, held = _solved(prepared, charged, problem, groups, recompute, time_limit_s)
+    if memory_budget is not None and held > memory_budget:
+        raise MemoryInfeasibleError(held, memory_budget, prepared.mesh_shape)
+    return result
+
+
+#: solves again with the gathered copies charged, at most
+_BUDGET_PASSES = 2
+
+
+def _charge_gathers(prepared: PreparedIntraOp, problem: AssignmentProblem,
+                    last: IntraOpResult) -> AssignmentProblem:
+    """``problem`` with every parameter strategy's memory charged the copies
+    its readers would gather under their strategies in ``last``
+    (:meth:`IntraOpCost.parameter_gathers`), per micro-batch in flight."""
+    cost, built = prepared.cost, prepared.built
+    node_memory = [list(m) for m in problem.node_memory]
+    for c, group in enumerate(built.members):
+        first = prepared.strategies[group[0]]
+        if first.node.kind != PARAM:
+            continue
+        for i in range(len(node_memory[c])):
+            node_memory[c][i] += prepared.activation_copies * sum(
+                cost.parameter_gathers(prepared.strategies[m].node, prepared.strategies[m].strategies[i],
+                                       last.chosen, last.checkpointed) for m in group)
+    return dataclasses.replace(problem, node_memory=node_memory)
+
+
+def _solved(prepared: PreparedIntraOp, problem: AssignmentProblem, counted: AssignmentProblem,
+            groups: list[CheckpointGroup], recompute: bool | None,
+            time_limit_s: float) -> tuple[IntraOpResult, float]:
+    """The solution of ``problem`` (:func:`solve_prepared`), and the bytes per
+    device it holds as the budget counts them (``counted``'s memory row, the
+    problem before any charge) with the gathered parameter copies
+    (:meth:`IntraOpCost.gathered_parameter_bytes`)."""
+    graph, mesh_shape, strategies = prepared.graph, prepared.mesh_shape, prepared.strategies
+    cost, built, activation_copies = prepared.cost, prepared.built, prepared.activation_copies
     hint: Hint = [0] * len(problem.node_costs)  # one assignment (e.g. re-pricing)
     if not all(len(c) == 1 for c in problem.node_costs):
         # made only where a MIP runs: the LP relaxation is integral on almost
@@ -516,5 +567,15 @@ def solve_prepared(prepared: PreparedIntraOp, *, memory_budget: float | None = N
     weighed = breakdown.total_s - (1.0 - cost.step_share) * once
     assert math.isclose(weighed, solution.objective_s, rel_tol=1e-6, abs_tol=1e-12), (
         breakdown, solution.objective_s, solution.status, checkpointed)
+    # a memory-weighted solve is a layer profile's point, which the search
+    # prices stages from; the stages it picks are solved again under their
+    # budget, where the copies count (the profiles re-price each other's
+    # assignments, so that copies FSDP2 would free do not steer its families)
+    gathered = (cost.gathered_parameter_bytes(chosen, checkpointed) * activation_copies
+                if problem.memory_weight == 0 else 0.0)
+    if gathered:
+        memory["activations"] = memory.get("activations", 0.0) + gathered
+    held = (counted.memory(solution.choice, solution.checkpoint) + gathered
+            if counted.memory_budget is not None and counted.node_memory is not None else 0.0)
     return IntraOpResult(graph, mesh_shape, strategies, chosen, solution, breakdown, time_limit_s,
-                         memory, checkpointed, cost.step_share)
+                         memory, checkpointed, cost.step_share), held
