@@ -249,17 +249,7 @@ class MemoryPricing(StrategySettings):
         # precision's cast, FSDP2's gathered parameters)
         copies = {param: self.step_copy(self.graph[param], strategy(self.graph[param]))
                   for param in first_reader}
-        freed: dict[str, float] = {}
-        for param, op in first_reader.items():
-            # freed once the last op that reads it has run
-            if copies[param]:
-                freed[op] = freed.get(op, 0.0) + copies[param]
-        if chosen is not None:  # the gathered copies, counted with the activations
-            released = release_points(self.graph, self.requires_grad)
-            for param in first_reader:
-                gathered = self.parameter_gathers(self.graph[param], chosen[param], chosen, checkpointed)
-                if gathered:
-                    freed[released[param]] = freed.get(released[param], 0.0) + gathered
+        freed = self._copies_freed(first_reader, copies, chosen, checkpointed)
         # under a mixed precision with whole parameters the step casts each
         # parameter before the forward, so autograd runs the casts' backward,
         # which makes the master gradients, after every other op (the lowest
@@ -292,6 +282,26 @@ class MemoryPricing(StrategySettings):
         # each cast's backward makes the master gradient while the copy's is alive
         steps += [(master - copy, copy, 0.0) for master, copy in reversed(converted)]
         return backward_timeline_excess(steps)
+
+    def _copies_freed(self, first_reader: Mapping[str, str], copies: Mapping[str, float],
+                      chosen: Mapping[str, Strategy] | None,
+                      checkpointed: Sequence[str]) -> dict[str, float]:
+        """Op -> bytes of parameter copies its backward frees (see
+        :meth:`backward_excess`): a compute-dtype copy once the last op that
+        reads it has run (its first reader in the forward), the copies
+        gathered for its readers (counted with the activations) once its
+        first keeper has."""
+        freed: dict[str, float] = {}
+        for param, op in first_reader.items():
+            if copies[param]:
+                freed[op] = freed.get(op, 0.0) + copies[param]
+        if chosen is not None:
+            released = release_points(self.graph, self.requires_grad)
+            for param in first_reader:
+                gathered = self.parameter_gathers(self.graph[param], chosen[param], chosen, checkpointed)
+                if gathered:
+                    freed[released[param]] = freed.get(released[param], 0.0) + gathered
+        return freed
 
     def _recomputed_layer_of(self, checkpointed: Sequence[str]) -> dict[str, str]:
         """Op name -> the name of the ``checkpointed`` layer it belongs to."""
