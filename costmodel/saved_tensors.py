@@ -182,10 +182,7 @@ def release_points(graph: Graph, requires_grad: Callable[[str], bool] | set[str]
     drops a node's saved tensors once the node has run (no ``retain_graph``),
     and the backward runs the ops in the reverse of the forward's order, so a
     tensor that several ops keep lives until the earliest of them has run."""
-    out: dict[str, str] = {}
-    for saver, base, _ in _savers(graph, requires_grad):
-        out.setdefault(base, saver)
-    return out
+    return {base: keepers[0] for base, keepers in savers_of(graph, requires_grad).items()}
 
 
 def extra_saved_bytes(node: Node) -> float:
