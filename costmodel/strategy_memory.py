@@ -84,7 +84,8 @@ class MemoryPricing(StrategySettings):
         edge term: it depends on a parameter's and its readers' strategies
         both, which the ILP's per-node memory cannot see; the solver checks
         its answer against it (:func:`planner.ilp.intra_op.solve_prepared`)."""
-        return float(sum(self.parameter_gathers(n, chosen[n.name], chosen, checkpointed)
+        recomputed = self._recomputed_layer_of(checkpointed)
+        return float(sum(self._gathered_copies(n, chosen[n.name], chosen, recomputed)
                          for n in self.graph.nodes if n.kind == PARAM))
 
     def parameter_gathers(self, node: Node, stored: Strategy, chosen: Mapping[str, Strategy],
@@ -102,10 +103,15 @@ class MemoryPricing(StrategySettings):
         every op that keeps the parameter is in a ``checkpointed`` layer (the
         recomputation gathers it again) or FSDP2 gathers the parameters
         (:func:`costmodel.memory.training_state_bytes` counts those)."""
-        readers, keepers = self._parameter_uses.get(node.name, ((), {}))
+        return self._gathered_copies(node, stored, chosen, self._recomputed_layer_of(checkpointed))
+
+    def _gathered_copies(self, node: Node, stored: Strategy, chosen: Mapping[str, Strategy],
+                         recomputed: Mapping[str, str]) -> float:
+        """:meth:`parameter_gathers`, the recomputed ops given (op -> its
+        checkpointed layer, :meth:`_recomputed_layer_of`)."""
         if self.params_sharded:
             return 0.0
-        recomputed = self._recomputed_layer_of(checkpointed) if checkpointed else {}
+        readers, keepers = self._parameter_uses.get(node.name, ((), {}))
         kept_through = {reader for op, reader in keepers.items() if op not in recomputed}
         gathered = []
         for reader, position in readers:
@@ -249,7 +255,9 @@ class MemoryPricing(StrategySettings):
         # precision's cast, FSDP2's gathered parameters)
         copies = {param: self.step_copy(self.graph[param], strategy(self.graph[param]))
                   for param in first_reader}
-        freed = self._copies_freed(first_reader, copies, chosen, checkpointed)
+        layer_of = self._recomputed_layer_of(checkpointed)
+        released = release_points(self.graph, self.requires_grad)
+        freed = self._copies_freed(first_reader, copies, chosen, layer_of, released)
         # under a mixed precision with whole parameters the step casts each
         # parameter before the forward, so autograd runs the casts' backward,
         # which makes the master gradients, after every other op (the lowest
@@ -263,10 +271,9 @@ class MemoryPricing(StrategySettings):
             made[op] = made.get(op, 0.0) + (copy or master)
             if copy:
                 converted.append((master, copy))
-        layer_of = self._recomputed_layer_of(checkpointed)
         entry = {layer_of[n.name]: n.name for n in ops if n.name in layer_of}  # its last op
         remade: dict[str, float] = {}
-        for base, op in release_points(self.graph, self.requires_grad).items():
+        for base, op in released.items():
             node = self.graph[base]
             if node.kind != OP:
                 continue
@@ -284,21 +291,21 @@ class MemoryPricing(StrategySettings):
         return backward_timeline_excess(steps)
 
     def _copies_freed(self, first_reader: Mapping[str, str], copies: Mapping[str, float],
-                      chosen: Mapping[str, Strategy] | None,
-                      checkpointed: Sequence[str]) -> dict[str, float]:
+                      chosen: Mapping[str, Strategy] | None, recomputed: Mapping[str, str],
+                      released: Mapping[str, str]) -> dict[str, float]:
         """Op -> bytes of parameter copies its backward frees (see
         :meth:`backward_excess`): a compute-dtype copy once the last op that
         reads it has run (its first reader in the forward), the copies
         gathered for its readers (counted with the activations) once its
-        first keeper has."""
+        first keeper (``released``) has; ``recomputed`` as
+        :meth:`_recomputed_layer_of` gives it."""
         freed: dict[str, float] = {}
         for param, op in first_reader.items():
             if copies[param]:
                 freed[op] = freed.get(op, 0.0) + copies[param]
         if chosen is not None:
-            released = release_points(self.graph, self.requires_grad)
             for param in first_reader:
-                gathered = self.parameter_gathers(self.graph[param], chosen[param], chosen, checkpointed)
+                gathered = self._gathered_copies(self.graph[param], chosen[param], chosen, recomputed)
                 if gathered:
                     freed[released[param]] = freed.get(released[param], 0.0) + gathered
         return freed
