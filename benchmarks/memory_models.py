@@ -135,9 +135,11 @@ def _cpu_takes_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
 
 
 def _efficient_instead(fake_mode: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attn_mask: torch.Tensor | None, dropout_p: float, is_causal: bool,
-                       scale: float | None, enable_gqa: bool) -> torch.Tensor | None:
-    """CUDA's memory-efficient attention of these arguments where the CPU would
+                       attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                       is_causal: bool = False, scale: float | None = None,
+                       enable_gqa: bool = False) -> torch.Tensor | None:
+    """For SDPA's arguments (its signature after ``fake_mode``): CUDA's
+    memory-efficient attention of them where the CPU would
     take the math path for them (see :func:`_target_attention`), else None.
     Tensors of another fake mode than the measured model's ``fake_mode`` (the
     probes a capture runs under its own, whose program must keep the planned
@@ -172,60 +174,50 @@ def _target_attention(fake_mode: Any, runtime: bool) -> Iterator[None]:
     log-sum-exp. Shapes the CPU runs fused are left alone (CPU's flash kernel
     saves what CUDA's does).
 
-    Replaced for the duration where attention is called:
-    ``F.scaled_dot_product_attention`` (the model's forward: the plain loop),
-    and with ``runtime`` also a call of the captured op
+    Replaced for the duration where attention is called: the model's
+    ``F.scaled_dot_product_attention`` (the plain loop; a capture meanwhile),
+    or with ``runtime`` a call of the captured op
     ``aten.scaled_dot_product_attention`` (the executor's node runner, which
-    runs the plan's program: enter it once the runtime is built, as a capture
-    calls ops through the same method). Replaced, not hooked through a mode,
-    so that a checkpointed layer's recomputation (run by the autograd engine)
-    calls the same kernel."""
+    runs the plan's program: enter it, inside the first, once the runtime is
+    built, as a capture calls ops through the same method). Replaced, not
+    hooked through a mode, so that a checkpointed layer's recomputation (run
+    by the autograd engine) calls the same kernel."""
     import torch.nn.functional as F
 
     from ir.torch_compat import SDPA, OpOverload
 
+    if runtime:
+        original_call = OpOverload.__call__
+
+        def call(op: Any, /, *args: Any, **kwargs: Any) -> Any:
+            out = _efficient_instead(fake_mode, *args, **kwargs) if op is SDPA else None
+            return original_call(op, *args, **kwargs) if out is None else out
+
+        OpOverload.__call__ = call
+        try:
+            yield
+        finally:
+            OpOverload.__call__ = original_call
+        return
     original = F.scaled_dot_product_attention
-    original_call = OpOverload.__call__
 
-    def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-             is_causal: bool = False, scale: float | None = None,
-             enable_gqa: bool = False) -> torch.Tensor:
-        out = _efficient_instead(fake_mode, query, key, value, attn_mask, dropout_p, is_causal,
-                                 scale, enable_gqa)
-        if out is not None:
-            return out
-        return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
-
-    def call(op: Any, /, *args: Any, **kwargs: Any) -> Any:
-        if op is SDPA:
-            named = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), args))
-            named.update(kwargs)
-            out = _efficient_instead(fake_mode, named["query"], named["key"], named["value"],
-                                     named.get("attn_mask"), named.get("dropout_p", 0.0),
-                                     named.get("is_causal", False), named.get("scale"),
-                                     named.get("enable_gqa", False))
-            if out is not None:
-                return out
-        return original_call(op, *args, **kwargs)
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = _efficient_instead(fake_mode, *args, **kwargs)
+        return original(*args, **kwargs) if out is None else out
 
     F.scaled_dot_product_attention = sdpa
-    if runtime:
-        OpOverload.__call__ = call
     try:
         yield
     finally:
         F.scaled_dot_product_attention = original
-        OpOverload.__call__ = original_call
 
 
 @contextlib.contextmanager
 def attention_kernel(kind: str, fake_mode: Any = None, runtime: bool = False) -> Iterator[None]:
     """``default``: the kernel SDPA picks (for a fake model, ``fake_mode`` its
     FakeTensorMode, the target GPU's where the CPU would take the math path:
-    :func:`_target_attention`, also in a built runtime's calls with
-    ``runtime``); ``math``: the math kernel forced."""
+    :func:`_target_attention`, in a built runtime's calls with ``runtime``);
+    ``math``: the math kernel forced."""
     if kind == "default":
         with (_target_attention(fake_mode, runtime) if fake_mode is not None
               else contextlib.nullcontext()):
