@@ -43,11 +43,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from codegen.plan_model import loss_of
-from codegen.rank_process import (ensure_process_group, release_freed_memory,
-                                   return_freed_host_memory)
+from codegen.rank_process import ensure_process_group, release_freed_memory
 from codegen.runnable import unrunnable_reason
 from codegen.step_phases import backward_tracer, during
 from codegen.zero1 import StateShards
+from costmodel.host_allocator import keep_freed_host_memory
 from plan.format import Plan, load_plan
 from ir.torch_compat import outside_fake_mode
 
@@ -558,7 +558,7 @@ def parallelize(plan: Plan | str | os.PathLike, model: nn.Module | None = None,
         raise ValueError(f"this plan cannot run: {reason}")
     device = ensure_process_group(plan)
     if device.type == "cpu":
-        return_freed_host_memory()
+        keep_freed_host_memory()
     materialize = None
     if model is None:
         model, example_inputs, materialize = _build_on_meta(plan, device, init)

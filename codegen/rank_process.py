@@ -3,8 +3,9 @@
 :func:`runtime_device` says where a plan's rank trains (gloo on the CPU, NCCL on
 a GPU); :func:`ensure_process_group` starts the default process group from
 torchrun's environment (:func:`codegen.parallel_model.parallelize` calls it);
-:func:`resident_bytes`, :func:`peak_memory`, :func:`release_freed_memory` and
-:func:`return_freed_host_memory` measure and return this process's memory.
+:func:`resident_bytes`, :func:`peak_memory` and :func:`release_freed_memory`
+measure and return this process's memory (how a CPU rank's allocator reuses
+it: :mod:`costmodel.host_allocator`).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from codegen.capture import PlanMismatchError
+from costmodel.host_allocator import glibc
 
 __all__ = ["ensure_process_group", "peak_memory", "release_freed_memory", "resident_bytes",
-           "return_freed_host_memory", "runtime_device"]
+           "runtime_device"]
+
 
 def runtime_device(cluster: dict[str, Any], local_rank: int) -> tuple[str, torch.device]:
     """The process-group backend and the device this rank trains on, as the
@@ -88,43 +91,13 @@ def _restart_store() -> dict[str, Any]:
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
-#: Host allocations of at least this many bytes get a mapping of their own (CPU ranks).
-_OWN_MAPPING_BYTES = 1 << 20
-#: glibc's mallopt parameter for that threshold
-_M_MMAP_THRESHOLD = -3
-
-
-def _libc() -> Any:
-    """The C library, where it is glibc (``malloc_trim`` and ``mallopt``), else None."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-def return_freed_host_memory() -> None:
-    """Make this CPU rank give freed tensors back to the system: glibc maps
-    every allocation of 1 MiB or more on its own (its default threshold grows
-    to 32 MiB and the heap keeps what is freed below it, 0.3-1 GiB a rank of a
-    1.3B model). So a rank's resident set follows its live tensors, as CUDA's
-    peak allocation does. Nothing where the C library is not glibc."""
-    libc = _libc()
-    if libc is not None:
-        libc.mallopt(_M_MMAP_THRESHOLD, _OWN_MAPPING_BYTES)
-
-
 def release_freed_memory(device: torch.device) -> None:
     """Give memory that was freed back to the system: on CPU ranks glibc's
     heap (``malloc_trim``), on CUDA the caching allocator's unused blocks."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         return
-    libc = _libc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 

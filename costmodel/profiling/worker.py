@@ -61,6 +61,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from costmodel.host_allocator import keep_freed_host_memory
+
 __all__ = ["run_worker", "count_steps", "COLLECTIVE_KINDS"]
 
 #: Collectives measured, in this order (names as in costmodel.collectives).
@@ -329,13 +331,16 @@ class _Rank:
 
 
 def _join(rank: int, world: int, spec: dict[str, Any]) -> _Rank:
-    """Set this rank's threads and device (TF32 off on GPU) and, with more
-    than one rank, join the process group at ``spec["init_method"]``."""
+    """Set this rank's threads, device (TF32 off on GPU) and host allocator
+    (:mod:`costmodel.host_allocator`) and, with more than one rank, join the
+    process group at ``spec["init_method"]``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(int(spec.get("threads", 1)))
     cuda = spec["device"] == "cuda"
+    if not cuda:  # the allocator a plan's CPU ranks run under
+        keep_freed_host_memory()
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
