@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 from costmodel.cluster import Cluster
 from costmodel.schedules.specs import schedule_spec
+from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT
 from ir.placements import placement_strs
 from planner.search.stage_dp import PipelineCandidate, StageTimes
@@ -19,9 +20,10 @@ from planner.ilp.solve import InfeasibleError
 from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError
 from planner.search.microbatch_programs import MicrobatchProgram
 from planner.search.pipeline_search import accumulates, p2p_seconds, simulate_step, stage_in_flight
-from plan.format import PipelinePlan, Plan, SolverReport, StagePlan
+from plan.format import PipelinePlan, Plan, SolverReport, StagePlan, training_precision
 from planner.search.context import SearchContext
 from planner.search.phase_runner import Phase, PhaseTask
+from planner.search.plan_assembly import whole_batch_peak
 
 
 @dataclass
@@ -209,6 +211,26 @@ def split_far_finalists(finalists: Sequence[PipelineCandidate],
     return [c for c in finalists if close(c)], [c for c in finalists if not close(c)]
 
 
+def runs_whole_batch(cand: PipelineCandidate) -> bool:
+    """Whether ``cand`` is one stage that runs the whole batch in one pass,
+    with its gradients whole (ZeRO 0 or 1): they then appear only as the
+    activations go, and its peak is a single step's
+    (:func:`planner.search.plan_assembly.whole_batch_peak`) rather than the
+    sum of its parts."""
+    return cand.pp == 1 and cand.num_microbatches == 1 and cand.mesh.zero_stage <= 1
+
+
+def set_whole_batch_peaks(results: Sequence[IntraOpResult], parts: Sequence[Plan],
+                          cluster: Cluster, zero_stage: int) -> None:
+    """Set each part's predicted peak to its whole-batch step's, its
+    optimizer's states sharded as ZeRO stage ``zero_stage`` shards them."""
+    for r, part in zip(results, parts):
+        cost = IntraOpCost(r.graph, cluster, r.mesh_shape, training_precision(part.training),
+                           part.training.get("optimizer", "adam"), zero_stage=zero_stage)
+        memory = part.predicted["memory_bytes_per_device"]
+        memory["peak"] = int(round(whole_batch_peak(r, cost, part.training)))
+
+
 def assemble(exact: ExactPipeline, ctx: SearchContext,
              base_plan: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
     """One Plan from the exactly solved stages (placements merged by node name)."""
@@ -219,6 +241,8 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
     s2r = schedule_spec(cand.schedule).stage_to_rank(cand.pp, cand.stages_per_rank)
     stage_cluster = cand.mesh.cluster(ctx.settings.cluster)
     parts = [base_plan(r, stage_cluster) for r in exact.results]
+    if runs_whole_batch(cand):
+        set_whole_batch_peaks(exact.results, parts, stage_cluster, cand.mesh.zero_stage)
     stages: list[StagePlan] = []
     for s, (r, part) in enumerate(zip(exact.results, parts)):
         a, b = exact.bounds[s]

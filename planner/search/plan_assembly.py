@@ -23,7 +23,7 @@ from planner.ilp.intra_op import IntraOpResult
 from plan.format import (ModelRecord, OpPlacement, Plan, Reshard, SolverReport,
                                  TrainingRecord, training_precision)
 
-__all__ = ["build_plan", "model_record", "training_record"]
+__all__ = ["build_plan", "model_record", "training_record", "whole_batch_peak"]
 
 
 def _memory_report(memory: dict[str, float], peak: float | None = None) -> dict[str, int]:
@@ -54,6 +54,18 @@ def training_record(precision: str | Precision, optimizer: str, example_inputs: 
             "input_shapes": [list(t.shape) if isinstance(t, torch.Tensor) else None
                              for t in example_inputs],
             "zoo_kwargs": dict(sorted((zoo_kwargs or {}).items())), **extra}
+
+
+def whole_batch_peak(result: IntraOpResult, cost: IntraOpCost, training: TrainingRecord) -> float:
+    """Predicted peak bytes per device of a step that runs ``result``'s
+    program on the whole batch at once, without ZeRO
+    (:func:`costmodel.memory.step_peak_bytes`: activations and gradients peak
+    apart, the backward's timeline); ``cost`` prices ``result``'s mesh."""
+    graph, chosen = result.graph, result.chosen
+    return step_peak_bytes(
+        result.memory, training.get("optimizer", "adam"),
+        step_copy=sum(cost.step_copy(n, chosen[n.name]) for n in graph.nodes if n.kind == PARAM),
+        backward_excess=cost.backward_excess(chosen, result.checkpointed))
 
 
 def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
@@ -98,12 +110,7 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
         **({"host_s": host_s} if host_s > 0 else {}),
         **({"compiled_call_s": call_s} if call_s > 0 else {}),
         "memory_bytes_per_device": _memory_report(
-            result.memory, step_peak_bytes(
-                result.memory, training.get("optimizer", "adam"),
-                step_copy=sum(cost.step_copy(n, chosen[n.name])
-                              for n in graph.nodes if n.kind == PARAM),
-                backward_excess=cost.backward_excess(chosen, result.checkpointed))
-            if whole_batch else None),
+            result.memory, whole_batch_peak(result, cost, training) if whole_batch else None),
     }
     return Plan(
         model=model_info, cluster=cluster.to_dict(),

@@ -33,8 +33,8 @@ from planner.search.context import SearchContext
 from planner.search.cp_search import (CP_MIN_SEQ, context_parallel_inputs,
                                       context_parallel_record, context_parallel_seconds,
                                       cp_link, kv_buffer_bound, search_sizes, sequence_length)
-from planner.search.finalists import (ExactPipeline, assemble, fastest, solve_exact,
-                                      solve_finalists, split_far_finalists)
+from planner.search.finalists import (ExactPipeline, assemble, fastest, set_whole_batch_peaks,
+                                      solve_exact, solve_finalists, split_far_finalists)
 from planner.search.forked_workers import can_fork, run_beside
 from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             accumulates, refine, search, simulate_step,
@@ -249,7 +249,9 @@ def _assembled(winner: ExactPipeline, ctx: SearchContext,
                build: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
     """The Plan of an exactly solved candidate (a single stage's, or a pipeline's)."""
     if winner.candidate.schedule == NO_PIPELINE:
-        return build(winner.results[0], ctx.settings.cluster)
+        plan = build(winner.results[0], ctx.settings.cluster)
+        set_whole_batch_peaks(winner.results, [plan], ctx.settings.cluster, 0)
+        return plan
     return assemble(winner, ctx, build)
 
 
