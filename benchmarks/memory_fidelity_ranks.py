@@ -5,7 +5,8 @@ A small model (default ``llama-4x256`` in bf16-mixed) under four plans on
 of 2 ranks, ZeRO-3 over 4 ranks, context parallelism of 2), each run by
 torchrun (gloo, 4 CPU ranks); on every rank the 2nd step of
 ``parallelize(plan)`` counted by :class:`benchmarks.live_storages.LiveStorages`,
-against the plan's predicted peak per device. Units: bytes (MB = 1e6 bytes).
+against the rank's predicted peak (:func:`rank_predicted_peak`: the ranks of a
+pipeline run different stages). Units: bytes (MB = 1e6 bytes).
 
 ``python -m benchmarks.memory_fidelity_ranks PLAN OUT`` is one rank of a run
 (started by torchrun); the table is ``python benchmarks/memory_fidelity.py --ranks``.
@@ -28,7 +29,7 @@ from benchmarks.live_storages import LiveStorages
 from benchmarks.memory_models import MODELS, build, model_source
 
 __all__ = ["RANK_PLANS", "RANK_WORLD", "make_rank_plan", "mb", "one_line", "ranks_main",
-           "rank_worker", "run_rank_plan"]
+           "rank_predicted_peak", "rank_worker", "run_rank_plan"]
 
 #: predicted / measured within [1 - UNDER, 1 + TOLERANCE]
 TOLERANCE = 0.05
@@ -169,11 +170,27 @@ def run_rank_plan(kind: str, name: str, precision: str, time_limit_s: float,
             return row
         with open(out) as f:
             ranks = json.load(f)
-    peak = memory.get("peak")
     for r in ranks:
+        r["predicted_peak_bytes"] = peak = rank_predicted_peak(plan, r["rank"])
         r["ratio"] = peak / r["peak_bytes"] if peak and r["peak_bytes"] else None
     row["ranks"] = ranks
     return row
+
+
+def rank_predicted_peak(plan: Any, rank: int) -> int | None:
+    """The predicted peak bytes of ``rank``: the plan's peak per device, or in a
+    pipeline of several ranks the summed peaks of the stages that ``rank``
+    runs (plan.json's ``pipeline.stages[*].predicted``), plus what the plan
+    adds to every rank beyond its stages (a context-parallel exchange's
+    buffers)."""
+    peak = plan.predicted.get("memory_bytes_per_device", {}).get("peak")
+    if peak is None or plan.pipeline is None or plan.pipeline.pp == 1:
+        return peak
+    by_rank: dict[int, int] = {}
+    for st in plan.pipeline.stages:
+        for r in st.ranks:
+            by_rank[r] = by_rank.get(r, 0) + int(st.predicted["memory_bytes_per_device"]["peak"])
+    return by_rank[rank] + max(0, int(peak) - max(by_rank.values()))
 
 
 def print_rank_table(rows: list[dict[str, Any]]) -> None:
@@ -189,7 +206,7 @@ def print_rank_table(rows: list[dict[str, Any]]) -> None:
         for r in row["ranks"]:
             ratio = f"{r['ratio']:.3f}" if r.get("ratio") else "-"
             print(f"{row['plan']:<9} {mesh:<7} {r['rank']:>4} "
-                  f"{mb(row['predicted'].get('peak')):>9} {mb(r['before_step_bytes']):>10} "
+                  f"{mb(r.get('predicted_peak_bytes')):>9} {mb(r['before_step_bytes']):>10} "
                   f"{mb(r['peak_bytes']):>9} {ratio:>6}")
 
 
@@ -210,7 +227,9 @@ def ranks_main(args: argparse.Namespace) -> int:
     result = {
         "benchmark": "memory_fidelity_ranks",
         "definition": (f"predicted = plan.predicted['memory_bytes_per_device']['peak'] of each "
-                       f"plan on local-cpu:{RANK_WORLD}; measured = on every rank (torchrun, "
+                       f"plan on local-cpu:{RANK_WORLD} (in a pipeline the summed peaks of the "
+                       "rank's stages, pipeline.stages[*].predicted, plus what the plan adds "
+                       "to every rank); measured = on every rank (torchrun, "
                        f"gloo, {RANK_WORLD} CPU ranks) the peak of the 2nd step of "
                        "parallelize(plan) (model built on meta by the runtime; "
                        "ParallelModel.step, AdamW foreach step, zero_grad), every tensor "
