@@ -70,6 +70,7 @@ __all__ = [
     "OPTIMIZER_ACCESSES",
     "OPTIMIZER_STATES",
     "backward_timeline_excess",
+    "optimizer_step_bytes",
     "step_copy_bytes",
     "step_peak_bytes",
     "training_state_bytes",
@@ -228,13 +229,6 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
     gradients, many GB at once, while nearly every activation is still alive.
     None: the start alone (the largest transient).
     """
-    states = OPTIMIZER_STATES.get(optimizer, 0)
-    if not states:
-        step_temporaries = 0.0
-    elif state_bytes is not None:
-        step_temporaries = float(state_bytes)
-    else:
-        step_temporaries = parts.get("optimizer", 0.0) / states
     # the loss's transient comes first; a checkpointed layer is recomputed after
     # it; the backward's timeline, where given, holds each op's transient less
     # the activations freed before it runs, so the largest transient alone
@@ -243,9 +237,27 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
                  else backward_excess)
     backward_start = parts.get("activations", 0.0) + max(transient,
                                                          parts.get("recomputed_layer", 0.0))
-    optimizer_step = parts.get("grads", 0.0) + step_temporaries - step_copy
+    optimizer_step = optimizer_step_bytes(parts, optimizer, state_bytes=state_bytes,
+                                          step_copy=step_copy)
     return parts.get("params", 0.0) + parts.get("optimizer", 0.0) + max(backward_start,
                                                                         optimizer_step)
+
+
+def optimizer_step_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
+                         state_bytes: float | None = None, step_copy: float = 0.0) -> float:
+    """Bytes alive at the optimizer step beyond the parameters and optimizer
+    states (bytes by kind, as :func:`step_peak_bytes` takes them): every
+    gradient and the foreach optimizer's temporaries (one list of a state's
+    size: ``state_bytes``, by default the ``optimizer`` part over its
+    states), less the compute-dtype copy the step has freed (``step_copy``)."""
+    states = OPTIMIZER_STATES.get(optimizer, 0)
+    if not states:
+        step_temporaries = 0.0
+    elif state_bytes is not None:
+        step_temporaries = float(state_bytes)
+    else:
+        step_temporaries = parts.get("optimizer", 0.0) / states
+    return parts.get("grads", 0.0) + step_temporaries - step_copy
 
 
 def backward_timeline_excess(steps: "Iterable[tuple[float, ...]]") -> float:

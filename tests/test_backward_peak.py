@@ -152,3 +152,27 @@ def test_a_dense_step_peak_counts_transients_on_the_timeline(route):
     whole_start = memory["params"] + memory["optimizer"] + memory["activations"] + memory[
         "backward_transient"]
     assert whole_start / measured["peak_bytes"] > 1.05  # the old count's overshoot
+
+
+def test_rank_step_peaks_by_hand():
+    """A schedule's per-rank peak (costmodel.schedules.peaks.rank_step_peaks):
+    activations added at each F, a stage's gradients whole after its first
+    backward, the optimizer step's bytes where they are larger."""
+    from costmodel.schedules.peaks import StageBytes, rank_step_peaks
+
+    def op(kind, stage, mb):
+        return (kind, stage, mb, None)
+
+    orders = {0: [op("F", 0, 0), op("F", 0, 1), op("B", 0, 0), op("B", 0, 1)],
+              1: [op("F", 1, 0), op("B", 1, 0), op("F", 1, 1), op("B", 1, 1)],
+              2: [op("F", 2, 0), op("F", 2, 1), op("I", 2, 0), op("W", 2, 0),
+                  op("I", 2, 1), op("W", 2, 1)]}
+    first = StageBytes(held=10, activation=3, grads=4, first_backward=1, later_backward=2,
+                       update=5)
+    # rank 0: two micro-batches alive (6), the first backward's 1 on top (7), then one
+    # alive beside the whole gradients and a later backward's 2: 3 + 4 + 2 = 9
+    # rank 1: one at a time: 3 + 4 + 2 = 9 again, but its optimizer step holds 20
+    # rank 2: split backward: the I holds later_backward (6 + 2), the first W 6 + 1,
+    # the second I 3 + 4 + 2
+    stages = {0: first, 1: first._replace(update=20), 2: first}
+    assert rank_step_peaks(orders, 3, stages) == [19, 30, 19]

@@ -13,11 +13,12 @@ count into peak bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from costmodel.schedules.types import ScheduleOp
 
-__all__ = ["live_activation_peaks", "stage_counts_at_peak"]
+__all__ = ["StageBytes", "live_activation_peaks", "rank_step_peaks", "stage_counts_at_peak"]
 
 
 def live_activation_peaks(orders: dict[int, Sequence[ScheduleOp]], pp: int,
@@ -81,3 +82,58 @@ def stage_counts_at_peak(orders: dict[int, Sequence[ScheduleOp]], pp: int,
         for stage in alive:
             counts[stage] = at_peak.get(stage, 0)
     return counts
+
+
+class StageBytes(NamedTuple):
+    """One stage's memory per device for :func:`rank_step_peaks`, in bytes.
+
+    ``held``: alive throughout (parameters, optimizer states). ``activation``:
+    one micro-batch's saved activations. ``grads``: the stage's gradients,
+    alive from its first backward on (set to None after each step).
+    ``first_backward``: the most its first backward holds beyond the
+    activations alive (the gradients made so far, an op's transient, less
+    what it has freed: ``IntraOpCost.backward_excess``). ``later_backward``:
+    the same in a later backward, its gradients already whole. ``update``:
+    beyond ``held`` at the optimizer step (``costmodel.memory.optimizer_step_bytes``).
+    """
+
+    held: float
+    activation: float
+    grads: float
+    first_backward: float
+    later_backward: float
+    update: float
+
+
+def rank_step_peaks(orders: dict[int, Sequence[ScheduleOp]], pp: int,
+                    stages: Mapping[int, StageBytes]) -> list[float]:
+    """Peak bytes of each rank ``0..pp-1`` over one step in torch's order:
+    its stages' ``held`` bytes, plus the most of (the activations alive and
+    the gradients made, at each action: an F adds a micro-batch's
+    activations; a B, or the W of a split backward, holds its
+    ``first_backward`` or ``later_backward`` bytes on top, then frees the
+    micro-batch's activations and leaves the stage's gradients whole; an I
+    holds ``later_backward``) and the optimizer step (their ``update``)."""
+    peaks: list[float] = []
+    for r in range(pp):
+        alive = made = peak = 0.0
+        done: set[int] = set()
+        for op in orders[r]:
+            kind, stage = op[0], op[1]
+            b = stages[stage]
+            if kind == "F":
+                alive += b.activation
+                peak = max(peak, alive + made)
+            elif kind == "I":
+                peak = max(peak, alive + made + b.later_backward)
+            elif kind in ("B", "W"):
+                first = stage not in done
+                peak = max(peak, alive + made + (b.first_backward if first else b.later_backward))
+                alive -= b.activation
+                if first:
+                    made += b.grads
+                    done.add(stage)
+        mine = {op[1] for op in orders[r]}
+        update = sum(stages[s].update for s in mine)
+        peaks.append(sum(stages[s].held for s in mine) + max(peak, update))
+    return peaks

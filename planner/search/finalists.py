@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from costmodel.cluster import Cluster
+from costmodel.memory import optimizer_step_bytes
+from costmodel.schedules.book import ScheduleBook, rank_orders
+from costmodel.schedules.peaks import StageBytes, rank_step_peaks
 from costmodel.schedules.specs import schedule_spec
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT
@@ -23,7 +26,7 @@ from planner.search.pipeline_search import accumulates, p2p_seconds, simulate_st
 from plan.format import PipelinePlan, Plan, SolverReport, StagePlan, training_precision
 from planner.search.context import SearchContext
 from planner.search.phase_runner import Phase, PhaseTask
-from planner.search.plan_assembly import whole_batch_peak
+from planner.search.plan_assembly import step_copy_of, whole_batch_peak
 
 
 @dataclass
@@ -225,10 +228,59 @@ def set_whole_batch_peaks(results: Sequence[IntraOpResult], parts: Sequence[Plan
     """Set each part's predicted peak to its whole-batch step's, its
     optimizer's states sharded as ZeRO stage ``zero_stage`` shards them."""
     for r, part in zip(results, parts):
-        cost = IntraOpCost(r.graph, cluster, r.mesh_shape, training_precision(part.training),
-                           part.training.get("optimizer", "adam"), zero_stage=zero_stage)
         memory = part.predicted["memory_bytes_per_device"]
-        memory["peak"] = int(round(whole_batch_peak(r, cost, part.training)))
+        memory["peak"] = int(round(whole_batch_peak(r, _stage_cost(r, part, cluster, zero_stage),
+                                                    part.training)))
+
+
+def walks_schedule(cand: PipelineCandidate) -> bool:
+    """Whether ``cand``'s peak is found by walking its schedule
+    (:func:`set_schedule_peaks`): one stage a rank, gradients whole (ZeRO 0
+    or 1), several micro-batches."""
+    return (cand.stages_per_rank == 1 and cand.mesh.zero_stage <= 1
+            and not runs_whole_batch(cand))
+
+
+def set_schedule_peaks(exact: ExactPipeline, parts: Sequence[Plan], cluster: Cluster,
+                       book: ScheduleBook) -> None:
+    """Set each stage part's predicted peak to its rank's over the step, in
+    torch's order of the schedule's actions
+    (:func:`costmodel.schedules.peaks.rank_step_peaks`): a stage's gradients
+    appear with its first backward, not beside the first micro-batches'
+    activations. One stage a rank (:func:`walks_schedule`)."""
+    cand = exact.candidate
+    orders, s2r = rank_orders(cand.schedule, cand.pp, cand.num_microbatches,
+                              cand.stages_per_rank, book=book)
+    stages = {s: _stage_bytes(r, part, exact.copies[s], cluster, cand.mesh.zero_stage)
+              for s, (r, part) in enumerate(zip(exact.results, parts))}
+    peaks = rank_step_peaks(orders, cand.pp, stages)
+    for s, part in enumerate(parts):
+        part.predicted["memory_bytes_per_device"]["peak"] = int(round(peaks[s2r[s]]))
+
+
+def _stage_cost(r: IntraOpResult, part: Plan, cluster: Cluster, zero_stage: int) -> IntraOpCost:
+    """The cost model of stage ``r`` as its plan ``part`` trains it (one micro-batch)."""
+    return IntraOpCost(r.graph, cluster, r.mesh_shape, training_precision(part.training),
+                       part.training.get("optimizer", "adam"), zero_stage=zero_stage)
+
+
+def _stage_bytes(r: IntraOpResult, part: Plan, copies: float, cluster: Cluster,
+                 zero_stage: int) -> StageBytes:
+    """Stage ``r``'s bytes per device for the schedule walk, from its plan
+    ``part``'s memory (its activations of ``copies`` micro-batches). Each
+    micro-batch's forward makes its own compute-dtype copy of the parameters
+    (the step copy, :meth:`IntraOpCost.step_copy`), which its backward keeps
+    until it runs: counted with the micro-batch, not once with the
+    parameters."""
+    memory = part.predicted["memory_bytes_per_device"]
+    cost = _stage_cost(r, part, cluster, zero_stage)
+    copy = step_copy_of(r, cost)
+    return StageBytes(
+        held=memory["params"] + memory["optimizer"] - copy,
+        activation=memory["activations"] / copies + copy, grads=memory["grads"],
+        first_backward=cost.backward_excess(r.chosen, r.checkpointed),
+        later_backward=max(memory.get("backward_transient", 0), memory.get("recomputed_layer", 0)),
+        update=optimizer_step_bytes(memory, part.training.get("optimizer", "adam")))
 
 
 def assemble(exact: ExactPipeline, ctx: SearchContext,
@@ -243,6 +295,8 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
     parts = [base_plan(r, stage_cluster) for r in exact.results]
     if runs_whole_batch(cand):
         set_whole_batch_peaks(exact.results, parts, stage_cluster, cand.mesh.zero_stage)
+    elif walks_schedule(cand):
+        set_schedule_peaks(exact, parts, stage_cluster, ctx.schedule_book)
     stages: list[StagePlan] = []
     for s, (r, part) in enumerate(zip(exact.results, parts)):
         a, b = exact.bounds[s]
@@ -302,7 +356,8 @@ def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> d
         acc = per_rank.setdefault(s2r[s], {})
         for k, val in p.predicted["memory_bytes_per_device"].items():
             acc[k] = acc.get(k, 0) + int(val)
-    memory = max(per_rank.values(), key=lambda d: d.get("total", 0))
+    memory = dict(max(per_rank.values(), key=lambda d: d.get("total", 0)))
+    memory["peak"] = max(d["peak"] for d in per_rank.values())  # the fullest rank's peak
     busiest = max(range(pp), key=lambda r: sum(
         exact.times[s].microbatch_s for s in range(len(parts)) if s2r[s] == r))
     mine = [s for s in range(len(parts)) if s2r[s] == busiest]

@@ -23,7 +23,7 @@ from planner.ilp.intra_op import IntraOpResult
 from plan.format import (ModelRecord, OpPlacement, Plan, Reshard, SolverReport,
                                  TrainingRecord, training_precision)
 
-__all__ = ["build_plan", "model_record", "training_record", "whole_batch_peak"]
+__all__ = ["build_plan", "model_record", "step_copy_of", "training_record", "whole_batch_peak"]
 
 
 def _memory_report(memory: dict[str, float], peak: float | None = None) -> dict[str, int]:
@@ -61,11 +61,16 @@ def whole_batch_peak(result: IntraOpResult, cost: IntraOpCost, training: Trainin
     program on the whole batch at once, without ZeRO
     (:func:`costmodel.memory.step_peak_bytes`: activations and gradients peak
     apart, the backward's timeline); ``cost`` prices ``result``'s mesh."""
-    graph, chosen = result.graph, result.chosen
-    return step_peak_bytes(
-        result.memory, training.get("optimizer", "adam"),
-        step_copy=sum(cost.step_copy(n, chosen[n.name]) for n in graph.nodes if n.kind == PARAM),
-        backward_excess=cost.backward_excess(chosen, result.checkpointed))
+    return step_peak_bytes(result.memory, training.get("optimizer", "adam"),
+                           step_copy=step_copy_of(result, cost),
+                           backward_excess=cost.backward_excess(result.chosen, result.checkpointed))
+
+
+def step_copy_of(result: IntraOpResult, cost: IntraOpCost) -> float:
+    """Bytes of ``result``'s parameters that its step frees before the
+    optimizer step (:meth:`IntraOpCost.step_copy` summed over them)."""
+    return sum(cost.step_copy(n, result.chosen[n.name]) for n in result.graph.nodes
+               if n.kind == PARAM)
 
 
 def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
