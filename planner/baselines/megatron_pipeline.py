@@ -143,7 +143,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster, cfg: MegatronConfig,
     step, bubble = simulate_step(cfg.schedule, cfg.pp, m, v, times, p2p, ctx.schedule_book)
     cand = PipelineCandidate(cfg.pp, v, mesh, cfg.schedule, m, None, step, bubble, sum(p2p))
     exact = ExactPipeline(cand, prog, bounds, results, times, chunks.copies, step, bubble, p2p)
-    plan = assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training))
+    plan = assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training),
+                    walk_schedule=False)
     if cfg.cp > 1:
         _record_exchange(plan, held, times, results, ctx, cfg, stage_cluster, link)
     return plan

@@ -284,8 +284,13 @@ def _stage_bytes(r: IntraOpResult, part: Plan, copies: float, cluster: Cluster,
 
 
 def assemble(exact: ExactPipeline, ctx: SearchContext,
-             base_plan: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
-    """One Plan from the exactly solved stages (placements merged by node name)."""
+             base_plan: Callable[[IntraOpResult, Cluster], Plan], *,
+             walk_schedule: bool = True) -> Plan:
+    """One Plan from the exactly solved stages (placements merged by node name).
+    ``walk_schedule``: price the stages' peaks as this runtime runs them
+    (:func:`set_schedule_peaks`); False keeps the sum of their parts (a
+    baseline whose memory follows another runtime's, as Megatron-LM's, which
+    keeps its working parameters instead of casting them per micro-batch)."""
     cand = exact.candidate
     prog = exact.program
     mesh_shape = list(cand.mesh.shape)
@@ -295,7 +300,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
     parts = [base_plan(r, stage_cluster) for r in exact.results]
     if runs_whole_batch(cand):
         set_whole_batch_peaks(exact.results, parts, stage_cluster, cand.mesh.zero_stage)
-    elif walks_schedule(cand):
+    elif walk_schedule and walks_schedule(cand):
         set_schedule_peaks(exact, parts, stage_cluster, ctx.schedule_book)
     stages: list[StagePlan] = []
     for s, (r, part) in enumerate(zip(exact.results, parts)):
