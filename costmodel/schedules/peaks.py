@@ -1,4 +1,5 @@
-"""Peak live activations per rank of a schedule's per-rank orders.
+"""Peak live activations per rank of a schedule's per-rank orders, and
+each rank's peak bytes over a step (:func:`rank_step_peaks`).
 
 Units: counts of activations; bytes where activation sizes are given.
 

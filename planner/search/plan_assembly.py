@@ -58,9 +58,10 @@ def training_record(precision: str | Precision, optimizer: str, example_inputs: 
 
 def whole_batch_peak(result: IntraOpResult, cost: IntraOpCost, training: TrainingRecord) -> float:
     """Predicted peak bytes per device of a step that runs ``result``'s
-    program on the whole batch at once, without ZeRO
+    program on the whole batch at once with whole gradients (ZeRO 0 or 1)
     (:func:`costmodel.memory.step_peak_bytes`: activations and gradients peak
-    apart, the backward's timeline); ``cost`` prices ``result``'s mesh."""
+    apart, the backward's timeline); ``cost`` prices ``result``'s mesh at
+    its ZeRO stage."""
     return step_peak_bytes(result.memory, training.get("optimizer", "adam"),
                            step_copy=step_copy_of(result, cost),
                            backward_excess=cost.backward_excess(result.chosen, result.checkpointed))
