@@ -197,7 +197,8 @@ def step_copy_bytes(num_params: int, *, precision: "str | Precision" = "fp32",
 
 def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
                     state_bytes: float | None = None, step_copy: float = 0.0,
-                    backward_excess: float | None = None) -> float:
+                    backward_excess: float | None = None,
+                    forward_excess: float = 0.0) -> float:
     """Peak bytes per device of a step that runs the whole batch at once (no
     gradient accumulation), from its parts by kind (bytes: ``params``,
     ``optimizer``, ``grads``, ``activations``, ``backward_transient``,
@@ -228,6 +229,9 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
     mixture-of-experts layer at the end of the model makes its experts'
     gradients, many GB at once, while nearly every activation is still alive.
     None: the start alone (the largest transient).
+    ``forward_excess``: the most a forward redistribute holds beyond the saved
+    activations (:meth:`costmodel.strategy_cost.IntraOpCost.forward_reshard_excess`),
+    counted beside all of them.
     """
     # the loss's transient comes first; a checkpointed layer is recomputed after
     # it; the backward's timeline, where given, holds each op's transient less
@@ -235,7 +239,7 @@ def step_peak_bytes(parts: Mapping[str, float], optimizer: str = "adam", *,
     # (as if every activation were alive beside it) stands in only without it
     transient = (parts.get("backward_transient", 0.0) if backward_excess is None
                  else backward_excess)
-    backward_start = parts.get("activations", 0.0) + max(transient,
+    backward_start = parts.get("activations", 0.0) + max(transient, forward_excess,
                                                          parts.get("recomputed_layer", 0.0))
     optimizer_step = optimizer_step_bytes(parts, optimizer, state_bytes=state_bytes,
                                           step_copy=step_copy)

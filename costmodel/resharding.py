@@ -53,8 +53,8 @@ from ir.torch_compat import is_strided_shard
 from .cluster import Link, check_mesh_shape
 from .collectives import collective_time
 
-__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_time", "gradient_placements",
-           "weight_gradient_placements"]
+__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_staging_bytes", "reshard_time",
+           "gradient_placements", "weight_gradient_placements"]
 
 PlacementLike = Union[Placement, str]
 
@@ -285,6 +285,31 @@ def reshard_steps(
     return [ReshardStep(s.mesh_axis, placement_str(s.src), placement_str(s.dst), s.collective,
                         s.nbytes(shape, itemsize))
             for s in _plan(src, dst, len(shape), mesh)]
+
+
+def reshard_staging_bytes(steps: Sequence[ReshardStep], mesh_shape: Sequence[int],
+                          backend: str) -> int:
+    """Bytes per device a redistribute of ``steps`` (:func:`reshard_steps`)
+    allocates while it runs, its result included: an all-gather's gathered
+    tensor, and where it gathers a dim other than the first a second one
+    (the gathered pieces lie along the first dim; a ``cat`` moves them); an
+    all-to-all over gloo gathers the whole tensor and cuts its piece out of
+    the concatenation (``all_gather`` + ``cat``, 2 x the axis size x the
+    shard), elsewhere a contiguous input and an output (2 shards); an
+    all-reduce or a reduce-scatter a tensor of its input's size. Summed over
+    the steps; a step over an axis of one device moves nothing."""
+    total = 0
+    for st in steps:
+        if mesh_shape[st.mesh_axis] == 1:
+            continue
+        if st.collective == "all_gather":
+            dim = parse_placement(st.src).dim
+            total += st.nbytes if dim == 0 else 2 * st.nbytes
+        elif st.collective == "all_to_all":
+            total += 2 * st.nbytes * (mesh_shape[st.mesh_axis] if backend == "gloo" else 1)
+        elif st.collective is not None:
+            total += st.nbytes
+    return total
 
 
 def _plan_time(plan: Sequence[_PlannedStep], shape: tuple[int, ...], itemsize: int,

@@ -19,6 +19,7 @@ from typing import Callable, Mapping, Sequence
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from costmodel.memory import backward_timeline_excess, step_copy_bytes, training_state_bytes
+from costmodel.resharding import reshard_staging_bytes, reshard_steps
 from costmodel.saved_tensors import extra_saved_bytes, release_points, savers_of
 from costmodel.strategy_settings import StrategySettings
 from ir.graph import INPUT, OP, PARAM, Node
@@ -212,6 +213,35 @@ class MemoryPricing(StrategySettings):
                   for a, t, p in zip(node.args, node.inputs, s.inputs)
                   if t.is_float and a in self.requires_grad and a not in self.param_derived)
         return float(out + ins)
+
+    def forward_reshard_excess(self, chosen: Mapping[str, Strategy]) -> float:
+        """Bytes per device the forward's worst redistribute holds beyond the
+        saved activations: what it allocates while it runs
+        (:func:`costmodel.resharding.reshard_staging_bytes`) and its input,
+        where no backward keeps that. Counted beside every saved activation
+        (the loss head's reshard of the logits runs when nearly all are);
+        parameters' gathers are :meth:`parameter_gathers`."""
+        graph, best = self.graph, 0.0
+        for n in graph.nodes:
+            if n.kind != OP:
+                continue
+            s = chosen[n.name]
+            for i, arg in enumerate(n.args):
+                producer = graph[arg]
+                if producer.kind == PARAM:
+                    continue
+                idx = n.arg_index if n.target == "getitem" else 0
+                src, dst = chosen[arg].outputs[idx], s.inputs[i]
+                if src == dst:
+                    continue
+                info = producer.outputs[idx]
+                staging = reshard_staging_bytes(
+                    reshard_steps(src, dst, info.shape, info.itemsize, self.mesh_shape),
+                    self.mesh_shape, self.cluster.backend)
+                kept = idx in self.saved.get(arg, ())
+                held = 0.0 if kept else local_numel(info, src, self.mesh_shape) * info.itemsize
+                best = max(best, staging + held)
+        return float(best)
 
     def backward_excess(self, chosen: Mapping[str, Strategy] | None = None,
                         checkpointed: Sequence[str] = ()) -> float:

@@ -333,3 +333,26 @@ def test_all_to_all_across_nodes_sends_node_peers_shares_over_nvlink():
     # all in one node: the in-node link only
     assert collective_time("all_to_all", nbytes, 8, intra) == pytest.approx(
         7 / 8 * nbytes / intra.bandwidth + 7 * intra.latency)
+
+
+def test_reshard_staging_bytes_follow_dtensors_buffers():
+    """What a forward redistribute allocates (the 2x2 plan's logits, 1024 x 2048
+    bf16 on a 2 x 2 mesh): gloo's all-to-all gathers the whole tensor and cuts
+    its piece from a concatenation (measured: a 2.1 MB all-gather and a 2.1 MB
+    cat per rank); an all-gather of dim 0 is its result, of another dim a
+    concatenation more."""
+    from costmodel.resharding import reshard_staging_bytes, reshard_steps
+
+    shard = 512 * 1024 * 2  # bytes of one device's logits before the reshard
+    steps = reshard_steps(["S(0)", "S(1)"], ["S(0)", "S(0)"], (1024, 2048), 2, (2, 2))
+    assert reshard_staging_bytes(steps, (2, 2), "gloo") == 2 * 2 * shard
+    assert reshard_staging_bytes(steps, (2, 2), "nccl") == 2 * shard
+    rows = reshard_steps(["S(0)"], ["R"], (1024, 2048), 2, (2,))
+    cols = reshard_steps(["S(1)"], ["R"], (1024, 2048), 2, (2,))
+    whole = 1024 * 2048 * 2
+    assert reshard_staging_bytes(rows, (2,), "gloo") == whole
+    assert reshard_staging_bytes(cols, (2,), "gloo") == 2 * whole
+    assert reshard_staging_bytes(reshard_steps(["R"], ["S(0)"], (1024, 2048), 2, (2,)),
+                                 (2,), "gloo") == 0
+    assert reshard_staging_bytes(reshard_steps(["S(1)"], ["R"], (1024, 2048), 2, (1,)),
+                                 (1,), "gloo") == 0  # one device: nothing moves

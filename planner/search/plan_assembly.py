@@ -60,11 +60,12 @@ def whole_batch_peak(result: IntraOpResult, cost: IntraOpCost, training: Trainin
     """Predicted peak bytes per device of a step that runs ``result``'s
     program on the whole batch at once with whole gradients (ZeRO 0 or 1)
     (:func:`costmodel.memory.step_peak_bytes`: activations and gradients peak
-    apart, the backward's timeline); ``cost`` prices ``result``'s mesh at
-    its ZeRO stage."""
+    apart, the backward's timeline, the forward's worst redistribute);
+    ``cost`` prices ``result``'s mesh at its ZeRO stage."""
     return step_peak_bytes(result.memory, training.get("optimizer", "adam"),
                            step_copy=step_copy_of(result, cost),
-                           backward_excess=cost.backward_excess(result.chosen, result.checkpointed))
+                           backward_excess=cost.backward_excess(result.chosen, result.checkpointed),
+                           forward_excess=cost.forward_reshard_excess(result.chosen))
 
 
 def step_copy_of(result: IntraOpResult, cost: IntraOpCost) -> float:
