@@ -23,7 +23,7 @@ from costmodel.resharding import reshard_staging_bytes, reshard_steps
 from costmodel.saved_tensors import extra_saved_bytes, release_points, savers_of
 from costmodel.strategy_settings import StrategySettings
 from ir.graph import INPUT, OP, PARAM, Node
-from ir.strategy import Strategy, local_numel
+from ir.strategy import Strategy, local_numel, moved_arguments
 
 __all__ = ["MemoryPricing"]
 
@@ -225,16 +225,10 @@ class MemoryPricing(StrategySettings):
         for n in graph.nodes:
             if n.kind != OP:
                 continue
-            s = chosen[n.name]
-            for i, arg in enumerate(n.args):
-                producer = graph[arg]
-                if producer.kind == PARAM:
+            for _, arg, idx, src, dst in moved_arguments(n, chosen[n.name], chosen):
+                if graph[arg].kind == PARAM:
                     continue
-                idx = n.arg_index if n.target == "getitem" else 0
-                src, dst = chosen[arg].outputs[idx], s.inputs[i]
-                if src == dst:
-                    continue
-                info = producer.outputs[idx]
+                info = graph[arg].outputs[idx]
                 staging = reshard_staging_bytes(
                     reshard_steps(src, dst, info.shape, info.itemsize, self.mesh_shape),
                     self.mesh_shape, self.cluster.backend)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ir.graph import Node, TensorInfo
 
-__all__ = ["NodeStrategies", "Placements", "Strategy", "is_replicate", "is_shard", "local_numel"]
+__all__ = ["NodeStrategies", "Placements", "Strategy", "is_replicate", "is_shard", "local_numel",
+           "moved_arguments"]
 
 Placements = tuple[Placement, ...]
 
@@ -95,3 +96,16 @@ def local_numel(info: TensorInfo, placements: Sequence[Placement], mesh_shape: S
         if a != skip_axis and is_shard(p):
             n /= size
     return n
+
+
+def moved_arguments(node: Node, strategy: Strategy, chosen: Mapping[str, Strategy]
+                    ) -> Iterator[tuple[int, str, int, Placements, Placements]]:
+    """Each argument of op ``node`` (run under ``strategy``) that its
+    producer's strategy in ``chosen`` (node name -> strategy) leaves in other
+    placements than ``node`` takes it in, the reshards an assignment makes:
+    ``(argument position, producer name, producer output index, src, dst)``."""
+    idx = node.arg_index if node.target == "getitem" else 0
+    for k, arg in enumerate(node.args):
+        src, dst = chosen[arg].outputs[idx], strategy.inputs[k]
+        if src != dst:
+            yield k, arg, idx, src, dst

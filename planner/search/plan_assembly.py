@@ -18,6 +18,7 @@ from costmodel.memory import step_peak_bytes
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.placements import placement_strs
+from ir.strategy import moved_arguments
 from ir.precision import Precision, get_precision
 from planner.ilp.intra_op import IntraOpResult
 from plan.format import (ModelRecord, OpPlacement, Plan, Reshard, SolverReport,
@@ -93,15 +94,10 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
         nodes[n.name] = OpPlacement(op=n.target, module=n.module_path,
                                     inputs=[placement_strs(p) for p in s.inputs],
                                     outputs=[placement_strs(p) for p in s.outputs])
-        for k, arg in enumerate(n.args):
-            producer = graph[arg]
-            idx = n.arg_index if n.target == "getitem" else 0
-            src = chosen[arg].outputs[idx]
-            if src != s.inputs[k]:
-                info = producer.outputs[idx]
-                reshards.append(Reshard(node=n.name, arg=arg, module=n.module_path,
-                                        src=placement_strs(src), dst=placement_strs(s.inputs[k]),
-                                        time_s=cost.reshard(src, s.inputs[k], info)))
+        for _, arg, idx, src, dst in moved_arguments(n, s, chosen):
+            reshards.append(Reshard(node=n.name, arg=arg, module=n.module_path,
+                                    src=placement_strs(src), dst=placement_strs(dst),
+                                    time_s=cost.reshard(src, dst, graph[arg].outputs[idx])))
     sol = result.solution
     b = result.breakdown
     # the device's time (the ILP's objective), unless the host issues the step's

@@ -42,6 +42,7 @@ from costmodel.schedules import ScheduleBook, peak_activations
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import PipelineLayer
+from ir.strategy import moved_arguments
 from planner.ilp.intra_op import IntraOpResult
 
 # Schedules the search tries, in this order (ties keep the earlier one).
@@ -151,11 +152,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         bi, bw = prices.backward_s
         b += bi + prices.collectives_s
         w += bw
-        for k, arg in enumerate(n.args):
-            idx = n.arg_index if n.target == "getitem" else 0
-            src, dst = chosen[arg].outputs[idx], s.inputs[k]
-            if src == dst:
-                continue
+        for k, arg, idx, src, dst in moved_arguments(n, s, chosen):
             info = n.inputs[k] if n.inputs else graph[arg].outputs[idx]
             f += cost.reshard(src, dst, info)
             if arg in cost.requires_grad and info.is_float:
