@@ -361,14 +361,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from costmodel.profiling import ProfileError, load_profile, profile_local, profile_path, summary_rows
+    from codegen.runtime_probe import profile_with_runtime
+    from costmodel.profiling import ProfileError, load_profile, profile_path, summary_rows
 
     if args.ranks < 1:
         print(f"planner: error: --ranks must be >= 1, got {args.ranks}", file=sys.stderr)
         return EXIT_USAGE
     _output_folder(args.output)
     try:
-        cluster = profile_local(args.ranks, args.output, quick=args.quick, progress=True)
+        cluster = profile_with_runtime(args.ranks, args.output, quick=args.quick, progress=True)
     except ProfileError as err:
         print(f"planner: error: {err}", file=sys.stderr)
         return 1

@@ -61,7 +61,8 @@ from benchmarks.stats import mape, median_after_warmup, spearman  # noqa: E402
 from training.launch import launch  # noqa: E402
 from training.torchrun import LaunchError  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
-from costmodel.profiling import ProfileError, load_profile, profile_local, profile_path  # noqa: E402
+from codegen.runtime_probe import profile_with_runtime  # noqa: E402
+from costmodel.profiling import ProfileError, load_profile, profile_path  # noqa: E402
 from models.source import build_model  # noqa: E402
 from ir.trace import trace  # noqa: E402
 from planner.api import PlanningError, plan  # noqa: E402
@@ -154,7 +155,7 @@ def get_profiles(worlds: list[int], cached: list[str], quick: bool, tmp: str) ->
             continue
         cluster_path = os.path.join(tmp, f"local-{w}.json")
         t0 = time.perf_counter()
-        profile_local(w, cluster_path, quick=quick, progress=False)
+        profile_with_runtime(w, cluster_path, quick=quick, progress=False)
         prof = load_profile(profile_path(cluster_path))
         prof["source"] = "fresh" + (" (quick)" if quick else "")
         print(f"profiled {w} ranks in {time.perf_counter() - t0:.0f} s", flush=True)

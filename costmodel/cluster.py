@@ -42,13 +42,15 @@ BACKENDS = ("nccl", "gloo")
 
 #: Fixed cost of launching one GPU kernel, seconds (CUDA launch + tail, ~5 us).
 DEFAULT_KERNEL_OVERHEAD = 5e-6
-#: DeviceSpec fields of a compiled region call's host cost, written only where measured
-_COMPILED_CALL_KEYS = ("compiled_call_overhead", "compiled_param_overhead")
+#: DeviceSpec fields of the runtime's host costs that only ``planner profile``
+#: measures (a compiled region's call, an FSDP2 unit's collective call),
+#: written only where measured
+_MEASURED_ONLY_KEYS = ("compiled_call_overhead", "compiled_param_overhead", "fsdp_call_overhead")
 #: DeviceSpec fields a cluster file may leave out (their defaults apply)
 _OPTIONAL_DEVICE_KEYS = ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                          "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
                          "attention_half_saturation_flops", "host_overhead",
-                         "unaligned_gemm_efficiency", *_COMPILED_CALL_KEYS)
+                         "unaligned_gemm_efficiency", *_MEASURED_ONLY_KEYS)
 #: Fraction of dense peak FLOP/s a large, well-shaped GEMM reaches (60-80% is
 #: typical for transformer GEMMs on A100/H100; calibrated by profiling later).
 DEFAULT_FLOP_EFFICIENCY = 0.7
@@ -352,6 +354,13 @@ class DeviceSpec:
         compiled_param_overhead: host seconds each parameter adds to such a
             call (its guard, and the eager accumulation of its gradient,
             which runs outside the graph). Measured with it; 0 = not priced.
+        fsdp_call_overhead: seconds one collective call of an FSDP2 unit
+            costs beyond the bytes it moves (FSDP2's hooks, the set-up of its
+            copies, the collective's latency): a ZeRO-3 unit makes three a
+            micro-batch. Measured by ``planner profile`` on units of tiny
+            layers (:mod:`costmodel.profiling.runtime_costs`); 0 = not
+            measured: each pass's collectives pay one latency, as one
+            collective (the presets).
         compiled: the plan's program runs through ``torch.compile``
             (inductor) on this device: memory-bound chains fuse into a few
             kernels (:mod:`costmodel.fusion`), and no op pays the eager
@@ -375,6 +384,7 @@ class DeviceSpec:
     unaligned_gemm_efficiency: float = 1.0
     compiled_call_overhead: float = 0.0
     compiled_param_overhead: float = 0.0
+    fsdp_call_overhead: float = 0.0
     compiled: bool = False
 
     def __post_init__(self) -> None:
@@ -386,6 +396,7 @@ class DeviceSpec:
         _need_nonnegative("device.compiled_call_overhead", self.compiled_call_overhead, "seconds")
         _need_nonnegative("device.compiled_param_overhead", self.compiled_param_overhead,
                           "seconds")
+        _need_nonnegative("device.fsdp_call_overhead", self.fsdp_call_overhead, "seconds")
         _need_fraction("device.unaligned_gemm_efficiency", self.unaligned_gemm_efficiency)
         _need_nonnegative("device.attention_half_saturation_flops",
                           self.attention_half_saturation_flops, "FLOPs")
@@ -434,8 +445,8 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, keys in a fixed order; the compiled-call overheads
         only where measured (non-zero)."""
-        compiled_calls = {key: getattr(self, key) for key in _COMPILED_CALL_KEYS
-                          if getattr(self, key)}
+        measured_only = {key: getattr(self, key) for key in _MEASURED_ONLY_KEYS
+                         if getattr(self, key)}
         return {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
@@ -450,7 +461,7 @@ class DeviceSpec:
             "attention_half_saturation_flops": self.attention_half_saturation_flops,
             "host_overhead": self.host_overhead,
             "unaligned_gemm_efficiency": self.unaligned_gemm_efficiency,
-            **compiled_calls,
+            **measured_only,
         }
 
     @classmethod

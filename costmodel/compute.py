@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ir.graph import Graph, Node
 
 __all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times", "backward_kernels",
-           "host_passes", "host_pass_counts", "host_seconds", "compiled_call_seconds",
+           "dispatch_passes", "host_passes", "host_pass_counts", "host_seconds", "compiled_call_seconds",
            "gemm_aligned", "GEMM_ALIGNMENT_BYTES",
            "DEFAULT_HALF_SATURATION_FLOPS", "FUSED_ATTENTION", "ATTENTION_BACKWARD_FLOPS"]
 
@@ -232,6 +232,17 @@ def host_passes(graph: "Graph") -> int:
     backward (:func:`host_pass_counts`): what ``planner profile`` divides a
     host-bound step's time by to measure ``DeviceSpec.host_overhead``."""
     return sum(host_pass_counts(graph))
+
+
+def dispatch_passes(graph: "Graph") -> int:
+    """Op passes of one training step of ``graph`` that each pay
+    ``DeviceSpec.dispatch_overhead`` (:class:`costmodel.strategy_compute`):
+    every op but tuple projections once in the forward, and again in the
+    backward where it is on the gradient path. What ``planner profile``
+    divides the runtime's extra seconds by (:mod:`codegen.runtime_probe`)."""
+    grad = graph.gradient_path
+    ops = [n for n in graph.nodes if n.kind == "op" and n.target != "getitem"]
+    return len(ops) + sum(1 for n in ops if n.name in grad)
 
 
 def host_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:

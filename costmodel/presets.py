@@ -157,6 +157,7 @@ LOCAL_CPU_PROFILE_KEYS = (
     "flop_efficiency", "memory_efficiency", "link_bandwidth", "link_latency",
     "collective_links", "redistribute_links", "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
     "attention_half_saturation_flops", "compiled_call_overhead", "compiled_param_overhead",
+    "fsdp_call_overhead",
 )
 
 
@@ -174,9 +175,9 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
             direction), ``link_latency`` (s) and ``collective_links`` (collective
             kind -> {"latency": s, "bandwidth": bytes/s}, measured exceptions to the
             single link), ``redistribute_links`` (the same, through DTensor's
-            redistribute: :attr:`Link.per_redistribute`), ``compiled_call_overhead``
-            and ``compiled_param_overhead`` (s, :class:`DeviceSpec`). ``planner
-            profile`` fills it.
+            redistribute: :attr:`Link.per_redistribute`), ``compiled_call_overhead``,
+            ``compiled_param_overhead`` and ``fsdp_call_overhead`` (s,
+            :class:`DeviceSpec`). ``planner profile`` fills it.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ClusterError(f"local-cpu ranks must be an integer >= 1, got {ranks!r}")
@@ -206,6 +207,7 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
         attention_half_saturation_flops=values.get("attention_half_saturation_flops", 0.0),
         compiled_call_overhead=values.get("compiled_call_overhead", 0.0),
         compiled_param_overhead=values.get("compiled_param_overhead", 0.0),
+        fsdp_call_overhead=values.get("fsdp_call_overhead", 0.0),
     )
     loopback = Link("loopback", values["link_bandwidth"], values["link_latency"],
                     alpha_beta_table(values.get("collective_links", {}), "collective_links"),

@@ -218,11 +218,17 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
         self.compiled_regions = 1
         # ops a compiled stage runs eagerly: under ZeRO-3 those between its units
         self.eager_ops: frozenset[str] = frozenset()
+        # ZeRO-3's collective calls a micro-batch, (forward, backward): each unit's
+        # all-gather; its all-gather again and reduce-scatter (and the stage's own
+        # unit, holding the parameters outside them: one of each)
+        self.zero3_calls = (0, 0)
         if zero_stage == 3:
             units = shard_units(self.graph)
             self.pass_params, at_peak = zero3_param_sets(self.graph, units)
             self.gathered_params = at_peak if units_gathered else self.pass_params
             self.compiled_regions = max(1, len(units))
+            own = int(bool(self.pass_params))
+            self.zero3_calls = (len(units) + own, 2 * len(units) + own)
             inside = {op for unit in units for op in unit.ops}
             self.eager_ops = frozenset(n.name for n in self.graph.nodes
                                        if n.kind == OP and n.name not in inside)

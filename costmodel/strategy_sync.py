@@ -170,7 +170,9 @@ class GradientSyncPricing(StrategySettings):
         in the backward the all-gather again of the ``layer_bytes`` of them in
         layers (the others stay gathered for the pass) and the reduce-scatter
         of all their gradients (reduce dtype); each with FSDP2's copies into
-        and out of its flat buffer (:meth:`flat_copy_seconds`)."""
+        and out of its flat buffer (:meth:`flat_copy_seconds`). Each kind is
+        priced as one collective of all its bytes; the units' further calls
+        (``zero3_calls``) add ``DeviceSpec.fsdp_call_overhead`` each."""
         if self.step_sync_ranks == 1 or nbytes <= 0:
             return 0.0, 0.0
         n, link = self.step_sync_ranks, self.links[0]
@@ -180,8 +182,11 @@ class GradientSyncPricing(StrategySettings):
                  + self.flat_copy_seconds(0.0, layer_bytes * self.gather_scale)
                  if layer_bytes > 0 else 0.0)
         gradients = nbytes * self.reduce_scale
-        return gather, (again + collective_time("reduce_scatter", gradients, n, link)
-                        + self.flat_copy_seconds(gradients, 0.0))
+        per_call = self.cluster.device.fsdp_call_overhead
+        calls_f, calls_b = self.zero3_calls
+        return (gather + max(0, calls_f - 1) * per_call,
+                again + collective_time("reduce_scatter", gradients, n, link)
+                + self.flat_copy_seconds(gradients, 0.0) + max(0, calls_b - 2) * per_call)
 
     def state_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds one parameter adds to :meth:`zero_collectives` of its stage:

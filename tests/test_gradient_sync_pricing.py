@@ -64,3 +64,24 @@ def test_megatron_tensor_parallel_weights_are_used_where_they_lie():
              if ".h." in fqn and pl != ["R"]}
     assert split
     assert not [r for r in p.reshards if r.arg in split]
+
+
+def test_zero3_units_pay_their_calls():
+    """gpt-tiny under ZeRO-3 on 2 ranks: every FSDP2 unit's collective call
+    beyond the one each kind is priced as adds the profiled call cost: the
+    forward's all-gathers, the backward's all-gathers and reduce-scatters."""
+    from dataclasses import replace
+
+    from ir.shard_units import shard_units
+
+    model, inputs = build_model("gpt-tiny", device="meta")
+    graph = trace(model, inputs)
+    plain = load_cluster("local-cpu:2")
+    measured = replace(plain, device=replace(plain.device, fsdp_call_overhead=1e-3))
+    costs = [IntraOpCost(graph, c, (2,), "float32", zero_stage=3) for c in (plain, measured)]
+    units = len(shard_units(graph))
+    own = int(bool(costs[0].pass_params))
+    assert units >= 2 and costs[1].zero3_calls == (units + own, 2 * units + own)
+    (f0, b0), (f1, b1) = (c.zero3_layer_collectives(4e6, 3e6) for c in costs)
+    assert f1 - f0 == pytest.approx((units + own - 1) * 1e-3)
+    assert b1 - b0 == pytest.approx((2 * units + own - 2) * 1e-3)

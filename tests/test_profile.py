@@ -160,6 +160,10 @@ def _raw(link, ranks=4, unsupported=None, redistribute=None):
         "redistribute_burst": {"gemm": 384, "seconds": 5e-3},
         # a compiled region's call: 150 us, and 20 us per parameter
         "compiled_call": [{"params": k, "seconds": 1.5e-4 + k * 2e-5} for k in (1, 32)],
+        # DTensor's chain of 17 tiny ops: 10 us an op pass; the runtime's step: 50 us
+        "dispatch": {"ops": 17, "plain": {"seconds": 1e-4}, "dtensor": {"seconds": 1e-4 + 34 * 1e-5}},
+        "runtime": {"model": "gpt-tiny", "passes": 100, "plain": {"seconds": 4e-3},
+                    "runtime": {"seconds": 9e-3}},
         "unsupported": dict(unsupported or {}),
     }
 
@@ -185,6 +189,8 @@ def test_profile_json_round_trips_into_cluster(tmp_path):
     assert loaded.device.kernel_overhead == pytest.approx(4e-6)
     assert loaded.device.compiled_call_overhead == pytest.approx(1.5e-4)
     assert loaded.device.compiled_param_overhead == pytest.approx(2e-5)
+    # the runtime's cost per op pass, its own step measured (not DTensor's tiny chain)
+    assert loaded.device.dispatch_overhead == pytest.approx((9e-3 - 4e-3) / 100)
     # the reshards' own fits: what DTensor's redistribute took, kind by kind
     redistribute = {k: (a, b) for k, a, b in loaded.intra_node.per_redistribute}
     assert set(redistribute) == set(REDISTRIBUTIONS)
@@ -246,3 +252,9 @@ def test_planner_profile_quick_end_to_end(tmp_path, capsys):
     assert math.isfinite(cluster.intra_node.bandwidth) and cluster.intra_node.bandwidth > 0
     # a compiled region's host cost, measured by compiling one
     assert cluster.device.compiled_call_overhead > 0 and "compiled call" in text
+    # the runtime's cost per op: its own step against the plain one
+    run = prof["measurements"]["runtime"]
+    assert run["passes"] > 0 and run["runtime"]["seconds"] > run["plain"]["seconds"] > 0
+    assert cluster.device.dispatch_overhead == pytest.approx(
+        (run["runtime"]["seconds"] - run["plain"]["seconds"]) / run["passes"])
+    assert "the planner's runtime, per op and pass" in text

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any, Callable, Sequence
 
 from costmodel.cluster import Cluster
 from costmodel.profiling.build import build_profile
@@ -75,6 +76,7 @@ from costmodel.profiling.spec import (
 
 __all__ = [
     "PROFILE_FORMAT_VERSION",
+    "Probe",
     "ProfileError",
     "COLLECTIVE_SIZES",
     "QUICK_COLLECTIVE_SIZES",
@@ -94,8 +96,14 @@ __all__ = [
 ]
 
 
+#: A measurement run beside the profile's own: ``(ranks, device, backend, quick,
+#: progress) -> raw sections`` merged into its raw measurements (the runtime's
+#: cost per op, :mod:`codegen.runtime_probe`, which this package cannot import).
+Probe = Callable[[int, str, str, bool, bool], dict[str, Any]]
+
+
 def profile_local(ranks: int = 4, out_path: str | os.PathLike = "local-cpu.json", *, quick: bool = False,
-                  progress: bool = True) -> Cluster:
+                  progress: bool = True, probes: Sequence[Probe] = ()) -> Cluster:
     """Measure this machine with ``ranks`` ranks and write its cluster JSON.
 
     Args:
@@ -107,6 +115,9 @@ def profile_local(ranks: int = 4, out_path: str | os.PathLike = "local-cpu.json"
         quick: fewer sizes and repetitions (collectives up to 4 MiB, the
             world group only): seconds instead of about a minute; for tests.
         progress: show a ``rich`` progress bar (only when stdout is a terminal).
+        probes: further measurements on the same ranks, their sections merged
+            into the raw measurements (``planner profile`` adds the runtime's
+            own cost per op: :func:`codegen.runtime_probe.profile_with_runtime`).
 
     Returns the :class:`Cluster` written (``local-cpu:<ranks>`` on CPU,
     ``local-gpu:<ranks>`` on GPU). Raises :class:`ProfileError`.
@@ -119,6 +130,8 @@ def profile_local(ranks: int = 4, out_path: str | os.PathLike = "local-cpu.json"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     spec = measurement_spec(device, ranks, quick)
     raw = measure(spec, ranks, progress=progress, description=f"profiling {ranks} {device} ranks")
+    for probe in probes:
+        raw.update(probe(ranks, spec["device"], spec["backend"], quick, progress))
     cluster, profile = build_profile(raw, spec, ranks, quick=quick, wall_s=time.perf_counter() - t0)
     profile["machine"]["loadavg_before"] = load_before
     write_profile(cluster, profile, out_path)

@@ -28,7 +28,8 @@ from costmodel.profiling.fit import attention_fit, fit_alpha_beta, fit_gemm
 from costmodel.profiling.machine import device_memory_per_rank, machine_info
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
-__all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "host_overhead",
+__all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "fsdp_call_overhead",
+           "host_overhead",
            "unaligned_gemm_efficiency"]
 
 
@@ -84,12 +85,31 @@ def unaligned_gemm_efficiency(records: Sequence[Mapping[str, Any]], gemm: Mappin
 
 
 def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
-    """Seconds DTensor adds per op and pass (forward or backward), from the
-    ``dispatch`` measurement; None when it was not measured."""
+    """Seconds the distributed runtime adds per op and pass (forward or
+    backward): from the ``runtime`` measurement where it was made (the
+    planner's own runtime against the plain step of the same model, over the
+    step's :func:`costmodel.compute.dispatch_passes`:
+    :mod:`codegen.runtime_probe`), else from ``dispatch`` (DTensor alone, on a
+    chain of tiny ops); None when neither was measured."""
+    run = raw.get("runtime")
+    if run and "seconds" in run.get("runtime", {}) and "seconds" in run.get("plain", {}):
+        return max(0.0, (run["runtime"]["seconds"] - run["plain"]["seconds"]) / run["passes"])
     d = raw.get("dispatch")
     if not d or "seconds" not in d.get("plain", {}) or "seconds" not in d.get("dtensor", {}):
         return None
     return max(0.0, (d["dtensor"]["seconds"] - d["plain"]["seconds"]) / (2 * d["ops"]))
+
+
+def fsdp_call_overhead(raw: Mapping[str, Any]) -> float | None:
+    """Seconds one FSDP2 unit's collective call costs beyond its bytes, from
+    the ``fsdp_unit`` measurement (:mod:`costmodel.profiling.runtime_costs`):
+    the sharded step's extra seconds over its units' calls; None when it was
+    not measured."""
+    f = raw.get("fsdp_unit")
+    if not f or "seconds" not in f.get("plain", {}) or "seconds" not in f.get("sharded", {}):
+        return None
+    return max(0.0, (f["sharded"]["seconds"] - f["plain"]["seconds"])
+               / (f["units"] * f["calls_per_unit"]))
 
 
 def compiled_call_overheads(raw: Mapping[str, Any]) -> dict[str, float]:
@@ -175,6 +195,7 @@ def _cpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
     if dispatch is not None:
         values["dispatch_overhead"] = dispatch
     values.update(device.compiled_calls)
+    values["fsdp_call_overhead"] = fsdp_call_overhead(raw) or 0.0
     if links.link is not None:
         values["link_bandwidth"] = links.link["bandwidth"]
         values["link_latency"] = links.link["latency"]
@@ -200,6 +221,7 @@ def _gpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
                          "attention_half_saturation_flops", 0.0),
                      host_overhead=host_overhead(raw) or 0.0,
                      unaligned_gemm_efficiency=device.gemm["unaligned_efficiency"],
+                     fsdp_call_overhead=fsdp_call_overhead(raw) or 0.0,
                      **device.compiled_calls)
     # With one GPU no collective runs: keep an NVLink-like placeholder (noted in the profile).
     fit = links.link
@@ -255,6 +277,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "fits": {
             "kernel_overhead": device.overhead,
             "dispatch_overhead": dispatch_overhead(raw),
+            "dispatch_measured_on": "the planner's runtime" if raw.get("runtime") else "DTensor",
+            "fsdp_call_overhead": fsdp_call_overhead(raw),
             **device.compiled_calls,
             "memory_bandwidth": device.memory_bandwidth,
             "gemm": device.gemm,
@@ -267,6 +291,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "spec": {k: v for k, v in spec.items() if k not in ("init_method", "result_path")},
         "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
                                              "redistribute", "redistribute_burst",
-                                             "compiled_call") if k in raw},
+                                             "compiled_call", "dispatch", "runtime", "fsdp_unit")
+                         if k in raw},
     }
     return cluster, profile

@@ -74,11 +74,15 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         ("memory bandwidth", f"{fits['memory_bandwidth'] / 1e9:.2f} GB/s", "per rank, copy (read + write)"),
         ("kernel overhead", f"{fits['kernel_overhead'] * 1e6:.2f} us", "per eager op"),
         *([("dispatch overhead", f"{fits['dispatch_overhead'] * 1e6:.1f} us",
-            "DTensor, per op and pass")] if fits.get("dispatch_overhead") is not None else []),
+            f"{fits.get('dispatch_measured_on', 'DTensor')}, per op and pass")]
+          if fits.get("dispatch_overhead") is not None else []),
         *([("compiled call", f"{fits['compiled_call_overhead'] * 1e6:.1f} us",
             f"per region call (forward and backward), and "
             f"{fits['compiled_param_overhead'] * 1e6:.1f} us per parameter")]
           if "compiled_call_overhead" in fits else []),
+        *([("FSDP2 unit call", f"{fits['fsdp_call_overhead'] * 1e6:.1f} us",
+            "per collective call of a unit, beyond its bytes")]
+          if fits.get("fsdp_call_overhead") is not None else []),
     ]
     link = fits.get("link")
     if link:

@@ -78,13 +78,13 @@ def _write_spec(spec: dict[str, Any], folder: str) -> str:
 
 
 def _start_ranks(procs: list[subprocess.Popen], spec_path: str, ranks: int, env: Mapping[str, str],
-                 errs: list[IO[str]]) -> None:
+                 errs: list[IO[str]], worker: str) -> None:
     """Start the ``ranks`` worker processes, appending each to ``procs`` as it
     starts (so that a failed start still leaves the others to stop); rank 0's
     stdout is piped for its ``step`` lines, each rank's stderr goes to ``errs``."""
     for r in range(ranks):
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "costmodel.profiling.worker", spec_path, str(r), str(ranks)],
+            [sys.executable, "-m", worker, spec_path, str(r), str(ranks)],
             stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, stderr=errs[r],
             stdin=subprocess.DEVNULL, env=env, cwd=_repository_root(), text=True))
 
@@ -148,9 +148,13 @@ def _stop_ranks(procs: list[subprocess.Popen]) -> None:
 
 
 def measure(spec: Mapping[str, Any], ranks: int, *, progress: bool = True,
-            description: str = "profiling", timeout_s: float = 600.0) -> dict[str, Any]:
-    """Run ``ranks`` processes of ``python -m costmodel.profiling.worker`` and return rank 0's result.
+            description: str = "profiling", timeout_s: float = 600.0,
+            worker: str = "costmodel.profiling.worker", steps: int | None = None) -> dict[str, Any]:
+    """Run ``ranks`` processes of ``python -m <worker>`` and return rank 0's result.
 
+    ``worker`` is :mod:`costmodel.profiling.worker` or another rank program of
+    its protocol (:func:`costmodel.profiling.worker.serve`), which reports
+    ``steps`` progress steps (default: the worker's :func:`count_steps`).
     ``spec`` holds the measurement lists (see :mod:`costmodel.profiling.worker`);
     ``device`` and ``backend`` are filled in when absent. Each rank runs with
     ``OMP_NUM_THREADS`` = ``spec["threads"]`` (default 1). The progress bar
@@ -160,7 +164,7 @@ def measure(spec: Mapping[str, Any], ranks: int, *, progress: bool = True,
     """
     require_rank_count(ranks)
     spec = _complete_spec(spec, ranks)
-    total = count_steps(spec)
+    total = count_steps(spec) if steps is None else steps
     show = progress and sys.stdout.isatty()
     env = _rank_environment(spec)
     with tempfile.TemporaryDirectory(prefix="planner-profile-") as tmp:
@@ -169,7 +173,7 @@ def measure(spec: Mapping[str, Any], ranks: int, *, progress: bool = True,
         errs = [open(os.path.join(tmp, f"rank{r}.err"), "w+", encoding="utf-8") for r in range(ranks)]
         bar = _make_progress(show, total, description)
         try:
-            _start_ranks(procs, spec_path, ranks, env, errs)
+            _start_ranks(procs, spec_path, ranks, env, errs, worker)
             _follow_ranks(procs, errs, bar, timeout_s)
             return _read_result(spec["result_path"])
         finally:

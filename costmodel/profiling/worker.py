@@ -6,9 +6,9 @@ measurements at the same time, as the ranks of a planned SPMD step would:
 
 * ``overhead``: seconds per eager call of a tiny elementwise op (dispatch +
   launch), the cost model's ``kernel_overhead``;
-* ``dispatch``: seconds per forward+backward of a chain of ``ops`` tiny
-  elementwise ops on plain tensors and on replicated DTensors (needs ranks > 1);
-  the difference per op is the distributed runtime's dispatch cost;
+* ``dispatch`` and ``fsdp_unit``: the distributed runtime's host costs, each a
+  step timed plain and distributed (needs ranks > 1;
+  :mod:`costmodel.profiling.runtime_costs`);
 * ``compiled_call``: seconds per forward+backward call of a compiled region of
   each count of replicated DTensor parameters, host-bound
   (:mod:`costmodel.profiling.compiled_call`);
@@ -62,11 +62,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from costmodel.host_allocator import keep_freed_host_memory
+from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps
 
-__all__ = ["run_worker", "count_steps", "COLLECTIVE_KINDS"]
+__all__ = ["COLLECTIVE_KINDS", "ItemRunner", "Measure", "Rank", "TimedItem", "count_steps", "join", "main",
+           "run_worker", "serve"]
 
 #: Collectives measured, in this order (names as in costmodel.collectives).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+#: What a rank runs: ``(rank, world, spec, report) -> result``; ``report(label)``
+#: after every measurement step.
+Measure = Callable[[int, int, dict[str, Any], Callable[[str], None]], dict[str, Any]]
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -74,6 +80,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def count_steps(spec: dict[str, Any]) -> int:
     """Progress steps :func:`run_worker` reports for ``spec``: one per item and pass."""
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
+             + 2 * int(bool(spec.get("fsdp_unit")))
              + int(bool(spec.get("host"))) + len(spec.get("compiled_call", ()))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
@@ -85,7 +92,7 @@ def count_steps(spec: dict[str, Any]) -> int:
     return items * (int(spec["reps"]) + 1)
 
 
-class _Item:
+class TimedItem:
     """One measurement: a closure, how ranks are combined, and its record."""
 
     def __init__(self, label: str, fn: Callable[[], Any], min_rep_s: float, collective: bool,
@@ -96,7 +103,7 @@ class _Item:
         self.ends: list[float] = []
 
 
-class _Runner:
+class ItemRunner:
     """Times items as the module docstring says, agreeing on ``k`` across ranks."""
 
     def __init__(self, torch: Any, dist: Any, device: Any, world: int, reps: int,
@@ -127,7 +134,7 @@ class _Runner:
         self.dist.all_gather(out, t)
         return [o.tolist() for o in out]
 
-    def _one_rep(self, item: _Item) -> None:
+    def _one_rep(self, item: TimedItem) -> None:
         self._barrier()
         t0 = time.perf_counter()
         for _ in range(item.k):
@@ -136,7 +143,7 @@ class _Runner:
         item.starts.append(t0)
         item.ends.append(time.perf_counter())
 
-    def run(self, items: list[_Item], max_k: int = 10_000) -> None:
+    def run(self, items: list[TimedItem], max_k: int = 10_000) -> None:
         # Warm-up and calibration pass: every rank agrees on the slowest rank's k.
         for item in items:
             self._barrier()
@@ -167,18 +174,6 @@ class _Runner:
                            for i in range(self.reps)] if not self.cuda else \
                           [max(e[i] - s[i] for s, e in zip(starts, ends)) / item.k for i in range(self.reps)]
             item.record.update(seconds=statistics.median(per_rep), reps=per_rep, calls_per_rep=item.k)
-
-
-#: Elementwise ops in the dispatch chain (plus the final sum).
-DISPATCH_CHAIN = 16
-
-
-def _chain(x: Any) -> None:
-    """Forward and backward of ``DISPATCH_CHAIN`` multiplications and a sum."""
-    y = x
-    for _ in range(DISPATCH_CHAIN):
-        y = y * 1.0001
-    y.sum().backward()
 
 
 def _collective_fn(kind: str, numel: int, group_size: int, torch: Any, dist: Any, device: Any,
@@ -220,7 +215,7 @@ REDISTRIBUTIONS = {"all_gather": ("S(0)", "R"), "all_reduce": ("P", "R"),
                    "reduce_scatter": ("P", "S(0)"), "all_to_all": ("S(1)", "S(0)")}
 
 
-def _redistribute_fn(kind: str, nbytes: int, r: "_Rank", dtype: Any,
+def _redistribute_fn(kind: str, nbytes: int, r: "Rank", dtype: Any,
                      mesh: Any) -> tuple[Callable[[], Any], int]:
     """A closure redistributing a DTensor over ``mesh`` (every rank) as a
     plan's reshard does, issuing one ``kind`` collective of about ``nbytes``
@@ -248,15 +243,15 @@ def _redistribute_fn(kind: str, nbytes: int, r: "_Rank", dtype: Any,
     return step, moved
 
 
-def _burst_fn(r: "_Rank", size: int) -> Callable[[], Any]:
+def _burst_fn(r: "Rank", size: int) -> Callable[[], Any]:
     """Three chained ``size`` x ``size`` fp32 GEMMs: the compute a rank does
     between two of a plan's reshards."""
     a = r.torch.randn(size, size, device=r.device)
     return lambda: a @ a @ a @ a
 
 
-def _redistribute_items(r: "_Rank", spec: dict[str, Any], dtype: Any,
-                        out: dict[str, Any]) -> list["_Item"]:
+def _redistribute_items(r: "Rank", spec: dict[str, Any], dtype: Any,
+                        out: dict[str, Any]) -> list["TimedItem"]:
     """One item per kind of ``spec["redistribute"]`` and size, over every rank,
     each appending its record (as a collective's) to ``out["redistribute"]``.
     With ``spec["redistribute_burst"]`` (a GEMM size) each redistribute follows
@@ -266,11 +261,11 @@ def _redistribute_items(r: "_Rank", spec: dict[str, Any], dtype: Any,
 
     mesh = DeviceMesh(r.device.type, list(range(r.world)))
     min_rep_s = float(spec["collective_min_rep_s"])
-    items: list[_Item] = []
+    items: list[TimedItem] = []
     burst = _burst_fn(r, int(spec["redistribute_burst"])) if spec.get("redistribute_burst") else None
     if burst is not None:
         out["redistribute_burst"] = {"gemm": int(spec["redistribute_burst"])}
-        items.append(_Item("compute burst", burst, min_rep_s, True, out["redistribute_burst"]))
+        items.append(TimedItem("compute burst", burst, min_rep_s, True, out["redistribute_burst"]))
     for kind in spec.get("redistribute", ()):
         for nbytes in spec.get("sizes", ()):
             fn, moved = _redistribute_fn(kind, int(nbytes), r, dtype, mesh)
@@ -278,7 +273,7 @@ def _redistribute_items(r: "_Rank", spec: dict[str, Any], dtype: Any,
                 fn = (lambda f: lambda: (burst(), f()))(fn)
             rec = {"kind": kind, "nbytes": moved, "group_size": r.world, "groups": 1}
             out["redistribute"].append(rec)
-            items.append(_Item(f"redistribute {kind} {moved} B", fn, min_rep_s, True, rec))
+            items.append(TimedItem(f"redistribute {kind} {moved} B", fn, min_rep_s, True, rec))
     return items
 
 
@@ -319,7 +314,7 @@ def _attention_fn(torch: Any, device: Any, dtype: Any, b: int, h: int, seq: int,
 
 
 @dataclass(frozen=True)
-class _Rank:
+class Rank:
     """This process's place in the measurement: the ``torch`` and
     ``torch.distributed`` modules, its device, its rank and the world size."""
 
@@ -330,7 +325,7 @@ class _Rank:
     world: int
 
 
-def _join(rank: int, world: int, spec: dict[str, Any]) -> _Rank:
+def join(rank: int, world: int, spec: dict[str, Any]) -> Rank:
     """Set this rank's threads, device (TF32 off on GPU) and host allocator
     (:mod:`costmodel.host_allocator`) and, with more than one rank, join the
     process group at ``spec["init_method"]``."""
@@ -348,36 +343,20 @@ def _join(rank: int, world: int, spec: dict[str, Any]) -> _Rank:
     if world > 1:
         dist.init_process_group(spec["backend"], init_method=spec["init_method"], rank=rank, world_size=world,
                                 **({"device_id": device} if cuda else {}))
-    return _Rank(torch, dist, device, rank, world)
+    return Rank(torch, dist, device, rank, world)
 
 
-def _dispatch_items(r: _Rank, min_rep_s: float, out: dict[str, Any]) -> list[_Item]:
-    """The same chain of tiny ops on a plain tensor and on a replicated DTensor;
-    records into ``out["dispatch"]``."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
-    torch, device = r.torch, r.device
-    mesh = DeviceMesh(device.type, list(range(r.world)))
-    plain = torch.ones(64, device=device, requires_grad=True)
-    dtensor = distribute_tensor(torch.ones(64, device=device), mesh, [Replicate()])
-    dtensor.requires_grad_()
-    out["dispatch"] = {"ops": DISPATCH_CHAIN + 1, "plain": {}, "dtensor": {}}
-    return [_Item(f"dispatch {kind}", (lambda x: lambda: _chain(x))(x), min_rep_s, False, out["dispatch"][kind])
-            for kind, x in (("plain", plain), ("dtensor", dtensor))]
-
-
-def _kernel_items(r: _Rank, spec: dict[str, Any], min_rep_s: float, out: dict[str, Any]) -> list[_Item]:
+def _kernel_items(r: Rank, spec: dict[str, Any], min_rep_s: float, out: dict[str, Any]) -> list[TimedItem]:
     """The copies, GEMMs and fused attentions of ``spec``; each appends its
     record to ``out["memory"]``, ``out["gemms"]`` or ``out["attention"]``."""
     torch, device = r.torch, r.device
-    items: list[_Item] = []
+    items: list[TimedItem] = []
     for nbytes in spec.get("memory_bytes", ()):
         src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         dst = torch.zeros_like(src)
         rec = {"bytes": 2 * src.numel() * 4, "size": src.numel() * 4}
         out["memory"].append(rec)
-        items.append(_Item(f"copy {nbytes / 2**20:.0f} MiB", (lambda s, d: lambda: d.copy_(s))(src, dst),
+        items.append(TimedItem(f"copy {nbytes / 2**20:.0f} MiB", (lambda s, d: lambda: d.copy_(s))(src, dst),
                            min_rep_s, False, rec))
     gemms = [(g, False) for g in spec.get("gemms", ())]
     gemms += [(g, True) for g in spec.get("unaligned_gemms", ())]
@@ -390,46 +369,48 @@ def _kernel_items(r: _Rank, spec: dict[str, Any], min_rep_s: float, out: dict[st
         rec = {"m": m, "k": k, "n": n, "dtype": dtype_name, "flops": 2 * m * k * n,
                "bytes": elem * (m * k + k * n + m * n), **({"unaligned": True} if unaligned else {})}
         out["gemms"].append(rec)
-        items.append(_Item(f"gemm {m}x{k}x{n}", (lambda x, w, y: lambda: torch.mm(x, w, out=y))(x, w, y),
+        items.append(TimedItem(f"gemm {m}x{k}x{n}", (lambda x, w, y: lambda: torch.mm(x, w, out=y))(x, w, y),
                            min_rep_s, False, rec))
     out["attention"] = []
     for b, h, seq, d, dtype_name in spec.get("attention", ()):
         rec = {"shape": [b, h, seq, d], "dtype": dtype_name,
                "flops": 2.0 * b * h * seq * seq * 2 * d / 2}  # executed forward FLOPs, causal
         out["attention"].append(rec)
-        items.append(_Item(f"attention {b}x{h}x{seq}x{d}", _attention_fn(
+        items.append(TimedItem(f"attention {b}x{h}x{seq}x{d}", _attention_fn(
             torch, device, getattr(torch, _DTYPES[dtype_name]), b, h, seq, d), min_rep_s,
             False, rec))
     return items
 
 
-def _compute_items(r: _Rank, spec: dict[str, Any], out: dict[str, Any],
-                   report: Callable[[str], None]) -> list[_Item]:
+def _compute_items(r: Rank, spec: dict[str, Any], out: dict[str, Any],
+                   report: Callable[[str], None]) -> list[TimedItem]:
     """Every non-collective measurement of ``spec``, in the order they run;
     each records into its place in ``out`` (``report``: see
     :func:`_compiled_call_items`)."""
     torch, device = r.torch, r.device
     min_rep_s = float(spec["compute_min_rep_s"])
-    items: list[_Item] = []
+    items: list[TimedItem] = []
     if spec.get("overhead"):
         a = torch.zeros(1, device=device)
         b = torch.zeros(1, device=device)
         out["overhead"] = {}
-        items.append(_Item("kernel overhead", lambda: torch.add(a, b, out=a), min_rep_s, False, out["overhead"]))
+        items.append(TimedItem("kernel overhead", lambda: torch.add(a, b, out=a), min_rep_s, False, out["overhead"]))
     if spec.get("host"):  # eager PyTorch's host time per op: a host-bound training step
         step, passes = _tiny_training_step(torch, device, spec["host"])
         out["host"] = {"model": spec["host"], "passes": passes}
-        items.append(_Item("host per op", step, min_rep_s, False, out["host"]))
-    if spec.get("dispatch") and r.dist.is_initialized():
-        items += _dispatch_items(r, min_rep_s, out)
+        items.append(TimedItem("host per op", step, min_rep_s, False, out["host"]))
+    for key, steps in (("dispatch", dispatch_steps), ("fsdp_unit", fsdp_unit_steps)):
+        if spec.get(key) and r.dist.is_initialized():  # the distributed runtime's host costs
+            items += [TimedItem(label, fn, min_rep_s, False, record)
+                      for label, fn, record in steps(torch, device, r.world, out)]
     if spec.get("compiled_call"):
         items += _compiled_call_items(r, spec["compiled_call"], int(spec["reps"]), min_rep_s,
                                       out, report)
     return items + _kernel_items(r, spec, min_rep_s, out)
 
 
-def _compiled_call_items(r: _Rank, counts: list[int], reps: int, min_rep_s: float,
-                         out: dict[str, Any], report: Callable[[str], None]) -> list[_Item]:
+def _compiled_call_items(r: Rank, counts: list[int], reps: int, min_rep_s: float,
+                         out: dict[str, Any], report: Callable[[str], None]) -> list[TimedItem]:
     """A compiled region's call with each of ``counts`` parameters
     (:mod:`costmodel.profiling.compiled_call`); records into
     ``out["compiled_call"]``. A region that cannot compile here (no C++
@@ -456,12 +437,12 @@ def _compiled_call_items(r: _Rank, counts: list[int], reps: int, min_rep_s: floa
             return []
         rec = {"params": k}
         records.append(rec)
-        items.append(_Item(f"compiled call of {k} parameters", fn, min_rep_s, False, rec))
+        items.append(TimedItem(f"compiled call of {k} parameters", fn, min_rep_s, False, rec))
     out["compiled_call"] = records
     return items
 
 
-def _collective_groups(r: _Rank, spec: dict[str, Any]) -> list[tuple[int, Any]]:
+def _collective_groups(r: Rank, spec: dict[str, Any]) -> list[tuple[int, Any]]:
     """``(group size, this rank's process group)`` for each of ``spec["group_sizes"]``
     (default: the world; none when ``spec`` has no collectives). The world is
     group None; a smaller size ``g`` splits the world into world/g disjoint
@@ -475,7 +456,7 @@ def _collective_groups(r: _Rank, spec: dict[str, Any]) -> list[tuple[int, Any]]:
     return groups
 
 
-def _supported_kinds(r: _Rank, spec: dict[str, Any], dtype: Any, n_groups: int, unsupported: dict[str, str],
+def _supported_kinds(r: Rank, spec: dict[str, Any], dtype: Any, n_groups: int, unsupported: dict[str, str],
                      report: Callable[[str], None]) -> list[str]:
     """The collectives of ``spec`` the backend runs, in order; each one it
     lacks goes into ``unsupported`` with its error, and its progress steps are
@@ -494,12 +475,12 @@ def _supported_kinds(r: _Rank, spec: dict[str, Any], dtype: Any, n_groups: int, 
     return kinds
 
 
-def _collective_items(r: _Rank, spec: dict[str, Any], dtype: Any, kinds: list[str],
-                      groups: list[tuple[int, Any]], records: list[dict[str, Any]]) -> list[_Item]:
+def _collective_items(r: Rank, spec: dict[str, Any], dtype: Any, kinds: list[str],
+                      groups: list[tuple[int, Any]], records: list[dict[str, Any]]) -> list[TimedItem]:
     """One item per group size, kind and size (bytes rounded down to whole
     elements that split evenly over the group); each appends its record to ``records``."""
     elem = r.torch.tensor([], dtype=dtype).element_size()
-    items: list[_Item] = []
+    items: list[TimedItem] = []
     buffers: dict[int, dict[int, tuple[Any, Any, Any]]] = {}  # group size -> numel -> tensors
     for g, group in groups:
         src = (r.rank // g) * g  # first global rank of this rank's group
@@ -510,15 +491,15 @@ def _collective_items(r: _Rank, spec: dict[str, Any], dtype: Any, kinds: list[st
                 records.append(rec)
                 fn = _collective_fn(kind, numel, g, r.torch, r.dist, r.device, dtype, group, src,
                                     buffers.setdefault(g, {}))
-                items.append(_Item(f"{kind} {numel * elem} B /{g}", fn, float(spec["collective_min_rep_s"]), True, rec))
+                items.append(TimedItem(f"{kind} {numel * elem} B /{g}", fn, float(spec["collective_min_rep_s"]), True, rec))
     return items
 
 
 def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str], None]) -> dict[str, Any]:
     """Join, run the compute measurements, then the collectives, and leave;
     the result dict as the module docstring describes."""
-    r = _join(rank, world, spec)
-    runner = _Runner(r.torch, r.dist, r.device, world, int(spec["reps"]), report)
+    r = join(rank, world, spec)
+    runner = ItemRunner(r.torch, r.dist, r.device, world, int(spec["reps"]), report)
     out: dict[str, Any] = {"overhead": None, "memory": [], "gemms": [], "collectives": [], "unsupported": {}}
     runner.run(_compute_items(r, spec, out, report))
 
@@ -538,10 +519,13 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     return out
 
 
-def run_worker(rank: int, world: int, spec: dict[str, Any], emit: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_worker(rank: int, world: int, spec: dict[str, Any], emit: Callable[[str], None] | None = None,
+               measure: Measure | None = None) -> dict[str, Any]:
     """Measure as rank ``rank`` of ``world``; returns the result (meaningful on rank 0).
 
-    ``emit(label)`` is called on rank 0 after every measurement step.
+    ``emit(label)`` is called on rank 0 after every measurement step;
+    ``measure`` is what the rank runs (default: the measurements of this
+    module's docstring; :mod:`codegen.runtime_probe` gives its own).
     """
     os.environ["OMP_NUM_THREADS"] = str(spec.get("threads", 1))
 
@@ -549,11 +533,13 @@ def run_worker(rank: int, world: int, spec: dict[str, Any], emit: Callable[[str]
         if rank == 0 and emit is not None:
             emit(label)
 
-    return _measure(rank, world, spec, report)
+    return (measure or _measure)(rank, world, spec, report)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m costmodel.profiling.worker SPEC.json RANK WORLD``.
+def main(argv: list[str] | None = None, measure: Measure | None = None,
+         module: str = "costmodel.profiling.worker") -> int:
+    """``python -m costmodel.profiling.worker SPEC.json RANK WORLD`` (or the
+    rank program ``module`` that runs ``measure`` through this same protocol).
 
     Rank 0 prints ``step <label>`` lines on stdout as it goes and writes the
     result JSON to ``spec["result_path"]``. A failing rank prints its
@@ -563,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3:
-        print("usage: python -m costmodel.profiling.worker SPEC.json RANK WORLD", file=sys.stderr)
+        print(f"usage: python -m {module} SPEC.json RANK WORLD", file=sys.stderr)
         return 2
     with open(args[0], encoding="utf-8") as f:
         spec = json.load(f)
@@ -573,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step {label}", flush=True)
 
     try:
-        result = run_worker(rank, world, spec, emit)
+        result = run_worker(rank, world, spec, emit, measure)
     except Exception:  # noqa: BLE001 - reported to the parent through stderr and the exit code
         print(f"rank {rank}: {traceback.format_exc()}", file=sys.stderr, flush=True)
         return 1
@@ -585,12 +571,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    # Leave without the interpreter's teardown: the process group is destroyed
-    # and rank 0's result written by now, and tearing down a native thread that
-    # is still joinable aborts the process ("terminate called without an
-    # active exception"), which would fail a profile that has finished.
-    code = main()
+def serve(measure: Measure | None = None, module: str = "costmodel.profiling.worker") -> None:
+    """Run :func:`main` as this process's program and leave without the
+    interpreter's teardown: the process group is destroyed and rank 0's
+    result written by then, and tearing down a native thread that is still
+    joinable aborts the process ("terminate called without an active
+    exception"), which would fail a measurement that has finished."""
+    code = main(None, measure, module)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    serve()
