@@ -45,7 +45,8 @@ DEFAULT_KERNEL_OVERHEAD = 5e-6
 #: DeviceSpec fields of the runtime's host costs that only ``planner profile``
 #: measures (a compiled region's call, an FSDP2 unit's collective call),
 #: written only where measured
-_MEASURED_ONLY_KEYS = ("compiled_call_overhead", "compiled_param_overhead", "fsdp_call_overhead")
+_MEASURED_ONLY_KEYS = ("compiled_call_overhead", "compiled_param_overhead", "fsdp_call_overhead",
+                       "pipeline_action_overhead")
 #: DeviceSpec fields a cluster file may leave out (their defaults apply)
 _OPTIONAL_DEVICE_KEYS = ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                          "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
@@ -361,6 +362,13 @@ class DeviceSpec:
             layers (:mod:`costmodel.profiling.runtime_costs`); 0 = not
             measured: each pass's collectives pay one latency, as one
             collective (the presets).
+        pipeline_action_overhead: host seconds torch.distributed.pipelining's
+            schedule adds to each action (one micro-batch's forward or
+            backward on a stage): its bookkeeping, and posting and waiting
+            for its sends and receives beyond their priced bytes and latency.
+            Measured by ``planner profile`` on a pipeline of tiny stages
+            (:mod:`costmodel.profiling.runtime_costs`); 0 = not measured (the
+            presets).
         compiled: the plan's program runs through ``torch.compile``
             (inductor) on this device: memory-bound chains fuse into a few
             kernels (:mod:`costmodel.fusion`), and no op pays the eager
@@ -385,6 +393,7 @@ class DeviceSpec:
     compiled_call_overhead: float = 0.0
     compiled_param_overhead: float = 0.0
     fsdp_call_overhead: float = 0.0
+    pipeline_action_overhead: float = 0.0
     compiled: bool = False
 
     def __post_init__(self) -> None:
@@ -397,6 +406,8 @@ class DeviceSpec:
         _need_nonnegative("device.compiled_param_overhead", self.compiled_param_overhead,
                           "seconds")
         _need_nonnegative("device.fsdp_call_overhead", self.fsdp_call_overhead, "seconds")
+        _need_nonnegative("device.pipeline_action_overhead", self.pipeline_action_overhead,
+                          "seconds")
         _need_fraction("device.unaligned_gemm_efficiency", self.unaligned_gemm_efficiency)
         _need_nonnegative("device.attention_half_saturation_flops",
                           self.attention_half_saturation_flops, "FLOPs")

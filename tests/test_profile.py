@@ -258,3 +258,26 @@ def test_planner_profile_quick_end_to_end(tmp_path, capsys):
     assert cluster.device.dispatch_overhead == pytest.approx(
         (run["runtime"]["seconds"] - run["plain"]["seconds"]) / run["passes"])
     assert "the planner's runtime, per op and pass" in text
+    # an FSDP2 unit's collective calls and the pipeline schedule's actions
+    assert cluster.device.fsdp_call_overhead > 0 and "FSDP2 unit call" in text
+    assert prof["fits"]["pipeline_action_overhead"] >= 0 and "pipeline action" in text
+
+
+def test_pipeline_action_overhead_is_recovered_through_the_schedule_model():
+    """A 1F1B step of 4 stages timed as the schedule model gives it with 300
+    us added to each action: the fit finds the 300 us; a step no slower than
+    the model without it gives 0."""
+    from costmodel.profiling.runtime_costs import pipeline_action_overhead
+    from costmodel.schedules.timing import simulate
+
+    link = Link("loopback", 1e9, 1e-4)
+    stages, m, nbytes, plain = 4, 8, 128, 8 * 2 * 20e-6
+    p2p = link.latency + nbytes / link.bandwidth
+    step = simulate("1f1b", stages, m, 20e-6 + 3e-4, 20e-6 + 3e-4, 0.0, p2p, timeline=False).step_time
+    raw = {"pipeline": {"schedule": "1f1b", "stages": stages, "microbatches": m,
+                        "activation_bytes": nbytes, "plain": {"seconds": plain},
+                        "pipelined": {"seconds": step}}}
+    assert pipeline_action_overhead(raw, link) == pytest.approx(3e-4, rel=1e-6)
+    raw["pipeline"]["pipelined"]["seconds"] = 1e-4
+    assert pipeline_action_overhead(raw, link) == 0.0
+    assert pipeline_action_overhead({}, link) is None

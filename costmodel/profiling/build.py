@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -26,6 +27,7 @@ from costmodel.profiling.compiled_call import fit_call_overheads
 from costmodel.profiling.file import PROFILE_FORMAT_VERSION
 from costmodel.profiling.fit import attention_fit, fit_alpha_beta, fit_gemm
 from costmodel.profiling.machine import device_memory_per_rank, machine_info
+from costmodel.profiling.runtime_costs import pipeline_action_overhead
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
 __all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "fsdp_call_overhead",
@@ -263,6 +265,10 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
     links = _fit_links(raw["collectives"], redistribute_records(raw))
     build_cluster = _cpu_cluster if spec["device"] == "cpu" else _gpu_cluster
     cluster = build_cluster(ranks, device, links, raw, device_memory_per_rank(spec["device"], ranks))
+    action = pipeline_action_overhead(raw, cluster.intra_node)
+    if action:
+        cluster = dataclasses.replace(cluster, device=dataclasses.replace(
+            cluster.device, pipeline_action_overhead=action))
     profile = {
         "format": "planner-profile",
         "version": PROFILE_FORMAT_VERSION,
@@ -279,6 +285,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
             "dispatch_overhead": dispatch_overhead(raw),
             "dispatch_measured_on": "the planner's runtime" if raw.get("runtime") else "DTensor",
             "fsdp_call_overhead": fsdp_call_overhead(raw),
+            "pipeline_action_overhead": action,
             **device.compiled_calls,
             "memory_bandwidth": device.memory_bandwidth,
             "gemm": device.gemm,
@@ -291,7 +298,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "spec": {k: v for k, v in spec.items() if k not in ("init_method", "result_path")},
         "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
                                              "redistribute", "redistribute_burst",
-                                             "compiled_call", "dispatch", "runtime", "fsdp_unit")
+                                             "compiled_call", "dispatch", "runtime", "fsdp_unit",
+                                             "pipeline")
                          if k in raw},
     }
     return cluster, profile

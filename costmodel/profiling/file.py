@@ -83,6 +83,9 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         *([("FSDP2 unit call", f"{fits['fsdp_call_overhead'] * 1e6:.1f} us",
             "per collective call of a unit, beyond its bytes")]
           if fits.get("fsdp_call_overhead") is not None else []),
+        *([("pipeline action", f"{fits['pipeline_action_overhead'] * 1e6:.1f} us",
+            "the schedule's own work per forward or backward of a stage")]
+          if fits.get("pipeline_action_overhead") is not None else []),
     ]
     link = fits.get("link")
     if link:

@@ -14,18 +14,30 @@ Two pairs of steps, each timed plain and distributed on every rank at once
   collective calls (its forward's all-gather, its backward's all-gather and
   reduce-scatter) of a few hundred bytes, so the difference is what such a
   call costs beyond the bytes it moves: FSDP2's hooks, the set-up of its
-  copies and the collective's latency (``DeviceSpec.fsdp_call_overhead``).
+  copies and the collective's latency (``DeviceSpec.fsdp_call_overhead``);
+* ``pipeline``: a step of torch.distributed.pipelining's 1F1B schedule over
+  one stage of a tiny linear layer a rank, :data:`PIPELINE_MICROBATCHES` micro-batches,
+  and (plain) the same micro-batches' forwards and backwards of the rank's
+  layer: the schedule's own work per action (its bookkeeping, posting and
+  waiting for its sends and receives), fitted through the schedule's timing
+  model (``DeviceSpec.pipeline_action_overhead``,
+  :func:`costmodel.profiling.build.pipeline_action_overhead`).
 
-Each function returns ``(label, step, record)`` triples for the worker to
-time; ``record`` is the dict (inside ``out``) the timing goes into.
+Each function takes the worker's :class:`costmodel.profiling.worker.Rank`
+and returns ``(label, step, record)`` triples for it to time; ``record`` is
+the dict (inside ``out``) the timing goes into.
 Units: seconds.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
-__all__ = ["DISPATCH_CHAIN", "FSDP_CALLS_PER_UNIT", "FSDP_UNITS", "dispatch_steps", "fsdp_unit_steps"]
+from costmodel.cluster import Link
+from costmodel.schedules.timing import simulate
+
+__all__ = ["DISPATCH_CHAIN", "FSDP_CALLS_PER_UNIT", "FSDP_UNITS", "PIPELINE_MICROBATCHES",
+           "dispatch_steps", "fsdp_unit_steps", "pipeline_action_overhead", "pipeline_steps"]
 
 #: Elementwise ops in the dispatch chain (plus the final sum).
 DISPATCH_CHAIN = 16
@@ -37,8 +49,12 @@ FSDP_UNITS = 8
 #: all-gather, the backward's all-gather and reduce-scatter.
 FSDP_CALLS_PER_UNIT = 3
 
-#: Features of each measured FSDP2 unit's linear layer (its parameters: a few KiB).
-_FSDP_FEATURES = 16
+#: Features of each measured FSDP2 unit's and pipeline stage's linear layer
+#: (its parameters: a few KiB).
+_FEATURES = 16
+
+#: Micro-batches of the measured pipeline step.
+PIPELINE_MICROBATCHES = 8
 
 Steps = list[tuple[str, Callable[[], Any], dict[str, Any]]]
 
@@ -51,13 +67,14 @@ def _chain(x: Any) -> None:
     y.sum().backward()
 
 
-def dispatch_steps(torch: Any, device: Any, world: int, out: dict[str, Any]) -> Steps:
+def dispatch_steps(r: Any, out: dict[str, Any]) -> Steps:
     """The same chain of tiny ops on a plain tensor and on a replicated
-    DTensor over ``world`` ranks; records into ``out["dispatch"]``."""
+    DTensor over all ranks; records into ``out["dispatch"]``."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    mesh = DeviceMesh(device.type, list(range(world)))
+    torch, device = r.torch, r.device
+    mesh = DeviceMesh(device.type, list(range(r.world)))
     plain = torch.ones(64, device=device, requires_grad=True)
     dtensor = distribute_tensor(torch.ones(64, device=device), mesh, [Replicate()])
     dtensor.requires_grad_()
@@ -66,7 +83,7 @@ def dispatch_steps(torch: Any, device: Any, world: int, out: dict[str, Any]) -> 
             for kind, x in (("plain", plain), ("dtensor", dtensor))]
 
 
-def _training_step(torch: Any, model: Any, x: Any) -> Callable[[], None]:
+def _training_step(model: Any, x: Any) -> Callable[[], None]:
     """Forward and backward of ``model`` on ``x``, its gradients dropped after."""
     def step() -> None:
         model(x).sum().backward()
@@ -75,25 +92,89 @@ def _training_step(torch: Any, model: Any, x: Any) -> Callable[[], None]:
     return step
 
 
-def fsdp_unit_steps(torch: Any, device: Any, world: int, out: dict[str, Any]) -> Steps:
+def fsdp_unit_steps(r: Any, out: dict[str, Any]) -> Steps:
     """:data:`FSDP_UNITS` tiny linear layers, plain and as FSDP2 units over
-    ``world`` ranks; records into ``out["fsdp_unit"]``."""
+    all ranks; records into ``out["fsdp_unit"]``."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = DeviceMesh(device.type, list(range(world)))
+    torch, device = r.torch, r.device
+    mesh = DeviceMesh(device.type, list(range(r.world)))
 
     def layers() -> Any:
         torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Linear(_FSDP_FEATURES, _FSDP_FEATURES)
+        return torch.nn.Sequential(*[torch.nn.Linear(_FEATURES, _FEATURES)
                                      for _ in range(FSDP_UNITS)]).to(device)
 
     plain, sharded = layers(), layers()
     for layer in sharded:
         fully_shard(layer, mesh=mesh)
     fully_shard(sharded, mesh=mesh)
-    x = torch.ones(8, _FSDP_FEATURES, device=device)
+    x = torch.ones(8, _FEATURES, device=device)
     out["fsdp_unit"] = {"units": FSDP_UNITS, "calls_per_unit": FSDP_CALLS_PER_UNIT,
                         "plain": {}, "sharded": {}}
-    return [(f"fsdp2 units {kind}", _training_step(torch, model, x), out["fsdp_unit"][kind])
+    return [(f"fsdp2 units {kind}", _training_step(model, x), out["fsdp_unit"][kind])
             for kind, model in (("plain", plain), ("sharded", sharded))]
+
+
+def pipeline_steps(r: Any, out: dict[str, Any]) -> Steps:
+    """A 1F1B step over one stage of a tiny linear layer a rank, and the same
+    micro-batches through the rank's layer plainly; records into
+    ``out["pipeline"]``."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch, device, world, rank = r.torch, r.device, r.world, r.rank
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(_FEATURES, _FEATURES).to(device)
+    m, rows = PIPELINE_MICROBATCHES, 2
+    batch = torch.ones(m * rows, _FEATURES, device=device)
+    stage = PipelineStage(layer, rank, world, device)
+    schedule = Schedule1F1B(stage, m, loss_fn=lambda y, _target: y.sum())
+
+    def pipelined() -> None:
+        if rank == 0:
+            schedule.step(batch)
+        elif rank == world - 1:
+            schedule.step(target=batch)
+        else:
+            schedule.step()
+        layer.zero_grad(set_to_none=True)
+
+    def plain() -> None:
+        for x in batch.chunk(m):
+            layer(x.requires_grad_()).sum().backward()
+        layer.zero_grad(set_to_none=True)
+
+    out["pipeline"] = {"schedule": "1f1b", "stages": world, "microbatches": m,
+                       "activation_bytes": rows * _FEATURES * batch.element_size(),
+                       "plain": {}, "pipelined": {}}
+    return [("pipeline plain", plain, out["pipeline"]["plain"]),
+            ("pipeline 1f1b", pipelined, out["pipeline"]["pipelined"])]
+
+
+def pipeline_action_overhead(raw: Mapping[str, Any], link: Link) -> float | None:
+    """Seconds the pipeline schedule adds to each action, from the
+    ``pipeline`` measurement: the ``c`` for which the schedule's timing model
+    (:func:`costmodel.schedules.timing.simulate`), each forward and backward
+    its plain share of the measured layer's time plus ``c`` and each send
+    ``link``'s latency and bytes, gives the measured step (0 where the model
+    without it is already as slow); None when it was not measured."""
+    pipe = raw.get("pipeline")
+    if not pipe or "seconds" not in pipe.get("plain", {}) or "seconds" not in pipe.get("pipelined", {}):
+        return None
+    stages, m = pipe["stages"], pipe["microbatches"]
+    action = pipe["plain"]["seconds"] / (2 * m)
+    p2p = link.latency + pipe["activation_bytes"] / link.bandwidth
+
+    def step(c: float) -> float:
+        return simulate(pipe["schedule"], stages, m, action + c, action + c, 0.0, p2p,
+                        timeline=False).step_time
+
+    measured = pipe["pipelined"]["seconds"]
+    low, high = 0.0, measured
+    if step(low) >= measured:
+        return 0.0
+    for _ in range(60):  # step() grows with c: bisect
+        mid = (low + high) / 2
+        low, high = (mid, high) if step(mid) < measured else (low, mid)
+    return (low + high) / 2

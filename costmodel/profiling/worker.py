@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from costmodel.host_allocator import keep_freed_host_memory
-from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps
+from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps, pipeline_steps
 
 __all__ = ["COLLECTIVE_KINDS", "ItemRunner", "Measure", "Rank", "TimedItem", "count_steps", "join", "main",
            "run_worker", "serve"]
@@ -80,7 +80,7 @@ _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 def count_steps(spec: dict[str, Any]) -> int:
     """Progress steps :func:`run_worker` reports for ``spec``: one per item and pass."""
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
-             + 2 * int(bool(spec.get("fsdp_unit")))
+             + 2 * int(bool(spec.get("fsdp_unit"))) + 2 * int(bool(spec.get("pipeline")))
              + int(bool(spec.get("host"))) + len(spec.get("compiled_call", ()))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
@@ -399,10 +399,11 @@ def _compute_items(r: Rank, spec: dict[str, Any], out: dict[str, Any],
         step, passes = _tiny_training_step(torch, device, spec["host"])
         out["host"] = {"model": spec["host"], "passes": passes}
         items.append(TimedItem("host per op", step, min_rep_s, False, out["host"]))
-    for key, steps in (("dispatch", dispatch_steps), ("fsdp_unit", fsdp_unit_steps)):
+    for key, steps in (("dispatch", dispatch_steps), ("fsdp_unit", fsdp_unit_steps),
+                       ("pipeline", pipeline_steps)):
         if spec.get(key) and r.dist.is_initialized():  # the distributed runtime's host costs
             items += [TimedItem(label, fn, min_rep_s, False, record)
-                      for label, fn, record in steps(torch, device, r.world, out)]
+                      for label, fn, record in steps(r, out)]
     if spec.get("compiled_call"):
         items += _compiled_call_items(r, spec["compiled_call"], int(spec["reps"]), min_rep_s,
                                       out, report)

@@ -32,7 +32,7 @@ from planner.search.context import SearchContext
 from planner.search.cp_search import context_parallel_seconds, cp_link, kv_buffer_bound
 from planner.search.finalists import ExactPipeline, assemble
 from planner.search.microbatch_programs import MicrobatchProgram
-from planner.search.pipeline_search import p2p_seconds, simulate_step
+from planner.search.pipeline_search import p2p_seconds, schedule_action_s, simulate_step
 from planner.search.plan_assembly import build_plan
 from planner.search.settings import SearchSettings
 from planner.search.stage_dp import (PipelineCandidate, StageMeshOption, StageTimes,
@@ -140,7 +140,8 @@ def pipeline_plan(model: torch.nn.Module, cluster: Cluster, cfg: MegatronConfig,
     results = [solved[s] for s in range(len(bounds))]
     times, held = _chunk_times(results, ctx, mesh, cfg, stage_cluster, link)
     p2p = p2p_seconds(prog, bounds, mesh, cluster)
-    step, bubble = simulate_step(cfg.schedule, cfg.pp, m, v, times, p2p, ctx.schedule_book)
+    step, bubble = simulate_step(cfg.schedule, cfg.pp, m, v, times, p2p, ctx.schedule_book,
+                                 schedule_action_s(cfg.schedule, cluster))
     cand = PipelineCandidate(cfg.pp, v, mesh, cfg.schedule, m, None, step, bubble, sum(p2p))
     exact = ExactPipeline(cand, prog, bounds, results, times, chunks.copies, step, bubble, p2p)
     plan = assemble(exact, ctx, lambda r, c: build_plan(r, c, info, training),

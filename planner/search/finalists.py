@@ -22,7 +22,8 @@ from planner.search.stage_dp import PipelineCandidate, StageTimes
 from planner.ilp.solve import InfeasibleError
 from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError
 from planner.search.microbatch_programs import MicrobatchProgram
-from planner.search.pipeline_search import accumulates, p2p_seconds, simulate_step, stage_in_flight
+from planner.search.pipeline_search import (accumulates, p2p_seconds, schedule_action_s, simulate_step,
+                                            stage_in_flight)
 from plan.format import PipelinePlan, Plan, SolverReport, StagePlan, training_precision
 from planner.search.context import SearchContext
 from planner.search.phase_runner import Phase, PhaseTask
@@ -109,7 +110,8 @@ def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: Microbatc
         times = [ctx.pricing.times_of(r, cand.mesh) for r in results]
     p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.settings.cluster)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
-                                 cand.stages_per_rank, times, p2p, ctx.schedule_book)
+                                 cand.stages_per_rank, times, p2p, ctx.schedule_book,
+                                 schedule_action_s(cand.schedule, ctx.settings.cluster))
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
 
 
@@ -316,12 +318,14 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
         rank = s2r[s]
         ranks = list(range(rank * cand.mesh.size, (rank + 1) * cand.mesh.size))
         t = exact.times[s]
+        action = schedule_action_s(cand.schedule, ctx.settings.cluster)
         stages.append(StagePlan(
             index=s, pp_rank=rank, layers=[l.name for l in prog.layers[a:b]],
             nodes=[op for l in prog.layers[a:b] for op in l.ops], ranks=ranks,
             inputs=inputs, outputs=outputs, checkpoint=list(r.checkpointed),
             zero_stage=cand.mesh.zero_stage, zero_axis=0 if cand.mesh.zero_stage else None,
-            predicted={"forward_s": t.forward_s, "backward_input_s": t.backward_input_s,
+            predicted={"forward_s": t.forward_s + action,
+                       "backward_input_s": t.backward_input_s + action,
                        "backward_weight_s": t.backward_weight_s, "grad_sync_s": t.grad_sync_s,
                        "update_s": t.update_s,
                        "in_flight_microbatches": exact.copies[s],

@@ -50,14 +50,23 @@ def stage_in_flight(schedule: str, pp: int, m: int, v: int,
     return [1.0] if schedule == NO_PIPELINE else in_flight(schedule, pp, m, v, book)
 
 
+def schedule_action_s(schedule: str, cluster: Cluster) -> float:
+    """Seconds torch.distributed.pipelining's schedule adds to each forward
+    and backward of a stage under ``schedule`` on ``cluster``
+    (``DeviceSpec.pipeline_action_overhead``; none without a schedule)."""
+    return 0.0 if schedule == NO_PIPELINE else cluster.device.pipeline_action_overhead
+
+
 def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
-                  p2p: list[float], book: ScheduleBook | None = None) -> tuple[float, float]:
+                  p2p: list[float], book: ScheduleBook | None = None,
+                  action_s: float = 0.0) -> tuple[float, float]:
     """(step seconds including the slowest gradient sync and optimizer update,
-    bubble seconds). ``book``: as for :func:`stage_in_flight`."""
+    bubble seconds). ``book``: as for :func:`stage_in_flight`; ``action_s``:
+    :func:`schedule_action_s`, added to each stage's forward and backward."""
     if schedule == NO_PIPELINE:
         return times[0].microbatch_s + times[0].step_end_s, 0.0
-    r = simulate(schedule, pp, m, [t.forward_s for t in times],
-                 [t.backward_input_s for t in times], [t.backward_weight_s for t in times],
+    r = simulate(schedule, pp, m, [t.forward_s + action_s for t in times],
+                 [t.backward_input_s + action_s for t in times], [t.backward_weight_s for t in times],
                  p2p if p2p else 0.0, stages_per_rank=v, timeline=False, book=book)
     end = max(t.step_end_s for t in times)
     return r.step_time + end, r.step_time - max(r.busy)
@@ -402,7 +411,8 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
     if split is None:
         return None
     p2p = p2p_seconds(prog, split.bounds, mesh, ctx.settings.cluster)
-    step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p, ctx.schedule_book)
+    step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p, ctx.schedule_book,
+                                 schedule_action_s(schedule, ctx.settings.cluster))
     return PipelineCandidate(pp, v, mesh, schedule, m, split, step, bubble, sum(p2p))
 
 

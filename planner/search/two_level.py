@@ -37,7 +37,8 @@ from planner.search.finalists import (ExactPipeline, assemble, fastest, set_whol
                                       solve_exact, solve_finalists, split_far_finalists)
 from planner.search.forked_workers import can_fork, run_beside
 from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
-                                            accumulates, refine, search, simulate_step,
+                                            accumulates, refine, schedule_action_s, search,
+                                            simulate_step,
                                             whole_batch_allowed, zero_variants)
 from planner.search.plan_assembly import build_plan, model_record, training_record
 from planner.search.settings import SearchSettings
@@ -453,7 +454,8 @@ def _with_exchange(exact: ExactPipeline, ctx: SearchContext, cp: int, comm_type:
         extra.append(f + b)
         held = max(held, kv)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
-                                 cand.stages_per_rank, times, exact.p2p, ctx.schedule_book)
+                                 cand.stages_per_rank, times, exact.p2p, ctx.schedule_book,
+                                 schedule_action_s(cand.schedule, ctx.settings.cluster))
     return (dataclasses.replace(exact, times=times, step_time_s=step, bubble_s=bubble),
             {"comm_type": comm_type, "kv_buffer_bytes": held,
              "exchange_s_per_microbatch": extra})
