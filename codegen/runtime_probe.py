@@ -31,6 +31,7 @@ from costmodel.cluster import Cluster
 from costmodel.compute import dispatch_passes
 from costmodel.profiling import profile_local
 from costmodel.profiling.run import measure
+from costmodel.profiling.runtime_costs import dropping_gradients
 from costmodel.profiling.worker import ItemRunner, Rank, TimedItem, join, serve
 from ir.trace import trace
 from models import zoo
@@ -64,15 +65,6 @@ def probe_plan(model: torch.nn.Module, example_inputs: Any, world: int, backend:
                 training={"dtype": "float32", "precision": "fp32", "reduce_dtype": "float32"})
 
 
-def _training_pass(loss_of_step: Callable[[], torch.Tensor], params: Callable[[], Any]) -> Callable[[], None]:
-    """A forward and backward of one step, its gradients dropped after."""
-    def run() -> None:
-        loss_of_step()
-        for p in params():
-            p.grad = None
-    return run
-
-
 def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str], None]) -> dict[str, Any]:
     """Time the runtime's step and the plain step (``ItemRunner``'s protocol);
     ``{"runtime": {"model", "passes", "runtime": record, "plain": record}}``."""
@@ -87,9 +79,9 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     torch.manual_seed(0)
     plain, plain_inputs = zoo.build(name, device=str(r.device))
     out = {"model": name, "passes": passes, "runtime": {}, "plain": {}}
-    items = [TimedItem("runtime step", _training_pass(lambda: parallel.step(*inputs), parallel.parameters),
+    items = [TimedItem("runtime step", dropping_gradients(lambda: parallel.step(*inputs), parallel.parameters),
                        spec["min_rep_s"], False, out["runtime"]),
-             TimedItem("plain step", _training_pass(lambda: plain(*plain_inputs).backward(), plain.parameters),
+             TimedItem("plain step", dropping_gradients(lambda: plain(*plain_inputs).backward(), plain.parameters),
                        spec["min_rep_s"], False, out["plain"])]
     ItemRunner(r.torch, r.dist, r.device, world, int(spec["reps"]), report).run(items)
     if r.dist.is_initialized():

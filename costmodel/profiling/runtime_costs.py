@@ -37,7 +37,8 @@ from costmodel.cluster import Link
 from costmodel.schedules.timing import simulate
 
 __all__ = ["DISPATCH_CHAIN", "FSDP_CALLS_PER_UNIT", "FSDP_UNITS", "PIPELINE_MICROBATCHES",
-           "dispatch_steps", "fsdp_unit_steps", "pipeline_action_overhead", "pipeline_steps"]
+           "dispatch_steps", "dropping_gradients", "fsdp_unit_steps", "pipeline_action_overhead",
+           "pipeline_steps"]
 
 #: Elementwise ops in the dispatch chain (plus the final sum).
 DISPATCH_CHAIN = 16
@@ -83,13 +84,14 @@ def dispatch_steps(r: Any, out: dict[str, Any]) -> Steps:
             for kind, x in (("plain", plain), ("dtensor", dtensor))]
 
 
-def _training_step(model: Any, x: Any) -> Callable[[], None]:
-    """Forward and backward of ``model`` on ``x``, its gradients dropped after."""
-    def step() -> None:
-        model(x).sum().backward()
-        for p in model.parameters():
+def dropping_gradients(step: Callable[[], Any], params: Callable[[], Any]) -> Callable[[], None]:
+    """``step`` (a forward and backward), then every gradient of ``params()``
+    set to None, as a training step's optimizer leaves them."""
+    def run() -> None:
+        step()
+        for p in params():
             p.grad = None
-    return step
+    return run
 
 
 def fsdp_unit_steps(r: Any, out: dict[str, Any]) -> Steps:
@@ -113,8 +115,12 @@ def fsdp_unit_steps(r: Any, out: dict[str, Any]) -> Steps:
     x = torch.ones(8, _FEATURES, device=device)
     out["fsdp_unit"] = {"units": FSDP_UNITS, "calls_per_unit": FSDP_CALLS_PER_UNIT,
                         "plain": {}, "sharded": {}}
-    return [(f"fsdp2 units {kind}", _training_step(model, x), out["fsdp_unit"][kind])
-            for kind, model in (("plain", plain), ("sharded", sharded))]
+    def step(model: Any) -> Callable[[], None]:
+        return dropping_gradients(lambda: model(x).sum().backward(), model.parameters)
+
+    record = out["fsdp_unit"]
+    return [("fsdp2 units plain", step(plain), record["plain"]),
+            ("fsdp2 units sharded", step(sharded), record["sharded"])]
 
 
 def pipeline_steps(r: Any, out: dict[str, Any]) -> Steps:
@@ -138,18 +144,17 @@ def pipeline_steps(r: Any, out: dict[str, Any]) -> Steps:
             schedule.step(target=batch)
         else:
             schedule.step()
-        layer.zero_grad(set_to_none=True)
 
     def plain() -> None:
         for x in batch.chunk(m):
             layer(x.requires_grad_()).sum().backward()
-        layer.zero_grad(set_to_none=True)
 
     out["pipeline"] = {"schedule": "1f1b", "stages": world, "microbatches": m,
                        "activation_bytes": rows * _FEATURES * batch.element_size(),
                        "plain": {}, "pipelined": {}}
-    return [("pipeline plain", plain, out["pipeline"]["plain"]),
-            ("pipeline 1f1b", pipelined, out["pipeline"]["pipelined"])]
+    record = out["pipeline"]
+    return [("pipeline plain", dropping_gradients(plain, layer.parameters), record["plain"]),
+            ("pipeline 1f1b", dropping_gradients(pipelined, layer.parameters), record["pipelined"])]
 
 
 def pipeline_action_overhead(raw: Mapping[str, Any], link: Link) -> float | None:
