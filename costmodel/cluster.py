@@ -43,8 +43,8 @@ BACKENDS = ("nccl", "gloo")
 #: Fixed cost of launching one GPU kernel, seconds (CUDA launch + tail, ~5 us).
 DEFAULT_KERNEL_OVERHEAD = 5e-6
 #: DeviceSpec fields of the runtime's host costs that only ``planner profile``
-#: measures (a compiled region's call, an FSDP2 unit's collective call),
-#: written only where measured
+#: measures (a compiled region's call, an FSDP2 unit's collective call, a
+#: pipeline schedule's action), written only where measured
 _MEASURED_ONLY_KEYS = ("compiled_call_overhead", "compiled_param_overhead", "fsdp_call_overhead",
                        "pipeline_action_overhead")
 #: DeviceSpec fields a cluster file may leave out (their defaults apply)
@@ -355,20 +355,12 @@ class DeviceSpec:
         compiled_param_overhead: host seconds each parameter adds to such a
             call (its guard, and the eager accumulation of its gradient,
             which runs outside the graph). Measured with it; 0 = not priced.
-        fsdp_call_overhead: seconds one collective call of an FSDP2 unit
-            costs beyond the bytes it moves (FSDP2's hooks, the set-up of its
-            copies, the collective's latency): a ZeRO-3 unit makes three a
-            micro-batch. Measured by ``planner profile`` on units of tiny
-            layers (:mod:`costmodel.profiling.runtime_costs`); 0 = not
-            measured: each pass's collectives pay one latency, as one
-            collective (the presets).
-        pipeline_action_overhead: host seconds torch.distributed.pipelining's
-            schedule adds to each action (one micro-batch's forward or
-            backward on a stage): its bookkeeping, and posting and waiting
-            for its sends and receives beyond their priced bytes and latency.
-            Measured by ``planner profile`` on a pipeline of tiny stages
-            (:mod:`costmodel.profiling.runtime_costs`); 0 = not measured (the
-            presets).
+        fsdp_call_overhead: seconds an FSDP2 unit's collective call costs
+            beyond its bytes (hooks, copy set-up, latency; three a ZeRO-3 unit
+            and micro-batch). pipeline_action_overhead: seconds the pipeline
+            schedule adds to each forward or backward of a stage (bookkeeping,
+            its sends' posting and waits). Both measured by ``planner profile``
+            (:mod:`costmodel.profiling.runtime_costs`); 0 = not measured.
         compiled: the plan's program runs through ``torch.compile``
             (inductor) on this device: memory-bound chains fuse into a few
             kernels (:mod:`costmodel.fusion`), and no op pays the eager
@@ -400,14 +392,8 @@ class DeviceSpec:
         _need_name("device.name", self.name)
         if self.attention_efficiency != 0.0:
             _need_fraction("device.attention_efficiency", self.attention_efficiency)
-        _need_nonnegative("device.dispatch_overhead", self.dispatch_overhead, "seconds")
-        _need_nonnegative("device.host_overhead", self.host_overhead, "seconds")
-        _need_nonnegative("device.compiled_call_overhead", self.compiled_call_overhead, "seconds")
-        _need_nonnegative("device.compiled_param_overhead", self.compiled_param_overhead,
-                          "seconds")
-        _need_nonnegative("device.fsdp_call_overhead", self.fsdp_call_overhead, "seconds")
-        _need_nonnegative("device.pipeline_action_overhead", self.pipeline_action_overhead,
-                          "seconds")
+        for key in ("dispatch_overhead", "host_overhead", *_MEASURED_ONLY_KEYS):
+            _need_nonnegative(f"device.{key}", getattr(self, key), "seconds")
         _need_fraction("device.unaligned_gemm_efficiency", self.unaligned_gemm_efficiency)
         _need_nonnegative("device.attention_half_saturation_flops",
                           self.attention_half_saturation_flops, "FLOPs")
@@ -454,8 +440,9 @@ class DeviceSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form, keys in a fixed order; the compiled-call overheads
-        only where measured (non-zero)."""
+        """JSON-ready form, keys in a fixed order; the host costs only
+        ``planner profile`` measures (``_MEASURED_ONLY_KEYS``) only where
+        measured (non-zero)."""
         measured_only = {key: getattr(self, key) for key in _MEASURED_ONLY_KEYS
                          if getattr(self, key)}
         return {
