@@ -50,19 +50,19 @@ class ComputePricing(StrategySettings):
         few factors)."""
         return self._per_shard_factor(node, strategies, self.compute)
 
-    def forward_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
-        """:meth:`forward_time` of ``node`` under each of ``strategies``
-        (each shard factor priced once, as :meth:`compute_each`)."""
-        return self._per_shard_factor(node, strategies, self.forward_time)
-
     def recompute_each(self, node: Node, strategies: Sequence[Strategy]) -> list[float]:
         """Seconds of re-running ``node``'s forward in a checkpointed layer's
         backward, under each of ``strategies``: its kernel (:meth:`forward_time`)
         and the reduction of each output it leaves partial on a mesh axis (a
         row-parallel linear's all-reduce) and an expert-parallel grouped
-        matmul's all-to-alls, which the re-run issues again."""
+        matmul's all-to-alls, which the re-run issues again. In a compiled
+        program a checkpointed layer runs eagerly (torch.compile breaks its
+        graph at ``codegen.checkpointed_layers.checkpointed``): the re-run is
+        eager, and so are the layer's forward and backward
+        (:meth:`eager_excess`)."""
         out = []
-        for t, s in zip(self.forward_each(node, strategies), strategies):
+        for t, s in zip(self._per_shard_factor(node, strategies, self._checkpointed_extra),
+                        strategies):
             t += self.expert_exchange(node, s)[0]
             for info, placements in zip(node.outputs, s.outputs):
                 for a, (p, size) in enumerate(zip(placements or (), self.mesh_shape)):
@@ -111,14 +111,36 @@ class ComputePricing(StrategySettings):
                       self.cluster.device, self.dtype)
         return 2 * one
 
-    def _dispatch(self, node: Node) -> float:
+    def _dispatch(self, node: Node, eager: bool = False) -> float:
         """Host seconds the distributed runtime adds to running the op once
         (none in a compiled program: DTensor's dispatch ran when it was traced;
-        an op the compiled program runs eagerly, between ZeRO-3's units, pays it)."""
-        if node.target == "getitem" or (self.cluster.device.compiled
+        an op the compiled program runs eagerly, between ZeRO-3's units or
+        ``eager``, pays it)."""
+        if node.target == "getitem" or (self.cluster.device.compiled and not eager
                                           and node.name not in self.eager_ops):
             return 0.0
         return self.cluster.device.dispatch_overhead
+
+    def _compiled_op(self, node: Node) -> bool:
+        """Whether ``node`` is an op a compiled program runs in its graphs."""
+        return (self.cluster.device.compiled and node.kind == OP
+                and node.name not in self.eager_ops)
+
+    def eager_excess(self, node: Node, s: Strategy) -> float:
+        """Seconds the op's forward and backward under ``s`` take more when
+        they run eagerly than in the compiled program (0 where the program
+        is not compiled, or runs the op eagerly anyway)."""
+        if not self._compiled_op(node):
+            return 0.0
+        eager = self.forward_time(node, s, eager=True) + sum(self.backward_times(node, s, eager=True))
+        return eager - self.forward_time(node, s) - sum(self.backward_times(node, s))
+
+    def _checkpointed_extra(self, node: Node, s: Strategy) -> float:
+        """Seconds a checkpointed layer adds for ``node``'s kernels: its
+        forward again, and in a compiled program all of it run eagerly."""
+        if not self._compiled_op(node):
+            return self.forward_time(node, s)
+        return self.forward_time(node, s, eager=True) + self.eager_excess(node, s)
 
     def price_context(self, node: Node) -> tuple:
         """What ``node``'s prices depend on beyond its own shapes and
@@ -132,46 +154,48 @@ class ComputePricing(StrategySettings):
                 if node.name in self.requires_grad else None,
                 self.fused_shares.get(node.name))
 
-    def _view_time(self, node: Node) -> float:
+    def _view_time(self, node: Node, eager: bool = False) -> float:
         """Seconds of a view op in one pass: no kernel, but the distributed
         runtime dispatches it (the host's own time to issue it counts in
         :func:`costmodel.compute.host_seconds`)."""
-        return self._dispatch(node)
+        return self._dispatch(node, eager)
 
-    def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
-        """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
+    def backward_times(self, node: Node, s: Strategy, eager: bool = False) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) seconds of the op's backward under
+        ``s``; ``eager``: as the eager runtime runs it, in a compiled program too."""
         if node.kind != OP or node.name not in self.requires_grad:
             return 0.0, 0.0
         if node.is_view:
-            return self._view_time(node), 0.0
+            return self._view_time(node, eager), 0.0
         f = self.shard_factor(s)
         input_grad, weight_grad = backward_kernels(node, self.requires_grad, self.param_derived)
         if node.target == FUSED_ATTENTION:
             b = attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                 self.dtype)[1] if input_grad else 0.0
-            return b + self._dispatch(node), 0.0
-        share = self.fused_shares.get(node.name)
+            return b + self._dispatch(node, eager), 0.0
+        share = None if eager else self.fused_shares.get(node.name)
         if share is not None:  # the backward's chain fuses as the forward's
             one = fused_seconds(share, f, self.cluster.device)
             return input_grad * one, weight_grad * one
         b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                  self.dtype, input_grad=input_grad, weight_grad=weight_grad,
                                  aligned=gemm_aligned(node))
-        return b + self._dispatch(node), w
+        return b + self._dispatch(node, eager), w
 
-    def forward_time(self, node: Node, s: Strategy) -> float:
-        """Seconds of the op's forward alone (what activation checkpointing re-runs)."""
+    def forward_time(self, node: Node, s: Strategy, eager: bool = False) -> float:
+        """Seconds of the op's forward alone (what activation checkpointing
+        re-runs); ``eager``: as the eager runtime runs it, in a compiled program too."""
         if node.kind != OP:
             return 0.0
         if node.is_view:
-            return self._view_time(node)
+            return self._view_time(node, eager)
         f = self.shard_factor(s)
         if node.target == FUSED_ATTENTION:
             return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
-                                    self.dtype)[0] + self._dispatch(node))
-        share = self.fused_shares.get(node.name)
+                                    self.dtype)[0] + self._dispatch(node, eager))
+        share = None if eager else self.fused_shares.get(node.name)
         if share is not None:
             return fused_seconds(share, f, self.cluster.device)
         return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype,
                         aligned=gemm_aligned(node))
-                + self._dispatch(node))
+                + self._dispatch(node, eager))

@@ -136,3 +136,25 @@ def test_ops_between_zero3_units_are_priced_eager(llama_graph):
         elif ns.node.name in cost_0.fused_shares:  # still fused (a chain the loss cut: its part)
             assert ns.node.name in cost_3.fused_shares
             assert cost_3.compute(ns.node, s) < eager.compute(ns.node, s)
+
+
+def test_a_checkpointed_layer_is_priced_eager_in_a_compiled_program(llama_graph):
+    """torch.compile breaks its graph at a checkpointed layer, which then runs
+    eagerly: its re-run is priced as the eager op, plus what the op's own
+    forward and backward cost more eagerly than compiled; without compile the
+    re-run is the forward."""
+    eager = load_cluster("local-cpu:2")
+    cost_e = IntraOpCost(llama_graph, eager, (2,), "float32")
+    cost_c = IntraOpCost(llama_graph, eager.running_compiled(), (2,), "float32")
+    shares = fused_shares(llama_graph)
+    prepared = prepare_intra_op(llama_graph, eager, (2,))
+    fused = next(ns for ns in prepared.strategies if ns.node.name in shares
+                 and ns.node.name in cost_c.requires_grad)
+    node, s = fused.node, fused.strategies[0]
+    assert cost_e.recompute_each(node, [s]) == [pytest.approx(cost_e.forward_time(node, s))]
+    eager_pass = cost_e.forward_time(node, s) + sum(cost_e.backward_times(node, s))
+    compiled_pass = cost_c.forward_time(node, s) + sum(cost_c.backward_times(node, s))
+    assert cost_c.eager_excess(node, s) == pytest.approx(eager_pass - compiled_pass)
+    assert eager_pass > compiled_pass  # a fused op runs as its own kernel, dispatched
+    assert cost_c.recompute_each(node, [s]) == [pytest.approx(
+        cost_e.forward_time(node, s) + eager_pass - compiled_pass)]
