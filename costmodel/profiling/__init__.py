@@ -16,7 +16,11 @@ CUDA the same code uses one GPU per rank, bf16 GEMMs and NCCL):
   CPU, NCCL on GPU) for sizes from 1 KiB to 64 MiB in powers of 4, over all
   ``ranks`` ranks and over the smaller power-of-2 groups a mesh axis can have
   (4 ranks: also two pairs at once, as on a 2x2 mesh; see :func:`group_sizes`);
-  a collective the backend lacks is skipped and recorded.
+  a collective the backend lacks is skipped and recorded;
+* the distributed runtime's host costs (more than one rank): DTensor's
+  dispatch, an FSDP2 unit's collective calls and a pipeline schedule's work
+  per action (:mod:`costmodel.profiling.runtime_costs`); ``probes`` add the
+  planner's own runtime per op (:mod:`codegen.runtime_probe`).
 
 What is fitted:
 
@@ -45,7 +49,11 @@ the module of its step:
 * :mod:`costmodel.profiling.spec`: what is measured (sizes, shapes, groups) and
   :class:`ProfileError`;
 * :mod:`costmodel.profiling.run`: :func:`measure`, running the ranks of
-  :mod:`costmodel.profiling.worker` (one process per rank);
+  :mod:`costmodel.profiling.worker` (one process per rank), or of another rank
+  program of its protocol;
+* :mod:`costmodel.profiling.runtime_costs` and
+  :mod:`costmodel.profiling.compiled_call`: the runtime's host costs and a
+  compiled region's call, measured and fitted;
 * :mod:`costmodel.profiling.fit`: the alpha-beta, GEMM and attention fits;
 * :mod:`costmodel.profiling.build`: raw measurements to a cluster and a profile dict;
 * :mod:`costmodel.profiling.file`: the profile JSON's path, reading, writing and summary;
