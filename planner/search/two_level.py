@@ -33,8 +33,8 @@ from planner.search.context import SearchContext
 from planner.search.cp_search import (CP_MIN_SEQ, context_parallel_inputs,
                                       context_parallel_record, context_parallel_seconds,
                                       cp_link, kv_buffer_bound, search_sizes, sequence_length)
-from planner.search.finalists import (ExactPipeline, assemble, fastest, set_whole_batch_peaks,
-                                      solve_exact, solve_finalists, split_far_finalists)
+from planner.search.finalists import (ExactPipeline, assemble, fastest, solve_exact,
+                                      solve_finalists, split_far_finalists)
 from planner.search.forked_workers import can_fork, run_beside
 from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             accumulates, refine, schedule_action_s, search,
@@ -241,18 +241,18 @@ def _cp_size(plan: Plan) -> int:
     return int(((plan.training or {}).get("context_parallel") or {}).get("size", 1))
 
 
-def _build_plan(result: IntraOpResult, cluster: Cluster, *, info: dict[str, Any],
-                training: dict[str, Any]) -> Plan:
-    return build_plan(result, cluster, info, training)
+def _build_plan(result: IntraOpResult, cluster: Cluster, whole_batch: bool = False, *,
+                info: dict[str, Any], training: dict[str, Any]) -> Plan:
+    return build_plan(result, cluster, info, training, whole_batch)
 
 
 def _assembled(winner: ExactPipeline, ctx: SearchContext,
-               build: Callable[[IntraOpResult, Cluster], Plan]) -> Plan:
-    """The Plan of an exactly solved candidate (a single stage's, or a pipeline's)."""
+               build: Callable[..., Plan]) -> Plan:
+    """The Plan of an exactly solved candidate (a single stage's, whose step
+    runs the whole batch at once, or a pipeline's); ``build(result, cluster,
+    whole_batch)`` writes one stage's."""
     if winner.candidate.schedule == NO_PIPELINE:
-        plan = build(winner.results[0], ctx.settings.cluster)
-        set_whole_batch_peaks(winner.results, [plan], ctx.settings.cluster, 0)
-        return plan
+        return build(winner.results[0], ctx.settings.cluster, True)
     return assemble(winner, ctx, build)
 
 
