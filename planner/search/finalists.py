@@ -304,6 +304,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
         set_whole_batch_peaks(exact.results, parts, stage_cluster, cand.mesh.zero_stage)
     elif walk_schedule and walks_schedule(cand):
         set_schedule_peaks(exact, parts, stage_cluster, ctx.schedule_book)
+    action = schedule_action_s(cand.schedule, ctx.settings.cluster)
     stages: list[StagePlan] = []
     for s, (r, part) in enumerate(zip(exact.results, parts)):
         a, b = exact.bounds[s]
@@ -318,7 +319,6 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
         rank = s2r[s]
         ranks = list(range(rank * cand.mesh.size, (rank + 1) * cand.mesh.size))
         t = exact.times[s]
-        action = schedule_action_s(cand.schedule, ctx.settings.cluster)
         stages.append(StagePlan(
             index=s, pp_rank=rank, layers=[l.name for l in prog.layers[a:b]],
             nodes=[op for l in prog.layers[a:b] for op in l.ops], ranks=ranks,
