@@ -32,7 +32,8 @@ from costmodel.compute import dispatch_passes
 from costmodel.profiling import profile_local
 from costmodel.profiling.run import measure
 from costmodel.profiling.runtime_costs import dropping_gradients
-from costmodel.profiling.worker import ItemRunner, Rank, TimedItem, join, serve
+from costmodel.profiling.worker import ItemRunner, Rank, TimedItem, join, serve, timed_steps
+from ir.graph import Graph
 from ir.trace import trace
 from models import zoo
 from plan.format import Plan, SolverReport
@@ -50,11 +51,11 @@ def probe_spec(device: str, backend: str, quick: bool) -> dict[str, Any]:
             "reps": 3 if quick else 7, "min_rep_s": 0.05 if quick else 0.2}
 
 
-def probe_plan(model: torch.nn.Module, example_inputs: Any, world: int, backend: str) -> Plan:
+def probe_plan(model: torch.nn.Module, graph: Graph, world: int, backend: str) -> Plan:
     """A plan that places nothing: every parameter, input and value of
-    ``model``'s program replicated on a mesh of all ``world`` ranks, so each
-    rank runs the whole step through DTensor and no collective moves data."""
-    graph = trace(model, example_inputs)
+    ``model``'s program (``graph``, its capture) replicated on a mesh of all
+    ``world`` ranks, so each rank runs the whole step through DTensor and no
+    collective moves data."""
     record = {"name": PROBE_MODEL, "source": PROBE_MODEL, "class": type(model).__name__,
               "fingerprint": graph.fingerprint(),
               "num_parameters": sum(p.numel() for p in model.parameters())}
@@ -71,8 +72,9 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     r: Rank = join(rank, world, spec)
     name = spec["model"]
     meta_model, meta_inputs = zoo.build(name, device="meta")
-    plan = probe_plan(meta_model, meta_inputs, world, spec["backend"])
-    passes = dispatch_passes(trace(meta_model, meta_inputs))
+    graph = trace(meta_model, meta_inputs)
+    plan = probe_plan(meta_model, graph, world, spec["backend"])
+    passes = dispatch_passes(graph)
     torch.manual_seed(0)
     model, inputs = zoo.build(name, device=str(r.device))
     parallel = parallelize(plan, model, inputs)
@@ -101,7 +103,7 @@ def measure_runtime(ranks: int, device: str, backend: str, quick: bool,
         return {}
     spec = probe_spec(device, backend, quick)
     return measure(spec, ranks, progress=progress, description="timing the runtime",
-                   worker=__name__, steps=2 * (int(spec["reps"]) + 1))
+                   worker=__name__, steps=timed_steps(2, spec))
 
 
 def profile_with_runtime(ranks: int, out_path: str | os.PathLike, *, quick: bool = False,

@@ -65,7 +65,7 @@ from costmodel.host_allocator import keep_freed_host_memory
 from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps, pipeline_steps
 
 __all__ = ["COLLECTIVE_KINDS", "ItemRunner", "Measure", "Rank", "TimedItem", "count_steps", "join", "main",
-           "run_worker", "serve"]
+           "run_worker", "serve", "timed_steps"]
 
 #: Collectives measured, in this order (names as in costmodel.collectives).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -89,6 +89,12 @@ def count_steps(spec: dict[str, Any]) -> int:
              * len(spec.get("group_sizes") or [0])
              + len(spec.get("redistribute", ())) * len(spec.get("sizes", ()))
              + int(bool(spec.get("redistribute") and spec.get("redistribute_burst"))))
+    return timed_steps(items, spec)
+
+
+def timed_steps(items: int, spec: dict[str, Any]) -> int:
+    """Progress steps :class:`ItemRunner` reports for ``items`` items of
+    ``spec``: a warm-up of each, then one per item and pass."""
     return items * (int(spec["reps"]) + 1)
 
 
