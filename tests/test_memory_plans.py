@@ -106,3 +106,21 @@ def test_plan_reports_its_margin_and_warns_near_the_budget(unconstrained, tmp_pa
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("\n") == 1 and "planner: warning: the predicted peak" in out.stderr
+
+
+def test_the_search_fallback_reports_the_whole_batch_peak(monkeypatch):
+    """Where no candidate priced from the layer profiles solves exactly, the
+    search falls back to the best single stage of the whole batch; its plan
+    reports the peak of that whole-batch step (gradients and activations
+    peaking apart), as the same stage planned directly does."""
+    from planner.search import two_level
+
+    monkeypatch.setattr(two_level, "solve_finalists", lambda ctx, cands: [None] * len(cands))
+    model, inputs = build_model("gpt-tiny", device="meta", batch_size=8)
+    kw = dict(example_inputs=inputs, model_source="gpt-tiny", zoo_kwargs={"batch_size": 8})
+    fallback = plan(model, "local-cpu:2", **kw)
+    assert fallback.pipeline is None
+    direct = plan(model, "local-cpu:2", mesh_shape=tuple(fallback.mesh_shape), **kw)
+    memory = fallback.predicted["memory_bytes_per_device"]
+    assert memory == direct.predicted["memory_bytes_per_device"]
+    assert memory["peak"] < memory["total"]

@@ -152,7 +152,7 @@ def search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
         build = functools.partial(_build_plan, info=info, training=training)
         try:
             winner = _search_winner(req, ctx, model, graph)
-            return [build(winner, cluster) if isinstance(winner, IntraOpResult)
+            return [build(winner, cluster, True) if isinstance(winner, IntraOpResult)
                     else _assembled(winner, ctx, build)], []
         except PlanningError as err:
             return [], [err]
