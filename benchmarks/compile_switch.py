@@ -4,17 +4,21 @@ eagerly, both run compiled: does the measured step agree with the switch?
     python -m benchmarks.compile_switch                  # llama-tiny on local-cpu:2
     python -m benchmarks.compile_switch --model gpt-tiny --ranks 2 --steps 10
     python -m benchmarks.compile_switch --cluster local-cpu-2.json   # a profiled cluster
+    python -m benchmarks.compile_switch --cluster local-cpu-2.json --memory-budget-mib 3.5
 
 Plans ``--model`` on ``local-cpu:RANKS`` twice (eager pricing, compiled
 pricing), runs each plan compiled (``training.launch.launch(compile=True)``,
 first step dropped: it compiles) in alternating rounds, and writes
-``benchmarks/results/compile_switch.json``: each plan's layout, predicted
-compiled step (the eager-priced plan re-priced compiled) and measured median.
+``benchmarks/results/compile_switch.json``: each plan's layout, its predicted
+step as the search priced it, its predicted compiled step (the eager pick
+planned again under ``compile=True`` with its layout pinned: mesh, stages,
+micro-batches, ZeRO stage, schedule) and its measured median.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -38,9 +42,28 @@ def _layout(p: Any) -> dict[str, Any]:
     pipe = p.pipeline
     return {"mesh": list(p.mesh_shape),
             "stages": len(pipe.stages) if pipe is not None else 1,
+            "schedule": pipe.schedule if pipe is not None and len(pipe.stages) > 1 else None,
             "microbatches": pipe.num_microbatches if pipe is not None else 1,
             "zero_stage": pipe.zero_stage if pipe is not None else 0,
             "checkpointed": len(p.checkpoint or [])}
+
+
+def _cluster_file(cluster: str) -> dict[str, Any] | None:
+    """The cluster file's contents (a `planner profile` cluster), so that the
+    result says what the plans were priced on; None for a preset."""
+    if not os.path.isfile(cluster):
+        return None
+    with open(cluster) as f:
+        return json.load(f)
+
+
+def _pinned(p: Any) -> dict[str, Any]:
+    """Plan options that make the search give ``p``'s layout again."""
+    pipe = p.pipeline
+    if pipe is None:
+        return {"mesh_shape": tuple(p.mesh_shape), "num_microbatches": (1,), "zero_stages": (0,)}
+    return {"pp": (len(pipe.stages),), "schedules": (pipe.schedule,),
+            "num_microbatches": (pipe.num_microbatches,), "zero_stages": (pipe.zero_stage,)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", default=None,
                     help="cluster the plans are priced on: a preset or a `planner profile` "
                          "cluster file of RANKS devices (default local-cpu:RANKS)")
+    ap.add_argument("--memory-budget-mib", type=float, default=None,
+                    help="memory per device both searches may use (MiB; default the device's)")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "compile_switch.json"))
     args = ap.parse_args(argv)
     load_before = load_average()
@@ -60,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     model, inputs = build_model(args.model, device="meta", batch_size=args.batch_size)
     kw = dict(example_inputs=inputs, model_source=args.model,
               zoo_kwargs={"batch_size": args.batch_size})
+    if args.memory_budget_mib is not None:
+        kw["memory_budget"] = args.memory_budget_mib * 2**20
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         picked = {"eager": plan(model, cluster, **kw),
@@ -70,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, p in picked.items():
             paths[name] = os.path.join(tmp, f"{name}.json")
             p.with_compile(True).save(paths[name])
+            compiled = p if name == "compiled" else plan(model, cluster, compile=True,
+                                                         **kw, **_pinned(p))
             rows[name] = {"layout": _layout(p), "predicted_as_priced_s": p.predicted["step_time_s"],
+                          "predicted_compiled_s": compiled.predicted["step_time_s"],
                           "steps_s": []}
         for _ in range(args.rounds):
             for name, path in paths.items():
@@ -81,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     faster_measured = min(rows, key=lambda k: rows[k]["measured_median_s"])
     result = {"benchmark": "compile_switch", "machine": machine_block(load_before),
               "model": args.model, "cluster": cluster, "batch_size": args.batch_size,
+              "memory_budget_mib": args.memory_budget_mib,
+              "profiled_cluster": _cluster_file(cluster),
               "plans": rows, "same_layout": rows["eager"]["layout"] == rows["compiled"]["layout"],
               "faster_measured": faster_measured,
               "switch_agrees": faster_measured == "compiled"
@@ -88,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
               "load_after": load_average()}
     return report_results(args.output, result, [
         f"{name:9s} {row['layout']}  measured {row['measured_median_s'] * 1e3:.1f} ms "
-        f"(predicted as priced {row['predicted_as_priced_s'] * 1e3:.1f} ms)"
+        f"(predicted as priced {row['predicted_as_priced_s'] * 1e3:.1f} ms, "
+        f"compiled {row['predicted_compiled_s'] * 1e3:.1f} ms)"
         for name, row in rows.items()])
 
 
