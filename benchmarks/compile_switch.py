@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                          "cluster file of RANKS devices (default local-cpu:RANKS)")
     ap.add_argument("--memory-budget-mib", type=float, default=None,
                     help="memory per device both searches may use (MiB; default the device's)")
+    ap.add_argument("--pp", default=None,
+                    help="pipeline sizes both searches may use, e.g. 1 (default: any)")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "compile_switch.json"))
     args = ap.parse_args(argv)
     load_before = load_average()
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
               zoo_kwargs={"batch_size": args.batch_size})
     if args.memory_budget_mib is not None:
         kw["memory_budget"] = args.memory_budget_mib * 2**20
+    if args.pp is not None:
+        kw["pp"] = tuple(int(x) for x in args.pp.split(","))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         picked = {"eager": plan(model, cluster, **kw),
@@ -98,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             paths[name] = os.path.join(tmp, f"{name}.json")
             p.with_compile(True).save(paths[name])
             compiled = p if name == "compiled" else plan(model, cluster, compile=True,
-                                                         **kw, **_pinned(p))
+                                                         **{**kw, **_pinned(p)})
             rows[name] = {"layout": _layout(p), "predicted_as_priced_s": p.predicted["step_time_s"],
                           "predicted_compiled_s": compiled.predicted["step_time_s"],
                           "steps_s": []}
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     faster_measured = min(rows, key=lambda k: rows[k]["measured_median_s"])
     result = {"benchmark": "compile_switch", "machine": machine_block(load_before),
               "model": args.model, "cluster": cluster, "batch_size": args.batch_size,
-              "memory_budget_mib": args.memory_budget_mib,
+              "memory_budget_mib": args.memory_budget_mib, "pp": args.pp,
               "profiled_cluster": _cluster_file(cluster),
               "plans": rows, "same_layout": rows["eager"]["layout"] == rows["compiled"]["layout"],
               "faster_measured": faster_measured,
