@@ -77,7 +77,8 @@ def test_boundaries_pass_user_inputs_through_to_the_loss(gpt_graph):
 
 
 _times = st.builds(StageTimes, *(st.floats(0.0, 10.0) for _ in range(4)),
-                   st.floats(0.0, 100.0), st.floats(0.0, 50.0))
+                   st.floats(0.0, 100.0), st.floats(0.0, 50.0),
+                   transient_bytes=st.floats(0.0, 80.0))
 
 
 @settings(max_examples=150, deadline=None)
@@ -101,6 +102,18 @@ def test_stage_dp_equals_exhaustive_enumeration(data, num_layers, levels, m):
         assert [b - a for a, b in dp.bounds] and sum(b - a for a, b in dp.bounds) == num_layers
         for (a, b), s_times, s in zip(dp.bounds, dp.times, range(stages)):
             assert s_times.memory(copies[s]) <= budget * (1 + 1e-12)
+
+
+def test_a_stage_holds_the_largest_backward_transient_of_its_layers():
+    """Layers' states and activations add up into a stage, their backward
+    transients do not: the stage holds one at a time, its largest (as its own
+    intra-op solve counts it), so two layers fit where the sum would not."""
+    layer = StageTimes(1.0, 2.0, 0.0, 0.0, state_bytes=100.0, activation_bytes=10.0,
+                       transient_bytes=50.0)
+    assert (layer + layer).memory(2.0) == 200.0 + 2 * 20.0 + 50.0
+    split = split_layers(lambda i, lv: layer, 2, 1, 1, [2.0], budget=300.0)
+    assert split is not None and split.times[0].memory(2.0) == 290.0
+    assert split_layers(lambda i, lv: layer, 2, 1, 1, [2.0], budget=289.0) is None
 
 
 def test_in_flight_follows_the_schedule():
@@ -378,6 +391,7 @@ def test_one_stage_accumulates_microbatches_when_the_whole_batch_does_not_fit(de
     assert got.pipeline is not None and got.pipeline.pp == 1
     assert got.pipeline.schedule == "1f1b" and got.pipeline.num_microbatches > 1
     assert got.predicted["memory_bytes_per_device"]["total"] <= budget
+    assert got.predicted["memory_bytes_per_device"]["peak"] <= budget
 
 
 def test_plan_returns_a_pipeline_when_asked_and_the_same_one_twice():

@@ -29,7 +29,7 @@ from planner.search.microbatch_programs import (MicrobatchProgram, MicrobatchPro
 from planner.search.phase_runner import Phase, SearchExecutor, default_executor
 from planner.search.search_caches import SearchCaches, pricing_scope, profile_key, reference_key
 from planner.search.settings import SearchSettings
-from planner.search.stage_dp import LayerProfile, StageMeshOption, StageTimes
+from planner.search.stage_dp import ZERO_TIMES, LayerProfile, StageMeshOption, StageTimes
 from planner.search.stage_pricing import StagePricing
 from planner.search.stage_reuse import moved_result, total_memory
 
@@ -187,13 +187,13 @@ class SearchContext:
         """Whether the layers' fastest profile points fit ``budget`` bytes with
         ``copies`` in-flight micro-batches (True when a layer has no profile):
         where they do not, solving the stage without a budget is not worth it."""
-        total = 0.0
+        total = ZERO_TIMES
         for i in range(first, end):
             prof = self.caches.profiles.get(profile_key(prog, i, mesh))
             if prof is None or not prof.points:
                 return True
-            total += prof.points[0].memory(copies)
-        return total <= budget
+            total = total + prof.points[0]
+        return total.memory(copies) <= budget
 
     def stage_graph(self, prog: MicrobatchProgram, first: int, end: int) -> Graph:
         """The sub-graph of layers ``first .. end - 1``, made once per program."""

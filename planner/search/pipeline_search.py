@@ -320,7 +320,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                 for zero in zero_stages_priced(allowed, ctx.settings.dtype, ctx.settings.optimizer,
                                                c.mesh.shape[0])]
 
-    per_group = [[v for c in [c for c in ranked if eligible(c)][:ZERO_CANDIDATES]
+    per_group = [[v for c in _leading_pairs([c for c in ranked if eligible(c)])
                   for v in variants(c)] for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (
@@ -333,6 +333,19 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
         out.append(variants)
         start += len(group)
     return out
+
+
+def _leading_pairs(ranked: list[PipelineCandidate]) -> list[PipelineCandidate]:
+    """The fastest candidate of each of the first :data:`ZERO_CANDIDATES`
+    (stage mesh, micro-batches) pairs of ``ranked``: the schedules of one pair
+    gain alike from ZeRO, so the variants cover as many configurations as
+    they can instead of one configuration's schedules."""
+    best: dict[tuple, PipelineCandidate] = {}
+    for c in ranked:
+        if len(best) == ZERO_CANDIDATES:
+            break
+        best.setdefault((c.mesh.key, c.pp, c.stages_per_rank, c.num_microbatches), c)
+    return list(best.values())
 
 
 def _zero_variant_schedule(c: PipelineCandidate) -> tuple[int, int, str, int]:

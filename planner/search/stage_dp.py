@@ -27,10 +27,11 @@ world mesh is ``[pp] + stage mesh``, which is what the code generator runs):
 
 from __future__ import annotations
 
+
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -61,8 +62,11 @@ class StageTimes:
     ``backward_weight_s``; per step ``grad_sync_s`` (parameter-gradient
     reduction) and ``update_s`` (the optimizer's update and the mixed-precision
     casts of the parameters). ``state_bytes`` (parameters, gradients, optimizer
-    states) and ``activation_bytes`` (one micro-batch's saved activations) per
-    device."""
+    states), ``activation_bytes`` (one micro-batch's saved activations) and
+    ``transient_bytes`` (the largest gradient its backward holds beside them,
+    :meth:`costmodel.strategy_memory.StrategyMemory.backward_transient`) per
+    device. Layers add up into a stage, but for their transients: the stage
+    holds one at a time, its largest, as its own intra-op solve counts it."""
 
     forward_s: float
     backward_input_s: float
@@ -71,6 +75,7 @@ class StageTimes:
     state_bytes: float
     activation_bytes: float
     update_s: float = 0.0
+    transient_bytes: float = 0.0
 
     @property
     def microbatch_s(self) -> float:
@@ -88,12 +93,14 @@ class StageTimes:
 
     def memory(self, copies: float) -> float:
         """Bytes per device with ``copies`` micro-batches in flight."""
-        return self.state_bytes + copies * self.activation_bytes
+        return self.state_bytes + copies * self.activation_bytes + self.transient_bytes
 
     def __add__(self, other: "StageTimes") -> "StageTimes":
-        return StageTimes(*(a + b for a, b in zip(self._values(), other._values())))
+        return StageTimes(*(a + b for a, b in zip(self._values(), other._values())),
+                          transient_bytes=max(self.transient_bytes, other.transient_bytes))
 
     def _values(self) -> tuple[float, ...]:
+        """The fields that add up over layers, in field order."""
         return (self.forward_s, self.backward_input_s, self.backward_weight_s, self.grad_sync_s,
                 self.state_bytes, self.activation_bytes, self.update_s)
 
@@ -187,8 +194,9 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
         b, w = b + w, 0.0
     memory = result.memory
     activations = memory.get("activations", 0.0)
-    state = sum(v for k, v in memory.items() if k != "activations")
-    return StageTimes(f, b, w, sync, state, activations, update)
+    transient = memory.get("backward_transient", 0.0)
+    state = sum(v for k, v in memory.items() if k not in ("activations", "backward_transient"))
+    return StageTimes(f, b, w, sync, state, activations, update, transient)
 
 
 def layer_signature(graph: Graph, layer: PipelineLayer) -> str:
@@ -366,7 +374,7 @@ def split_layers(layer_times: Callable[[int, int], StageTimes], num_layers: int,
         total, nxt = found
         objective = total + (m - 1) * t_max
         if best is None or objective < best.objective_s - 1e-15:
-            best = _split_result(prefix, level, nxt, objective)
+            best = _split_result(prefix, layers, level, nxt, objective)
     return best
 
 
@@ -406,6 +414,10 @@ def _stage_costs(layers: list[list[StageTimes]], prefix: list[list[StageTimes]],
     state, activations = np.zeros_like(d[..., 4]), np.zeros_like(d[..., 5])
     state[:, :L, 1:] = np.cumsum(np.where(upper, layer[:, None, :, 4], 0.0), axis=2)
     activations[:, :L, 1:] = np.cumsum(np.where(upper, layer[:, None, :, 5], 0.0), axis=2)
+    # the largest transient of layers i..j (transients are never negative)
+    transient = np.zeros_like(state)
+    transient[:, :L, 1:] = np.maximum.accumulate(
+        np.where(upper, _transients(layers)[:, None, :], 0.0), axis=2)
     ranges = _ranges(L)[2]
     cost = np.full((num_stages, L + 1, L + 1), math.inf)
     level = np.zeros((num_stages, L + 1, L + 1), dtype=np.int64)
@@ -417,11 +429,16 @@ def _stage_costs(layers: list[list[StageTimes]], prefix: list[list[StageTimes]],
             continue
         open_ = ranges.copy()
         for lv in range(levels):
-            fits = open_ & (state[lv] + copies[s] * activations[lv] <= budget)
+            fits = open_ & (state[lv] + copies[s] * activations[lv] + transient[lv] <= budget)
             cost[s][fits] = seconds[lv][fits]
             level[s][fits] = lv
             open_ &= ~fits
     return cost, level, sorted(set(done.values()))
+
+
+def _transients(layers: list[list[StageTimes]]) -> np.ndarray:
+    """``levels x L``: each layer's ``transient_bytes`` at each level."""
+    return np.array([[t.transient_bytes for t in row] for row in layers])
 
 
 def _ranges(num_layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -497,17 +514,19 @@ def _least_feasible(allowed: np.ndarray, candidates: list[float]) -> int:
     return lo
 
 
-def _split_result(prefix: list[list[StageTimes]], level: np.ndarray, nxt: list[np.ndarray],
-                  objective: float) -> SplitResult:
+def _split_result(prefix: list[list[StageTimes]], layers: list[list[StageTimes]],
+                  level: np.ndarray, nxt: list[np.ndarray], objective: float) -> SplitResult:
     """The cut :func:`_least_sum` chose (``nxt``), from layer 0 on, with
-    each stage's level and times."""
+    each stage's level and times (the sums of its layers', ``prefix``, and
+    the largest of their transients, ``layers``)."""
     bounds, i = [], 0
     for s in range(len(nxt)):
         j = int(nxt[s][i])
         bounds.append((i, j))
         i = j
     lv = [int(level[s, a, b]) for s, (a, b) in enumerate(bounds)]
-    times = [_diff(prefix[l][b], prefix[l][a]) for l, (a, b) in zip(lv, bounds)]
+    times = [replace(_diff(prefix[l][b], prefix[l][a]), transient_bytes=max(
+        t.transient_bytes for t in layers[l][a:b])) for l, (a, b) in zip(lv, bounds)]
     return SplitResult(bounds, lv, times, objective)
 
 

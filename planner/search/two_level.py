@@ -33,7 +33,7 @@ from planner.search.context import SearchContext
 from planner.search.cp_search import (CP_MIN_SEQ, context_parallel_inputs,
                                       context_parallel_record, context_parallel_seconds,
                                       cp_link, kv_buffer_bound, search_sizes, sequence_length)
-from planner.search.finalists import (ExactPipeline, assemble, fastest, solve_exact,
+from planner.search.finalists import (ExactPipeline, assemble, fastest, fastest_key, solve_exact,
                                       solve_finalists, split_far_finalists)
 from planner.search.forked_workers import can_fork, run_beside
 from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
@@ -150,10 +150,16 @@ def search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
                                            req.time_limit_s),
                             progress=progress, whole_batch_graph=graph)
         build = functools.partial(_build_plan, info=info, training=training)
+        assembled: dict[int, Plan] = {}
+
+        def fits(exact: ExactPipeline) -> bool:
+            assembled[id(exact)] = _assembled(exact, ctx, build)
+            return assembled[id(exact)].predicted["memory_bytes_per_device"]["peak"] <= budget
+
         try:
-            winner = _search_winner(req, ctx, model, graph)
+            winner = _search_winner(req, ctx, model, graph, fits=fits)
             return [build(winner, cluster, True) if isinstance(winner, IntraOpResult)
-                    else _assembled(winner, ctx, build)], []
+                    else assembled.get(id(winner)) or _assembled(winner, ctx, build)], []
         except PlanningError as err:
             return [], [err]
 
@@ -257,10 +263,12 @@ def _assembled(winner: ExactPipeline, ctx: SearchContext,
 
 
 def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module, graph: Graph,
-                   finish: Callable[[list[ExactPipeline]], list[ExactPipeline]] | None = None
+                   finish: Callable[[list[ExactPipeline]], list[ExactPipeline]] | None = None,
+                   fits: Callable[[ExactPipeline], bool] | None = None
                    ) -> ExactPipeline | IntraOpResult:
     """The fastest exactly solved candidate of the search in ``ctx`` (each
-    passed through ``finish`` first, which may re-price or drop it), or, where
+    passed through ``finish`` first, which may re-price or drop it; the
+    fastest for which ``fits`` holds, where given and any does), or, where
     no candidate has a plan and ``ctx`` has no context parallelism, the best
     single stage of the whole batch ``graph``: only where the request allows
     it (ZeRO 0 and one micro-batch among those asked, or none asked); else a
@@ -294,7 +302,13 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
     # finalists with a stage that has no plan within limits are dropped; those
     # predicted far behind the fastest are solved only if no other has a plan
     close, far = split_far_finalists(finalists)
-    exact = finish([e for e in solve_finalists(ctx, close) if e is not None])
+    solved = solve_finalists(ctx, close)
+    taken = {(c.label(), tuple(c.split.bounds)) for c in finalists}
+    spare = sorted((c for c in accumulating + accumulating_variants
+                    if (c.label(), tuple(c.split.bounds)) not in taken),
+                   key=lambda c: c.step_time_s)
+    exact = finish([e for e in solved if e is not None]
+                   + _next_accumulating(ctx, close, solved, spare))
     if not exact and far:
         exact = finish([e for e in solve_finalists(ctx, far) if e is not None])
     if not exact and pipelines_only:
@@ -317,7 +331,36 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
         least = min(too_big, key=lambda e: e.least_bytes) if too_big else None
         raise PlanningError((str(least) if least else "no plan fits in memory")
                             + " (no pipeline of its layers fits either)")
-    return fastest(exact)
+    return fastest(exact) if fits is None else _fastest_fitting(exact, fits)
+
+
+def _fastest_fitting(exact: list[ExactPipeline], fits: Callable[[ExactPipeline], bool]
+                     ) -> ExactPipeline:
+    """The first of ``exact``, fastest first (as :func:`fastest` orders them),
+    whose plan ``fits`` its budget, else the fastest: a stage's exact solve
+    bounds the sum of its parts, while the plan's peak (the schedule's walk
+    over its ranks, :func:`costmodel.memory.step_peak_bytes`) also counts the
+    optimizer's step, which can lift it above that sum."""
+    ordered = sorted(exact, key=fastest_key)
+    return next((e for e in ordered if fits(e)), ordered[0])
+
+
+def _next_accumulating(ctx: SearchContext, close: list[PipelineCandidate],
+                       solved: list[ExactPipeline | None],
+                       spare: list[PipelineCandidate]) -> list[ExactPipeline]:
+    """Where every single stage accumulating micro-batches among the finalists
+    ``close`` had no plan within limits when solved exactly (``solved``; the
+    layer profiles, which sum their layers' memory, put it under the budget),
+    the first of the other accumulating candidates ``spare`` (fastest first)
+    that has one, solved one by one; else none."""
+    tried = [e for c, e in zip(close, solved) if accumulates(c)]
+    if not tried or any(e is not None for e in tried):
+        return []
+    for cand in spare:
+        found = solve_finalists(ctx, [cand])[0]
+        if found is not None:
+            return [found]
+    return []
 
 
 def _nothing_asked_fits(req: PlanRequest, ctx: SearchContext) -> str:
