@@ -279,16 +279,17 @@ def search(ctx: SearchContext, opts: SearchOptions) -> list[PipelineCandidate]:
     return candidates
 
 
-# The leading candidates whose ZeRO-3 variants zero_variants() prices.
+# The leading configurations whose ZeRO variants zero_variants() prices.
 ZERO_CANDIDATES = 6
 
 
 def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                   opts: SearchOptions) -> list[list[PipelineCandidate]]:
     """For each group of candidates (ranked fastest first), the ZeRO variants (each stage
-    :func:`zero_stages_priced` gives for their mesh) of its
-    :data:`ZERO_CANDIDATES` candidates (without ZeRO, stage mesh with more
-    than one rank on axis 0) that lead it, priced, best first; none unless
+    :func:`zero_stages_priced` gives for their mesh) of the fastest candidate
+    of each of its first :data:`ZERO_CANDIDATES` configurations
+    (:func:`_leading_configurations`; without ZeRO, stage mesh with more
+    than one rank on axis 0), priced, best first; none unless
     ``opts`` allows 0 and a ZeRO stage. The
     variant of a single stage of the whole batch (:data:`NO_PIPELINE`) is
     :func:`_zero_variant_schedule`. The groups are priced together
@@ -320,7 +321,7 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
                 for zero in zero_stages_priced(allowed, ctx.settings.dtype, ctx.settings.optimizer,
                                                c.mesh.shape[0])]
 
-    per_group = [[v for c in _leading_pairs([c for c in ranked if eligible(c)])
+    per_group = [[v for c in _leading_configurations([c for c in ranked if eligible(c)])
                   for v in variants(c)] for ranked in groups]
     configs = [config for group in per_group for config in group]
     priced = price_all(ctx, configs, _price, lambda k, config: (
@@ -335,11 +336,12 @@ def zero_variants(ctx: SearchContext, groups: Sequence[list[PipelineCandidate]],
     return out
 
 
-def _leading_pairs(ranked: list[PipelineCandidate]) -> list[PipelineCandidate]:
+def _leading_configurations(ranked: list[PipelineCandidate]) -> list[PipelineCandidate]:
     """The fastest candidate of each of the first :data:`ZERO_CANDIDATES`
-    (stage mesh, micro-batches) pairs of ``ranked``: the schedules of one pair
-    gain alike from ZeRO, so the variants cover as many configurations as
-    they can instead of one configuration's schedules."""
+    configurations (stage mesh, pp, stages a rank, micro-batches) of
+    ``ranked``: the schedules of one configuration gain alike from ZeRO, so
+    the variants cover as many configurations as they can instead of one
+    configuration's schedules."""
     best: dict[tuple, PipelineCandidate] = {}
     for c in ranked:
         if len(best) == ZERO_CANDIDATES:

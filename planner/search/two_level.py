@@ -294,7 +294,7 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
     # micro-batches (with and without FSDP2 ZeRO; apart, so that they take no
     # pipeline's place): candidates are priced from layer profiles, the exact
     # solve decides
-    finalists = list({(c.label(), tuple(c.split.bounds)): c for c in
+    finalists = list({_finalist_key(c): c for c in
                       ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]
                       + variants[:opts.zero_finalists] + accumulating[:1]
                       + accumulating_variants[:1]}.values())
@@ -303,9 +303,9 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
     # predicted far behind the fastest are solved only if no other has a plan
     close, far = split_far_finalists(finalists)
     solved = solve_finalists(ctx, close)
-    taken = {(c.label(), tuple(c.split.bounds)) for c in finalists}
+    taken = {_finalist_key(c) for c in finalists}
     spare = sorted((c for c in accumulating + accumulating_variants
-                    if (c.label(), tuple(c.split.bounds)) not in taken),
+                    if _finalist_key(c) not in taken),
                    key=lambda c: c.step_time_s)
     exact = finish([e for e in solved if e is not None]
                    + _next_accumulating(ctx, close, solved, spare))
@@ -332,6 +332,11 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
         raise PlanningError((str(least) if least else "no plan fits in memory")
                             + " (no pipeline of its layers fits either)")
     return fastest(exact) if fits is None else _fastest_fitting(exact, fits)
+
+
+def _finalist_key(cand: PipelineCandidate) -> tuple:
+    """What makes two candidates the same finalist: configuration and cut."""
+    return cand.label(), tuple(cand.split.bounds)
 
 
 def _fastest_fitting(exact: list[ExactPipeline], fits: Callable[[ExactPipeline], bool]
