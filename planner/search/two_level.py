@@ -159,7 +159,7 @@ def search_plan(req: PlanRequest, model: torch.nn.Module, cluster: Cluster,
         try:
             winner = _search_winner(req, ctx, model, graph, fits=fits)
             return [build(winner, cluster, True) if isinstance(winner, IntraOpResult)
-                    else assembled.get(id(winner)) or _assembled(winner, ctx, build)], []
+                    else assembled[id(winner)]], []
         except PlanningError as err:
             return [], [err]
 
@@ -303,12 +303,8 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
     # predicted far behind the fastest are solved only if no other has a plan
     close, far = split_far_finalists(finalists)
     solved = solve_finalists(ctx, close)
-    taken = {_finalist_key(c) for c in finalists}
-    spare = sorted((c for c in accumulating + accumulating_variants
-                    if _finalist_key(c) not in taken),
-                   key=lambda c: c.step_time_s)
-    exact = finish([e for e in solved if e is not None]
-                   + _next_accumulating(ctx, close, solved, spare))
+    exact = finish([e for e in solved if e is not None] + _next_accumulating(
+        ctx, close, solved, accumulating + accumulating_variants, finalists))
     if not exact and far:
         exact = finish([e for e in solve_finalists(ctx, far) if e is not None])
     if not exact and pipelines_only:
@@ -352,15 +348,19 @@ def _fastest_fitting(exact: list[ExactPipeline], fits: Callable[[ExactPipeline],
 
 def _next_accumulating(ctx: SearchContext, close: list[PipelineCandidate],
                        solved: list[ExactPipeline | None],
-                       spare: list[PipelineCandidate]) -> list[ExactPipeline]:
+                       accumulating: list[PipelineCandidate],
+                       finalists: list[PipelineCandidate]) -> list[ExactPipeline]:
     """Where every single stage accumulating micro-batches among the finalists
     ``close`` had no plan within limits when solved exactly (``solved``; the
     layer profiles, which sum their layers' memory, put it under the budget),
-    the first of the other accumulating candidates ``spare`` (fastest first)
-    that has one, solved one by one; else none."""
+    the first of the other ``accumulating`` candidates (not among
+    ``finalists``; fastest first) that has one, solved one by one; else none."""
     tried = [e for c, e in zip(close, solved) if accumulates(c)]
     if not tried or any(e is not None for e in tried):
         return []
+    taken = {_finalist_key(c) for c in finalists}
+    spare = sorted((c for c in accumulating if _finalist_key(c) not in taken),
+                   key=lambda c: c.step_time_s)
     for cand in spare:
         found = solve_finalists(ctx, [cand])[0]
         if found is not None:
