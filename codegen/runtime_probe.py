@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from codegen.parallel_model import parallelize
+from codegen.pipeline_probe import measure_pipeline
 from costmodel.cluster import Cluster
 from costmodel.compute import dispatch_passes
 from costmodel.profiling import profile_local
@@ -109,8 +110,10 @@ def measure_runtime(ranks: int, device: str, backend: str, quick: bool,
 def profile_with_runtime(ranks: int, out_path: str | os.PathLike, *, quick: bool = False,
                          progress: bool = True) -> Cluster:
     """``planner profile``: :func:`costmodel.profiling.profile_local` with this
-    runtime's cost per op measured by the probe."""
-    return profile_local(ranks, out_path, quick=quick, progress=progress, probes=(measure_runtime,))
+    runtime's cost per op measured by the probe, and its pipeline's cost per
+    action by :mod:`codegen.pipeline_probe`."""
+    return profile_local(ranks, out_path, quick=quick, progress=progress,
+                         probes=(measure_runtime, measure_pipeline))
 
 
 if __name__ == "__main__":

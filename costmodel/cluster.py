@@ -42,11 +42,10 @@ BACKENDS = ("nccl", "gloo")
 
 #: Fixed cost of launching one GPU kernel, seconds (CUDA launch + tail, ~5 us).
 DEFAULT_KERNEL_OVERHEAD = 5e-6
-#: DeviceSpec fields of the runtime's host costs that only ``planner profile``
-#: measures (a compiled region's call, an FSDP2 unit's collective call, a
-#: pipeline schedule's action), written only where measured
+#: DeviceSpec fields of the runtime's host costs that only ``planner profile`` measures
+#: (a compiled region's call, an FSDP2 unit's collective call, a pipeline action)
 _MEASURED_ONLY_KEYS = ("compiled_call_overhead", "compiled_param_overhead", "fsdp_call_overhead",
-                       "pipeline_action_overhead")
+                       "pipeline_action_overhead", "compiled_pipeline_action_overhead")
 #: DeviceSpec fields a cluster file may leave out (their defaults apply)
 _OPTIONAL_DEVICE_KEYS = ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                          "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
@@ -359,8 +358,10 @@ class DeviceSpec:
             beyond its bytes (hooks, copy set-up, latency; three a ZeRO-3 unit
             and micro-batch). pipeline_action_overhead: seconds the pipeline
             schedule adds to each forward or backward of a stage (bookkeeping,
-            its sends' posting and waits). Both measured by ``planner profile``
-            (:mod:`costmodel.profiling.runtime_costs`); 0 = not measured.
+            its sends' posting and waits); compiled_pipeline_action_overhead:
+            the same where the stages run compiled (0: the eager figure). All
+            measured by ``planner profile`` (:mod:`costmodel.profiling.runtime_costs`,
+            :mod:`codegen.pipeline_probe`); 0 = not measured.
         compiled: the plan's program runs through ``torch.compile``
             (inductor) on this device: memory-bound chains fuse into a few
             kernels (:mod:`costmodel.fusion`), and no op pays the eager
@@ -386,6 +387,7 @@ class DeviceSpec:
     compiled_param_overhead: float = 0.0
     fsdp_call_overhead: float = 0.0
     pipeline_action_overhead: float = 0.0
+    compiled_pipeline_action_overhead: float = 0.0
     compiled: bool = False
 
     def __post_init__(self) -> None:
@@ -440,9 +442,8 @@ class DeviceSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form, keys in a fixed order; the host costs only
-        ``planner profile`` measures (``_MEASURED_ONLY_KEYS``) only where
-        measured (non-zero)."""
+        """JSON-ready form, keys in a fixed order; the host costs only ``planner
+        profile`` measures (``_MEASURED_ONLY_KEYS``) only where non-zero."""
         measured_only = {key: getattr(self, key) for key in _MEASURED_ONLY_KEYS
                          if getattr(self, key)}
         return {

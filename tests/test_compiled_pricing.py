@@ -158,3 +158,33 @@ def test_a_checkpointed_layer_is_priced_eager_in_a_compiled_program(llama_graph)
     assert eager_pass > compiled_pass  # a fused op runs as its own kernel, dispatched
     assert cost_c.recompute_each(node, [s]) == [pytest.approx(
         cost_e.forward_time(node, s) + eager_pass - compiled_pass)]
+
+
+def test_a_compiled_pipeline_pays_its_own_measured_action():
+    """A compiled plan's stages pay the action measured with compiled stages,
+    an eager plan's the eager one; where only the eager one was measured
+    (a profile from before), both pay it."""
+    from planner.search.pipeline_search import schedule_action_s
+
+    cluster = load_cluster("local-cpu:2")
+    both = replace(cluster, device=replace(cluster.device, pipeline_action_overhead=3e-4,
+                                           compiled_pipeline_action_overhead=5e-4))
+    assert schedule_action_s("1f1b", both) == 3e-4
+    assert schedule_action_s("1f1b", both.running_compiled()) == 5e-4
+    assert schedule_action_s("none", both.running_compiled()) == 0.0
+    eager_only = replace(both, device=replace(both.device, compiled_pipeline_action_overhead=0.0))
+    assert schedule_action_s("1f1b", eager_only.running_compiled()) == 3e-4
+
+
+def test_the_pipeline_probe_runs_both_stages_compiled():
+    """``planner profile``'s pipeline probe, compiled: two stages of gpt-tiny
+    on two ranks, each region compiled (none fell back to eager), timed alone
+    and under the 1F1B schedule; the fit gives a figure."""
+    from codegen.pipeline_probe import measure_pipeline
+    from costmodel.profiling.runtime_costs import runtime_pipeline_action
+
+    raw = measure_pipeline(2, "cpu", "gloo", True, False, runtimes=("compiled",))
+    timed = raw["runtime_pipeline"]["compiled"]
+    assert timed["eager_regions"] == [] and "eager" not in raw["runtime_pipeline"]
+    assert timed["pipelined"]["seconds"] > timed["forward"]["seconds"] > 0
+    assert runtime_pipeline_action(raw, load_cluster("local-cpu:2").intra_node, "compiled") >= 0

@@ -23,6 +23,7 @@ from costmodel.profiling import (
     summary_rows,
     write_profile,
 )
+from costmodel.profiling.runtime_costs import runtime_pipeline_action
 from costmodel.profiling.worker import COLLECTIVE_KINDS, REDISTRIBUTIONS, count_steps
 from app.cli import main
 
@@ -261,6 +262,36 @@ def test_planner_profile_quick_end_to_end(tmp_path, capsys):
     # an FSDP2 unit's collective calls and the pipeline schedule's actions
     assert cluster.device.fsdp_call_overhead > 0 and "FSDP2 unit call" in text
     assert prof["fits"]["pipeline_action_overhead"] >= 0 and "pipeline action" in text
+    # the pipeline's action fitted on the planner's own pipelined step (eager when quick)
+    pipe = prof["measurements"]["runtime_pipeline"]
+    assert set(pipe) >= {"eager"} and "compiled" not in pipe
+    assert pipe["eager"]["pipelined"]["seconds"] > pipe["eager"]["forward"]["seconds"] > 0
+    assert prof["fits"]["pipeline_action_overhead"] == runtime_pipeline_action(
+        prof["measurements"], cluster.intra_node, "eager")
+    assert "the planner's runtime, per forward or backward" in text
+
+
+def test_the_runtime_pipeline_action_is_fitted_per_runtime():
+    """The planner's pipelined step timed as the schedule model gives it, each
+    action its stage's time alone plus 200 us: the fit finds the 200 us; a
+    compiled runtime of which a region ran eager gives no figure."""
+    from costmodel.profiling.build import pipeline_actions
+    from costmodel.schedules.timing import simulate
+
+    link = Link("loopback", 1e9, 1e-4)
+    m, nbytes, forward, backward = 8, 4096, 1e-3, 2e-3
+    p2p = link.latency + nbytes / link.bandwidth
+    step = simulate("1f1b", 2, m, forward + 2e-4, backward + 2e-4, 0.0, p2p, timeline=False).step_time
+    timed = {"forward": {"seconds": m * forward}, "stage": {"seconds": m * (forward + backward)},
+             "pipelined": {"seconds": step}}
+    raw = {"runtime_pipeline": {"schedule": "1f1b", "stages": 2, "microbatches": m,
+                                "activation_bytes": nbytes, "eager": timed,
+                                "compiled": {**timed, "eager_regions": ["stage 0 runs eager: why"]}}}
+    assert runtime_pipeline_action(raw, link, "eager") == pytest.approx(2e-4, rel=1e-6)
+    assert runtime_pipeline_action(raw, link, "compiled") is None
+    raw["runtime_pipeline"]["compiled"]["eager_regions"] = []
+    assert pipeline_actions(raw, link) == pytest.approx(
+        {"pipeline_action_overhead": 2e-4, "compiled_pipeline_action_overhead": 2e-4}, rel=1e-6)
 
 
 def test_pipeline_action_overhead_is_recovered_through_the_schedule_model():

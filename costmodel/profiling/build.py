@@ -27,12 +27,11 @@ from costmodel.profiling.compiled_call import fit_call_overheads
 from costmodel.profiling.file import PROFILE_FORMAT_VERSION
 from costmodel.profiling.fit import attention_fit, fit_alpha_beta, fit_gemm
 from costmodel.profiling.machine import device_memory_per_rank, machine_info
-from costmodel.profiling.runtime_costs import pipeline_action_overhead
+from costmodel.profiling.runtime_costs import pipeline_action_overhead, runtime_pipeline_action
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
 __all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "fsdp_call_overhead",
-           "host_overhead",
-           "unaligned_gemm_efficiency"]
+           "host_overhead", "pipeline_actions", "unaligned_gemm_efficiency"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +111,16 @@ def fsdp_call_overhead(raw: Mapping[str, Any]) -> float | None:
         return None
     return max(0.0, (f["sharded"]["seconds"] - f["plain"]["seconds"])
                / (f["units"] * f["calls_per_unit"]))
+
+
+def pipeline_actions(raw: Mapping[str, Any], link: Link) -> dict[str, float | None]:
+    """``DeviceSpec.pipeline_action_overhead`` and
+    ``compiled_pipeline_action_overhead``: fitted on the planner's own pipeline
+    where it was timed (:mod:`codegen.pipeline_probe`), the eager one else on
+    torch's schedule around a linear layer; None where not measured."""
+    eager = runtime_pipeline_action(raw, link, "eager")
+    return {"pipeline_action_overhead": pipeline_action_overhead(raw, link) if eager is None else eager,
+            "compiled_pipeline_action_overhead": runtime_pipeline_action(raw, link, "compiled")}
 
 
 def compiled_call_overheads(raw: Mapping[str, Any]) -> dict[str, float]:
@@ -250,6 +259,9 @@ def _notes(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, device: 
         notes.append("no collective measured (1 rank): the link keeps its default")
     for kind, why in raw["unsupported"].items():
         notes.append(f"{kind} not supported by {spec['backend']}: {why}")
+    eager = (raw.get("runtime_pipeline") or {}).get("compiled", {}).get("eager_regions")
+    if eager:
+        notes.append(f"compiled_pipeline_action_overhead not fitted: the probe's {'; '.join(eager)}")
     return notes
 
 
@@ -265,10 +277,10 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
     links = _fit_links(raw["collectives"], redistribute_records(raw))
     build_cluster = _cpu_cluster if spec["device"] == "cpu" else _gpu_cluster
     cluster = build_cluster(ranks, device, links, raw, device_memory_per_rank(spec["device"], ranks))
-    action = pipeline_action_overhead(raw, cluster.intra_node)
-    if action:
+    actions = pipeline_actions(raw, cluster.intra_node)
+    if any(actions.values()):
         cluster = dataclasses.replace(cluster, device=dataclasses.replace(
-            cluster.device, pipeline_action_overhead=action))
+            cluster.device, **{k: v for k, v in actions.items() if v}))
     profile = {
         "format": "planner-profile",
         "version": PROFILE_FORMAT_VERSION,
@@ -285,7 +297,9 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
             "dispatch_overhead": dispatch_overhead(raw),
             "dispatch_measured_on": "the planner's runtime" if raw.get("runtime") else "DTensor",
             "fsdp_call_overhead": fsdp_call_overhead(raw),
-            "pipeline_action_overhead": action,
+            **actions,
+            "pipeline_action_measured_on": ("the planner's runtime" if raw.get("runtime_pipeline")
+                                            else "torch's schedule"),
             **device.compiled_calls,
             "memory_bandwidth": device.memory_bandwidth,
             "gemm": device.gemm,
@@ -299,7 +313,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
                                              "redistribute", "redistribute_burst",
                                              "compiled_call", "dispatch", "runtime", "fsdp_unit",
-                                             "pipeline")
+                                             "pipeline", "runtime_pipeline")
                          if k in raw},
     }
     return cluster, profile

@@ -64,6 +64,7 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
     """``(what, value, detail)`` rows summarising a profile dict (for the CLI table)."""
     fits = profile["fits"]
     gemm = fits["gemm"]
+    action_on = fits.get("pipeline_action_measured_on", "torch's schedule")
     rows = [
         (f"GEMM {gemm['dtype']} peak", f"{gemm['peak_flops'] / 1e9:.1f} GFLOP/s",
          f"per rank; half-saturation {gemm['half_saturation_flops']:.3g} FLOPs, "
@@ -84,8 +85,11 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
             "per collective call of a unit, beyond its bytes")]
           if fits.get("fsdp_call_overhead") is not None else []),
         *([("pipeline action", f"{fits['pipeline_action_overhead'] * 1e6:.1f} us",
-            "the schedule's own work per forward or backward of a stage")]
+            f"{action_on}, per forward or backward of a stage, beyond the stage's own work")]
           if fits.get("pipeline_action_overhead") is not None else []),
+        *([("compiled pipeline action", f"{fits['compiled_pipeline_action_overhead'] * 1e6:.1f} us",
+            "the same, the stages compiled")]
+          if fits.get("compiled_pipeline_action_overhead") is not None else []),
     ]
     link = fits.get("link")
     if link:

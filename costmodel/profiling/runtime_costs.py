@@ -20,8 +20,9 @@ Two pairs of steps, each timed plain and distributed on every rank at once
   and (plain) the same micro-batches' forwards and backwards of the rank's
   layer: the schedule's own work per action (its bookkeeping, posting and
   waiting for its sends and receives), fitted through the schedule's timing
-  model (``DeviceSpec.pipeline_action_overhead``,
-  :func:`costmodel.profiling.build.pipeline_action_overhead`).
+  model (``DeviceSpec.pipeline_action_overhead``, :func:`pipeline_action_overhead`),
+  the fallback where the planner's own pipeline was not timed
+  (:mod:`codegen.pipeline_probe`, :func:`runtime_pipeline_action`).
 
 Each function takes the worker's :class:`costmodel.profiling.worker.Rank`
 and returns ``(label, step, record)`` triples for it to time; ``record`` is
@@ -37,8 +38,8 @@ from costmodel.cluster import Link
 from costmodel.schedules.timing import simulate
 
 __all__ = ["DISPATCH_CHAIN", "FSDP_CALLS_PER_UNIT", "FSDP_UNITS", "PIPELINE_MICROBATCHES",
-           "dispatch_steps", "dropping_gradients", "fsdp_unit_steps", "pipeline_action_overhead",
-           "pipeline_steps"]
+           "dispatch_steps", "dropping_gradients", "fit_action_overhead", "fsdp_unit_steps",
+           "pipeline_action_overhead", "pipeline_steps", "runtime_pipeline_action"]
 
 #: Elementwise ops in the dispatch chain (plus the final sum).
 DISPATCH_CHAIN = 16
@@ -157,29 +158,56 @@ def pipeline_steps(r: Any, out: dict[str, Any]) -> Steps:
             ("pipeline 1f1b", dropping_gradients(pipelined, layer.parameters), record["pipelined"])]
 
 
-def pipeline_action_overhead(raw: Mapping[str, Any], link: Link) -> float | None:
-    """Seconds the pipeline schedule adds to each action, from the
-    ``pipeline`` measurement: the ``c`` for which the schedule's timing model
-    (:func:`costmodel.schedules.timing.simulate`), each forward and backward
-    its plain share of the measured layer's time plus ``c`` and each send
-    ``link``'s latency and bytes, gives the measured step (0 where the model
-    without it is already as slow); None when it was not measured."""
-    pipe = raw.get("pipeline")
-    if not pipe or "seconds" not in pipe.get("plain", {}) or "seconds" not in pipe.get("pipelined", {}):
-        return None
-    stages, m = pipe["stages"], pipe["microbatches"]
-    action = pipe["plain"]["seconds"] / (2 * m)
-    p2p = link.latency + pipe["activation_bytes"] / link.bandwidth
-
+def fit_action_overhead(schedule: str, stages: int, m: int, forward_s: float, backward_s: float,
+                        p2p_s: float, measured_s: float) -> float:
+    """The ``c`` for which the schedule's timing model
+    (:func:`costmodel.schedules.timing.simulate`), each forward ``forward_s +
+    c``, each backward ``backward_s + c`` and each send ``p2p_s``, gives the
+    ``measured_s`` step; 0 where the model without it is already as slow."""
     def step(c: float) -> float:
-        return simulate(pipe["schedule"], stages, m, action + c, action + c, 0.0, p2p,
+        return simulate(schedule, stages, m, forward_s + c, backward_s + c, 0.0, p2p_s,
                         timeline=False).step_time
 
-    measured = pipe["pipelined"]["seconds"]
-    low, high = 0.0, measured
-    if step(low) >= measured:
+    low, high = 0.0, measured_s
+    if step(low) >= measured_s:
         return 0.0
     for _ in range(60):  # step() grows with c: bisect
         mid = (low + high) / 2
-        low, high = (mid, high) if step(mid) < measured else (low, mid)
+        low, high = (mid, high) if step(mid) < measured_s else (low, mid)
     return (low + high) / 2
+
+
+def pipeline_action_overhead(raw: Mapping[str, Any], link: Link) -> float | None:
+    """Seconds the pipeline schedule adds to each action, from the
+    ``pipeline`` measurement: :func:`fit_action_overhead` with each forward
+    and backward its plain share of the measured layer's time and each send
+    ``link``'s latency and bytes; None when it was not measured."""
+    pipe = raw.get("pipeline")
+    if not pipe or "seconds" not in pipe.get("plain", {}) or "seconds" not in pipe.get("pipelined", {}):
+        return None
+    m = pipe["microbatches"]
+    action = pipe["plain"]["seconds"] / (2 * m)
+    return fit_action_overhead(pipe["schedule"], pipe["stages"], m, action, action,
+                               link.latency + pipe["activation_bytes"] / link.bandwidth,
+                               pipe["pipelined"]["seconds"])
+
+
+def runtime_pipeline_action(raw: Mapping[str, Any], link: Link, runtime: str) -> float | None:
+    """Seconds the planner's own pipeline adds to each action when its stages
+    run ``runtime`` (``eager`` or ``compiled``), from the ``runtime_pipeline``
+    measurement (:mod:`codegen.pipeline_probe`): :func:`fit_action_overhead`
+    with each forward and backward what the rank's stage took alone per
+    micro-batch (the slower rank's) and each send ``link``'s latency and
+    bytes; None when it was not measured, or when a region of the compiled
+    runtime ran eager (``eager_regions``)."""
+    pipe = raw.get("runtime_pipeline")
+    timed = (pipe or {}).get(runtime) or {}
+    if any("seconds" not in timed.get(k, {}) for k in ("forward", "stage", "pipelined")) \
+            or timed.get("eager_regions"):
+        return None
+    m = pipe["microbatches"]
+    forward = timed["forward"]["seconds"] / m
+    backward = max(0.0, timed["stage"]["seconds"] / m - forward)
+    return fit_action_overhead(pipe["schedule"], pipe["stages"], m, forward, backward,
+                               link.latency + pipe["activation_bytes"] / link.bandwidth,
+                               timed["pipelined"]["seconds"])

@@ -53,8 +53,14 @@ def stage_in_flight(schedule: str, pp: int, m: int, v: int,
 def schedule_action_s(schedule: str, cluster: Cluster) -> float:
     """Seconds torch.distributed.pipelining's schedule adds to each forward
     and backward of a stage under ``schedule`` on ``cluster``
-    (``DeviceSpec.pipeline_action_overhead``; none without a schedule)."""
-    return 0.0 if schedule == NO_PIPELINE else cluster.device.pipeline_action_overhead
+    (``DeviceSpec.pipeline_action_overhead``, or its compiled counterpart where
+    the stages run compiled and it was measured; none without a schedule)."""
+    if schedule == NO_PIPELINE:
+        return 0.0
+    device = cluster.device
+    if device.compiled and device.compiled_pipeline_action_overhead:
+        return device.compiled_pipeline_action_overhead
+    return device.pipeline_action_overhead
 
 
 def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
