@@ -150,6 +150,38 @@ class MemoryPricing(StrategySettings):
                         out[base][1][keeper] = reader
         return out
 
+    def unit_gradient_bytes(self, chosen: Mapping[str, Strategy]) -> float:
+        """Under ZeRO-3, bytes per device of the whole gradients of the units
+        gathered at the peak (part of their ``grads``, under the assignment
+        ``chosen``): each unit's backward makes them and reduce-scatters them
+        into its shards before the next unit's (:mod:`codegen.zero3_units`), so
+        across micro-batches only the shards accumulate. 0 otherwise; also 0
+        where the largest transient's backward (:attr:`transient_node`) runs
+        after a gradient of a parameter is made, and may hold it."""
+        if self.zero_stage != 3 or not self._transient_before_parameter_gradients():
+            return 0.0
+        total = 0.0
+        for node in self.graph.nodes:
+            if node.kind != PARAM or not self._gathered(node):
+                continue
+            numel, zero, n = self._state_layout(node, chosen[node.name])
+            grads = [training_state_bytes(numel, precision=self.precision, optimizer=self.optimizer,
+                                          zero_stage=zero, dp_size=n, params_sharded=self.params_sharded,
+                                          gathered=gathered)["grads"] for gathered in (True, False)]
+            total += grads[0] - grads[1]
+        return float(total)
+
+    def _transient_before_parameter_gradients(self) -> bool:
+        """Whether the backward of the largest transient runs before any
+        parameter's gradient is made: it comes after every op that reads a
+        parameter (the loss after the vocabulary projection)."""
+        if self.transient_node is None:
+            return False
+        order = {n.name: i for i, n in enumerate(self.graph.nodes)}
+        readers = [order[n.name] for n in self.graph.nodes if n.kind == OP
+                   and any(a in self.param_derived for a in n.args)]
+        return all(i < order[self.transient_node] for i in readers)
+
     def _gathered(self, node: Node) -> bool:
         """Whether parameter ``node``'s whole copy and gradient count toward the
         peak when it is sharded (:attr:`gathered_params`)."""

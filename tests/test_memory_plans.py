@@ -124,3 +124,26 @@ def test_the_search_fallback_reports_the_whole_batch_peak(monkeypatch):
     memory = fallback.predicted["memory_bytes_per_device"]
     assert memory == direct.predicted["memory_bytes_per_device"]
     assert memory["peak"] < memory["total"]
+
+
+def test_a_zero3_stage_holds_its_units_whole_gradients_apart_from_the_loss_transient():
+    """A ZeRO-3 stage that accumulates micro-batches: each unit's whole
+    gradients live only through its own backward (reduce-scattered into the
+    shards before the next unit's), which comes after the loss's backward
+    transient, so the predicted peak holds the larger of the two, not both:
+    below the sum of the parts by at most the transient, and by at most the
+    gradients beyond their fp32 shards."""
+    from models.zoo import GPTConfig, build_from_config
+    from planner.api import pipeline_plan
+
+    # a vocabulary wider than the MLP: the loss's transient is the largest
+    config = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=1024, block_size=32)
+    model, inputs = build_from_config(config, device="meta", batch_size=8, seq_len=32)
+    p = pipeline_plan(model, "local-cpu:4", pp=1, stage_mesh=(4,), schedule="1f1b",
+                      num_microbatches=2, zero_stage=3, example_inputs=inputs,
+                      precision="bf16-mixed")
+    memory = p.predicted["memory_bytes_per_device"]
+    fp32_shards = 4 * p.model["num_parameters"] / 4
+    saved = memory["total"] - memory["peak"]
+    assert 0 < saved <= memory["backward_transient"]
+    assert saved <= memory["grads"] - fp32_shards

@@ -241,6 +241,20 @@ def set_whole_batch_peaks(results: Sequence[IntraOpResult], parts: Sequence[Plan
                                                     part.training)))
 
 
+def set_unit_gradient_peaks(results: Sequence[IntraOpResult], parts: Sequence[Plan],
+                            cluster: Cluster) -> None:
+    """ZeRO-3, unit by unit: set each part's predicted peak to the sum of its
+    parts less the smaller of its largest backward transient and the whole
+    gradients of its gathered units, where that transient's backward comes
+    before any gradient is made (:meth:`IntraOpCost.unit_gradient_bytes`):
+    each unit's whole gradients live only through its own backward, after the
+    loss's, so the peak holds the larger of the two, not both."""
+    for r, part in zip(results, parts):
+        memory = part.predicted["memory_bytes_per_device"]
+        whole = _stage_cost(r, part, cluster, 3).unit_gradient_bytes(r.chosen)
+        memory["peak"] = int(round(memory["peak"] - min(memory.get("backward_transient", 0), whole)))
+
+
 def walks_schedule(cand: PipelineCandidate) -> bool:
     """Whether ``cand``'s peak is found by walking its schedule
     (:func:`set_schedule_peaks`): one stage a rank, gradients whole (ZeRO 0
@@ -310,6 +324,8 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
         set_whole_batch_peaks(exact.results, parts, stage_cluster, cand.mesh.zero_stage)
     elif walk_schedule and walks_schedule(cand):
         set_schedule_peaks(exact, parts, stage_cluster, ctx.schedule_book)
+    elif cand.mesh.zero_stage == 3:
+        set_unit_gradient_peaks(exact.results, parts, stage_cluster)
     action = schedule_action_s(cand.schedule, ctx.settings.cluster)
     stages: list[StagePlan] = []
     for s, (r, part) in enumerate(zip(exact.results, parts)):
