@@ -132,15 +132,21 @@ class ComputePricing(StrategySettings):
         is not compiled, or runs the op eagerly anyway)."""
         if not self._compiled_op(node):
             return 0.0
-        eager = self.forward_time(node, s, eager=True) + sum(self.backward_times(node, s, eager=True))
-        return eager - self.forward_time(node, s) - sum(self.backward_times(node, s))
+        return self._eager_forward_and_excess(node, s)[1]
+
+    def _eager_forward_and_excess(self, node: Node, s: Strategy) -> tuple[float, float]:
+        """(seconds of the op's eager forward, :meth:`eager_excess`) of a
+        compiled op, its eager forward priced once."""
+        forward = self.forward_time(node, s, eager=True)
+        eager = forward + sum(self.backward_times(node, s, eager=True))
+        return forward, eager - self.forward_time(node, s) - sum(self.backward_times(node, s))
 
     def _checkpointed_extra(self, node: Node, s: Strategy) -> float:
         """Seconds a checkpointed layer adds for ``node``'s kernels: its
         forward again, and in a compiled program all of it run eagerly."""
         if not self._compiled_op(node):
             return self.forward_time(node, s)
-        return self.forward_time(node, s, eager=True) + self.eager_excess(node, s)
+        return sum(self._eager_forward_and_excess(node, s))
 
     def price_context(self, node: Node) -> tuple:
         """What ``node``'s prices depend on beyond its own shapes and
