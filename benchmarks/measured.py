@@ -371,8 +371,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="cached profile JSON(s) (planner profile output, matched by rank count); "
                          "world sizes without one are profiled now")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2], help="rank counts (default 2)")
-    ap.add_argument("--steps", type=int, default=8, help="training steps per plan (default 8)")
-    ap.add_argument("--warmup", type=int, default=1, help="leading steps dropped (default 1)")
+    ap.add_argument("--steps", type=int, default=9, help="training steps per plan (default 9)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="leading steps dropped (default 2: the first makes the optimizer's "
+                         "states, and the second ran slower than the rest in half the launches)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="launches of every plan, one round after the other; a plan's step "
                          "is the median over rounds of each launch's median (default 2)")
