@@ -42,7 +42,7 @@ from ir.trace import trace
 from models import zoo
 from plan.format import OpPlacement, PipelinePlan, Plan, SolverReport, StagePlan
 
-__all__ = ["PROBE_MICROBATCHES", "PROBE_MODEL", "PROBE_SCHEDULE", "measure_pipeline",
+__all__ = ["PROBE_MICROBATCHES", "PROBE_MODEL", "PROBE_SCHEDULE", "RUNTIMES", "measure_pipeline",
            "pipeline_probe_plan"]
 
 #: The zoo model the probe pipelines: a GPT of two blocks.
@@ -94,7 +94,7 @@ def pipeline_probe_plan(graph: Graph, world: int, backend: str) -> Plan:
                                       stages=stages))
 
 
-def sent_bytes(graph: Graph, plan: Plan) -> int:
+def _sent_bytes(graph: Graph, plan: Plan) -> int:
     """Bytes the first stage sends the second per micro-batch."""
     return sum(graph[name].outputs[0].nbytes for name in plan.pipeline.stages[0].outputs)
 
@@ -145,7 +145,7 @@ def _measure(rank: int, world: int, spec: dict[str, Any], report: Callable[[str]
     graph = trace(meta_model, meta_inputs)
     plan = pipeline_probe_plan(graph, world, spec["backend"])
     out: dict[str, Any] = {"model": PROBE_MODEL, "schedule": PROBE_SCHEDULE, "stages": 2,
-                           "microbatches": m, "activation_bytes": sent_bytes(graph, plan)}
+                           "microbatches": m, "activation_bytes": _sent_bytes(graph, plan)}
     items, runtimes = [], {}
     for kind in spec["runtimes"]:
         torch.manual_seed(0)
@@ -177,10 +177,12 @@ def measure_pipeline(ranks: int, device: str, backend: str, quick: bool, progres
     """Run the probe on ``ranks`` ranks of ``device`` (an even count); the raw
     ``runtime_pipeline`` section that
     :func:`costmodel.profiling.runtime_costs.runtime_pipeline_action` reads.
-    Empty with an odd rank count or one rank. ``runtimes``: of
-    :data:`RUNTIMES`, by default both, and with ``quick`` the eager one alone
-    (compiling takes tens of seconds on a CPU)."""
-    if ranks < 2 or ranks % 2:
+    Empty with an odd rank count or one rank, and on GPUs (not yet run there:
+    their plans keep the action fitted on torch's schedule,
+    :func:`costmodel.profiling.runtime_costs.pipeline_steps`). ``runtimes``:
+    of :data:`RUNTIMES`, by default both, and with ``quick`` the eager one
+    alone (compiling takes tens of seconds on a CPU)."""
+    if ranks < 2 or ranks % 2 or device != "cpu":
         return {}
     chosen = list(runtimes or (RUNTIMES[:1] if quick else RUNTIMES))
     unknown = sorted(set(chosen) - set(RUNTIMES))
