@@ -27,7 +27,6 @@ world mesh is ``[pp] + stage mesh``, which is what the code generator runs):
 
 from __future__ import annotations
 
-
 import hashlib
 import json
 import math
@@ -64,7 +63,7 @@ class StageTimes:
     casts of the parameters). ``state_bytes`` (parameters, gradients, optimizer
     states), ``activation_bytes`` (one micro-batch's saved activations) and
     ``transient_bytes`` (the largest gradient its backward holds beside them,
-    :meth:`costmodel.strategy_memory.StrategyMemory.backward_transient`) per
+    :meth:`costmodel.strategy_memory.MemoryPricing.backward_transient`) per
     device. Layers add up into a stage, but for their transients: the stage
     holds one at a time, its largest, as its own intra-op solve counts it."""
 
