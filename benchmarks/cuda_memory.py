@@ -5,8 +5,10 @@ model (seed 0) with AdamW (foreach), gradients set to None after each step, in t
 one process on one GPU:
 
 * plain: :class:`benchmarks.plain_loop.PlainLoop` with the plan's checkpointed layers;
+* runtime: :func:`codegen.parallel_model.parallelize` of the plan, what
+  ``planner run`` and ``planner train`` build on a rank, and the training job's step;
 * executor: :class:`codegen.executor.PlanExecutor` of the plan on a one-device
-  mesh, what ``planner run`` runs on each rank (without torchrun's process).
+  mesh, the model built here and handed to it.
 
 Each peak is ``torch.cuda.max_memory_allocated`` of one step after the statistics
 are reset: the first step (the optimizer's states are made in it) and a later,
@@ -128,6 +130,42 @@ def plain_peaks(build: Callable[[], tuple[torch.nn.Module, tuple]], precision: s
         return step_peaks(loop.step, device, breakdown=breakdown)
     finally:
         del loop
+        _release(device)
+
+
+def runtime_peaks(build: Callable[[], tuple[torch.nn.Module, tuple]], plan: Any,
+                  device: torch.device, *, from_source: bool, breakdown: bool = False
+                  ) -> dict[str, Any]:
+    """:func:`step_peaks` of the planner's own runtime: :func:`codegen.parallel_model.parallelize`
+    of the plan, what ``planner run`` and ``planner train`` build on a rank (with
+    ``from_source`` the plan's model source built on meta by the runtime, each
+    tensor materialised alone; else ``build()``'s model handed over), its
+    ``optimizer(AdamW, foreach=True)`` and the training job's step (``step``,
+    ``opt.step()``, ``zero_grad(set_to_none=True)``). The default process group
+    (one rank) must exist."""
+    from codegen.parallel_model import parallelize
+
+    _release(device)
+    torch.manual_seed(0)
+    model, inputs = build()
+    if from_source:
+        del model
+        runtime = parallelize(plan)
+    else:
+        runtime = parallelize(plan, model, inputs)
+        del model
+    _release(device)
+    opt = runtime.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
+
+    def step() -> None:
+        runtime.step(*inputs)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        return step_peaks(step, device, breakdown=breakdown)
+    finally:
+        del runtime, opt, inputs
         _release(device)
 
 

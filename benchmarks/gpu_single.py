@@ -69,6 +69,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import statistics
 import subprocess
@@ -225,7 +226,10 @@ def profile(out_dir: str, quick: bool) -> tuple[str, dict[str, Any]]:
     return path, rec
 
 
-def plan_case(case: Case, cluster: str, out_dir: str, time_limit_s: float) -> None:
+def plan_case(case: Case, cluster: str, out_dir: str, time_limit_s: float,
+              compile: bool = False) -> None:
+    """Plan the case (priced as run compiled with ``compile``) into ``case.plan``
+    and ``OUT/plans/``; its prediction into ``case.record["predicted"]``."""
     from benchmarks.plain_loop import plan_one_device, predicted_of
     from models import zoo
     model, inputs = zoo.build(case.model, device="meta", batch_size=case.batch,
@@ -235,7 +239,7 @@ def plan_case(case: Case, cluster: str, out_dir: str, time_limit_s: float) -> No
                            recompute=case.recompute, model_source=case.model,
                            zoo_kwargs={"batch_size": case.batch, "seq_len": case.seq},
                            memory_budget=UNBOUNDED_BYTES if case.unbounded else None,
-                           time_limit_s=time_limit_s)
+                           time_limit_s=time_limit_s, compile=compile)
     case.record["plan_s"] = round(time.perf_counter() - t0, 3)
     case.plan = plan
     case.plan_path = os.path.join(out_dir, "plans", case.name + ".json")
@@ -300,9 +304,12 @@ def _text_sources() -> list[str]:
     return out
 
 
-def train_case(case: Case, steps: int, warmup: int, out_dir: str) -> None:
-    """``planner train`` of the case's plan for ``steps`` steps; tokens/s from the
-    median step after ``warmup``, against the plain loop's (same batch)."""
+def train_case(case: Case, steps: int, warmup: int, out_dir: str, *,
+               compile: bool | None = None, key: str = "train") -> None:
+    """``planner train`` of the case's plan for ``steps`` steps (``--compile`` as
+    ``compile`` says; None: as the plan records) into ``case.record[key]``;
+    tokens/s from the median step after ``warmup``, against the plain loop's
+    (same batch), and the compile lines the job printed."""
     import io
 
     from benchmarks.common import text_token_file
@@ -312,11 +319,11 @@ def train_case(case: Case, steps: int, warmup: int, out_dir: str) -> None:
     # real text that needs no tokenizer: ASCII bytes as ids 0..127, which any
     # zoo vocabulary takes
     data, _ = text_token_file(out_dir, _text_sources(), below=128)
-    result_path = os.path.join(out_dir, f"train_{case.name}.json")
+    result_path = os.path.join(out_dir, f"{key}_{case.name}.json")
     config = TrainConfig(plan=case.plan_path, data=data, steps=steps, lr=3e-4,
                          warmup=min(10, steps), grad_clip=1.0, log_every=10,
-                         log=os.path.join(out_dir, f"train_{case.name}.jsonl"),
-                         result_json=result_path)
+                         log=os.path.join(out_dir, f"{key}_{case.name}.jsonl"),
+                         result_json=result_path, compile=compile)
     t0 = time.perf_counter()
     outcome = train(config, out=io.StringIO())
     if outcome.returncode != 0:
@@ -328,7 +335,9 @@ def train_case(case: Case, steps: int, warmup: int, out_dir: str) -> None:
     tokens = res["tokens_per_step"]
     plain = (case.record.get("plain") or {}).get("step_time_s")
     losses = [r["loss"] for r in res["losses"]]
-    case.record["train"] = {
+    with open(outcome.log_path) as f:
+        compile_lines = re.findall(r"^(?:\[rank0\]:)?(compile: .*)$", f.read(), flags=re.M)
+    case.record[key] = {
         "steps": steps, "warmup": warmup, "step_time_s": step_s, "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_s,
         "plain_tokens_per_s": tokens / plain if plain else None,
@@ -337,7 +346,7 @@ def train_case(case: Case, steps: int, warmup: int, out_dir: str) -> None:
         "loss_every_10": losses[::10],
         "peak_bytes": [r["peak_bytes"] for r in res["ranks"]],
         "predicted_peak_bytes": res.get("predicted_peak_bytes_per_device"),
-        "data_tokens": os.path.getsize(data) // 2,
+        "data_tokens": os.path.getsize(data) // 2, "compile_lines": compile_lines,
         "wall_s": round(time.perf_counter() - t0, 2)}
     os.remove(data)
 

@@ -28,9 +28,10 @@ activation checkpointing (``recompute=False`` / ``True``: no layer / every layer
   before the step, plus everything forward, backward, ``optimizer.step()`` and
   ``zero_grad`` allocate: the steady state the planner's memory model prices.
 * measured with ``--device cuda``: ``torch.cuda.max_memory_allocated`` of a
-  steady-state step of the plain loop and of the plan's executor (what ``planner
-  run`` runs on a rank), on one GPU (:mod:`benchmarks.cuda_memory`); the plain loop
-  gives the verdict. The GPU image has no OR-Tools: make the plans here with
+  steady-state step of the planner's own runtime (``parallelize(plan)``, what
+  ``planner run`` and ``planner train`` build on a rank; the verdict), of the plain
+  loop and of the plan's executor given a built model, on one GPU
+  (:mod:`benchmarks.cuda_memory`). The GPU image has no OR-Tools: make the plans here with
   ``--plan-only --plans DIR`` and carry DIR. ``--measured-from`` prices an earlier
   result's measurements again with this checkout's planner.
 
@@ -218,17 +219,22 @@ def measure_fake_or_cpu(name: str, precision: str, plan: Any, attentions: list[s
 
 def measure_cuda(name: str, precision: str, plan: Any, mesh: Any, batch: int, seq: int,
                  breakdown: bool) -> dict[str, Any]:
-    """``max_memory_allocated`` of the plain loop and of the plan's executor."""
-    from benchmarks.cuda_memory import executor_peaks, plain_peaks
+    """``max_memory_allocated`` of the planner's own runtime (the verdict's side),
+    the plain loop and the plan's executor given a built model."""
+    from benchmarks.cuda_memory import executor_peaks, plain_peaks, runtime_peaks
 
     device = torch.device("cuda", torch.cuda.current_device())
 
     def build() -> tuple[torch.nn.Module, tuple]:
         return build(name, device, batch, seq)
 
+    from_source = plan.model.get("source") == model_source(name)
     out: dict[str, Any] = {}
-    for kind, fn in (("plain", lambda: plain_peaks(build, precision, list(plan.checkpoint),
-                                                    device, breakdown=breakdown)),
+    for kind, fn in (("runtime", lambda: runtime_peaks(build, plan, device,
+                                                       from_source=from_source,
+                                                       breakdown=breakdown)),
+                     ("plain", lambda: plain_peaks(build, precision, list(plan.checkpoint),
+                                                   device, breakdown=breakdown)),
                      ("executor", lambda: executor_peaks(build, plan, mesh, device,
                                                          breakdown=breakdown))):
         try:
@@ -283,7 +289,7 @@ _RECOMPUTE_NAME = {v: k for k, v in RECOMPUTE.items()}
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """Predicted against each measured side (CPU: default and math attention;
-    CUDA: plain loop and executor), in MB."""
+    CUDA: runtime, plain loop and executor), in MB."""
     sides = list(dict.fromkeys(k for r in rows for k in r.get("measured", {})))
     head = (f"{'model':<14} {'b x s':>9} {'precision':<10} {'recompute':>9} {'ckpt':>4} "
             f"{'pred MB':>11} " + " ".join(f"{side[:8] + ' MB':>11} {'ratio':>6}"
@@ -339,9 +345,12 @@ DEFINITIONS = {
             "default SDPA kernel / the math kernel forced; ratio = predicted / measured, the "
             "verdict on the executor"),
     "cuda": ("measured = torch.cuda.max_memory_allocated of one steady-state step (after "
-             "one) of benchmarks.plain_loop (plain) and of codegen.executor.PlanExecutor "
-             "(executor: what planner run runs on a rank), AdamW foreach, on one GPU "
-             "(benchmarks.cuda_memory); ratio = predicted / measured, the verdict on plain"),
+             "one), AdamW foreach, on one GPU (benchmarks.cuda_memory): runtime = "
+             "codegen.parallel_model.parallelize of the plan (what planner run and planner "
+             "train build on a rank: the plan's model source built on meta by the runtime) "
+             "and the training job's step; plain = benchmarks.plain_loop; executor = "
+             "codegen.executor.PlanExecutor of a model built beforehand; ratio = predicted / "
+             "measured, the verdict on the runtime"),
 }
 
 

@@ -128,13 +128,16 @@ class PlainLoop:
         checkpoint: module paths to run under activation checkpointing (a plan's
             ``checkpoint``). An unknown path raises ``ValueError``.
         lr: AdamW learning rate.
+        compile: run the forward (the bf16 working copies' casts and the model)
+            through ``torch.compile``, as a user compiling their own loop would;
+            the backward runs the graph AOTAutograd made of it.
 
     Attributes:
         model, optimizer, inputs, precision, checkpoint.
     """
 
     def __init__(self, model: nn.Module, inputs: Sequence[Any], *, precision: Any = "fp32",
-                 checkpoint: Sequence[str] = (), lr: float = 1e-4) -> None:
+                 checkpoint: Sequence[str] = (), lr: float = 1e-4, compile: bool = False) -> None:
         from ir.precision import cast_floats, get_precision
 
         self.precision = get_precision(precision)
@@ -151,19 +154,23 @@ class PlainLoop:
                 raise ValueError(f"checkpoint: {type(model).__name__} has no module {path!r}")
             _checkpoint_module(modules[path], p.mixed)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+        self._forward = torch.compile(self._eager_forward) if compile else self._eager_forward
 
     @classmethod
     def from_zoo(cls, name: str, *, precision: Any = "fp32", checkpoint: Sequence[str] = (),
                  device: torch.device | str = "cpu", batch_size: int | None = None,
-                 seq_len: int | None = None) -> "PlainLoop":
+                 seq_len: int | None = None, compile: bool = False) -> "PlainLoop":
         """A zoo model (:func:`models.zoo.build`, seed 0, fp32) and its example inputs on
         ``device``. Under ``FakeTensorMode`` nothing is allocated."""
         from models import zoo
         model, inputs = zoo.build(name, device=device, batch_size=batch_size, seq_len=seq_len)
-        return cls(model, inputs, precision=precision, checkpoint=checkpoint)
+        return cls(model, inputs, precision=precision, checkpoint=checkpoint, compile=compile)
 
     def forward(self) -> torch.Tensor:
         """The step's loss (a scalar in the compute dtype, with its autograd graph)."""
+        return self._forward()
+
+    def _eager_forward(self) -> torch.Tensor:
         p = self.precision
         if not p.mixed:
             return self.model(*self._compute_inputs)
@@ -327,10 +334,11 @@ def plan_one_device(model: nn.Module, inputs: Sequence[Any], cluster: Any, *, pr
                     recompute: bool | None = None, model_source: str | None = None,
                     zoo_kwargs: dict[str, Any] | None = None,
                     memory_budget: float | None = None,
-                    time_limit_s: float = 30.0) -> Any:
+                    time_limit_s: float = 30.0, compile: bool = False) -> Any:
     """``planner.plan`` of ``model`` on one device (mesh ``(1,)``) in ``precision``
     with ``recompute`` (True: every layer checkpointed, False: none, None: the
     solver's choice): the call both benchmarks make, so that they price the same step.
+    ``compile``: priced (and recorded) as a program run through ``torch.compile``.
 
     ``model`` is the fp32 model (the meta device is enough). Where the planner has
     no ``precision`` / ``recompute`` arguments yet (before training precisions), a
@@ -342,6 +350,8 @@ def plan_one_device(model: nn.Module, inputs: Sequence[Any], cluster: Any, *, pr
     kwargs: dict[str, Any] = dict(example_inputs=tuple(inputs), mesh_shape=(1,),
                                   model_source=model_source, zoo_kwargs=zoo_kwargs,
                                   memory_budget=memory_budget, time_limit_s=time_limit_s)
+    if compile:
+        kwargs["compile"] = True
     try:
         return planner.plan(model, cluster, precision=precision, recompute=recompute, **kwargs)
     except TypeError as err:
