@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["op_time", "matmul_efficiency", "attention_times", "backward_op_times", "backward_kernels",
            "dispatch_passes", "host_passes", "host_pass_counts", "host_seconds", "compiled_call_seconds",
+           "pass_seconds",
            "gemm_aligned", "GEMM_ALIGNMENT_BYTES",
            "DEFAULT_HALF_SATURATION_FLOPS", "FUSED_ATTENTION", "ATTENTION_BACKWARD_FLOPS"]
 
@@ -257,6 +258,19 @@ def host_seconds(graph: "Graph", device: DeviceSpec) -> tuple[float, float]:
         return 0.0, 0.0
     forward, backward = host_pass_counts(graph)
     return forward * device.host_overhead, backward * device.host_overhead
+
+
+def pass_seconds(device_s: float, host_s: float, call_s: float, device: DeviceSpec) -> float:
+    """Seconds of a pass whose kernels take the device ``device_s``, whose eager
+    ops take the host ``host_s`` to issue (:func:`host_seconds`) and whose
+    compiled regions' calls cost the host ``call_s`` beyond their kernels
+    (:func:`compiled_call_seconds`). Where the host queues kernels ahead of
+    the device (a GPU: ``device.host_overhead`` measured), all the host's
+    time overlaps the kernels and the pass takes the longer of the two; where
+    host and device are one (CPU ranks), the calls add to the kernels' time."""
+    if device.host_overhead > 0:
+        return max(device_s, host_s + call_s)
+    return max(device_s, host_s) + call_s
 
 
 def compiled_call_seconds(graph: "Graph", device: DeviceSpec,

@@ -126,6 +126,13 @@ class ComputePricing(StrategySettings):
         return (self.cluster.device.compiled and node.kind == OP
                 and node.name not in self.eager_ops)
 
+    def _aligned(self, node: Node, eager: bool) -> bool:
+        """Whether the op's GEMMs run at the aligned rate (:func:`gemm_aligned`).
+        A compiled program's are: inductor pads a matmul's operands to the
+        tensor cores' alignment where that is faster (``shape_padding``, on by
+        default on GPUs; the pad's copy is not priced)."""
+        return (not eager and self._compiled_op(node)) or gemm_aligned(node)
+
     def eager_excess(self, node: Node, s: Strategy) -> float:
         """Seconds the op's forward and backward under ``s`` take more when
         they run eagerly than in the compiled program (0 where the program
@@ -185,7 +192,7 @@ class ComputePricing(StrategySettings):
             return input_grad * one, weight_grad * one
         b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                  self.dtype, input_grad=input_grad, weight_grad=weight_grad,
-                                 aligned=gemm_aligned(node))
+                                 aligned=self._aligned(node, eager))
         return b + self._dispatch(node, eager), w
 
     def forward_time(self, node: Node, s: Strategy, eager: bool = False) -> float:
@@ -203,5 +210,5 @@ class ComputePricing(StrategySettings):
         if share is not None:
             return fused_seconds(share, f, self.cluster.device)
         return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype,
-                        aligned=gemm_aligned(node))
+                        aligned=self._aligned(node, eager))
                 + self._dispatch(node, eager))

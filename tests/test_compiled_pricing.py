@@ -188,3 +188,45 @@ def test_the_pipeline_probe_runs_both_stages_compiled():
     assert timed["eager_regions"] == [] and "eager" not in raw["runtime_pipeline"]
     assert timed["pipelined"]["seconds"] > timed["forward"]["seconds"] > 0
     assert runtime_pipeline_action(raw, load_cluster("local-cpu:2").intra_node, "compiled") >= 0
+
+
+def test_a_compiled_gemm_runs_at_the_aligned_rate():
+    """Inductor pads a compiled program's matmuls to the tensor cores'
+    alignment: the head of a 1001-token vocabulary (rows not a multiple of 8
+    bf16 elements) costs the eager runtime the profiled unaligned rate, and the
+    compiled program the aligned one."""
+    from costmodel.compute import gemm_aligned
+    from models.zoo import GPTConfig, build_from_config
+
+    config = GPTConfig(n_layer=1, n_embd=64, n_head=4, vocab_size=1001, block_size=32)
+    graph = trace(*build_from_config(config, device="meta", batch_size=8, seq_len=32))
+    base = load_cluster("dgx-h100").sub_cluster(1, 1)
+    # GEMMs bound by their FLOPs alone, at one efficiency whatever their size
+    gpu = replace(base, device=replace(base.device, unaligned_gemm_efficiency=0.25,
+                                       half_saturation_flops=0.0, memory_bandwidth=1e18))
+    prices = {}
+    for compiled in (False, True):
+        cluster = gpu.running_compiled(compiled)
+        cost = IntraOpCost(graph, cluster, (1,), "bfloat16")
+        prepared = prepare_intra_op(graph, cluster, (1,))
+        head = [ns for ns in prepared.strategies if ns.node.flops > 0
+                and ns.node.kind == OP and not gemm_aligned(ns.node)]
+        assert head, "the vocabulary's GEMMs are unaligned"
+        prices[compiled] = [cost.forward_time(ns.node, ns.strategies[0]) for ns in head]
+    overhead = gpu.device.kernel_overhead
+    for eager, compiled in zip(prices[False], prices[True]):
+        assert eager - overhead == pytest.approx(4 * (compiled - overhead), rel=1e-6)
+
+
+def test_a_gpu_host_runs_a_compiled_call_beside_the_kernels():
+    """Where the host queues kernels ahead of the device (a GPU profile:
+    host_overhead measured), a compiled region's call costs the host time
+    that overlaps the pass's kernels: the pass takes the longer of the two.
+    On CPU ranks host and device are one, and the call adds to the kernels."""
+    from costmodel.compute import pass_seconds
+
+    gpu = replace(load_cluster("dgx-h100").device, host_overhead=2e-5)
+    cpu = load_cluster("local-cpu:2").device
+    assert pass_seconds(10e-3, 0.0, 3e-3, gpu) == pytest.approx(10e-3)
+    assert pass_seconds(10e-3, 4e-3, 8e-3, gpu) == pytest.approx(12e-3)
+    assert pass_seconds(10e-3, 0.0, 3e-3, cpu) == pytest.approx(13e-3)

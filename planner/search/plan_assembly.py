@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from costmodel.cluster import Cluster
-from costmodel.compute import compiled_call_seconds, host_seconds
+from costmodel.compute import compiled_call_seconds, host_seconds, pass_seconds
 from costmodel.memory import step_peak_bytes
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT, OP, PARAM, Graph
@@ -101,12 +101,11 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
     sol = result.solution
     b = result.breakdown
     # the device's time (the ILP's objective), unless the host issues the step's
-    # ops more slowly than the device runs them
+    # ops, and calls a compiled program, more slowly than the device runs them
     host_s = sum(host_seconds(graph, cluster.device))
-    # a compiled program's call costs the host beyond its kernels (costmodel.compute)
     call_s = sum(compiled_call_seconds(graph, cluster.device, cost.compiled_regions))
     predicted = {
-        "step_time_s": max(sol.objective_s, host_s) + call_s,
+        "step_time_s": pass_seconds(sol.objective_s, host_s, call_s, cluster.device),
         "compute_s": b.compute_s,
         "communication_s": b.communication_s,
         "resharding_s": b.resharding_s,

@@ -36,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from costmodel.cluster import Cluster
-from costmodel.compute import compiled_call_seconds, host_seconds
+from costmodel.compute import compiled_call_seconds, host_seconds, pass_seconds
 from costmodel.resharding import ReshardPricer
 from costmodel.schedules import ScheduleBook, peak_activations
 from costmodel.strategy_cost import IntraOpCost
@@ -168,13 +168,12 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     once = step_collectives(result, cost) + update
     recompute = result.solution.objective_s - (f + b + w + result.step_share * once)
     b += max(0.0, recompute)  # checkpointed layers re-run their forward in backward
-    # a pass takes at least the host's time to issue its ops (costmodel.compute)
+    # a pass takes at least the host's time to issue its ops and call its
+    # compiled regions (costmodel.compute)
     host_f, host_b = host_seconds(graph, cluster.device)
-    f = max(f, host_f)
-    b = max(b, host_b - w)
-    # a compiled stage's calls of its regions
     call_f, call_b = compiled_call_seconds(graph, cluster.device, cost.compiled_regions)
-    f, b = f + call_f, b + call_b
+    f = pass_seconds(f, host_f, call_f, cluster.device)
+    b = pass_seconds(b, host_b - w, call_b, cluster.device)
     sync = 0.0  # the stage's once-per-step collectives over mesh axis 0
     if cost.zero_stage == 3:
         # FSDP2 layer by layer, in every micro-batch: each layer's collectives
