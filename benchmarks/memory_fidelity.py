@@ -225,17 +225,17 @@ def measure_cuda(name: str, precision: str, plan: Any, mesh: Any, batch: int, se
 
     device = torch.device("cuda", torch.cuda.current_device())
 
-    def build() -> tuple[torch.nn.Module, tuple]:
+    def build_model() -> tuple[torch.nn.Module, tuple]:
         return build(name, device, batch, seq)
 
     from_source = plan.model.get("source") == model_source(name)
     out: dict[str, Any] = {}
-    for kind, fn in (("runtime", lambda: runtime_peaks(build, plan, device,
+    for kind, fn in (("runtime", lambda: runtime_peaks(build_model, plan, device,
                                                        from_source=from_source,
                                                        breakdown=breakdown)),
-                     ("plain", lambda: plain_peaks(build, precision, list(plan.checkpoint),
+                     ("plain", lambda: plain_peaks(build_model, precision, list(plan.checkpoint),
                                                    device, breakdown=breakdown)),
-                     ("executor", lambda: executor_peaks(build, plan, mesh, device,
+                     ("executor", lambda: executor_peaks(build_model, plan, mesh, device,
                                                          breakdown=breakdown))):
         try:
             out[kind] = fn()
