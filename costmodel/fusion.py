@@ -162,7 +162,9 @@ def _outside_reads(node: Node, members: set[str], by_name: dict[str, Node]) -> d
     for arg, info in zip(node.args, node.inputs):
         while arg in members and by_name[arg].is_view:
             view = by_name[arg]
-            arg, info = view.args[0], view.inputs[0]
+            # a tuple projection (getitem) has no tensor input: it reads the
+            # part of its producer's outputs it projects
+            arg, info = view.args[0], (view.inputs or view.outputs)[0]
         if arg not in members:
             read[arg] = max(read.get(arg, 0.0), float(info.nbytes))
     return read

@@ -312,3 +312,28 @@ def test_pipeline_action_overhead_is_recovered_through_the_schedule_model():
     raw["pipeline"]["pipelined"]["seconds"] = 1e-4
     assert pipeline_action_overhead(raw, link) == 0.0
     assert pipeline_action_overhead({}, link) is None
+
+
+def test_the_memory_bound_chain_is_timed_beside_its_price():
+    """``planner profile``'s memory-bound chain (on GPUs; here small, on one
+    CPU rank): timed eager and compiled, each beside the bytes and launches
+    the cost model charges it (compiled: fused, fewer bytes and launches),
+    and fitted to the share of the copy's bandwidth it reached."""
+    from costmodel.profiling.build import memory_chain_efficiencies
+    from costmodel.profiling.memory_probe import chain_efficiency
+    from costmodel.profiling.run import measure
+
+    raw = measure({"device": "cpu", "backend": "gloo", "threads": 1, "reps": 1,
+                   "compute_min_rep_s": 0.001, "memory_chain": [256, 512, "float32"]},
+                  1, progress=False)
+    chain = raw["memory_chain"]
+    eager, compiled = chain["eager"], chain["compiled"]
+    assert eager["seconds"] > 0 and compiled["seconds"] > 0
+    assert compiled["bytes"] < eager["bytes"] and compiled["kernels"] < eager["kernels"]
+    fits = memory_chain_efficiencies(raw, 1e10, 1e-6)
+    assert fits == {kind: chain_efficiency(chain[kind], 1e10, 1e-6) for kind in chain
+                    if kind in ("eager", "compiled")}
+    assert all(0 < e <= 1 for e in fits.values())
+    # the bytes' time over the time left after the launches
+    assert chain_efficiency({"bytes": 4e9, "kernels": 10, "seconds": 2.01}, 4e9, 1e-3) == \
+        pytest.approx(0.5)

@@ -98,6 +98,9 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "compiled_call": [1, 32],
         # host time per op: a training step of this zoo model, too small for the GPU to matter
         **({"host": "gpt-tiny"} if gpu else {}),
+        # a layer's memory-bound kernels against the copy's bandwidth, [rows, width, dtype]
+        # (costmodel.profiling.memory_probe); CPU ranks keep the copy's rate
+        **({"memory_chain": [4096 if quick else 8192, 4096, dtype]} if gpu else {}),
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],
         "gemms": gemms,
         "unaligned_gemms": unaligned,

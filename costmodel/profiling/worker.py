@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from costmodel.host_allocator import keep_freed_host_memory
+from costmodel.profiling.memory_probe import chain_items
 from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps, pipeline_steps
 
 __all__ = ["COLLECTIVE_KINDS", "ItemRunner", "Measure", "Rank", "TimedItem", "count_steps", "join", "main",
@@ -82,6 +83,7 @@ def count_steps(spec: dict[str, Any]) -> int:
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
              + 2 * int(bool(spec.get("fsdp_unit"))) + 2 * int(bool(spec.get("pipeline")))
              + int(bool(spec.get("host"))) + len(spec.get("compiled_call", ()))
+             + 2 * int(bool(spec.get("memory_chain")))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
              + len(spec.get("attention", ()))
@@ -413,6 +415,8 @@ def _compute_items(r: Rank, spec: dict[str, Any], out: dict[str, Any],
     if spec.get("compiled_call"):
         items += _compiled_call_items(r, spec["compiled_call"], int(spec["reps"]), min_rep_s,
                                       out, report)
+    if spec.get("memory_chain"):
+        items += chain_items(r, spec["memory_chain"], int(spec["reps"]), min_rep_s, out, report)
     return items + _kernel_items(r, spec, min_rep_s, out)
 
 
