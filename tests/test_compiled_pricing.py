@@ -230,3 +230,22 @@ def test_a_gpu_host_runs_a_compiled_call_beside_the_kernels():
     assert pass_seconds(10e-3, 0.0, 3e-3, gpu) == pytest.approx(10e-3)
     assert pass_seconds(10e-3, 4e-3, 8e-3, gpu) == pytest.approx(12e-3)
     assert pass_seconds(10e-3, 0.0, 3e-3, cpu) == pytest.approx(13e-3)
+
+
+def test_a_fused_chain_reads_through_a_tuple_projection():
+    """A layer norm's output reaches GELU through a tuple projection (getitem),
+    which has no tensor input of its own: the compiled chain after it is
+    priced, and moves fewer bytes than the same ops run eagerly."""
+    from costmodel.profiling.memory_probe import chain_graph
+
+    graph = chain_graph(64, 256, "float32")
+    assert any(n.target == "getitem" and not n.inputs for n in graph.nodes)
+    assert fused_shares(graph)
+    totals = {}
+    for compiled in (False, True):
+        cluster = load_cluster("local-cpu:1").running_compiled(compiled)
+        prepared = prepare_intra_op(graph, cluster, (1,))
+        cost = IntraOpCost(graph, cluster, (1,), "float32")
+        totals[compiled] = sum(cost.forward_time(ns.node, ns.strategies[0])
+                               for ns in prepared.strategies if ns.node.kind == OP)
+    assert 0 < totals[True] < totals[False]

@@ -32,7 +32,6 @@ from costmodel.profiling.runtime_costs import pipeline_action_overhead, runtime_
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
 __all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "fsdp_call_overhead",
-           "memory_chain_efficiencies",
            "host_overhead", "pipeline_actions", "unaligned_gemm_efficiency"]
 
 
@@ -47,7 +46,7 @@ class _DeviceFits:
     peak_flops: dict[str, float]    # dtype -> FLOP/s
     attention: dict[str, float]     # attention_fit's result, {} when not measured
     compiled_calls: dict[str, float]  # compiled_call_overheads' result, {} when not measured
-    memory_chain: dict[str, float | None]  # memory_chain_efficiencies' result
+    memory_efficiency: float | None  # the memory-bound chain's share of the copy's bandwidth
 
 
 @dataclass(frozen=True)
@@ -135,16 +134,6 @@ def compiled_call_overheads(raw: Mapping[str, Any]) -> dict[str, float]:
     return {"compiled_call_overhead": fit[0], "compiled_param_overhead": fit[1]}
 
 
-def memory_chain_efficiencies(raw: Mapping[str, Any], bandwidth: float,
-                              overhead: float) -> dict[str, float | None]:
-    """The share of the copy's ``bandwidth`` a layer's memory-bound kernels
-    reach, eager and compiled, from the ``memory_chain`` measurement
-    (:mod:`costmodel.profiling.memory_probe`); None where not measured."""
-    chain = raw.get("memory_chain") or {}
-    return {kind: chain_efficiency(chain[kind], bandwidth, overhead) if kind in chain else None
-            for kind in ("eager", "compiled")}
-
-
 def _fit_device(raw: Mapping[str, Any], device: str) -> _DeviceFits:
     """Kernel overhead, memory bandwidth (of the largest copy), the GEMM curve in
     the device's main dtype (fp32 on CPU, bf16 on GPU), the achieved rate of
@@ -165,7 +154,7 @@ def _fit_device(raw: Mapping[str, Any], device: str) -> _DeviceFits:
     bandwidth = mem["bytes"] / mem["seconds"]
     return _DeviceFits(main_dtype, overhead, bandwidth, gemm, peak, attention,
                        compiled_call_overheads(raw),
-                       memory_chain_efficiencies(raw, bandwidth, overhead))
+                       chain_efficiency(raw.get("memory_chain") or {}, bandwidth, overhead))
 
 
 def _collective_samples(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, float, int, float]]:
@@ -211,7 +200,7 @@ def _cpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
     values: dict[str, Any] = {
         "peak_flops": device.peak_flops, "memory_bandwidth": device.memory_bandwidth,
         "kernel_overhead": device.overhead,
-        "flop_efficiency": 1.0, "memory_efficiency": device.memory_chain["eager"] or 1.0,
+        "flop_efficiency": 1.0, "memory_efficiency": device.memory_efficiency or 1.0,
         "half_saturation_flops": device.gemm["half_saturation_flops"],
         **device.attention,
     }
@@ -240,7 +229,7 @@ def _gpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
     dev = DeviceSpec(name=torch.cuda.get_device_name(0), peak_flops=device.peak_flops,
                      memory=memory_per_rank or 1,
                      memory_bandwidth=device.memory_bandwidth, kernel_overhead=device.overhead,
-                     flop_efficiency=1.0, memory_efficiency=device.memory_chain["eager"] or 1.0,
+                     flop_efficiency=1.0, memory_efficiency=device.memory_efficiency or 1.0,
                      half_saturation_flops=device.gemm["half_saturation_flops"],
                      attention_efficiency=device.attention.get("attention_efficiency", 0.0),
                      attention_half_saturation_flops=device.attention.get(
@@ -317,7 +306,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
                                             else "torch's schedule"),
             **device.compiled_calls,
             "memory_bandwidth": device.memory_bandwidth,
-            "memory_chain_efficiency": device.memory_chain,
+            "memory_chain_efficiency": device.memory_efficiency,
             "gemm": device.gemm,
             "link": links.link,
             "collectives": links.per_kind,

@@ -83,7 +83,7 @@ def count_steps(spec: dict[str, Any]) -> int:
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
              + 2 * int(bool(spec.get("fsdp_unit"))) + 2 * int(bool(spec.get("pipeline")))
              + int(bool(spec.get("host"))) + len(spec.get("compiled_call", ()))
-             + 2 * int(bool(spec.get("memory_chain")))
+             + int(bool(spec.get("memory_chain")))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
              + len(spec.get("attention", ()))
@@ -416,7 +416,7 @@ def _compute_items(r: Rank, spec: dict[str, Any], out: dict[str, Any],
         items += _compiled_call_items(r, spec["compiled_call"], int(spec["reps"]), min_rep_s,
                                       out, report)
     if spec.get("memory_chain"):
-        items += chain_items(r, spec["memory_chain"], int(spec["reps"]), min_rep_s, out, report)
+        items += chain_items(r, spec["memory_chain"], min_rep_s, out)
     return items + _kernel_items(r, spec, min_rep_s, out)
 
 
