@@ -31,6 +31,11 @@
    error (``benchmarks.stats``); per (model, batch, ranks) the auto plan's
    step time over the best other plan's, and its rank among them, measured
    and predicted.
+5. Where two plans are within the machine's drift of each other, their
+   medians from separate launches cannot order them: the auto plan and the
+   fastest other plan then run in turns (``--pairs`` pairs of launches, the
+   order swapped every pair), and the report gives the geometric mean of
+   the pairs' ratios with its 90 % bootstrap interval (``paired``).
 
 Writes ``benchmarks/results/measured.json`` and a scatter plot of predicted
 against measured step time beside it (``measured.png``). Other work on the
@@ -57,7 +62,7 @@ if ROOT not in sys.path:  # python benchmarks/measured.py as well as python -m b
     sys.path.insert(0, ROOT)
 
 from benchmarks.common import load_average, load_average_1min, machine_block, write_results, wrote_message  # noqa: E402
-from benchmarks.stats import mape, median_after_warmup, spearman  # noqa: E402
+from benchmarks.stats import mape, median_after_warmup, paired_ratio, spearman  # noqa: E402
 from training.launch import launch  # noqa: E402
 from training.torchrun import LaunchError  # noqa: E402
 from costmodel.cluster import Cluster  # noqa: E402
@@ -274,6 +279,43 @@ def auto_vs_best(rows: list[Row]) -> list[dict[str, Any]]:
     return out
 
 
+def _round_step(row: Row, steps: int, warmup: int) -> float | None:
+    """One launch of ``row``'s plan without the one-process check: its median
+    step after ``warmup`` (None where it failed, recorded as the row's error)."""
+    try:
+        res = launch(row.path, steps=steps, timeout_s=300.0)
+    except LaunchError as err:
+        row.error = "launch failed: " + str(err).splitlines()[0]
+        return None
+    return median_after_warmup(res["step_times_s"], warmup)
+
+
+def auto_against_best(rows: list[Row], entries: list[dict[str, Any]], steps: int, warmup: int,
+                      rounds: int) -> None:
+    """For each :func:`auto_vs_best` entry, the auto plan and the fastest other
+    plan as measured, launched in turns (``rounds`` pairs, the order swapped
+    every pair) so that the machine's drift falls on both: the pairs'
+    ratios, auto over the other, their geometric mean and its 90 % interval
+    (``entry["paired"]``), the verdict when two plans are close."""
+    for entry in entries:
+        group = [r for r in rows if r.case.model == entry["model"] and r.path and r.case.ranks
+                 == entry["ranks"] and r.case.batch_size == entry["batch_size"]]
+        auto = next(r for r in group if r.name == "auto")
+        other = next(r for r in group if r.label == entry["best_other_measured"])
+        a, b = [], []
+        for k in range(rounds):
+            print(f"pair {k + 1}/{rounds}: {auto.label} and {other.label} ...", flush=True)
+            order = (auto, other) if k % 2 == 0 else (other, auto)
+            steps_s = {r.label: _round_step(r, steps, warmup) for r in order}
+            if None in steps_s.values():
+                break
+            a.append(steps_s[auto.label])
+            b.append(steps_s[other.label])
+        if a:
+            entry["paired"] = {"other": other.label, "auto_s": a, "other_s": b,
+                               **paired_ratio(a, b)}
+
+
 def summarize(rows: list[Row]) -> dict[str, Any]:
     """Spearman and MAPE over the distinct plans that ran (all, and per world size).
 
@@ -327,6 +369,11 @@ def print_report(result: dict[str, Any]) -> None:
               f"{a['auto_rank_measured']} of {a['distinct_plans']} measured; auto / best other: "
               f"measured {a['auto_over_best_other_measured']:.3f} "
               f"({a['best_other_measured']}), predicted {a['auto_over_best_other_predicted']:.3f}")
+        if "paired" in a:
+            p = a["paired"]
+            print(f"  in {len(p['ratios'])} pairs of launches: auto / other {p['geomean']:.3f} "
+                  f"(90 % interval {p['low']:.3f}-{p['high']:.3f}; pairs "
+                  f"{', '.join(f'{x:.2f}' for x in p['ratios'])})")
 
 
 def draw_scatter(result: dict[str, Any], path: str) -> str | None:
@@ -378,6 +425,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--rounds", type=int, default=2,
                     help="launches of every plan, one round after the other; a plan's step "
                          "is the median over rounds of each launch's median (default 2)")
+    ap.add_argument("--pairs", type=int, default=6,
+                    help="then the auto plan and the fastest other one in turns, this many pairs "
+                         "of launches each case (default 6; 0: none)")
     ap.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit per solve, s")
     ap.add_argument("--quick", action="store_true", help="two cases, quick profiles, 4 steps")
     ap.add_argument("--compile", action="store_true",
@@ -473,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         _save_distinct(rows, tmp)
         t_run = time.perf_counter()
         _run_distinct(rows, args.steps, args.warmup, args.rounds)
+        versus = auto_vs_best(rows)
+        auto_against_best(rows, versus, args.steps, args.warmup, args.pairs)
         running_s = time.perf_counter() - t_run
 
     plans_out = [_plan_record(r) for r in rows]
@@ -488,12 +540,13 @@ def main(argv: list[str] | None = None) -> int:
                    "megatron": "planner.baselines.megatron.megatron_plan of every megatron_configs",
                    "steps": args.steps, "warmup_steps_dropped": args.warmup, "rounds": args.rounds,
                    "statistic": "median over rounds of each launch's median step",
+                   "pairs": args.pairs,
                    "launch": "training.launch.launch(plan, steps, check=True)",
                    "compiled": args.compile,
                    "predicted": "plan.predicted['step_time_s'] on the profiled cluster",
                    "spearman_and_mape_over": "distinct plans (identical plans run once)"},
         "summary": summarize(rows),
-        "auto_vs_best": auto_vs_best(rows),
+        "auto_vs_best": versus,
         "plans": plans_out,
         "planning_s": planning_s,
         "running_s": running_s,

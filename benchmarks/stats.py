@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["rankdata", "spearman", "mape", "median_after_warmup"]
+__all__ = ["rankdata", "spearman", "mape", "median_after_warmup", "paired_ratio"]
 
 
 def rankdata(values: Sequence[float]) -> np.ndarray:
@@ -78,3 +78,21 @@ def median_after_warmup(times: Sequence[float], warmup: int = 1) -> float:
         raise ValueError("no times")
     rest = list(times[warmup:]) or list(times)
     return float(statistics.median(rest))
+
+
+def paired_ratio(a: Sequence[float], b: Sequence[float], *, level: float = 0.9,
+                 resamples: int = 2000) -> dict[str, float | list[float]]:
+    """The ratio of ``a`` to ``b`` measured in pairs (each pair at the same
+    time, so that the machine's drift falls on both): ``{"ratios",
+    "geomean", "low", "high"}``, the geometric mean of the pairs' ratios and
+    a ``level`` bootstrap interval of it (``resamples`` resamples of the
+    pairs, seeded: the same pairs give the same interval)."""
+    if len(a) != len(b) or not len(a):
+        raise ValueError(f"paired_ratio needs equally many pairs, at least one; got {len(a)} and {len(b)}")
+    logs = np.log(np.asarray(a, dtype=float) / np.asarray(b, dtype=float))
+    rng = np.random.default_rng(0)
+    means = logs[rng.integers(0, len(logs), size=(resamples, len(logs)))].mean(axis=1)
+    tail = (1.0 - level) / 2.0
+    return {"ratios": [float(x) for x in np.exp(logs)], "geomean": float(np.exp(logs.mean())),
+            "low": float(np.exp(np.quantile(means, tail))),
+            "high": float(np.exp(np.quantile(means, 1.0 - tail)))}

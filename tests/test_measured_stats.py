@@ -9,7 +9,7 @@ import pytest
 # benchmarks/ is a top-level folder of the repository, not an installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.stats import mape, median_after_warmup, rankdata, spearman  # noqa: E402
+from benchmarks.stats import mape, median_after_warmup, paired_ratio, rankdata, spearman  # noqa: E402
 
 
 def test_ranks_are_one_based_and_ties_share_the_mean_rank():
@@ -58,3 +58,19 @@ def test_median_after_warmup_drops_the_first_step():
     assert median_after_warmup([9.0, 1.0, 3.0, 2.0]) == 2.0
     assert median_after_warmup([9.0, 1.0, 3.0]) == 2.0
     assert median_after_warmup([9.0]) == 9.0
+
+
+def test_paired_ratio_is_the_geometric_mean_of_the_pairs_with_a_seeded_interval():
+    """Two plans launched in turns: the verdict is the geometric mean of the
+    pairs' ratios, inside its bootstrap interval, the same for the same
+    pairs; a drift of the machine that scales both of a pair cancels."""
+    drift = [1.0, 1.3, 0.8, 1.1, 0.9, 1.2]
+    auto = [0.2 * d * r for d, r in zip(drift, [1.02, 0.98, 1.01, 0.99, 1.03, 0.97])]
+    other = [0.2 * d for d in drift]
+    p = paired_ratio(auto, other)
+    assert p["geomean"] == pytest.approx(math.prod(p["ratios"]) ** (1 / 6))
+    assert p["ratios"][0] == pytest.approx(1.02)
+    assert p["low"] <= p["geomean"] <= p["high"] and p["low"] < 1 < p["high"]
+    assert paired_ratio(auto, other) == p
+    with pytest.raises(ValueError):
+        paired_ratio([1.0], [1.0, 2.0])
