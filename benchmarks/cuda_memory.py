@@ -133,6 +133,17 @@ def plain_peaks(build: Callable[[], tuple[torch.nn.Module, tuple]], precision: s
         _release(device)
 
 
+def _training_step_peaks(forward_backward: Callable[[], Any], opt: Any, device: torch.device,
+                         breakdown: bool) -> dict[str, Any]:
+    """:func:`step_peaks` of a training step: ``forward_backward()``, then
+    ``opt``'s step and its gradients set to None."""
+    def step() -> None:
+        forward_backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step_peaks(step, device, breakdown=breakdown)
+
+
 def runtime_peaks(build: Callable[[], tuple[torch.nn.Module, tuple]], plan: Any,
                   device: torch.device, *, from_source: bool, breakdown: bool = False
                   ) -> dict[str, Any]:
@@ -156,14 +167,8 @@ def runtime_peaks(build: Callable[[], tuple[torch.nn.Module, tuple]], plan: Any,
         del model
     _release(device)
     opt = runtime.optimizer(torch.optim.AdamW, lr=1e-4, foreach=True)
-
-    def step() -> None:
-        runtime.step(*inputs)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     try:
-        return step_peaks(step, device, breakdown=breakdown)
+        return _training_step_peaks(lambda: runtime.step(*inputs), opt, device, breakdown)
     finally:
         del runtime, opt, inputs
         _release(device)
@@ -183,14 +188,9 @@ def executor_peaks(build: Callable[[], tuple[torch.nn.Module, tuple]], plan: Any
     executor = PlanExecutor(plan, model, inputs, mesh)
     del model
     opt = torch.optim.AdamW(list(executor.parameters()), lr=1e-4, foreach=True)
-
-    def step() -> None:
-        loss_of(executor(*inputs)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     try:
-        return step_peaks(step, device, breakdown=breakdown)
+        return _training_step_peaks(lambda: loss_of(executor(*inputs)).backward(), opt, device,
+                                    breakdown)
     finally:
         del executor, opt, inputs
         _release(device)

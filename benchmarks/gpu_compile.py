@@ -202,9 +202,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_compile: error: no CUDA GPU (torch.cuda.is_available() is False); "
-              "to try it on a CPU: --device cpu --models gpt-tiny --quick", file=sys.stderr)
+    if gpu_single.missing_gpu(args.device, "gpu_compile"):
         return 2
     if args.quick:
         args.warmup, args.steps, args.train, args.train_warmup = 2, 3, 12, 2

@@ -521,12 +521,20 @@ def _train_first(cases: list[Case], args: argparse.Namespace,
               f"{tr['first_loss']:.3f} -> {tr['final_loss']:.3f}", flush=True)
 
 
+def missing_gpu(device: str, script: str) -> bool:
+    """Whether ``device`` is ``cuda`` and torch sees no GPU; if so, one error
+    line naming ``script`` and how to try it on a CPU."""
+    if device != "cuda" or torch.cuda.is_available():
+        return False
+    print(f"{script}: error: no CUDA GPU (torch.cuda.is_available() is False); "
+          "to try it on a CPU: --device cpu --models gpt-tiny --quick", file=sys.stderr)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_single: error: no CUDA GPU (torch.cuda.is_available() is False); "
-              "to try it on a CPU: --device cpu --models gpt-tiny --quick", file=sys.stderr)
+    if missing_gpu(args.device, "gpu_single"):
         return 2
     if args.quick:
         args.warmup, args.steps = min(args.warmup, 1), min(args.steps, 3)

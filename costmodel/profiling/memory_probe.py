@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-__all__ = ["chain_efficiency", "chain_graph", "chain_items", "chain_step", "priced_chain"]
+__all__ = ["chain_efficiency", "chain_graph", "chain_measurement", "chain_step", "priced_chain"]
 
 
 def _chain_module(torch: Any, width: int) -> Any:
@@ -118,15 +118,13 @@ def chain_efficiency(record: Mapping[str, Any], bandwidth: float, overhead: floa
     return min(1.0, record["bytes"] / bandwidth / busy)
 
 
-def chain_items(r: Any, shape: tuple[int, int, str], min_rep_s: float,
-                out: dict[str, Any]) -> list[Any]:
-    """``planner profile``'s timed item of the chain over ``shape`` (rows,
-    width, dtype); it records its priced bytes and launches beside its
-    ``seconds`` into ``out["memory_chain"]``."""
-    from costmodel.profiling.worker import TimedItem
-
+def chain_measurement(r: Any, shape: tuple[int, int, str],
+                      out: dict[str, Any]) -> tuple[str, Callable[[], None], dict[str, Any]]:
+    """``planner profile``'s measurement of the chain over ``shape`` (rows,
+    width, dtype) on rank ``r``'s device: ``(label, step, record)``, the
+    record holding the priced bytes and launches, where the timing adds its
+    ``seconds``; also ``out["memory_chain"]``."""
     rows, width, dtype = int(shape[0]), int(shape[1]), str(shape[2])
     rec = {"rows": rows, "width": width, "dtype": dtype, **priced_chain(rows, width, dtype)}
     out["memory_chain"] = rec
-    step = chain_step(r.torch, r.device, rows, width, dtype)
-    return [TimedItem("memory-bound chain", step, min_rep_s, False, rec)]
+    return "memory-bound chain", chain_step(r.torch, r.device, rows, width, dtype), rec

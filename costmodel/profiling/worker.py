@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from costmodel.host_allocator import keep_freed_host_memory
-from costmodel.profiling.memory_probe import chain_items
+from costmodel.profiling.memory_probe import chain_measurement
 from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps, pipeline_steps
 
 __all__ = ["COLLECTIVE_KINDS", "ItemRunner", "Measure", "Rank", "TimedItem", "count_steps", "join", "main",
@@ -416,7 +416,8 @@ def _compute_items(r: Rank, spec: dict[str, Any], out: dict[str, Any],
         items += _compiled_call_items(r, spec["compiled_call"], int(spec["reps"]), min_rep_s,
                                       out, report)
     if spec.get("memory_chain"):
-        items += chain_items(r, spec["memory_chain"], min_rep_s, out)
+        label, fn, rec = chain_measurement(r, spec["memory_chain"], out)
+        items.append(TimedItem(label, fn, min_rep_s, False, rec))
     return items + _kernel_items(r, spec, min_rep_s, out)
 
 
