@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -218,6 +219,14 @@ def file_tail(path: str, lines: int) -> list[str]:
             return [line.rstrip("\n")[:300] for line in f.readlines()[-lines:]]
     except OSError:
         return []
+
+
+def compile_lines(log_path: str) -> list[str]:
+    """The ``compile:`` lines rank 0 of a ``planner train`` or ``planner run``
+    job printed into its ranks' log (``log_path``; torchrun's ``[rank0]:``
+    prefix left out): each region's compile time and what the caches held."""
+    with open(log_path) as f:
+        return re.findall(r"^(?:\[rank0\]:)?(compile: .*)$", f.read(), flags=re.M)
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -23,13 +23,12 @@ import argparse
 import io
 import json
 import os
-import re
 import sys
 import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import machine_info, write_results
+from benchmarks.common import compile_lines, machine_info, write_results
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                            "compile_train.json")
@@ -47,8 +46,7 @@ def _train(folder: str, name: str, plan: str, steps: int, **fields: Any) -> dict
     wall = time.perf_counter() - t0
     if outcome.returncode != 0:
         raise RuntimeError(f"{name}: {outcome.error}")
-    with open(outcome.log_path) as f:
-        lines = re.findall(r"^(?:\[rank0\]:)?(compile: .*)$", f.read(), flags=re.M)
+    lines = compile_lines(outcome.log_path)
     with open(log) as f:
         losses = {r["step"]: r["loss"] for r in map(json.loads, f)}
     return {"losses": losses, "compile_lines": lines, "wall_s": wall}

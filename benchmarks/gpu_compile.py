@@ -24,12 +24,13 @@ models at their default shape), on one device:
 5. tokens/s and MFU of all four, and each plan's predicted step against its
    ``planner train``.
 
-MFU counts model FLOPs as 6 x the weights of the model's linear layers (the
-language-model head among them) + 12 x layers x width x sequence (attention's
-two matmuls, forward and backward) per token, over the datasheet's dense bf16
-peak of the GPU (:mod:`costmodel.presets`; on a CPU, none). Writes
-``OUT/gpu_compile.json``. Units: seconds, tokens/s. Exit status: 0 all
-measured, 1 a phase failed (its one-line error is in the JSON), 2 no CUDA GPU.
+MFU counts model FLOPs as 3 x the zoo config's ``forward_flops`` (every
+matmul of the forward, the language-model head and attention's two among them:
+6 x the linear layers' weights + 12 x layers x width x sequence per token, as
+``planner compare`` counts them), over the datasheet's dense bf16 peak of the
+GPU (:mod:`costmodel.presets`; on a CPU, none). Writes ``OUT/gpu_compile.json``.
+Units: seconds, tokens/s. Exit status: 0 all measured, 1 a phase failed (its
+one-line error is in the JSON), 2 no CUDA GPU.
 
 The GPU image has no ortools: carry its wheels as :mod:`benchmarks.gpu_single`'s
 docstring says.
@@ -57,20 +58,6 @@ from benchmarks.gpu_single import Case, _guard  # noqa: E402
 #: the four ways one model's step runs: (record key, label)
 KINDS = (("loop_eager", "plain loop, eager"), ("loop_compiled", "plain loop, torch.compile"),
          ("train_eager", "planner train"), ("train_compiled", "planner train --compile"))
-
-
-def model_flops_per_token(name: str, seq: int) -> float:
-    """Model FLOPs per token of one training step (forward and backward): 6 x the
-    weights of every ``nn.Linear`` (each counted once) + 12 x layers x width x ``seq``."""
-    from models import zoo
-
-    model, _ = zoo.build(name, device="meta", batch_size=1, seq_len=seq)
-    weights = {id(m.weight): m.weight.numel() for m in model.modules()
-               if isinstance(m, torch.nn.Linear)}
-    cfg = zoo.config(name)
-    layers = getattr(cfg, "n_layer", None) or cfg.n_layers  # GPT's name, or Llama's
-    width = getattr(cfg, "n_embd", None) or cfg.dim
-    return 6.0 * sum(weights.values()) + 12.0 * layers * width * seq
 
 
 def datasheet_peak_flops(device: str) -> float | None:
@@ -126,8 +113,11 @@ def _plan_pair(model: str, cluster: str, args: argparse.Namespace) -> dict[str, 
 def _summary(pair: dict[str, Case], peak: float | None) -> dict[str, Any]:
     """One model's row: each kind's step, tokens/s and MFU; predicted / measured."""
     eager, comp = pair["eager"], pair["compiled"]
+    from models import zoo
+
     tokens = comp.batch * comp.seq
-    flops = model_flops_per_token(comp.model, comp.seq) * tokens
+    # the matmuls' FLOPs, forward and backward (3 x the forward's), as planner compare counts them
+    flops = 3.0 * zoo.config(comp.model).forward_flops(comp.batch, comp.seq)
     steps = {"loop_eager": (comp.record.get("loop_eager") or {}).get("step_time_s"),
              "loop_compiled": (comp.record.get("loop_compiled") or {}).get("step_time_s"),
              "train_eager": (eager.record.get("train") or {}).get("step_time_s"),

@@ -69,7 +69,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -312,7 +311,7 @@ def train_case(case: Case, steps: int, warmup: int, out_dir: str, *,
     (same batch), and the compile lines the job printed."""
     import io
 
-    from benchmarks.common import text_token_file
+    from benchmarks.common import compile_lines, text_token_file
     from training.config import TrainConfig
     from training.launch import train
 
@@ -335,8 +334,6 @@ def train_case(case: Case, steps: int, warmup: int, out_dir: str, *,
     tokens = res["tokens_per_step"]
     plain = (case.record.get("plain") or {}).get("step_time_s")
     losses = [r["loss"] for r in res["losses"]]
-    with open(outcome.log_path) as f:
-        compile_lines = re.findall(r"^(?:\[rank0\]:)?(compile: .*)$", f.read(), flags=re.M)
     case.record[key] = {
         "steps": steps, "warmup": warmup, "step_time_s": step_s, "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_s,
@@ -346,7 +343,7 @@ def train_case(case: Case, steps: int, warmup: int, out_dir: str, *,
         "loss_every_10": losses[::10],
         "peak_bytes": [r["peak_bytes"] for r in res["ranks"]],
         "predicted_peak_bytes": res.get("predicted_peak_bytes_per_device"),
-        "data_tokens": os.path.getsize(data) // 2, "compile_lines": compile_lines,
+        "data_tokens": os.path.getsize(data) // 2, "compile_lines": compile_lines(outcome.log_path),
         "wall_s": round(time.perf_counter() - t0, 2)}
     os.remove(data)
 

@@ -223,16 +223,24 @@ def make_plans(case: Case, cluster: Cluster, time_limit_s: float, compile: bool 
     return rows
 
 
+def _launch(row: Row, steps: int, timeout_s: float, *, check: bool) -> dict[str, Any] | None:
+    """``training.launch.launch`` of ``row``'s plan; None where it failed, the
+    failure's first line recorded as the row's error."""
+    try:
+        return launch(row.path, steps=steps, check=check, timeout_s=timeout_s)
+    except LaunchError as err:
+        row.error = "launch failed: " + str(err).splitlines()[0]
+        return None
+
+
 def run_row(row: Row, steps: int, warmup: int, timeout_s: float) -> None:
     """Launch ``row``'s plan once and add the run to ``row.result``: each
     round's median step (``rounds_s``), and as ``measured_s`` the median over
     the rounds so far."""
-    try:
-        t0 = time.perf_counter()
-        res = launch(row.path, steps=steps, check=True, timeout_s=timeout_s)
-        wall = time.perf_counter() - t0
-    except LaunchError as err:
-        row.error = "launch failed: " + str(err).splitlines()[0]
+    t0 = time.perf_counter()
+    res = _launch(row, steps, timeout_s, check=True)
+    wall = time.perf_counter() - t0
+    if res is None:
         return
     times = res["step_times_s"]
     out = row.result
@@ -282,12 +290,8 @@ def auto_vs_best(rows: list[Row]) -> list[dict[str, Any]]:
 def _round_step(row: Row, steps: int, warmup: int) -> float | None:
     """One launch of ``row``'s plan without the one-process check: its median
     step after ``warmup`` (None where it failed, recorded as the row's error)."""
-    try:
-        res = launch(row.path, steps=steps, timeout_s=300.0)
-    except LaunchError as err:
-        row.error = "launch failed: " + str(err).splitlines()[0]
-        return None
-    return median_after_warmup(res["step_times_s"], warmup)
+    res = _launch(row, steps, 300.0, check=False)
+    return None if res is None else median_after_warmup(res["step_times_s"], warmup)
 
 
 def auto_against_best(rows: list[Row], entries: list[dict[str, Any]], steps: int, warmup: int,
