@@ -47,6 +47,10 @@ CASES: dict[str, list[str]] = {
     "gpt-tiny-pp2-zbv": ["--model", "gpt-tiny", "--cluster", "local-cpu:2", "--pp", "2",
                          "--schedule", "zbv"],
     "llama-tiny-cp2": ["--model", "llama-tiny", "--cluster", "local-cpu:2", "--cp", "2"],
+    "gpt-tiny-recompute-2": ["--model", "gpt-tiny", "--cluster", "local-cpu:2", "--mesh", "2",
+                             "--recompute", "all"],
+    "llama-tiny-recompute-1": ["--model", "llama-tiny", "--cluster", "local-cpu:1", "--mesh", "1",
+                               "--recompute", "all"],
 }
 
 

@@ -60,9 +60,9 @@ def checkpointed(fn: Callable[..., Any], *values: Any) -> Any:
     """``fn(*values)`` under non-reentrant ``torch.utils.checkpoint``: its
     activations are not kept, and backward re-runs it."""
     # Early stop would abort the recomputation with an exception mid-layer, which
-    # the per-node DTensor fallback must not mistake for a sharding failure.
-    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-        return torch.utils.checkpoint.checkpoint(fn, *values, use_reentrant=False)
+    # the per-node DTensor fallback must not mistake for a sharding failure. Given
+    # as an argument (not torch's context manager), torch.compile traces it.
+    return torch.utils.checkpoint.checkpoint(fn, *values, use_reentrant=False, early_stop=False)
 
 
 def segment_function(segment: Sequence[torch.fx.Node], names: Sequence[str],

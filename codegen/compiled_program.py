@@ -39,7 +39,8 @@ class RegionCompile:
         region: the region's name (``program``, ``stage 1``...).
         compiled: whether it runs compiled (False: it fell back to eager).
         seconds: wall time of its first call, the one that compiles, in seconds
-            (forward only; the backward graph compiles in the first backward).
+            (forward only; the backward graph compiles in the first backward;
+            with the regions compiled inside it).
         cache_hits: inductor FX-graph cache hits during that call (graphs
             reused from an earlier run's artifacts rather than compiled again).
         reason: why it runs eager ("" when compiled).
@@ -51,6 +52,8 @@ class RegionCompile:
             and backward graphs come as one entry, so both load in its first
             call).
         aot_misses: AOTAutograd cache misses (traced afresh) or bypasses.
+        inner: regions compiled on their own inside it (checkpointed layers on
+            a mesh), between its graphs.
     """
 
     region: str
@@ -62,12 +65,17 @@ class RegionCompile:
     cache_misses: int = 0
     aot_hits: int = 0
     aot_misses: int = 0
+    inner: int = 0
 
     def line(self) -> str:
         """One log line for it: the time, and what the compile caches held."""
         if not self.compiled:
             return f"compile: {self.region} runs eager: {self.reason}"
-        split = f", in {self.graphs} graphs (parts run eager)" if self.graphs > 1 else ""
+        split = ""
+        if self.inner:
+            split = f", in {self.graphs} graphs around {self.inner} region(s) compiled on their own"
+        elif self.graphs > 1:
+            split = f", in {self.graphs} graphs (parts run eager)"
         return f"compile: {self.region} compiled in {self.seconds:.1f} s{self._reuse()}{split}"
 
     def _reuse(self) -> str:
@@ -84,7 +92,8 @@ class RegionCompile:
 
 @dataclass
 class CompileReport:
-    """The regions of one rank's program and how each compiled, in first-call order."""
+    """The regions of one rank's program and how each compiled, in first-call
+    order (a region compiled inside another comes after it)."""
 
     regions: list[RegionCompile] = field(default_factory=list)
 
@@ -136,21 +145,28 @@ class CompiledRegion:
             return (self.eager if self._compiled is None else self._compiled)(*args)
         self._called = True
         cache, graphs, t0 = compile_cache_counts(), _graphs_made(), time.perf_counter()
+        first = len(self.report.regions)
         try:
             out = self._compiled(*args)
         except Exception as err:  # noqa: BLE001 - compile failed: this region runs eager
             outcome = RegionCompile(self.region, False, time.perf_counter() - t0,
                                     reason=_first_line(err))
-            self.report.regions.append(outcome)
+            self.report.regions.insert(first, outcome)
             warnings.warn(outcome.line(), stacklevel=2)
             self._compiled = None
             return self.eager(*args)
         seconds, now = time.perf_counter() - t0, compile_cache_counts()
         lookups = {k: now[k] - cache[k] for k in now}
-        self.report.regions.append(RegionCompile(
-            self.region, True, seconds, lookups["fx_hit"], graphs=_graphs_made() - graphs,
-            cache_misses=lookups["fx_miss"], aot_hits=lookups["aot_hit"],
-            aot_misses=lookups["aot_miss"]))
+        # regions compiled inside this one (checkpointed layers) count their own
+        nested = self.report.regions[first:]
+        self.report.regions.insert(first, RegionCompile(
+            self.region, True, seconds,
+            lookups["fx_hit"] - sum(r.cache_hits for r in nested),
+            graphs=_graphs_made() - graphs - sum(r.graphs for r in nested),
+            cache_misses=lookups["fx_miss"] - sum(r.cache_misses for r in nested),
+            aot_hits=lookups["aot_hit"] - sum(r.aot_hits for r in nested),
+            aot_misses=lookups["aot_miss"] - sum(r.aot_misses for r in nested),
+            inner=len(nested)))
         return out
 
 

@@ -316,8 +316,20 @@ class PlanExecutor:
                 self._compile_refused = True
                 return
             program = lower(self._compile(), self.plan, self.mesh)
+            self._compile_checkpointed_layers(program)
         self._use_program(CompiledRegion(program, self._region_name(), self.compile_report,
                                          eager=self._interpreted))
+
+    def _compile_checkpointed_layers(self, program: torch.fx.GraphModule) -> None:
+        """Give each checkpointed layer of lowered ``program`` its own compiled
+        region, run inside an eager checkpoint: torch's compiler traces a
+        checkpoint over DTensors but saves the ``DeviceMesh`` among the
+        backward's tensors and fails (:class:`_CheckpointedLayer`)."""
+        for name, layer in program.named_children():
+            if isinstance(layer, _CheckpointedLayer):
+                layer.region = CompiledRegion(
+                    layer.program, f"{self._region_name()}'s checkpointed layer {name}",
+                    self.compile_report)
 
     def _compile_units(self) -> None:
         """Under a compiling plan, give each ZeRO-3 unit its ops as a compiled
@@ -487,14 +499,28 @@ class PlanExecutor:
 class _CheckpointedLayer(torch.nn.Module):
     """A checkpointed layer's program (its external values in, the values read
     after it out, as a tuple) run as :func:`codegen.checkpointed_layers.run_checkpointed`
-    runs it (:func:`codegen.checkpointed_layers.checkpointed`)."""
+    runs it (:func:`codegen.checkpointed_layers.checkpointed`).
+
+    On one device, compiled with the program around it, the checkpoint
+    traces into the program's graph, the recomputation too. On a mesh
+    :attr:`region` is set instead: the layer's own compiled region, run inside
+    a checkpoint the program's compile leaves out (its graph breaks there)."""
 
     def __init__(self, program: torch.fx.GraphModule):
         super().__init__()
         self.program = program
+        self.region: CompiledRegion | None = None
 
     def forward(self, *values: Any) -> tuple:
-        return checkpointed(self.program, *values)
+        if self.region is None:
+            return checkpointed(self.program, *values)
+        return _checkpointed_region(self.region, *values)
+
+
+@torch.compiler.disable
+def _checkpointed_region(region: CompiledRegion, *values: Any) -> tuple:
+    """``region`` (compiled on its own) under an eager checkpoint."""
+    return checkpointed(region, *values)
 
 
 def _call_segment(graph: torch.fx.Graph, root: torch.nn.Module, segment: Sequence[torch.fx.Node],

@@ -274,15 +274,19 @@ def pass_seconds(device_s: float, host_s: float, call_s: float, device: DeviceSp
 
 
 def compiled_call_seconds(graph: "Graph", device: DeviceSpec,
-                          regions: int = 1) -> tuple[float, float]:
-    """Host seconds of one pass of ``graph`` run as ``regions`` compiled
-    regions (one, or a ZeRO-3 stage's one per unit), beyond their kernels:
-    ``(forward, backward)``, each region's call
-    (``device.compiled_call_overhead``) in the forward and each parameter's
-    (``device.compiled_param_overhead``: its guard and the eager
-    accumulation of its gradient) in the backward; (0, 0) for an eager
-    program. A stage pays it once per micro-batch."""
+                          calls: tuple[int, int] = (1, 0)) -> tuple[float, float]:
+    """Host seconds of one pass of ``graph`` run as compiled regions, beyond
+    their kernels: ``(forward, backward)``. ``calls``: the regions' calls in
+    the forward (one, a ZeRO-3 stage's one per unit, or with its checkpointed
+    layers compiled on their own) and in the backward (those layers'
+    recomputation): :meth:`costmodel.strategy_cost.IntraOpCost.region_calls`.
+    Each call costs ``device.compiled_call_overhead``, and each parameter
+    ``device.compiled_param_overhead`` in the backward (its guard and the
+    eager accumulation of its gradient); (0, 0) for an eager program. A
+    stage pays it once per micro-batch."""
     if not device.compiled:
         return 0.0, 0.0
     params = sum(1 for n in graph.nodes if n.kind == PARAM)
-    return regions * device.compiled_call_overhead, params * device.compiled_param_overhead
+    forward, backward = calls
+    return (forward * device.compiled_call_overhead,
+            backward * device.compiled_call_overhead + params * device.compiled_param_overhead)

@@ -55,13 +55,14 @@ class ComputePricing(StrategySettings):
         backward, under each of ``strategies``: its kernel (:meth:`forward_time`)
         and the reduction of each output it leaves partial on a mesh axis (a
         row-parallel linear's all-reduce) and an expert-parallel grouped
-        matmul's all-to-alls, which the re-run issues again. In a compiled
-        program a checkpointed layer runs eagerly (torch.compile breaks its
-        graph at ``codegen.checkpointed_layers.checkpointed``): the re-run is
-        eager, and so are the layer's forward and backward
-        (:meth:`eager_excess`)."""
+        matmul's all-to-alls, which the re-run issues again. A compiled
+        program re-runs the layer compiled (its checkpoint traced into the
+        program's graph, or on a mesh the layer compiled on its own:
+        :mod:`codegen.executor`), so the re-run is priced as the compiled
+        forward; the calls of a layer compiled on its own are the host's
+        (:func:`costmodel.compute.compiled_call_seconds`)."""
         out = []
-        for t, s in zip(self._per_shard_factor(node, strategies, self._checkpointed_extra),
+        for t, s in zip(self._per_shard_factor(node, strategies, self.forward_time),
                         strategies):
             t += self.expert_exchange(node, s)[0]
             for info, placements in zip(node.outputs, s.outputs):
@@ -111,12 +112,11 @@ class ComputePricing(StrategySettings):
                       self.cluster.device, self.dtype)
         return 2 * one
 
-    def _dispatch(self, node: Node, eager: bool = False) -> float:
+    def _dispatch(self, node: Node) -> float:
         """Host seconds the distributed runtime adds to running the op once
         (none in a compiled program: DTensor's dispatch ran when it was traced;
-        an op the compiled program runs eagerly, between ZeRO-3's units or
-        ``eager``, pays it)."""
-        if node.target == "getitem" or (self.cluster.device.compiled and not eager
+        an op the compiled program runs eagerly, between ZeRO-3's units, pays it)."""
+        if node.target == "getitem" or (self.cluster.device.compiled
                                           and node.name not in self.eager_ops):
             return 0.0
         return self.cluster.device.dispatch_overhead
@@ -126,34 +126,12 @@ class ComputePricing(StrategySettings):
         return (self.cluster.device.compiled and node.kind == OP
                 and node.name not in self.eager_ops)
 
-    def _aligned(self, node: Node, eager: bool) -> bool:
+    def _aligned(self, node: Node) -> bool:
         """Whether the op's GEMMs run at the aligned rate (:func:`gemm_aligned`).
         A compiled program's are: inductor pads a matmul's operands to the
         tensor cores' alignment where that is faster (``shape_padding``, on by
         default on GPUs; the pad's copy is not priced)."""
-        return (not eager and self._compiled_op(node)) or gemm_aligned(node)
-
-    def eager_excess(self, node: Node, s: Strategy) -> float:
-        """Seconds the op's forward and backward under ``s`` take more when
-        they run eagerly than in the compiled program (0 where the program
-        is not compiled, or runs the op eagerly anyway)."""
-        if not self._compiled_op(node):
-            return 0.0
-        return self._eager_forward_and_excess(node, s)[1]
-
-    def _eager_forward_and_excess(self, node: Node, s: Strategy) -> tuple[float, float]:
-        """(seconds of the op's eager forward, :meth:`eager_excess`) of a
-        compiled op, its eager forward priced once."""
-        forward = self.forward_time(node, s, eager=True)
-        eager = forward + sum(self.backward_times(node, s, eager=True))
-        return forward, eager - self.forward_time(node, s) - sum(self.backward_times(node, s))
-
-    def _checkpointed_extra(self, node: Node, s: Strategy) -> float:
-        """Seconds a checkpointed layer adds for ``node``'s kernels: its
-        forward again, and in a compiled program all of it run eagerly."""
-        if not self._compiled_op(node):
-            return self.forward_time(node, s)
-        return sum(self._eager_forward_and_excess(node, s))
+        return self._compiled_op(node) or gemm_aligned(node)
 
     def price_context(self, node: Node) -> tuple:
         """What ``node``'s prices depend on beyond its own shapes and
@@ -167,48 +145,46 @@ class ComputePricing(StrategySettings):
                 if node.name in self.requires_grad else None,
                 self.fused_shares.get(node.name))
 
-    def _view_time(self, node: Node, eager: bool = False) -> float:
+    def _view_time(self, node: Node) -> float:
         """Seconds of a view op in one pass: no kernel, but the distributed
         runtime dispatches it (the host's own time to issue it counts in
         :func:`costmodel.compute.host_seconds`)."""
-        return self._dispatch(node, eager)
+        return self._dispatch(node)
 
-    def backward_times(self, node: Node, s: Strategy, eager: bool = False) -> tuple[float, float]:
-        """(input-gradient, weight-gradient) seconds of the op's backward under
-        ``s``; ``eager``: as the eager runtime runs it, in a compiled program too."""
+    def backward_times(self, node: Node, s: Strategy) -> tuple[float, float]:
+        """(input-gradient, weight-gradient) seconds of the op's backward under ``s``."""
         if node.kind != OP or node.name not in self.requires_grad:
             return 0.0, 0.0
         if node.is_view:
-            return self._view_time(node, eager), 0.0
+            return self._view_time(node), 0.0
         f = self.shard_factor(s)
         input_grad, weight_grad = backward_kernels(node, self.requires_grad, self.param_derived)
         if node.target == FUSED_ATTENTION:
             b = attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                 self.dtype)[1] if input_grad else 0.0
-            return b + self._dispatch(node, eager), 0.0
-        share = None if eager else self.fused_shares.get(node.name)
+            return b + self._dispatch(node), 0.0
+        share = self.fused_shares.get(node.name)
         if share is not None:  # the backward's chain fuses as the forward's
             one = fused_seconds(share, f, self.cluster.device)
             return input_grad * one, weight_grad * one
         b, w = backward_op_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
                                  self.dtype, input_grad=input_grad, weight_grad=weight_grad,
-                                 aligned=self._aligned(node, eager))
-        return b + self._dispatch(node, eager), w
+                                 aligned=self._aligned(node))
+        return b + self._dispatch(node), w
 
-    def forward_time(self, node: Node, s: Strategy, eager: bool = False) -> float:
-        """Seconds of the op's forward alone (what activation checkpointing
-        re-runs); ``eager``: as the eager runtime runs it, in a compiled program too."""
+    def forward_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of the op's forward alone (what activation checkpointing re-runs)."""
         if node.kind != OP:
             return 0.0
         if node.is_view:
-            return self._view_time(node, eager)
+            return self._view_time(node)
         f = self.shard_factor(s)
         if node.target == FUSED_ATTENTION:
             return (attention_times(node.flops / f, node.bytes_moved / f, self.cluster.device,
-                                    self.dtype)[0] + self._dispatch(node, eager))
-        share = None if eager else self.fused_shares.get(node.name)
+                                    self.dtype)[0] + self._dispatch(node))
+        share = self.fused_shares.get(node.name)
         if share is not None:
             return fused_seconds(share, f, self.cluster.device)
         return (op_time(node.flops / f, node.bytes_moved / f, self.cluster.device, self.dtype,
-                        aligned=self._aligned(node, eager))
-                + self._dispatch(node, eager))
+                        aligned=self._aligned(node))
+                + self._dispatch(node))

@@ -19,6 +19,7 @@ gradient synchronisation) on one device.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -232,6 +233,19 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
             inside = {op for unit in units for op in unit.ops}
             self.eager_ops = frozenset(n.name for n in self.graph.nodes
                                        if n.kind == OP and n.name not in inside)
+
+    def region_calls(self, checkpointed: Sequence[str]) -> tuple[int, int]:
+        """Calls of compiled regions in one pass of a compiled stage whose
+        layers ``checkpointed`` are checkpointed: ``(forward, backward)``. On
+        one device the checkpoints trace into the program's one region; on a
+        mesh each such layer is a region of its own, called in the forward and
+        again for its recomputation in the backward (ZeRO-3: its unit's region,
+        called again). :mod:`codegen.executor` compiles them so."""
+        if self.zero_stage == 3:
+            return self.compiled_regions, len(checkpointed)
+        if math.prod(self.mesh_shape) > 1:
+            return self.compiled_regions + len(checkpointed), len(checkpointed)
+        return self.compiled_regions, 0
 
     def _set_precision(self, dtype: str) -> None:
         """The training precision ``dtype`` names, and the byte ratios of the

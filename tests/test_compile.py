@@ -54,17 +54,36 @@ def test_placement_checks_trace_into_the_graph():
     torch.testing.assert_close(compiled(torch.ones(2)), torch.full((2,), 2.0))
 
 
+def test_a_checkpointed_layer_traces_into_the_compiled_graph():
+    """On one device a checkpointed layer compiles with the program around it,
+    its recomputation too: the checkpoint traces without a graph break (torch's
+    early-stop context manager broke the graph, and the layer ran eagerly)."""
+    from codegen.checkpointed_layers import checkpointed
+
+    def program(x):
+        return checkpointed(lambda v: (torch.sin(v) * v).exp(), x).sum()
+
+    x = torch.linspace(-1, 1, 8, requires_grad=True)
+    compiled = torch.compile(program, backend="aot_eager", fullgraph=True)  # raises on a break
+    compiled(x).backward()
+    got, x.grad = x.grad, None
+    program(x).backward()
+    torch.testing.assert_close(got, x.grad)
+
+
 @pytest.mark.multiprocess
 def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
     """The DTensor program, lowered (the plan's placements written into it) and
-    compiled with inductor, trains as one eager process does."""
+    compiled with inductor, trains as one eager process does; each of its
+    checkpointed layers compiles as a region of its own, run inside the
+    checkpoint, between the program's two graphs."""
     from models.source import build_model
     from planner.api import plan
 
     model, inputs = build_model("gpt-tiny", device="meta")
     made = plan(model, "local-cpu:2", example_inputs=inputs, mesh_shape=(2,),
-                model_source="gpt-tiny", time_limit_s=10, compile=True)
-    assert made.training["compile"] is True and made.compiles
+                model_source="gpt-tiny", time_limit_s=10, compile=True, recompute="all")
+    assert made.training["compile"] is True and made.compiles and len(made.checkpoint) == 2
     assert "compile" not in made.with_compile(False).training
     path = tmp_path / "compiled.json"
     made.save(path)
@@ -72,8 +91,10 @@ def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
     result = launch(path, check=True, steps=2, timeout_s=400)
     assert result["passed"], result.get("output")
     assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
-    assert "compile: the program compiled in" in result["output"]
-    assert "parts run eager" not in result["output"]  # one graph
+    output = result["output"]
+    assert "in 2 graphs around 2 region(s) compiled on their own" in output, output
+    assert output.count("compile: the program's checkpointed layer") == 2
+    assert "runs eager" not in output and "parts run eager" not in output
 
 
 _COMPILE_ONCE = """

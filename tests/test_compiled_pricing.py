@@ -138,26 +138,34 @@ def test_ops_between_zero3_units_are_priced_eager(llama_graph):
             assert cost_3.compute(ns.node, s) < eager.compute(ns.node, s)
 
 
-def test_a_checkpointed_layer_is_priced_eager_in_a_compiled_program(llama_graph):
-    """torch.compile breaks its graph at a checkpointed layer, which then runs
-    eagerly: its re-run is priced as the eager op, plus what the op's own
-    forward and backward cost more eagerly than compiled; without compile the
-    re-run is the forward."""
+def test_a_checkpointed_layer_recomputes_compiled(llama_graph):
+    """A compiled program re-runs a checkpointed layer compiled (traced into
+    the program's graph on one device, its own region on a mesh): the re-run
+    is the compiled forward; on a mesh each such layer's region is called in
+    the forward and again in the backward, on one device nothing more."""
+    from costmodel.compute import compiled_call_seconds
+
     eager = load_cluster("local-cpu:2")
+    compiled = replace(eager, device=replace(eager.device, compiled_call_overhead=1e-3,
+                                             compiled_param_overhead=0.0)).running_compiled()
     cost_e = IntraOpCost(llama_graph, eager, (2,), "float32")
-    cost_c = IntraOpCost(llama_graph, eager.running_compiled(), (2,), "float32")
+    cost_c = IntraOpCost(llama_graph, compiled, (2,), "float32")
     shares = fused_shares(llama_graph)
     prepared = prepare_intra_op(llama_graph, eager, (2,))
     fused = next(ns for ns in prepared.strategies if ns.node.name in shares
                  and ns.node.name in cost_c.requires_grad)
     node, s = fused.node, fused.strategies[0]
     assert cost_e.recompute_each(node, [s]) == [pytest.approx(cost_e.forward_time(node, s))]
-    eager_pass = cost_e.forward_time(node, s) + sum(cost_e.backward_times(node, s))
-    compiled_pass = cost_c.forward_time(node, s) + sum(cost_c.backward_times(node, s))
-    assert cost_c.eager_excess(node, s) == pytest.approx(eager_pass - compiled_pass)
-    assert eager_pass > compiled_pass  # a fused op runs as its own kernel, dispatched
-    assert cost_c.recompute_each(node, [s]) == [pytest.approx(
-        cost_e.forward_time(node, s) + eager_pass - compiled_pass)]
+    assert cost_c.recompute_each(node, [s]) == [pytest.approx(cost_c.forward_time(node, s))]
+    assert cost_c.forward_time(node, s) < cost_e.forward_time(node, s)  # fused, undispatched
+    layers = ["layers.0", "layers.1"]
+    assert cost_c.region_calls(layers) == (3, 2)
+    assert compiled_call_seconds(llama_graph, compiled.device,
+                                 cost_c.region_calls(layers)) == pytest.approx((3e-3, 2e-3))
+    one = load_cluster("local-cpu:1")
+    one_device = IntraOpCost(llama_graph, replace(one, device=compiled.device), (1,), "float32")
+    assert one_device.region_calls(layers) == (1, 0)
+    assert compiled_call_seconds(llama_graph, eager.device, (3, 2)) == (0.0, 0.0)
 
 
 def test_a_compiled_pipeline_pays_its_own_measured_action():

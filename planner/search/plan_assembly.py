@@ -103,7 +103,8 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
     # the device's time (the ILP's objective), unless the host issues the step's
     # ops, and calls a compiled program, more slowly than the device runs them
     host_s = sum(host_seconds(graph, cluster.device))
-    call_s = sum(compiled_call_seconds(graph, cluster.device, cost.compiled_regions))
+    call_s = sum(compiled_call_seconds(graph, cluster.device,
+                                     cost.region_calls(result.checkpointed)))
     predicted = {
         "step_time_s": pass_seconds(sol.objective_s, host_s, call_s, cluster.device),
         "compute_s": b.compute_s,

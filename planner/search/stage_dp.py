@@ -171,7 +171,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     # a pass takes at least the host's time to issue its ops and call its
     # compiled regions (costmodel.compute)
     host_f, host_b = host_seconds(graph, cluster.device)
-    call_f, call_b = compiled_call_seconds(graph, cluster.device, cost.compiled_regions)
+    call_f, call_b = compiled_call_seconds(graph, cluster.device,
+                                           cost.region_calls(result.checkpointed))
     f = pass_seconds(f, host_f, call_f, cluster.device)
     b = pass_seconds(b, host_b - w, call_b, cluster.device)
     sync = 0.0  # the stage's once-per-step collectives over mesh axis 0
