@@ -42,10 +42,11 @@ BACKENDS = ("nccl", "gloo")
 
 #: Fixed cost of launching one GPU kernel, seconds (CUDA launch + tail, ~5 us).
 DEFAULT_KERNEL_OVERHEAD = 5e-6
-#: DeviceSpec fields of the runtime's host costs that only ``planner profile`` measures
-#: (a compiled region's call, an FSDP2 unit's collective call, a pipeline action)
+#: DeviceSpec fields only ``planner profile`` measures: the runtime's host costs (a compiled
+#: region's call, an FSDP2 unit's collective call, a pipeline action), fused kernels' rate
 _MEASURED_ONLY_KEYS = ("compiled_call_overhead", "compiled_param_overhead", "fsdp_call_overhead",
-                       "pipeline_action_overhead", "compiled_pipeline_action_overhead")
+                       "pipeline_action_overhead", "compiled_pipeline_action_overhead",
+                       "fused_element_rate")
 #: DeviceSpec fields a cluster file may leave out (their defaults apply)
 _OPTIONAL_DEVICE_KEYS = ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                          "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
@@ -60,21 +61,14 @@ DEFAULT_MEMORY_EFFICIENCY = 0.8
 
 # dtype spellings accepted by DeviceSpec.flops, mapped to the canonical names
 # used as keys of DeviceSpec.peak_flops.
-_DTYPE_ALIASES = {
-    "fp32": "float32", "float": "float32", "f32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16", "half": "float16", "f16": "float16",
-    "fp64": "float64", "double": "float64",
-    "tf32": "tfloat32",
-    "fp8": "float8_e4m3fn",
-}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "f32": "float32", "bf16": "bfloat16",
+                  "fp16": "float16", "half": "float16", "f16": "float16", "fp64": "float64",
+                  "double": "float64", "tf32": "tfloat32", "fp8": "float8_e4m3fn"}
 
 
 class ClusterError(ValueError):
-    """A cluster description is missing, malformed or asks for something impossible.
-
-    The message is always one line naming the offending field and the fix.
-    """
+    """A cluster description is missing, malformed or asks for something
+    impossible; the message is one line naming the offending field and the fix."""
 
 
 def check_mesh_shape(mesh_shape: Any, cluster: "Cluster | None" = None) -> tuple[int, ...]:
@@ -354,6 +348,10 @@ class DeviceSpec:
         compiled_param_overhead: host seconds each parameter adds to such a
             call (its guard, and the eager accumulation of its gradient,
             which runs outside the graph). Measured with it; 0 = not priced.
+        fused_element_rate: elements per second a compiled program's fused
+            kernels apply their ops to (``costmodel.fusion.fused_seconds``): on
+            a CPU rank their exp, sin and divides, not their bytes, bound them.
+            Measured by ``planner profile`` on CPU ranks; 0 = not priced (GPUs).
         fsdp_call_overhead: seconds an FSDP2 unit's collective call costs
             beyond its bytes (hooks, copy set-up, latency; three a ZeRO-3 unit
             and micro-batch). pipeline_action_overhead: seconds the pipeline
@@ -388,6 +386,7 @@ class DeviceSpec:
     fsdp_call_overhead: float = 0.0
     pipeline_action_overhead: float = 0.0
     compiled_pipeline_action_overhead: float = 0.0
+    fused_element_rate: float = 0.0
     compiled: bool = False
 
     def __post_init__(self) -> None:
@@ -395,7 +394,8 @@ class DeviceSpec:
         if self.attention_efficiency != 0.0:
             _need_fraction("device.attention_efficiency", self.attention_efficiency)
         for key in ("dispatch_overhead", "host_overhead", *_MEASURED_ONLY_KEYS):
-            _need_nonnegative(f"device.{key}", getattr(self, key), "seconds")
+            _need_nonnegative(f"device.{key}", getattr(self, key),
+                              "elements/s" if key == "fused_element_rate" else "seconds")
         _need_fraction("device.unaligned_gemm_efficiency", self.unaligned_gemm_efficiency)
         _need_nonnegative("device.attention_half_saturation_flops",
                           self.attention_half_saturation_flops, "FLOPs")

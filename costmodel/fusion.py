@@ -13,9 +13,11 @@ once) and its escaping outputs (each written once), in one kernel per op
 that writes an escaping value. :func:`fused_shares` gives each op its part
 of that, read off its own neighbourhood, so that a node's price still
 scales with its own strategy's shard factor and the copies of a repeated
-block price alike.
+block price alike. A fused kernel also applies each op to each element it
+makes; on a CPU rank that work (exp, sin, divides on one thread's vector
+units), not the bytes, bounds it (:func:`fused_seconds`).
 
-Units: bytes; kernels counted per training pass.
+Units: bytes, elements; kernels counted per training pass.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ class FusedChain:
             external input once and each value leaving the chain once.
         eager_bytes: what the same ops move when each runs alone, bytes.
         kernels: kernels the chain runs as in the forward pass.
+        elements: elements its ops make in the forward (each op's outputs').
     """
 
     members: tuple[str, ...]
     bytes_moved: float
     eager_bytes: float
     kernels: int
+    elements: float = 0.0
 
 
 def fusible(node: Node) -> bool:
@@ -79,25 +83,26 @@ def fused_chains(graph: Graph) -> list[FusedChain]:
         eager = sum(by_name[m].bytes_moved for m in members)
         if eager > 0:
             own = [shares[m] for m in members if m in shares]
-            chains.append(FusedChain(tuple(members), sum(b for b, _ in own), float(eager),
-                                     int(sum(k for _, k in own))))
+            chains.append(FusedChain(tuple(members), sum(b for b, _, _ in own), float(eager),
+                                     int(sum(k for _, k, _ in own)), sum(e for _, _, e in own)))
     return chains
 
 
 def fused_shares(graph: Graph, eager: frozenset[str] = frozenset()
-                 ) -> dict[str, tuple[float, float]]:
-    """Op name -> its part of its fused chain: ``(bytes, kernels)``. An op's
+                 ) -> dict[str, tuple[float, float, float]]:
+    """Op name -> its part of its fused chain: ``(bytes, kernels, elements)``. An op's
     bytes are those it alone accounts for: each value it reads from outside
     the chain (through the chain's views of it too), split evenly among the
     chain's readers of it, and the values it computes that leave the chain
     (through the views of them too); its kernels, one if it writes such a
-    value (a kernel ends where a value is written). The parts depend on each
+    value (a kernel ends where a value is written); its elements, those of
+    its outputs, each made by applying the op once. The parts depend on each
     op's own neighbourhood only, so that the copies of a repeated block price
     alike. Ops in no chain (contractions, library fallbacks, views) are absent,
     and so are the ``eager`` ops, which run outside any compiled region (each
     its own kernel, between the chains it cuts)."""
     by_name, users, outputs = graph.by_name, graph.users(), set(graph.output_names)
-    shares: dict[str, tuple[float, float]] = {}
+    shares: dict[str, tuple[float, float, float]] = {}
     for chain in _chain_members(graph, eager):
         members = set(chain)
         computing = [by_name[m] for m in chain if not by_name[m].is_view]
@@ -115,7 +120,8 @@ def fused_shares(graph: Graph, eager: frozenset[str] = frozenset()
         for n in computing:
             nbytes = sum(b / readers[a] for a, b in reads[n.name].items())
             shares[n.name] = (nbytes + writers.get(n.name, 0.0),
-                              1.0 if n.name in writers else 0.0)
+                              1.0 if n.name in writers else 0.0,
+                              float(sum(o.numel for o in n.outputs)))
     return shares
 
 
@@ -182,10 +188,15 @@ def _computing_member(node: Node, members: set[str], by_name: dict[str, Node]) -
     return node
 
 
-def fused_seconds(share: tuple[float, float], shard_factor: int, device: DeviceSpec) -> float:
+def fused_seconds(share: tuple[float, float, float], shard_factor: int,
+                  device: DeviceSpec) -> float:
     """Seconds of one pass over an op's share of a fused chain
     (:func:`fused_shares`), split over ``shard_factor`` devices: its bytes at
-    the device's streaming bandwidth plus its share of the chain's launches."""
-    nbytes, kernels = share
-    return (nbytes / shard_factor / device.streaming_bandwidth
-            + kernels * device.kernel_overhead)
+    the device's streaming bandwidth or, where the device's
+    ``fused_element_rate`` is measured and slower, its elements at that rate;
+    plus its share of the chain's launches."""
+    nbytes, kernels, elements = share
+    busy = nbytes / device.streaming_bandwidth
+    if device.fused_element_rate > 0:
+        busy = max(busy, elements / device.fused_element_rate)
+    return busy / shard_factor + kernels * device.kernel_overhead

@@ -157,7 +157,7 @@ LOCAL_CPU_PROFILE_KEYS = (
     "flop_efficiency", "memory_efficiency", "link_bandwidth", "link_latency",
     "collective_links", "redistribute_links", "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
     "attention_half_saturation_flops", "compiled_call_overhead", "compiled_param_overhead",
-    "fsdp_call_overhead",
+    "fsdp_call_overhead", "fused_element_rate",
 )
 
 
@@ -177,7 +177,8 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
             single link), ``redistribute_links`` (the same, through DTensor's
             redistribute: :attr:`Link.per_redistribute`), ``compiled_call_overhead``,
             ``compiled_param_overhead`` and ``fsdp_call_overhead`` (s,
-            :class:`DeviceSpec`). ``planner profile`` fills it.
+            :class:`DeviceSpec`), ``fused_element_rate`` (elements/s).
+            ``planner profile`` fills it.
     """
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ClusterError(f"local-cpu ranks must be an integer >= 1, got {ranks!r}")
@@ -208,6 +209,7 @@ def local_cpu_cluster(ranks: int = DEFAULT_LOCAL_CPU_RANKS, profile: Mapping[str
         compiled_call_overhead=values.get("compiled_call_overhead", 0.0),
         compiled_param_overhead=values.get("compiled_param_overhead", 0.0),
         fsdp_call_overhead=values.get("fsdp_call_overhead", 0.0),
+        fused_element_rate=values.get("fused_element_rate", 0.0),
     )
     loopback = Link("loopback", values["link_bandwidth"], values["link_latency"],
                     alpha_beta_table(values.get("collective_links", {}), "collective_links"),

@@ -50,9 +50,9 @@ class StrategySettings:
     saved: dict[str, frozenset[int]]
     # the op whose backward transient counts toward the peak
     transient_node: str | None
-    # op -> its share (bytes, kernels) of its fused chain when the program runs
+    # op -> its share (bytes, kernels, elements) of its fused chain when the program runs
     # compiled (costmodel.fusion.fused_shares); empty when it runs eagerly
-    fused_shares: dict[str, tuple[float, float]]
+    fused_shares: dict[str, tuple[float, float, float]]
     # ops a compiled program runs eagerly (ZeRO-3: those between its units)
     eager_ops: frozenset[str]
 

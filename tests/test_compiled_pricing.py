@@ -138,6 +138,23 @@ def test_ops_between_zero3_units_are_priced_eager(llama_graph):
             assert cost_3.compute(ns.node, s) < eager.compute(ns.node, s)
 
 
+def test_a_fused_share_takes_its_bytes_or_its_elements_whichever_is_slower():
+    """On a CPU rank a fused kernel's work per element (exp, divides), not its
+    bytes, bounds it; where the device states no rate (GPUs), the bytes do."""
+    from costmodel.fusion import fused_seconds
+
+    device = replace(load_cluster("local-cpu:2").device, memory_bandwidth=1e10,
+                     memory_efficiency=1.0, kernel_overhead=1e-6)
+    share = (1e8, 2.0, 1e8)  # bytes, kernels, elements
+    assert fused_seconds(share, 2, device) == pytest.approx(1e8 / 1e10 / 2 + 2e-6)
+    slow = replace(device, fused_element_rate=1e9)
+    assert fused_seconds(share, 2, slow) == pytest.approx(1e8 / 1e9 / 2 + 2e-6)
+    fast = replace(device, fused_element_rate=1e12)
+    assert fused_seconds(share, 2, fast) == fused_seconds(share, 2, device)
+    chains = fused_chains(trace(*build("llama-tiny", device="meta", batch_size=8)[:2]))
+    assert all(c.elements > 0 for c in chains)
+
+
 def test_a_checkpointed_layer_recomputes_compiled(llama_graph):
     """A compiled program re-runs a checkpointed layer compiled (traced into
     the program's graph on one device, its own region on a mesh): the re-run

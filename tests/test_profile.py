@@ -180,6 +180,8 @@ def test_profile_json_round_trips_into_cluster(tmp_path):
     raw = _raw(link, redistribute=via_dtensor)
     # the memory-bound chain: 10 launches, and its bytes at half the copy's bandwidth
     raw["memory_chain"] = {"bytes": 2**26, "kernels": 10, "seconds": 0.02 + 10 * 4e-6}
+    # the same chain compiled: 2 launches, 2e8 elements made in 0.1 s
+    raw["fused_chain"] = {"bytes": 2**24, "kernels": 2, "elements": 2e8, "seconds": 0.1 + 2 * 4e-6}
     cluster, profile = build_profile(raw, _spec(), 4, wall_s=1.0)
     out = tmp_path / "local-cpu.json"
     write_profile(cluster, profile, out)
@@ -192,6 +194,7 @@ def test_profile_json_round_trips_into_cluster(tmp_path):
     assert loaded.device.memory_bandwidth == pytest.approx(2 * 2**26 / 0.02)
     assert loaded.device.kernel_overhead == pytest.approx(4e-6)
     assert loaded.device.memory_efficiency == pytest.approx(0.5)
+    assert loaded.device.fused_element_rate == pytest.approx(2e9)
     assert loaded.device.compiled_call_overhead == pytest.approx(1.5e-4)
     assert loaded.device.compiled_param_overhead == pytest.approx(2e-5)
     # the runtime's cost per op pass, its own step measured (not DTensor's tiny chain)
@@ -257,6 +260,8 @@ def test_planner_profile_quick_end_to_end(tmp_path, capsys):
     assert math.isfinite(cluster.intra_node.bandwidth) and cluster.intra_node.bandwidth > 0
     # a compiled region's host cost, measured by compiling one
     assert cluster.device.compiled_call_overhead > 0 and "compiled call" in text
+    # the memory-bound chain compiled: its fused kernels' elements per second
+    assert cluster.device.fused_element_rate > 0 and "fused kernels" in text
     # the runtime's cost per op: its own step against the plain one
     run = prof["measurements"]["runtime"]
     assert run["passes"] > 0 and run["runtime"]["seconds"] > run["plain"]["seconds"] > 0
@@ -319,15 +324,25 @@ def test_pipeline_action_overhead_is_recovered_through_the_schedule_model():
 
 
 def test_the_memory_bound_chain_is_timed_beside_its_price():
-    """``planner profile``'s memory-bound chain (on GPUs; here small, on one
-    CPU rank): timed beside the bytes and launches the cost model charges
-    it, and fitted to the share of the copy's bandwidth it reached."""
-    from costmodel.profiling.memory_probe import chain_efficiency
+    """``planner profile``'s memory-bound chain (eager on GPUs, compiled on CPU
+    ranks; here both, small, on one CPU rank): timed beside the bytes and
+    launches the cost model charges it, and fitted to the share of the copy's
+    bandwidth it reached; compiled, beside the elements its fused kernels
+    make, and fitted to their rate."""
+    from costmodel.profiling.memory_probe import chain_efficiency, fused_element_rate
     from costmodel.profiling.run import measure
 
     raw = measure({"device": "cpu", "backend": "gloo", "threads": 1, "reps": 1,
-                   "compute_min_rep_s": 0.001, "memory_chain": [256, 512, "float32"]},
-                  1, progress=False)
+                   "compute_min_rep_s": 0.001, "memory_chain": [256, 512, "float32"],
+                   "fused_chain": [256, 512, "float32"]}, 1, progress=False)
+    fused = raw["fused_chain"]
+    # fewer launches and bytes than eager; each of the four ops makes [256, 512] forward
+    assert fused["seconds"] > 0 and 0 < fused["kernels"] < raw["memory_chain"]["kernels"]
+    assert 0 < fused["bytes"] < raw["memory_chain"]["bytes"]
+    assert fused["elements"] >= 2 * 4 * 256 * 512
+    assert fused_element_rate(fused, 1e-6) == pytest.approx(
+        fused["elements"] / (fused["seconds"] - fused["kernels"] * 1e-6))
+    assert fused_element_rate({}, 1e-6) is None
     chain = raw["memory_chain"]
     assert chain["seconds"] > 0 and chain["kernels"] >= 6
     # every pass reads or writes a [256, 512] fp32 tensor at least once

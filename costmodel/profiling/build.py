@@ -27,7 +27,7 @@ from costmodel.profiling.compiled_call import fit_call_overheads
 from costmodel.profiling.file import PROFILE_FORMAT_VERSION
 from costmodel.profiling.fit import attention_fit, fit_alpha_beta, fit_gemm
 from costmodel.profiling.machine import device_memory_per_rank, machine_info
-from costmodel.profiling.memory_probe import chain_efficiency
+from costmodel.profiling.memory_probe import chain_efficiency, fused_element_rate
 from costmodel.profiling.runtime_costs import pipeline_action_overhead, runtime_pipeline_action
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
@@ -47,6 +47,7 @@ class _DeviceFits:
     attention: dict[str, float]     # attention_fit's result, {} when not measured
     compiled_calls: dict[str, float]  # compiled_call_overheads' result, {} when not measured
     memory_efficiency: float | None  # the memory-bound chain's share of the copy's bandwidth
+    fused_element_rate: float | None  # elements/s of the compiled chain's kernels (CPU ranks)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,8 @@ def _fit_device(raw: Mapping[str, Any], device: str) -> _DeviceFits:
     bandwidth = mem["bytes"] / mem["seconds"]
     return _DeviceFits(main_dtype, overhead, bandwidth, gemm, peak, attention,
                        compiled_call_overheads(raw),
-                       chain_efficiency(raw.get("memory_chain") or {}, bandwidth, overhead))
+                       chain_efficiency(raw.get("memory_chain") or {}, bandwidth, overhead),
+                       fused_element_rate(raw.get("fused_chain") or {}, overhead))
 
 
 def _collective_samples(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, float, int, float]]:
@@ -211,6 +213,8 @@ def _cpu_cluster(ranks: int, device: _DeviceFits, links: _LinkFits, raw: Mapping
         values["dispatch_overhead"] = dispatch
     values.update(device.compiled_calls)
     values["fsdp_call_overhead"] = fsdp_call_overhead(raw) or 0.0
+    if device.fused_element_rate:
+        values["fused_element_rate"] = device.fused_element_rate
     if links.link is not None:
         values["link_bandwidth"] = links.link["bandwidth"]
         values["link_latency"] = links.link["latency"]
@@ -307,6 +311,7 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
             **device.compiled_calls,
             "memory_bandwidth": device.memory_bandwidth,
             "memory_chain_efficiency": device.memory_efficiency,
+            "fused_element_rate": device.fused_element_rate,
             "gemm": device.gemm,
             "link": links.link,
             "collectives": links.per_kind,
@@ -318,7 +323,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
                                              "redistribute", "redistribute_burst",
                                              "compiled_call", "dispatch", "runtime", "fsdp_unit",
-                                             "pipeline", "runtime_pipeline", "memory_chain")
+                                             "pipeline", "runtime_pipeline", "memory_chain",
+                                             "fused_chain")
                          if k in raw},
     }
     return cluster, profile

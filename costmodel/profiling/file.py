@@ -76,6 +76,9 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         *([("memory-bound kernels", f"{fits['memory_chain_efficiency']:.2f} x",
             "a layer norm, GELU and add against the copy's bandwidth")]
           if fits.get("memory_chain_efficiency") else []),
+        *([("fused kernels", f"{fits['fused_element_rate'] / 1e9:.2f} G elements/s",
+            "the same chain compiled, per element each op makes")]
+          if fits.get("fused_element_rate") else []),
         ("kernel overhead", f"{fits['kernel_overhead'] * 1e6:.2f} us", "per eager op"),
         *([("dispatch overhead", f"{fits['dispatch_overhead'] * 1e6:.1f} us",
             f"{fits.get('dispatch_measured_on', 'DTensor')}, per op and pass")]

@@ -16,9 +16,14 @@ measured time less the launches.
 The figure is the eager kernels'; a compiled program's fused kernels are
 priced at it too. Timed compiled on a GPU, a chain of this size measures
 the host's cost of calling a compiled region (dynamo's guards,
-AOTAutograd's wrappers) rather than its kernels, so it is timed eager only.
+AOTAutograd's wrappers) rather than its kernels, so it is timed eager there.
+On CPU ranks the chain is timed compiled (:func:`chain_measurements`'s
+``fused_chain``): there its fused kernels are bound by the work of applying
+each op to each element (GELU's erf, the norm's divides, on one thread), not
+by their bytes, and :func:`fused_element_rate` is the elements the cost
+model counts for it (:func:`costmodel.fusion.fused_shares`) over its time.
 
-Units: seconds, bytes.
+Units: seconds, bytes, elements.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable, Mapping
 
-__all__ = ["chain_efficiency", "chain_graph", "chain_measurement", "chain_step", "priced_chain"]
+__all__ = ["chain_efficiency", "chain_graph", "chain_measurements", "chain_step",
+           "fused_element_rate", "priced_chain"]
 
 
 def _chain_module(torch: Any, width: int) -> Any:
@@ -57,11 +63,12 @@ def chain_graph(rows: int, width: int, dtype: str) -> Any:
     return trace(model, inputs)
 
 
-def priced_chain(rows: int, width: int, dtype: str) -> dict[str, float]:
-    """``{"bytes", "kernels"}`` the cost model charges one eager forward and
+def priced_chain(rows: int, width: int, dtype: str, compiled: bool = False) -> dict[str, float]:
+    """``{"bytes", "kernels"}`` the cost model charges one forward and
     backward of the chain over ``[rows, width]`` in ``dtype`` on one device,
-    found by pricing it on devices where a byte, or a launch, costs one
-    second and nothing else costs anything."""
+    eager or ``compiled`` (then ``"elements"`` too: those its fused kernels
+    make), found by pricing it on devices where a byte, a launch or an
+    element costs one second and nothing else costs anything."""
     from torch.distributed.tensor import Replicate
 
     from costmodel.presets import load_cluster
@@ -73,11 +80,15 @@ def priced_chain(rows: int, width: int, dtype: str) -> dict[str, float]:
     base = load_cluster("local-cpu:1")
     free = {k: 1e30 for k in base.device.peak_flops} | {dtype: 1e30}
     out = {}
-    for key, bandwidth, launch in (("bytes", 1.0, 0.0), ("kernels", 1e30, 1.0)):
+    units = [("bytes", 1.0, 0.0, 0.0), ("kernels", 1e30, 1.0, 0.0)]
+    for key, bandwidth, launch, rate in units + ([("elements", 1e30, 0.0, 1.0)] if compiled else []):
         device = replace(base.device, peak_flops=free, memory_bandwidth=bandwidth,
                          memory_efficiency=1.0, kernel_overhead=launch, half_saturation_flops=0.0,
-                         dispatch_overhead=0.0, host_overhead=0.0, attention_efficiency=0.0)
+                         dispatch_overhead=0.0, host_overhead=0.0, attention_efficiency=0.0,
+                         fused_element_rate=rate)
         cluster = replace(base, device=device)
+        if compiled:
+            cluster = cluster.running_compiled()
         cost = IntraOpCost(graph, cluster, (1,), dtype)
         total = 0.0
         for node in graph.nodes:
@@ -90,11 +101,15 @@ def priced_chain(rows: int, width: int, dtype: str) -> dict[str, float]:
     return out
 
 
-def chain_step(torch: Any, device: Any, rows: int, width: int, dtype: str) -> Callable[[], None]:
-    """One forward and backward of the chain on ``device``, eager (gradients
-    dropped after each, so no accumulation runs)."""
+def chain_step(torch: Any, device: Any, rows: int, width: int, dtype: str,
+               compiled: bool = False) -> Callable[[], None]:
+    """One forward and backward of the chain on ``device``, eager or its
+    module through ``torch.compile`` (gradients dropped after each, so no
+    accumulation runs)."""
     dt = getattr(torch, dtype)
     model = _chain_module(torch, width).to(device=device, dtype=dt)
+    if compiled:
+        model = torch.compile(model, dynamic=False)
     x = torch.randn(rows, width, device=device, dtype=dt)
     residual = torch.randn(rows, width, device=device, dtype=dt)
 
@@ -118,13 +133,43 @@ def chain_efficiency(record: Mapping[str, Any], bandwidth: float, overhead: floa
     return min(1.0, record["bytes"] / bandwidth / busy)
 
 
-def chain_measurement(r: Any, shape: tuple[int, int, str],
-                      out: dict[str, Any]) -> tuple[str, Callable[[], None], dict[str, Any]]:
-    """``planner profile``'s measurement of the chain over ``shape`` (rows,
-    width, dtype) on rank ``r``'s device: ``(label, step, record)``, the
-    record holding the priced bytes and launches, where the timing adds its
-    ``seconds``; also ``out["memory_chain"]``."""
-    rows, width, dtype = int(shape[0]), int(shape[1]), str(shape[2])
-    rec = {"rows": rows, "width": width, "dtype": dtype, **priced_chain(rows, width, dtype)}
-    out["memory_chain"] = rec
-    return "memory-bound chain", chain_step(r.torch, r.device, rows, width, dtype), rec
+def fused_element_rate(record: Mapping[str, Any], overhead: float) -> float | None:
+    """Elements per second the compiled chain's kernels made: its priced
+    elements over the measured ``seconds`` less its priced launches at
+    ``overhead`` seconds each; None where it was not timed."""
+    if "seconds" not in record or not record.get("elements"):
+        return None
+    busy = record["seconds"] - record["kernels"] * overhead
+    return record["elements"] / busy if busy > 0 else None
+
+
+def chain_measurements(r: Any, spec: Mapping[str, Any], out: dict[str, Any],
+                       report: Callable[[str], None]
+                       ) -> list[tuple[str, Callable[[], None], dict[str, Any]]]:
+    """``planner profile``'s timings of the chain on rank ``r``'s device:
+    ``(label, step, record)`` for ``spec["memory_chain"]`` (eager) and
+    ``spec["fused_chain"]`` (compiled), each ``[rows, width, dtype]``; a
+    record holds the priced bytes, launches (and elements), the timing adds
+    its ``seconds``; also ``out[key]``. A chain that cannot compile here
+    (no C++ compiler) is recorded in ``out["unsupported"]`` instead, and its
+    progress steps (``spec["reps"]`` passes and a warm-up) reported as done."""
+    found = []
+    for key in ("memory_chain", "fused_chain"):
+        if not spec.get(key):
+            continue
+        rows, width, dtype = int(spec[key][0]), int(spec[key][1]), str(spec[key][2])
+        compiled = key == "fused_chain"
+        step = chain_step(r.torch, r.device, rows, width, dtype, compiled)
+        try:
+            step()  # compiles
+        except Exception as err:  # noqa: BLE001 - any compile failure leaves the figure unmeasured
+            out.setdefault("unsupported", {})[key] = \
+                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+            for _ in range(int(spec["reps"]) + 1):
+                report("fused chain unsupported")
+            continue
+        out[key] = {"rows": rows, "width": width, "dtype": dtype,
+                    **priced_chain(rows, width, dtype, compiled)}
+        found.append(("fused memory-bound chain" if compiled else "memory-bound chain", step,
+                      out[key]))
+    return found

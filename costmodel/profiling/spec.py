@@ -101,6 +101,8 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         # a layer's memory-bound kernels against the copy's bandwidth, [rows, width, dtype]
         # (costmodel.profiling.memory_probe); CPU ranks keep the copy's rate
         **({"memory_chain": [4096 if quick else 8192, 4096, dtype]} if gpu else {}),
+        # on CPU ranks, the same chain compiled: its fused kernels' elements per second
+        **({"fused_chain": [1024 if quick else 2048, 1024, dtype]} if not gpu else {}),
         "memory_bytes": [(1024 if gpu else 64) * MiB] if not quick else [(256 if gpu else 16) * MiB],
         "gemms": gemms,
         "unaligned_gemms": unaligned,

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from costmodel.host_allocator import keep_freed_host_memory
-from costmodel.profiling.memory_probe import chain_measurement
+from costmodel.profiling.memory_probe import chain_measurements
 from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps, pipeline_steps
 
 __all__ = ["COLLECTIVE_KINDS", "ItemRunner", "Measure", "Rank", "TimedItem", "count_steps", "join", "main",
@@ -83,7 +83,7 @@ def count_steps(spec: dict[str, Any]) -> int:
     items = (int(bool(spec.get("overhead"))) + 2 * int(bool(spec.get("dispatch")))
              + 2 * int(bool(spec.get("fsdp_unit"))) + 2 * int(bool(spec.get("pipeline")))
              + int(bool(spec.get("host"))) + len(spec.get("compiled_call", ()))
-             + int(bool(spec.get("memory_chain")))
+             + int(bool(spec.get("memory_chain"))) + int(bool(spec.get("fused_chain")))
              + len(spec.get("memory_bytes", ()))
              + len(spec.get("gemms", ())) + len(spec.get("unaligned_gemms", ()))
              + len(spec.get("attention", ()))
@@ -415,9 +415,8 @@ def _compute_items(r: Rank, spec: dict[str, Any], out: dict[str, Any],
     if spec.get("compiled_call"):
         items += _compiled_call_items(r, spec["compiled_call"], int(spec["reps"]), min_rep_s,
                                       out, report)
-    if spec.get("memory_chain"):
-        label, fn, rec = chain_measurement(r, spec["memory_chain"], out)
-        items.append(TimedItem(label, fn, min_rep_s, False, rec))
+    items += [TimedItem(label, fn, min_rep_s, False, rec)
+              for label, fn, rec in chain_measurements(r, spec, out, report)]
     return items + _kernel_items(r, spec, min_rep_s, out)
 
 
