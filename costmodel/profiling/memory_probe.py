@@ -161,7 +161,8 @@ def chain_measurements(r: Any, spec: Mapping[str, Any], out: dict[str, Any],
         compiled = key == "fused_chain"
         step = chain_step(r.torch, r.device, rows, width, dtype, compiled)
         try:
-            step()  # compiles
+            if compiled:
+                step()  # compiles
         except Exception as err:  # noqa: BLE001 - any compile failure leaves the figure unmeasured
             out.setdefault("unsupported", {})[key] = \
                 f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
