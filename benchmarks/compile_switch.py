@@ -37,7 +37,7 @@ from training.launch import launch  # noqa: E402
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def _layout(p: Any) -> dict[str, Any]:
+def plan_layout(p: Any) -> dict[str, Any]:
     """What distinguishes one plan from another, in a few fields."""
     pipe = p.pipeline
     return {"mesh": list(p.mesh_shape),
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             p.with_compile(True).save(paths[name])
             compiled = p if name == "compiled" else plan(model, cluster, compile=True,
                                                          **{**kw, **_pinned(p)})
-            rows[name] = {"layout": _layout(p), "predicted_as_priced_s": p.predicted["step_time_s"],
+            rows[name] = {"layout": plan_layout(p),
+                          "predicted_as_priced_s": p.predicted["step_time_s"],
                           "predicted_compiled_s": compiled.predicted["step_time_s"],
                           "steps_s": []}
         for _ in range(args.rounds):
