@@ -18,6 +18,7 @@ Units: seconds.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -27,14 +28,13 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import load_average, machine_block, report_results  # noqa: E402
+from benchmarks.common import RESULTS_DIR, load_average, machine_block, report_results  # noqa: E402
 from benchmarks.compile_switch import plan_layout  # noqa: E402
 from benchmarks.stats import median_after_warmup  # noqa: E402
 from models.source import build_model  # noqa: E402
 from planner.api import plan  # noqa: E402
 from training.launch import launch  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: steps a run drops before its median (the compiled program compiles in them)
 WARMUP_STEPS = 2
 
@@ -49,35 +49,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedules", nargs="+", default=["1f1b", "zbv"])
     ap.add_argument("--microbatches", nargs="+", type=int, default=[2, 4, 8])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "pipeline_microbatches.json"))
+    ap.add_argument("-o", "--output", default=os.path.join(RESULTS_DIR, "pipeline_microbatches.json"))
     args = ap.parse_args(argv)
     load_before = load_average()
     model, inputs = build_model(args.model, device="meta", batch_size=args.batch_size)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pipeline-microbatches-") as tmp:
-        for schedule in args.schedules:
-            for m in args.microbatches:
-                for compiled in (False, True):
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        p = plan(model, args.cluster, example_inputs=inputs,
-                                 model_source=args.model,
-                                 zoo_kwargs={"batch_size": args.batch_size}, compile=compiled,
-                                 pp=(args.pp,), schedules=(schedule,), num_microbatches=(m,),
-                                 zero_stages=(0,))
-                    path = os.path.join(tmp, f"{schedule}-{m}-{compiled}.json")
-                    p.save(path)
-                    res = launch(path, steps=args.steps, check=False, compile=compiled,
-                                 timeout_s=900)
-                    steps = res["step_times_s"]
-                    measured = median_after_warmup(steps, WARMUP_STEPS)
-                    runs.append({"schedule": schedule, "microbatches": m, "compiled": compiled,
-                                 "layout": plan_layout(p), "predicted": {
-                                     k: v for k, v in p.predicted.items()
-                                     if k != "memory_bytes_per_device"},
-                                 "steps_s": steps, "measured_median_s": measured,
-                                 "ratio_measured_over_predicted":
-                                     measured / p.predicted["step_time_s"]})
+        for schedule, m, compiled in itertools.product(args.schedules, args.microbatches,
+                                                       (False, True)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                p = plan(model, args.cluster, example_inputs=inputs, model_source=args.model,
+                         zoo_kwargs={"batch_size": args.batch_size}, compile=compiled,
+                         pp=(args.pp,), schedules=(schedule,), num_microbatches=(m,),
+                         zero_stages=(0,))
+            path = os.path.join(tmp, f"{schedule}-{m}-{compiled}.json")
+            p.save(path)
+            steps = launch(path, steps=args.steps, check=False, compile=compiled,
+                           timeout_s=900)["step_times_s"]
+            measured = median_after_warmup(steps, WARMUP_STEPS)
+            runs.append({"schedule": schedule, "microbatches": m, "compiled": compiled,
+                         "layout": plan_layout(p),
+                         "predicted": {k: v for k, v in p.predicted.items()
+                                       if k != "memory_bytes_per_device"},
+                         "steps_s": steps, "measured_median_s": measured,
+                         "ratio_measured_over_predicted": measured / p.predicted["step_time_s"]})
     result = {"benchmark": "pipeline_microbatches", "machine": machine_block(load_before),
               "model": args.model, "cluster": args.cluster, "batch_size": args.batch_size,
               "pp": args.pp, "warmup_steps_dropped": WARMUP_STEPS, "runs": runs,

@@ -353,3 +353,19 @@ def test_the_memory_bound_chain_is_timed_beside_its_price():
     assert chain_efficiency({"bytes": 4e9, "kernels": 10, "seconds": 2.01}, 4e9, 1e-3) == \
         pytest.approx(0.5)
     assert chain_efficiency({}, 4e9, 1e-3) is None
+
+
+def test_a_compile_that_fails_here_leaves_its_figure_unmeasured():
+    """A compiled measurement whose compile fails (no C++ compiler) is recorded
+    as unsupported, with the error's first line, and its progress steps are
+    reported as done."""
+    from costmodel.profiling.compiled_call import compiles
+
+    def fail() -> None:
+        raise RuntimeError("no C++ compiler\nthe rest of the message")
+
+    out, reported = {}, []
+    assert not compiles(fail, out, "fused_chain", 3, reported.append)
+    assert out == {"unsupported": {"fused_chain": "RuntimeError: no C++ compiler"}}
+    assert reported == ["fused chain unsupported"] * 3
+    assert compiles(lambda: None, out, "compiled_call", 3, reported.append) and len(reported) == 3

@@ -18,10 +18,27 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["fit_call_overheads", "region_call_fn"]
+__all__ = ["compiles", "fit_call_overheads", "region_call_fn"]
 
 #: elements of each parameter of the measured region: its kernels are host-bound
 _ELEMENTS = 8
+
+
+def compiles(fn: Callable[[], Any], out: dict[str, Any], key: str, steps: int,
+             report: Callable[[str], None]) -> bool:
+    """Call ``fn``, whose first call compiles; False where that fails here (no
+    C++ compiler, no Triton): the failure's first line is recorded as
+    ``out["unsupported"][key]`` and the ``steps`` progress steps its timing
+    would have taken reported as done."""
+    try:
+        fn()
+    except Exception as err:  # noqa: BLE001 - any compile failure leaves the figure unmeasured
+        out.setdefault("unsupported", {})[key] = \
+            f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
+        for _ in range(steps):
+            report(f"{key.replace('_', ' ')} unsupported")
+        return False
+    return True
 
 
 def region_call_fn(torch: Any, mesh: Any, params: int) -> Callable[[], None]:

@@ -151,8 +151,10 @@ def chain_measurements(r: Any, spec: Mapping[str, Any], out: dict[str, Any],
     ``spec["fused_chain"]`` (compiled), each ``[rows, width, dtype]``; a
     record holds the priced bytes, launches (and elements), the timing adds
     its ``seconds``; also ``out[key]``. A chain that cannot compile here
-    (no C++ compiler) is recorded in ``out["unsupported"]`` instead, and its
-    progress steps (``spec["reps"]`` passes and a warm-up) reported as done."""
+    (no C++ compiler) is recorded in ``out["unsupported"]`` instead
+    (:func:`costmodel.profiling.compiled_call.compiles`)."""
+    from costmodel.profiling.compiled_call import compiles
+
     found = []
     for key in ("memory_chain", "fused_chain"):
         if not spec.get(key):
@@ -160,14 +162,7 @@ def chain_measurements(r: Any, spec: Mapping[str, Any], out: dict[str, Any],
         rows, width, dtype = int(spec[key][0]), int(spec[key][1]), str(spec[key][2])
         compiled = key == "fused_chain"
         step = chain_step(r.torch, r.device, rows, width, dtype, compiled)
-        try:
-            if compiled:
-                step()  # compiles
-        except Exception as err:  # noqa: BLE001 - any compile failure leaves the figure unmeasured
-            out.setdefault("unsupported", {})[key] = \
-                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
-            for _ in range(int(spec["reps"]) + 1):
-                report("fused chain unsupported")
+        if compiled and not compiles(step, out, key, int(spec["reps"]) + 1, report):
             continue
         out[key] = {"rows": rows, "width": width, "dtype": dtype,
                     **priced_chain(rows, width, dtype, compiled)}

@@ -429,7 +429,7 @@ def _compiled_call_items(r: Rank, counts: list[int], reps: int, min_rep_s: float
     the progress steps of its ``reps`` passes reported as done."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from costmodel.profiling.compiled_call import region_call_fn
+    from costmodel.profiling.compiled_call import compiles, region_call_fn
 
     if not r.dist.is_initialized():  # one rank: a group of one, for the region's mesh
         r.dist.init_process_group("nccl" if r.device.type == "cuda" else "gloo",
@@ -438,13 +438,7 @@ def _compiled_call_items(r: Rank, counts: list[int], reps: int, min_rep_s: float
     items, records = [], []
     for k in counts:
         fn = region_call_fn(r.torch, mesh, k)
-        try:
-            fn()  # compiles
-        except Exception as err:  # noqa: BLE001 - any compile failure leaves the figure unmeasured
-            out.setdefault("unsupported", {})["compiled_call"] = \
-                f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}"
-            for _ in range(len(counts) * (reps + 1)):
-                report("compiled call unsupported")
+        if not compiles(fn, out, "compiled_call", len(counts) * (reps + 1), report):
             return []
         rec = {"params": k}
         records.append(rec)
