@@ -207,6 +207,12 @@ class _StageChain(PhaseTask):
 # always solved: its predictions were up to 85 % above its exact solve.
 FINALIST_MARGIN = 1.15
 
+# A single stage accumulating micro-batches is solved exactly for each
+# micro-batch count whose fastest candidate is predicted within this factor of
+# the fastest prediction (the first of all, whatever its prediction): those
+# predictions were up to 85 % above their exact solves.
+ACCUMULATING_MARGIN = 1.85
+
 
 def split_far_finalists(finalists: Sequence[PipelineCandidate],
                         margin: float = FINALIST_MARGIN

@@ -33,8 +33,9 @@ from planner.search.context import SearchContext
 from planner.search.cp_search import (CP_MIN_SEQ, context_parallel_inputs,
                                       context_parallel_record, context_parallel_seconds,
                                       cp_link, kv_buffer_bound, search_sizes, sequence_length)
-from planner.search.finalists import (ExactPipeline, assemble, fastest, fastest_key, solve_exact,
-                                      solve_finalists, split_far_finalists)
+from planner.search.finalists import (ACCUMULATING_MARGIN, ExactPipeline, assemble, fastest,
+                                      fastest_key, solve_exact, solve_finalists,
+                                      split_far_finalists)
 from planner.search.forked_workers import can_fork, run_beside
 from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             accumulates, refine, schedule_action_s, search,
@@ -291,13 +292,16 @@ def _search_winner(req: PlanRequest, ctx: SearchContext, model: torch.nn.Module,
     # the fastest few as ranked after refining and as first priced (a refined
     # profile can move a cut the exact solve liked better), the best single
     # stage, the best FSDP2 ZeRO variants, and the best single stages accumulating
-    # micro-batches (with and without FSDP2 ZeRO; apart, so that they take no
-    # pipeline's place): candidates are priced from layer profiles, the exact
-    # solve decides
+    # micro-batches (with and without FSDP2 ZeRO, and of each micro-batch count
+    # not far behind; apart, so that they take no pipeline's place): candidates
+    # are priced from layer profiles, the exact solve decides
+    fastest_s = min((c.step_time_s for c in priced + variants + accumulating_variants),
+                    default=math.inf)
+    accumulating_finalists = accumulating[:1] + accumulating_variants[:1] + _fastest_each_count(
+        accumulating + accumulating_variants, ACCUMULATING_MARGIN * fastest_s)
     finalists = list({_finalist_key(c): c for c in
                       ranked[:opts.finalists] + first[:opts.finalists] + singles[:1]
-                      + variants[:opts.zero_finalists] + accumulating[:1]
-                      + accumulating_variants[:1]}.values())
+                      + variants[:opts.zero_finalists] + accumulating_finalists}.values())
     finish = finish or (lambda exact: exact)
     # finalists with a stage that has no plan within limits are dropped; those
     # predicted far behind the fastest are solved only if no other has a plan
@@ -344,6 +348,21 @@ def _fastest_fitting(exact: list[ExactPipeline], fits: Callable[[ExactPipeline],
     optimizer's step, which can lift it above that sum."""
     ordered = sorted(exact, key=fastest_key)
     return next((e for e in ordered if fits(e)), ordered[0])
+
+
+def _fastest_each_count(candidates: list[PipelineCandidate], within_s: float
+                        ) -> list[PipelineCandidate]:
+    """The fastest of ``candidates`` (single stages accumulating micro-batches)
+    of each micro-batch count, where predicted within ``within_s`` seconds.
+    Their prices come from layer profiles that each meet a share of the
+    memory budget, and how far such a price is from its exact solve depends on
+    the micro-batch (the smaller the share, the more the profiles shard or
+    recompute that the whole stage need not), so the fastest of one count can
+    solve slower than another count's."""
+    first: dict[int, PipelineCandidate] = {}
+    for cand in sorted(candidates, key=lambda c: c.step_time_s):
+        first.setdefault(cand.num_microbatches, cand)
+    return [c for c in first.values() if c.step_time_s <= within_s]
 
 
 def _next_accumulating(ctx: SearchContext, close: list[PipelineCandidate],
