@@ -62,7 +62,7 @@ def _pinned(p: Any) -> dict[str, Any]:
     pipe = p.pipeline
     if pipe is None:
         return {"mesh_shape": tuple(p.mesh_shape), "num_microbatches": (1,), "zero_stages": (0,)}
-    return {"pp": (len(pipe.stages),), "schedules": (pipe.schedule,),
+    return {"pp": (len(pipe.stages) // pipe.stages_per_rank,), "schedules": (pipe.schedule,),
             "num_microbatches": (pipe.num_microbatches,), "zero_stages": (pipe.zero_stage,)}
 
 
