@@ -28,6 +28,7 @@ from costmodel.profiling.machine import load_average
 
 __all__ = ["BRIEF_MACHINE_KEYS", "RESULTS_DIR", "machine_info", "machine_block", "load_average",
            "load_average_1min", "cpu_pair_probe", "cpu_speed_probe", "git_commit", "median",
+           "torch_speed_probe",
            "read_results", "write_results", "wrote_message"]
 
 #: The folder the benchmarks write their result JSON (and plots) to: ``benchmarks/results``.
@@ -93,11 +94,50 @@ def cpu_pair_probe(repeats: int = 3) -> float:
         return max(here, there.get())
 
 
-def machine_block(loadavg_before: list[float] | None, *, after: bool = False) -> dict[str, Any]:
+def torch_speed_probe(repeats: int = 20) -> dict[str, float]:
+    """What one thread of this machine's CPU does now, by torch: ``gemm_gflops``
+    (a 512 x 512 float32 matmul, GFLOP/s) and ``copy_gb_s`` (a 64 MiB copy,
+    bytes read plus written, GB/s), each the median of ``repeats``. The 2-core
+    development machine runs both up to twice as slowly in some hours as in
+    others, and the load average does not show it; a step time is read next
+    to these figures (taken where it ran: a rank's own are alike)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        src = torch.empty(16 * 2**20)
+        dst = torch.empty_like(src)
+
+        def seconds(fn: Callable[[], Any]) -> float:
+            fn()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return statistics.median(times)
+
+        gemm_s = seconds(lambda: a @ b)
+        copy_s = seconds(lambda: dst.copy_(src))
+    finally:
+        torch.set_num_threads(threads)
+    return {"gemm_gflops": round(2 * 512**3 / gemm_s / 1e9, 1),
+            "copy_gb_s": round(2 * src.numel() * src.element_size() / copy_s / 1e9, 1)}
+
+
+def machine_block(loadavg_before: list[float] | None, *, after: bool = False,
+                  speed_before: dict[str, float] | None = None) -> dict[str, Any]:
     """A result's ``"machine"`` entry: :func:`machine_info` plus ``loadavg_before``
-    (:func:`load_average` taken when the run started) and, with ``after``,
-    ``loadavg_after`` (the load average now)."""
+    (:func:`load_average` taken when the run started), ``speed_before``
+    (:func:`torch_speed_probe` then, where given), ``speed_after``
+    (:func:`torch_speed_probe` now) and, with ``after``, ``loadavg_after``
+    (the load average now)."""
     block = {**machine_info(), "loadavg_before": loadavg_before}
+    if speed_before is not None:
+        block["speed_before"] = speed_before
+    block["speed_after"] = torch_speed_probe()
     if after:
         block["loadavg_after"] = load_average()
     return block

@@ -28,7 +28,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import load_average, machine_block, report_results  # noqa: E402
+from benchmarks.common import (load_average, machine_block, report_results,  # noqa: E402
+                               torch_speed_probe)
 from benchmarks.stats import median_after_warmup  # noqa: E402
 from models.source import build_model  # noqa: E402
 from planner.api import plan  # noqa: E402
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="pipeline sizes both searches may use, e.g. 1 (default: any)")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "compile_switch.json"))
     args = ap.parse_args(argv)
-    load_before = load_average()
+    load_before, speed_before = load_average(), torch_speed_probe()
     cluster = args.cluster or f"local-cpu:{args.ranks}"
     model, inputs = build_model(args.model, device="meta", batch_size=args.batch_size)
     kw = dict(example_inputs=inputs, model_source=args.model,
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows.values():
         row["measured_median_s"] = median_after_warmup(row["steps_s"], 0)
     faster_measured = min(rows, key=lambda k: rows[k]["measured_median_s"])
-    result = {"benchmark": "compile_switch", "machine": machine_block(load_before),
+    result = {"benchmark": "compile_switch", "machine": machine_block(load_before, speed_before=speed_before),
               "model": args.model, "cluster": cluster, "batch_size": args.batch_size,
               "memory_budget_mib": args.memory_budget_mib, "pp": args.pp,
               "profiled_cluster": _cluster_file(cluster),

@@ -61,7 +61,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # python benchmarks/measured.py as well as python -m benchmarks.measured
     sys.path.insert(0, ROOT)
 
-from benchmarks.common import load_average, load_average_1min, machine_block, write_results, wrote_message  # noqa: E402
+from benchmarks.common import (load_average, load_average_1min, machine_block,  # noqa: E402
+                               torch_speed_probe, write_results, wrote_message)
 from benchmarks.stats import mape, median_after_warmup, paired_ratio, spearman  # noqa: E402
 from training.launch import launch  # noqa: E402
 from training.torchrun import LaunchError  # noqa: E402
@@ -506,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.rounds = min(args.steps, 4), 1
 
     t_start = time.perf_counter()
-    load_before = load_average()
+    load_before, speed_before = load_average(), torch_speed_probe()
     cases = [replace(c, recipes=tuple(r for r in c.recipes
                                       if args.recipes is None or r in args.recipes),
                      megatron=c.megatron and not args.no_megatron)
@@ -534,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     plans_out = [_plan_record(r) for r in rows]
     result = {
         "benchmark": "measured",
-        "machine": machine_block(load_before),
+        "machine": machine_block(load_before, speed_before=speed_before),
         "profiles": {str(w): {"source": p["source"], "ranks": p["ranks"], "device": p["device"],
                               "created": p.get("created"), "quick": p.get("quick"), "wall_s": p.get("wall_s"),
                               "cluster": p["cluster"]}

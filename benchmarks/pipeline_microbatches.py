@@ -28,7 +28,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS_DIR, load_average, machine_block, report_results  # noqa: E402
+from benchmarks.common import (RESULTS_DIR, load_average, machine_block,  # noqa: E402
+                               report_results, torch_speed_probe)
 from benchmarks.compile_switch import plan_layout  # noqa: E402
 from benchmarks.stats import median_after_warmup  # noqa: E402
 from models.source import build_model  # noqa: E402
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS_DIR, "pipeline_microbatches.json"))
     args = ap.parse_args(argv)
-    load_before = load_average()
+    load_before, speed_before = load_average(), torch_speed_probe()
     model, inputs = build_model(args.model, device="meta", batch_size=args.batch_size)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="pipeline-microbatches-") as tmp:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                                        if k != "memory_bytes_per_device"},
                          "steps_s": steps, "measured_median_s": measured,
                          "ratio_measured_over_predicted": measured / p.predicted["step_time_s"]})
-    result = {"benchmark": "pipeline_microbatches", "machine": machine_block(load_before),
+    result = {"benchmark": "pipeline_microbatches", "machine": machine_block(load_before, speed_before=speed_before),
               "model": args.model, "cluster": args.cluster, "batch_size": args.batch_size,
               "pp": args.pp, "warmup_steps_dropped": WARMUP_STEPS, "runs": runs,
               "load_after": load_average()}
