@@ -207,10 +207,10 @@ class _StageChain(PhaseTask):
 # always solved: its predictions were up to 85 % above its exact solve.
 FINALIST_MARGIN = 1.15
 
-# A single stage accumulating micro-batches is solved exactly for each
-# micro-batch count whose fastest candidate is predicted within this factor of
-# the fastest prediction (the first of all, whatever its prediction): those
-# predictions were up to 85 % above their exact solves.
+# Besides the fastest single stage accumulating micro-batches (and its fastest
+# ZeRO variant), solved whatever their prediction, the fastest of each other
+# micro-batch count is solved exactly where predicted within this factor of the
+# fastest prediction: such predictions were up to 85 % above their exact solves.
 ACCUMULATING_MARGIN = 1.85
 
 
