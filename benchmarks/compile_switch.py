@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows.values():
         row["measured_median_s"] = median_after_warmup(row["steps_s"], 0)
     faster_measured = min(rows, key=lambda k: rows[k]["measured_median_s"])
-    result = {"benchmark": "compile_switch", "machine": machine_block(load_before, speed_before=speed_before),
+    result = {"benchmark": "compile_switch",
+              "machine": machine_block(load_before, speed_before=speed_before),
               "model": args.model, "cluster": cluster, "batch_size": args.batch_size,
               "memory_budget_mib": args.memory_budget_mib, "pp": args.pp,
               "profiled_cluster": _cluster_file(cluster),

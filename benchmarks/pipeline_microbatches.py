@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                                        if k != "memory_bytes_per_device"},
                          "steps_s": steps, "measured_median_s": measured,
                          "ratio_measured_over_predicted": measured / p.predicted["step_time_s"]})
-    result = {"benchmark": "pipeline_microbatches", "machine": machine_block(load_before, speed_before=speed_before),
+    result = {"benchmark": "pipeline_microbatches",
+              "machine": machine_block(load_before, speed_before=speed_before),
               "model": args.model, "cluster": args.cluster, "batch_size": args.batch_size,
               "pp": args.pp, "warmup_steps_dropped": WARMUP_STEPS, "runs": runs,
               "load_after": load_average()}
