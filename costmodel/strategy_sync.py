@@ -188,6 +188,13 @@ class GradientSyncPricing(StrategySettings):
                 again + collective_time("reduce_scatter", gradients, n, link)
                 + self.flat_copy_seconds(gradients, 0.0) + max(0, calls_b - 2) * per_call)
 
+    def step_sync_latency(self, nbytes: float) -> float:
+        """Seconds of :meth:`zero_collectives` of ``nbytes`` that no
+        parameter's :meth:`state_collectives` carries: the per-message
+        latency, which the step's one pair of collectives pays once (0 where
+        nothing is reduced)."""
+        return self._zero_latency if nbytes > 0 else 0.0
+
     def state_collectives(self, node: Node, s: Strategy) -> float:
         """Seconds one parameter adds to :meth:`zero_collectives` of its stage:
         those of its bytes less their per-message latency, which the stage's

@@ -85,3 +85,28 @@ def test_zero3_units_pay_their_calls():
     (f0, b0), (f1, b1) = (c.zero3_layer_collectives(4e6, 3e6) for c in costs)
     assert f1 - f0 == pytest.approx((units + own - 1) * 1e-3)
     assert b1 - b0 == pytest.approx((2 * units + own - 2) * 1e-3)
+
+
+def test_a_whole_batch_plan_predicts_the_step_the_search_ranked_it_by(monkeypatch):
+    """gpt-tiny on 2 ranks, one stage of the whole batch: the plan written
+    predicts the step its search candidate was ranked by (the gradients'
+    all-reduce paying its latency once), and so does the same mesh asked for
+    directly."""
+    from planner.api import plan
+    from planner.search import two_level
+
+    ranked = []
+    assembled = two_level._assembled
+
+    def spy(winner, ctx, build):
+        if winner.candidate.schedule == two_level.NO_PIPELINE:
+            ranked.append(winner.step_time_s)
+        return assembled(winner, ctx, build)
+
+    monkeypatch.setattr(two_level, "_assembled", spy)
+    model, inputs = build_model("gpt-tiny", device="meta", batch_size=8)
+    searched = plan(model, "local-cpu:2", example_inputs=inputs, pp=[1], time_limit_s=10)
+    assert searched.pipeline is None and searched.mesh_shape == (2,) and len(ranked) == 1
+    assert searched.predicted["step_time_s"] == pytest.approx(ranked[0], rel=1e-5)
+    direct = plan(model, "local-cpu:2", example_inputs=inputs, mesh_shape=(2,), time_limit_s=10)
+    assert direct.predicted["step_time_s"] == pytest.approx(ranked[0], rel=1e-5)

@@ -8,6 +8,7 @@ stages' plans (:func:`planner.search.finalists.assemble`) from these.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -24,7 +25,8 @@ from planner.ilp.intra_op import IntraOpResult
 from plan.format import (ModelRecord, OpPlacement, Plan, Reshard, SolverReport,
                                  TrainingRecord, training_precision)
 
-__all__ = ["build_plan", "model_record", "step_copy_of", "training_record", "whole_batch_peak"]
+__all__ = ["WholeBatchPrice", "build_plan", "model_record", "step_copy_of", "training_record",
+           "whole_batch_peak", "whole_batch_price"]
 
 
 def _memory_report(memory: dict[str, float], peak: float | None = None) -> dict[str, int]:
@@ -69,6 +71,40 @@ def whole_batch_peak(result: IntraOpResult, cost: IntraOpCost, training: Trainin
                            forward_excess=cost.forward_reshard_excess(result.chosen))
 
 
+@dataclass(frozen=True)
+class WholeBatchPrice:
+    """Seconds of a step that runs one intra-op solution on the whole batch:
+    ``step_s`` in all; of it, ``sync_latency_s`` the per-message latency of
+    the step's gradient collectives over mesh axis 0, which the ILP's
+    objective leaves out; ``host_s`` and ``call_s`` what the host takes to
+    issue its eager ops and to call its compiled regions
+    (:func:`costmodel.compute.pass_seconds`)."""
+
+    step_s: float
+    sync_latency_s: float
+    host_s: float
+    call_s: float
+
+
+def whole_batch_price(result: IntraOpResult, cost: IntraOpCost) -> WholeBatchPrice:
+    """The step seconds of ``result`` run on the whole batch, priced as
+    :func:`planner.search.stage_dp.stage_times` prices a single stage: the
+    device's time (the ILP's objective) with the latency of the step's one
+    gradient reduction (each parameter's share of it,
+    :meth:`IntraOpCost.state_collectives`, leaves that out), unless the host
+    issues the step's ops, and calls a compiled program, more slowly than the
+    device runs them. ``cost`` prices ``result``'s mesh."""
+    graph = result.graph
+    device = cost.cluster.device
+    zero_bytes = sum(cost.zero_bytes(n, result.chosen[n.name]) for n in graph.nodes
+                     if n.kind == PARAM)
+    latency = cost.step_sync_latency(zero_bytes)
+    host_s = sum(host_seconds(graph, device))
+    call_s = sum(compiled_call_seconds(graph, device, cost.region_calls(result.checkpointed)))
+    return WholeBatchPrice(pass_seconds(result.solution.objective_s + latency, host_s, call_s,
+                                        device), latency, host_s, call_s)
+
+
 def step_copy_of(result: IntraOpResult, cost: IntraOpCost) -> float:
     """Bytes of ``result``'s parameters that its step frees before the
     optimizer step (:meth:`IntraOpCost.step_copy` summed over them)."""
@@ -100,18 +136,14 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
                                     time_s=cost.reshard(src, dst, graph[arg].outputs[idx])))
     sol = result.solution
     b = result.breakdown
-    # the device's time (the ILP's objective), unless the host issues the step's
-    # ops, and calls a compiled program, more slowly than the device runs them
-    host_s = sum(host_seconds(graph, cluster.device))
-    call_s = sum(compiled_call_seconds(graph, cluster.device,
-                                     cost.region_calls(result.checkpointed)))
+    price = whole_batch_price(result, cost)
     predicted = {
-        "step_time_s": pass_seconds(sol.objective_s, host_s, call_s, cluster.device),
+        "step_time_s": price.step_s,
         "compute_s": b.compute_s,
-        "communication_s": b.communication_s,
+        "communication_s": b.communication_s + price.sync_latency_s,
         "resharding_s": b.resharding_s,
-        **({"host_s": host_s} if host_s > 0 else {}),
-        **({"compiled_call_s": call_s} if call_s > 0 else {}),
+        **({"host_s": price.host_s} if price.host_s > 0 else {}),
+        **({"compiled_call_s": price.call_s} if price.call_s > 0 else {}),
         "memory_bytes_per_device": _memory_report(
             result.memory, whole_batch_peak(result, cost, training) if whole_batch else None),
     }

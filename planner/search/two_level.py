@@ -41,7 +41,8 @@ from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             accumulates, refine, schedule_action_s, search,
                                             simulate_step,
                                             whole_batch_allowed, zero_variants)
-from planner.search.plan_assembly import build_plan, model_record, training_record
+from planner.search.plan_assembly import (build_plan, model_record, training_record,
+                                          whole_batch_price)
 from planner.search.settings import SearchSettings
 from planner.search.stage_dp import PipelineCandidate, stage_mesh_options
 from planner.search.stage_reuse import total_memory
@@ -65,8 +66,11 @@ def best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, ..
                       ) -> tuple[IntraOpResult | None, list[MemoryInfeasibleError]]:
     """The fastest single stage of the whole batch ``graph`` over the mesh
     ``shapes`` (the intra-op ILP on each, within ``budget`` bytes per
-    device), None if none fits; and why each that did not fit does not."""
+    device; ranked by the step its plan predicts,
+    :func:`planner.search.plan_assembly.whole_batch_price`), None if none
+    fits; and why each that did not fit does not."""
     best: IntraOpResult | None = None
+    best_s = math.inf
     too_big: list[MemoryInfeasibleError] = []
     for shape in shapes:
         try:
@@ -76,8 +80,10 @@ def best_single_stage(graph: Graph, cluster: Cluster, shapes: list[tuple[int, ..
         except MemoryInfeasibleError as err:
             too_big.append(err)
             continue
-        if best is None or result.solution.objective_s < best.solution.objective_s:
-            best = result
+        step_s = whole_batch_price(result, IntraOpCost(graph, cluster, shape, dtype,
+                                                       optimizer)).step_s
+        if step_s < best_s:
+            best, best_s = result, step_s
     return best, too_big
 
 
