@@ -12,12 +12,15 @@ first step dropped: it compiles) in alternating rounds, and writes
 ``benchmarks/results/compile_switch.json``: each plan's layout, its predicted
 step as the search priced it, its predicted compiled step (the eager pick
 planned again under ``compile=True`` with its layout pinned: mesh, stages,
-micro-batches, ZeRO stage, schedule) and its measured median.
+micro-batches, ZeRO stage, schedule) and its measured median; with
+``--eager-too`` each plan also runs eager in the same rounds, beside its eager
+prediction (the compiled pick planned again eagerly, pinned the same way).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="memory per device both searches may use (MiB; default the device's)")
     ap.add_argument("--pp", default=None,
                     help="pipeline sizes both searches may use, e.g. 1 (default: any)")
+    ap.add_argument("--eager-too", action="store_true",
+                    help="also run both plans eager, in the same alternating rounds")
     ap.add_argument("-o", "--output", default=os.path.join(RESULTS, "compile_switch.json"))
     args = ap.parse_args(argv)
     load_before, speed_before = load_average(), torch_speed_probe()
@@ -108,12 +113,20 @@ def main(argv: list[str] | None = None) -> int:
                           "predicted_as_priced_s": p.predicted["step_time_s"],
                           "predicted_compiled_s": compiled.predicted["step_time_s"],
                           "steps_s": []}
+            if args.eager_too:
+                eager = p if name == "eager" else plan(model, cluster, **{**kw, **_pinned(p)})
+                rows[name].update(predicted_eager_s=eager.predicted["step_time_s"],
+                                  eager_steps_s=[])
+        runtimes = [(True, "steps_s")] + ([(False, "eager_steps_s")] if args.eager_too else [])
         for _ in range(args.rounds):
-            for name, path in paths.items():
-                res = launch(path, steps=args.steps, check=False, compile=True, timeout_s=900)
-                rows[name]["steps_s"] += res["step_times_s"][1:]
+            for (compiles, key), (name, path) in itertools.product(runtimes, paths.items()):
+                res = launch(path, steps=args.steps, check=False, compile=compiles,
+                             timeout_s=900)
+                rows[name][key] += res["step_times_s"][1:]
     for row in rows.values():
         row["measured_median_s"] = median_after_warmup(row["steps_s"], 0)
+        if args.eager_too:
+            row["measured_eager_median_s"] = median_after_warmup(row["eager_steps_s"], 0)
     faster_measured = min(rows, key=lambda k: rows[k]["measured_median_s"])
     result = {"benchmark": "compile_switch",
               "machine": machine_block(load_before, speed_before=speed_before),
@@ -124,11 +137,16 @@ def main(argv: list[str] | None = None) -> int:
               "faster_measured": faster_measured,
               "switch_agrees": faster_measured == "compiled"
               or rows["eager"]["layout"] == rows["compiled"]["layout"],
+              **({"faster_measured_eager": min(
+                  rows, key=lambda k: rows[k]["measured_eager_median_s"])}
+                 if args.eager_too else {}),
               "load_after": load_average()}
     return report_results(args.output, result, [
         f"{name:9s} {row['layout']}  measured {row['measured_median_s'] * 1e3:.1f} ms "
         f"(predicted as priced {row['predicted_as_priced_s'] * 1e3:.1f} ms, "
         f"compiled {row['predicted_compiled_s'] * 1e3:.1f} ms)"
+        + (f"; eager measured {row['measured_eager_median_s'] * 1e3:.1f} ms "
+           f"(predicted {row['predicted_eager_s'] * 1e3:.1f} ms)" if args.eager_too else "")
         for name, row in rows.items()])
 
 
