@@ -21,21 +21,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-__all__ = [
-    "ClusterError",
-    "canonical_dtype",
-    "candidate_mesh_shapes",
-    "check_mesh_shape",
-    "Link",
-    "alpha_beta_table",
-    "backend_reduce_scatters_by_all_reduce",
-    "DeviceSpec",
-    "Cluster",
-    "BACKENDS",
-    "DEFAULT_KERNEL_OVERHEAD",
-    "DEFAULT_FLOP_EFFICIENCY",
-    "DEFAULT_MEMORY_EFFICIENCY",
-]
+__all__ = ["ClusterError", "canonical_dtype", "candidate_mesh_shapes", "check_mesh_shape", "Link",
+           "alpha_beta_table", "backend_reduce_scatters_by_all_reduce", "DeviceSpec", "Cluster",
+           "BACKENDS", "DEFAULT_KERNEL_OVERHEAD", "DEFAULT_FLOP_EFFICIENCY",
+           "DEFAULT_MEMORY_EFFICIENCY"]
 
 #: Communication backends a cluster may name.
 BACKENDS = ("nccl", "gloo")
@@ -43,10 +32,11 @@ BACKENDS = ("nccl", "gloo")
 #: Fixed cost of launching one GPU kernel, seconds (CUDA launch + tail, ~5 us).
 DEFAULT_KERNEL_OVERHEAD = 5e-6
 #: DeviceSpec fields only ``planner profile`` measures: the runtime's host costs (a compiled
-#: region's call, an FSDP2 unit's collective call, a pipeline action), fused kernels' rate
+#: region's call, an FSDP2 unit's collective call, a pipeline action, a split backward's
+#: parameter group), fused kernels' rate
 _MEASURED_ONLY_KEYS = ("compiled_call_overhead", "compiled_param_overhead", "fsdp_call_overhead",
                        "pipeline_action_overhead", "compiled_pipeline_action_overhead",
-                       "fused_element_rate")
+                       "split_backward_group_overhead", "fused_element_rate")
 #: DeviceSpec fields a cluster file may leave out (their defaults apply)
 _OPTIONAL_DEVICE_KEYS = ("kernel_overhead", "flop_efficiency", "memory_efficiency",
                          "half_saturation_flops", "dispatch_overhead", "attention_efficiency",
@@ -357,7 +347,11 @@ class DeviceSpec:
             and micro-batch). pipeline_action_overhead: seconds the pipeline
             schedule adds to each forward or backward of a stage (bookkeeping,
             its sends' posting and waits); compiled_pipeline_action_overhead:
-            the same where the stages run compiled (0: the eager figure). All
+            the same where the stages run compiled (0: the eager figure);
+            split_backward_group_overhead: seconds torch's split backward (the
+            zero-bubble schedules' ``I`` and ``W`` actions) adds per parameter
+            group of an eager stage and micro-batch (walking the autograd
+            graph to group the weights, one ``autograd.grad`` call a group). All
             measured by ``planner profile`` (:mod:`costmodel.profiling.runtime_costs`,
             :mod:`codegen.pipeline_probe`); 0 = not measured.
         compiled: the plan's program runs through ``torch.compile``
@@ -386,6 +380,7 @@ class DeviceSpec:
     fsdp_call_overhead: float = 0.0
     pipeline_action_overhead: float = 0.0
     compiled_pipeline_action_overhead: float = 0.0
+    split_backward_group_overhead: float = 0.0
     fused_element_rate: float = 0.0
     compiled: bool = False
 

@@ -113,6 +113,43 @@ class Graph:
                 out.add(n.name)
         return frozenset(out)
 
+    @cached_property
+    def weight_groups(self) -> int:
+        """Parameter groups of a split backward, as torch.distributed.pipelining's
+        ``stage_backward_input`` forms them for a stage whose inputs are
+        ``grad_inputs``: from each parameter, through the ops computed from
+        parameters alone (views, casts), to the first ops on the inputs' path;
+        parameters that reach a common such op (a weight and its bias at one
+        matmul) are one group. Parameters that reach none form none (torch's
+        first stage, whose inputs carry no gradient, runs its backward whole)."""
+        on_path = set(self.grad_inputs)
+        for n in self.nodes:
+            if n.kind == OP and any(a in on_path for a in n.args):
+                on_path.add(n.name)
+        users = self.users()
+        parent: dict[str, str] = {}  # union-find over parameters and the ops they reach
+
+        def find(name: str) -> str:
+            while parent[name] != name:
+                name = parent[name]
+            return name
+
+        reaching: list[str] = []  # the parameters that reach the inputs' path
+        for n in self.nodes:
+            if n.kind != PARAM:
+                continue
+            parent.setdefault(n.name, n.name)
+            stack, seen = [n.name], {n.name}
+            while stack:
+                for user in users[stack.pop()]:
+                    if user in on_path:
+                        parent[find(parent.setdefault(user, user))] = find(n.name)
+                        reaching.append(n.name)
+                    elif user not in seen:
+                        seen.add(user)
+                        stack.append(user)
+        return len({find(name) for name in reaching})
+
     def users(self) -> dict[str, list[str]]:
         """Node name -> names of the nodes that read it (in order, repeats removed)."""
         out: dict[str, list[str]] = {n.name: [] for n in self.nodes}

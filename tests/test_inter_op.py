@@ -442,3 +442,64 @@ def test_the_cycle_collector_is_paused_while_planning_and_restored_after(monkeyp
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_split_backward_groups_parameters_as_torch_does():
+    """A stage of linear layers (with and without bias), a layer norm and a
+    weight used twice: the graph's parameter groups are the ones torch's
+    split backward forms (a weight and its bias at one op are one group, a
+    weight read by two ops one group); without an input carrying a gradient,
+    none (torch's first stage runs its backward whole)."""
+    import dataclasses
+
+    import torch
+
+    from ir.torch_compat.split_backward import split_backward
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(8, 16)
+            self.norm = torch.nn.LayerNorm(16)
+            self.down = torch.nn.Linear(16, 8, bias=False)
+            self.gate = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.down(torch.relu(self.norm(self.up(x)))) * self.gate
+            return (h * self.gate).sum()
+
+    torch.manual_seed(0)
+    stage, x = Stage(), torch.randn(4, 8)
+    graph = trace(stage, (x,))
+    received = next(n.name for n in graph.nodes if n.kind == "input")
+    with_input = dataclasses.replace(graph, grad_inputs=(received,))
+    assert graph.weight_groups == 0
+    torch_groups = split_backward(stage(x.requires_grad_()), [x], list(stage.parameters()))
+    assert with_input.weight_groups == torch_groups == 4
+
+
+def test_eager_zero_bubble_stages_pay_their_split_backward():
+    """llama-tiny, pp=2, zbv: each stage's weight pass costs its parameter
+    groups times the measured cost of one, but for the first stage (whose
+    backward torch runs whole); 1F1B and compiled stages pay none."""
+    import dataclasses
+
+    model, inputs = build_model("llama-tiny", device="meta")
+    base = load_cluster("local-cpu:2")
+    split = dataclasses.replace(base, device=dataclasses.replace(
+        base.device, split_backward_group_overhead=1e-3))
+    kw = dict(example_inputs=inputs, pp=2, stage_mesh=(1,), num_microbatches=4, zero_stage=0,
+              time_limit_s=10)
+
+    def weight_passes(cluster, schedule="zbv", **extra):
+        p = pipeline_plan(model, cluster, schedule=schedule, **kw, **extra)
+        return [st.predicted["backward_weight_s"] for st in p.pipeline.stages], p
+
+    (plain, _), (paid, p) = weight_passes(base), weight_passes(split)
+    extra = [b - a for a, b in zip(plain, paid)]
+    assert extra[0] == 0 and all(e > 0 for e in extra[1:])
+    assert all(abs(e / 1e-3 - round(e / 1e-3)) < 1e-6 for e in extra)  # whole groups
+    assert p.predicted["step_time_s"] > pipeline_plan(model, base, schedule="zbv",
+                                                      **kw).predicted["step_time_s"]
+    assert weight_passes(split, "1f1b")[0] == weight_passes(base, "1f1b")[0]
+    assert weight_passes(split, compile=True)[0] == weight_passes(base, compile=True)[0]

@@ -278,6 +278,12 @@ def test_planner_profile_quick_end_to_end(tmp_path, capsys):
     assert prof["fits"]["pipeline_action_overhead"] == runtime_pipeline_action(
         prof["measurements"], cluster.intra_node, "eager")
     assert "the planner's runtime, per forward or backward" in text
+    # torch's split backward (zero-bubble schedules): its cost per parameter group
+    split = prof["measurements"]["split_backward"]
+    assert split["split"]["seconds"] > split["whole"]["seconds"] > 0
+    assert cluster.device.split_backward_group_overhead == pytest.approx(
+        (split["split"]["seconds"] - split["whole"]["seconds"]) / split["groups"])
+    assert "split backward" in text
 
 
 def test_the_runtime_pipeline_action_is_fitted_per_runtime():
@@ -299,7 +305,9 @@ def test_the_runtime_pipeline_action_is_fitted_per_runtime():
     assert runtime_pipeline_action(raw, link, "eager") == pytest.approx(2e-4, rel=1e-6)
     assert runtime_pipeline_action(raw, link, "compiled") is None
     raw["runtime_pipeline"]["compiled"]["eager_regions"] = []
-    assert pipeline_actions(raw, link) == pytest.approx(
+    actions = pipeline_actions(raw, link)
+    assert actions.pop("split_backward_group_overhead") is None  # not measured here
+    assert actions == pytest.approx(
         {"pipeline_action_overhead": 2e-4, "compiled_pipeline_action_overhead": 2e-4}, rel=1e-6)
 
 

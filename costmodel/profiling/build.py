@@ -28,7 +28,8 @@ from costmodel.profiling.file import PROFILE_FORMAT_VERSION
 from costmodel.profiling.fit import attention_fit, fit_alpha_beta, fit_gemm
 from costmodel.profiling.machine import device_memory_per_rank, machine_info
 from costmodel.profiling.memory_probe import chain_efficiency, fused_element_rate
-from costmodel.profiling.runtime_costs import pipeline_action_overhead, runtime_pipeline_action
+from costmodel.profiling.runtime_costs import (pipeline_action_overhead, runtime_pipeline_action,
+                                               split_backward_group_overhead)
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
 __all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "fsdp_call_overhead",
@@ -120,10 +121,12 @@ def pipeline_actions(raw: Mapping[str, Any], link: Link) -> dict[str, float | No
     """``DeviceSpec.pipeline_action_overhead`` and
     ``compiled_pipeline_action_overhead``: fitted on the planner's own pipeline
     where it was timed (:mod:`codegen.pipeline_probe`), the eager one else on
-    torch's schedule around a linear layer; None where not measured."""
+    torch's schedule around a linear layer; ``split_backward_group_overhead``
+    (:func:`split_backward_group_overhead`); None where not measured."""
     eager = runtime_pipeline_action(raw, link, "eager")
     return {"pipeline_action_overhead": pipeline_action_overhead(raw, link) if eager is None else eager,
-            "compiled_pipeline_action_overhead": runtime_pipeline_action(raw, link, "compiled")}
+            "compiled_pipeline_action_overhead": runtime_pipeline_action(raw, link, "compiled"),
+            "split_backward_group_overhead": split_backward_group_overhead(raw)}
 
 
 def compiled_call_overheads(raw: Mapping[str, Any]) -> dict[str, float]:
@@ -323,8 +326,8 @@ def build_profile(raw: Mapping[str, Any], spec: Mapping[str, Any], ranks: int, *
         "measurements": {k: raw[k] for k in ("overhead", "memory", "gemms", "collectives",
                                              "redistribute", "redistribute_burst",
                                              "compiled_call", "dispatch", "runtime", "fsdp_unit",
-                                             "pipeline", "runtime_pipeline", "memory_chain",
-                                             "fused_chain")
+                                             "pipeline", "runtime_pipeline", "split_backward",
+                                             "memory_chain", "fused_chain")
                          if k in raw},
     }
     return cluster, profile

@@ -96,6 +96,9 @@ def summary_rows(profile: Mapping[str, Any]) -> list[tuple[str, str, str]]:
         *([("compiled pipeline action", f"{fits['compiled_pipeline_action_overhead'] * 1e6:.1f} us",
             "the same, the stages compiled")]
           if fits.get("compiled_pipeline_action_overhead") is not None else []),
+        *([("split backward", f"{fits['split_backward_group_overhead'] * 1e6:.1f} us",
+            "per parameter group of an eager stage, zero-bubble schedules")]
+          if fits.get("split_backward_group_overhead") is not None else []),
     ]
     link = fits.get("link")
     if link:

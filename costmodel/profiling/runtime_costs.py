@@ -22,7 +22,14 @@ Two pairs of steps, each timed plain and distributed on every rank at once
   waiting for its sends and receives), fitted through the schedule's timing
   model (``DeviceSpec.pipeline_action_overhead``, :func:`pipeline_action_overhead`),
   the fallback where the planner's own pipeline was not timed
-  (:mod:`codegen.pipeline_probe`, :func:`runtime_pipeline_action`).
+  (:mod:`codegen.pipeline_probe`, :func:`runtime_pipeline_action`);
+* ``split_backward``: the forward and backward of :data:`SPLIT_GROUPS` tiny
+  linear layers without bias, the backward whole and split as the
+  zero-bubble schedules' ``I`` and ``W`` actions run it
+  (:func:`ir.torch_compat.split_backward.split_backward`): each weight is a
+  group of its own, so the difference per layer is what the split costs a
+  parameter group (``DeviceSpec.split_backward_group_overhead``,
+  :func:`split_backward_group_overhead`).
 
 Each function takes the worker's :class:`costmodel.profiling.worker.Rank`
 and returns ``(label, step, record)`` triples for it to time; ``record`` is
@@ -39,7 +46,8 @@ from costmodel.schedules.timing import simulate
 
 __all__ = ["DISPATCH_CHAIN", "FSDP_CALLS_PER_UNIT", "FSDP_UNITS", "PIPELINE_MICROBATCHES",
            "dispatch_steps", "dropping_gradients", "fit_action_overhead", "fsdp_unit_steps",
-           "pipeline_action_overhead", "pipeline_steps", "runtime_pipeline_action"]
+           "pipeline_action_overhead", "pipeline_steps", "runtime_pipeline_action",
+           "SPLIT_GROUPS", "split_backward_group_overhead", "split_backward_steps"]
 
 #: Elementwise ops in the dispatch chain (plus the final sum).
 DISPATCH_CHAIN = 16
@@ -57,6 +65,9 @@ _FEATURES = 16
 
 #: Micro-batches of the measured pipeline step.
 PIPELINE_MICROBATCHES = 8
+
+#: Layers (each one weight, one parameter group) of the measured split backward.
+SPLIT_GROUPS = 16
 
 Steps = list[tuple[str, Callable[[], Any], dict[str, Any]]]
 
@@ -211,3 +222,35 @@ def runtime_pipeline_action(raw: Mapping[str, Any], link: Link, runtime: str) ->
     return fit_action_overhead(pipe["schedule"], pipe["stages"], m, forward, backward,
                                link.latency + pipe["activation_bytes"] / link.bandwidth,
                                timed["pipelined"]["seconds"])
+
+
+def split_backward_steps(r: Any, out: dict[str, Any]) -> Steps:
+    """:data:`SPLIT_GROUPS` tiny linear layers, their backward whole and split
+    (input gradients, then each weight's); records into
+    ``out["split_backward"]``."""
+    from ir.torch_compat.split_backward import split_backward
+
+    torch, device = r.torch, r.device
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(_FEATURES, _FEATURES, bias=False)
+                                   for _ in range(SPLIT_GROUPS)]).to(device)
+    x = torch.ones(8, _FEATURES, device=device, requires_grad=True)
+    out["split_backward"] = {"groups": SPLIT_GROUPS, "whole": {}, "split": {}}
+    record = out["split_backward"]
+
+    def split() -> None:
+        split_backward(layers(x).sum(), [x], list(layers.parameters()))
+
+    return [("backward whole", dropping_gradients(lambda: layers(x).sum().backward(),
+                                                  layers.parameters), record["whole"]),
+            ("backward split", dropping_gradients(split, layers.parameters), record["split"])]
+
+
+def split_backward_group_overhead(raw: Mapping[str, Any]) -> float | None:
+    """Seconds a split backward adds per parameter group, from the
+    ``split_backward`` measurement: the split step's extra seconds over the
+    whole one, per layer; None when it was not measured."""
+    rec = raw.get("split_backward")
+    if not rec or "seconds" not in rec.get("whole", {}) or "seconds" not in rec.get("split", {}):
+        return None
+    return max(0.0, (rec["split"]["seconds"] - rec["whole"]["seconds"]) / rec["groups"])

@@ -94,6 +94,7 @@ def measurement_spec(device: str, ranks: int, quick: bool) -> dict[str, Any]:
         "dispatch": ranks > 1,
         "fsdp_unit": ranks > 1,
         "pipeline": ranks > 1,
+        "split_backward": ranks > 1,
         # a compiled region's host cost per call: regions of 1 and 32 parameters
         "compiled_call": [1, 32],
         # host time per op: a training step of this zoo model, too small for the GPU to matter

@@ -63,7 +63,8 @@ from typing import Any, Callable
 
 from costmodel.host_allocator import keep_freed_host_memory
 from costmodel.profiling.memory_probe import chain_measurements
-from costmodel.profiling.runtime_costs import dispatch_steps, fsdp_unit_steps, pipeline_steps
+from costmodel.profiling.runtime_costs import (dispatch_steps, fsdp_unit_steps, pipeline_steps,
+                                               split_backward_steps)
 
 __all__ = ["COLLECTIVE_KINDS", "ItemRunner", "Measure", "Rank", "TimedItem", "count_steps", "join", "main",
            "run_worker", "serve", "timed_steps"]
@@ -408,7 +409,7 @@ def _compute_items(r: Rank, spec: dict[str, Any], out: dict[str, Any],
         out["host"] = {"model": spec["host"], "passes": passes}
         items.append(TimedItem("host per op", step, min_rep_s, False, out["host"]))
     for key, steps in (("dispatch", dispatch_steps), ("fsdp_unit", fsdp_unit_steps),
-                       ("pipeline", pipeline_steps)):
+                       ("pipeline", pipeline_steps), ("split_backward", split_backward_steps)):
         if spec.get(key) and r.dist.is_initialized():  # the distributed runtime's host costs
             items += [TimedItem(label, fn, min_rep_s, False, record)
                       for label, fn, record in steps(r, out)]

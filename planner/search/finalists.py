@@ -23,7 +23,7 @@ from planner.ilp.solve import InfeasibleError
 from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError
 from planner.search.microbatch_programs import MicrobatchProgram
 from planner.search.pipeline_search import (accumulates, p2p_seconds, schedule_action_s, simulate_step,
-                                            stage_in_flight)
+                                            split_backward_s, stage_in_flight)
 from plan.format import PipelinePlan, Plan, SolverReport, StagePlan, training_precision
 from planner.search.context import SearchContext
 from planner.search.phase_runner import Phase, PhaseTask
@@ -117,7 +117,8 @@ def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: Microbatc
     p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.settings.cluster)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
                                  cand.stages_per_rank, times, p2p, ctx.schedule_book,
-                                 schedule_action_s(cand.schedule, ctx.settings.cluster))
+                                 schedule_action_s(cand.schedule, ctx.settings.cluster),
+                                 split_backward_s(cand.schedule, ctx.settings.cluster, times))
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
 
 
@@ -333,6 +334,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
     elif cand.mesh.zero_stage == 3:
         set_unit_gradient_peaks(exact.results, parts, stage_cluster)
     action = schedule_action_s(cand.schedule, ctx.settings.cluster)
+    split_s = split_backward_s(cand.schedule, ctx.settings.cluster, exact.times)
     stages: list[StagePlan] = []
     for s, (r, part) in enumerate(zip(exact.results, parts)):
         a, b = exact.bounds[s]
@@ -354,7 +356,8 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
             zero_stage=cand.mesh.zero_stage, zero_axis=0 if cand.mesh.zero_stage else None,
             predicted={"forward_s": t.forward_s + action,
                        "backward_input_s": t.backward_input_s + action,
-                       "backward_weight_s": t.backward_weight_s, "grad_sync_s": t.grad_sync_s,
+                       "backward_weight_s": t.backward_weight_s + split_s[s],
+                       "grad_sync_s": t.grad_sync_s,
                        "update_s": t.update_s,
                        "in_flight_microbatches": exact.copies[s],
                        "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))

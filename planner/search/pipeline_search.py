@@ -63,16 +63,33 @@ def schedule_action_s(schedule: str, cluster: Cluster) -> float:
     return device.pipeline_action_overhead
 
 
+def split_backward_s(schedule: str, cluster: Cluster, times: Sequence[StageTimes]) -> list[float]:
+    """Seconds torch's split backward adds to each stage's weight pass under
+    ``schedule`` on ``cluster``: ``DeviceSpec.split_backward_group_overhead``
+    per parameter group (:attr:`StageTimes.weight_groups`), where the
+    schedule splits its backward (``ScheduleSpec.splits_backward``) and the
+    stages run eager (a compiled stage's backward is one graph); none for the
+    first stage, whose backward torch runs whole."""
+    device = cluster.device
+    if schedule == NO_PIPELINE or device.compiled or not schedule_spec(schedule).splits_backward:
+        return [0.0] * len(times)
+    return [0.0] + [t.weight_groups * device.split_backward_group_overhead for t in times[1:]]
+
+
 def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes],
                   p2p: list[float], book: ScheduleBook | None = None,
-                  action_s: float = 0.0) -> tuple[float, float]:
+                  action_s: float = 0.0, split_s: Sequence[float] | None = None
+                  ) -> tuple[float, float]:
     """(step seconds including the slowest gradient sync and optimizer update,
     bubble seconds). ``book``: as for :func:`stage_in_flight`; ``action_s``:
-    :func:`schedule_action_s`, added to each stage's forward and backward."""
+    :func:`schedule_action_s`, added to each stage's forward and backward;
+    ``split_s``: :func:`split_backward_s`, added to each stage's weight pass."""
     if schedule == NO_PIPELINE:
         return times[0].microbatch_s + times[0].step_end_s, 0.0
+    split_s = split_s or [0.0] * len(times)
     r = simulate(schedule, pp, m, [t.forward_s + action_s for t in times],
-                 [t.backward_input_s + action_s for t in times], [t.backward_weight_s for t in times],
+                 [t.backward_input_s + action_s for t in times],
+                 [t.backward_weight_s + s for t, s in zip(times, split_s)],
                  p2p if p2p else 0.0, stages_per_rank=v, timeline=False, book=book)
     end = max(t.step_end_s for t in times)
     return r.step_time + end, r.step_time - max(r.busy)
@@ -433,7 +450,8 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
         return None
     p2p = p2p_seconds(prog, split.bounds, mesh, ctx.settings.cluster)
     step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p, ctx.schedule_book,
-                                 schedule_action_s(schedule, ctx.settings.cluster))
+                                 schedule_action_s(schedule, ctx.settings.cluster),
+                                 split_backward_s(schedule, ctx.settings.cluster, split.times))
     return PipelineCandidate(pp, v, mesh, schedule, m, split, step, bubble, sum(p2p))
 
 

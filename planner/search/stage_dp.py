@@ -64,8 +64,11 @@ class StageTimes:
     states), ``activation_bytes`` (one micro-batch's saved activations) and
     ``transient_bytes`` (the largest gradient its backward holds beside them,
     :meth:`costmodel.strategy_memory.MemoryPricing.backward_transient`) per
-    device. Layers add up into a stage, but for their transients: the stage
-    holds one at a time, its largest, as its own intra-op solve counts it."""
+    device. ``weight_groups``: its parameter groups under a split backward
+    (:attr:`ir.graph.Graph.weight_groups`), each of which costs an eager
+    zero-bubble schedule's weight pass a call. Layers add up into a stage,
+    but for their transients: the stage holds one at a time, its largest, as
+    its own intra-op solve counts it."""
 
     forward_s: float
     backward_input_s: float
@@ -75,6 +78,7 @@ class StageTimes:
     activation_bytes: float
     update_s: float = 0.0
     transient_bytes: float = 0.0
+    weight_groups: int = 0
 
     @property
     def microbatch_s(self) -> float:
@@ -96,7 +100,8 @@ class StageTimes:
 
     def __add__(self, other: "StageTimes") -> "StageTimes":
         return StageTimes(*(a + b for a, b in zip(self._values(), other._values())),
-                          transient_bytes=max(self.transient_bytes, other.transient_bytes))
+                          transient_bytes=max(self.transient_bytes, other.transient_bytes),
+                          weight_groups=self.weight_groups + other.weight_groups)
 
     def _values(self) -> tuple[float, ...]:
         """The fields that add up over layers, in field order."""
@@ -195,7 +200,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     activations = memory.get("activations", 0.0)
     transient = memory.get("backward_transient", 0.0)
     state = sum(v for k, v in memory.items() if k not in ("activations", "backward_transient"))
-    return StageTimes(f, b, w, sync, state, activations, update, transient)
+    return StageTimes(f, b, w, sync, state, activations, update, transient,
+                      weight_groups=graph.weight_groups)
 
 
 def layer_signature(graph: Graph, layer: PipelineLayer) -> str:
@@ -530,7 +536,8 @@ def _split_result(prefix: list[list[StageTimes]], layers: list[list[StageTimes]]
 
 
 def _diff(a: StageTimes, b: StageTimes) -> StageTimes:
-    return StageTimes(*(x - y for x, y in zip(a._values(), b._values())))
+    return StageTimes(*(x - y for x, y in zip(a._values(), b._values())),
+                      weight_groups=a.weight_groups - b.weight_groups)
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int,

@@ -39,7 +39,7 @@ from planner.search.finalists import (ACCUMULATING_MARGIN, ExactPipeline, assemb
 from planner.search.forked_workers import can_fork, run_beside
 from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
                                             accumulates, refine, schedule_action_s, search,
-                                            simulate_step,
+                                            simulate_step, split_backward_s,
                                             whole_batch_allowed, zero_variants)
 from planner.search.plan_assembly import (build_plan, model_record, training_record,
                                           whole_batch_price)
@@ -528,7 +528,8 @@ def _with_exchange(exact: ExactPipeline, ctx: SearchContext, cp: int, comm_type:
         held = max(held, kv)
     step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
                                  cand.stages_per_rank, times, exact.p2p, ctx.schedule_book,
-                                 schedule_action_s(cand.schedule, ctx.settings.cluster))
+                                 schedule_action_s(cand.schedule, ctx.settings.cluster),
+                                 split_backward_s(cand.schedule, ctx.settings.cluster, times))
     return (dataclasses.replace(exact, times=times, step_time_s=step, bubble_s=bubble),
             {"comm_type": comm_type, "kv_buffer_bytes": held,
              "exchange_s_per_microbatch": extra})
