@@ -86,19 +86,22 @@ class WholeBatchPrice:
     call_s: float
 
 
-def whole_batch_price(result: IntraOpResult, cost: IntraOpCost) -> WholeBatchPrice:
+def whole_batch_price(result: IntraOpResult, cost: IntraOpCost, *,
+                      sync_latency: bool = True) -> WholeBatchPrice:
     """The step seconds of ``result`` run on the whole batch, priced as
     :func:`planner.search.stage_dp.stage_times` prices a single stage: the
     device's time (the ILP's objective) with the latency of the step's one
     gradient reduction (each parameter's share of it,
     :meth:`IntraOpCost.state_collectives`, leaves that out), unless the host
     issues the step's ops, and calls a compiled program, more slowly than the
-    device runs them. ``cost`` prices ``result``'s mesh."""
+    device runs them. ``cost`` prices ``result``'s mesh. ``sync_latency``
+    False: without that latency, for one micro-batch of a pipeline's stage
+    (the pipeline's times pay it once, in ``StageTimes.grad_sync_s``)."""
     graph = result.graph
     device = cost.cluster.device
     zero_bytes = sum(cost.zero_bytes(n, result.chosen[n.name]) for n in graph.nodes
                      if n.kind == PARAM)
-    latency = cost.step_sync_latency(zero_bytes)
+    latency = cost.step_sync_latency(zero_bytes) if sync_latency else 0.0
     host_s = sum(host_seconds(graph, device))
     call_s = sum(compiled_call_seconds(graph, device, cost.region_calls(result.checkpointed)))
     return WholeBatchPrice(pass_seconds(result.solution.objective_s + latency, host_s, call_s,
@@ -116,7 +119,9 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
                training: TrainingRecord, whole_batch: bool = False) -> Plan:
     """Turn an intra-op solution into a Plan. ``whole_batch``: the step runs
     the whole batch at once (no micro-batches), which lets gradients and
-    activations peak apart (:func:`costmodel.memory.step_peak_bytes`)."""
+    activations peak apart (:func:`costmodel.memory.step_peak_bytes`) and pays
+    its gradient reduction's latency (:func:`whole_batch_price`); else the
+    plan is one micro-batch of a pipeline's stage."""
     graph, chosen = result.graph, result.chosen
     parameters = {n.fqn: placement_strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == PARAM}
     inputs = {n.name: placement_strs(chosen[n.name].outputs[0]) for n in graph.nodes if n.kind == INPUT}
@@ -136,7 +141,7 @@ def build_plan(result: IntraOpResult, cluster: Cluster, model_info: ModelRecord,
                                     time_s=cost.reshard(src, dst, graph[arg].outputs[idx])))
     sol = result.solution
     b = result.breakdown
-    price = whole_batch_price(result, cost)
+    price = whole_batch_price(result, cost, sync_latency=whole_batch)
     predicted = {
         "step_time_s": price.step_s,
         "compute_s": b.compute_s,
