@@ -24,7 +24,7 @@ Two pairs of steps, each timed plain and distributed on every rank at once
   the fallback where the planner's own pipeline was not timed
   (:mod:`codegen.pipeline_probe`, :func:`runtime_pipeline_action`);
 * ``split_backward``: the forward and backward of :data:`SPLIT_GROUPS` tiny
-  linear layers without bias, the backward whole and split as the
+  residual layers of one weight each, the backward whole and split as the
   zero-bubble schedules' ``I`` and ``W`` actions run it
   (:func:`ir.torch_compat.split_backward.split_backward`): each weight is a
   group of its own, so the difference per layer is what the split costs a
@@ -225,25 +225,30 @@ def runtime_pipeline_action(raw: Mapping[str, Any], link: Link, runtime: str) ->
 
 
 def split_backward_steps(r: Any, out: dict[str, Any]) -> Steps:
-    """:data:`SPLIT_GROUPS` tiny linear layers, their backward whole and split
-    (input gradients, then each weight's); records into
-    ``out["split_backward"]``."""
+    """:data:`SPLIT_GROUPS` tiny residual layers, each a matmul by its own
+    weight and three elementwise ops (about as many ops a parameter group as
+    a transformer block has), their backward whole and split (input
+    gradients, then each weight's); records into ``out["split_backward"]``."""
     from ir.torch_compat.split_backward import split_backward
 
     torch, device = r.torch, r.device
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[torch.nn.Linear(_FEATURES, _FEATURES, bias=False)
-                                   for _ in range(SPLIT_GROUPS)]).to(device)
+    weights = [torch.nn.Parameter(torch.randn(_FEATURES, _FEATURES, device=device) / _FEATURES)
+               for _ in range(SPLIT_GROUPS)]
     x = torch.ones(8, _FEATURES, device=device, requires_grad=True)
     out["split_backward"] = {"groups": SPLIT_GROUPS, "whole": {}, "split": {}}
     record = out["split_backward"]
 
-    def split() -> None:
-        split_backward(layers(x).sum(), [x], list(layers.parameters()))
+    def loss() -> Any:
+        h = x
+        for w in weights:
+            h = torch.tanh(h @ w) * 0.5 + h
+        return h.sum()
 
-    return [("backward whole", dropping_gradients(lambda: layers(x).sum().backward(),
-                                                  layers.parameters), record["whole"]),
-            ("backward split", dropping_gradients(split, layers.parameters), record["split"])]
+    return [("backward whole", dropping_gradients(lambda: loss().backward(), lambda: weights),
+             record["whole"]),
+            ("backward split", dropping_gradients(lambda: split_backward(loss(), [x], weights),
+                                                  lambda: weights), record["split"])]
 
 
 def split_backward_group_overhead(raw: Mapping[str, Any]) -> float | None:
