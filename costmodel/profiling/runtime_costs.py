@@ -1,7 +1,7 @@
 """The distributed runtime's host costs, as ``planner profile`` measures them.
 
-Two pairs of steps, each timed plain and distributed on every rank at once
-(the worker's timing, :class:`costmodel.profiling.worker.ItemRunner`):
+Four pairs of steps, each timed plain and as the runtime runs it, on every
+rank at once (the worker's timing, :class:`costmodel.profiling.worker.ItemRunner`):
 
 * ``dispatch``: the forward and backward of a chain of :data:`DISPATCH_CHAIN`
   tiny multiplications and a sum, on a plain tensor and on a replicated
