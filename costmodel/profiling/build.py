@@ -29,7 +29,7 @@ from costmodel.profiling.fit import attention_fit, fit_alpha_beta, fit_gemm
 from costmodel.profiling.machine import device_memory_per_rank, machine_info
 from costmodel.profiling.memory_probe import chain_efficiency, fused_element_rate
 from costmodel.profiling.runtime_costs import (pipeline_action_overhead, runtime_pipeline_action,
-                                               split_backward_group_overhead)
+                                               split_backward_group_overhead, timed_pair)
 from costmodel.profiling.worker import COLLECTIVE_KINDS
 
 __all__ = ["build_profile", "compiled_call_overheads", "dispatch_overhead", "fsdp_call_overhead",
@@ -96,13 +96,15 @@ def dispatch_overhead(raw: Mapping[str, Any]) -> float | None:
     step's :func:`costmodel.compute.dispatch_passes`:
     :mod:`codegen.runtime_probe`), else from ``dispatch`` (DTensor alone, on a
     chain of tiny ops); None when neither was measured."""
-    run = raw.get("runtime")
-    if run and "seconds" in run.get("runtime", {}) and "seconds" in run.get("plain", {}):
-        return max(0.0, (run["runtime"]["seconds"] - run["plain"]["seconds"]) / run["passes"])
-    d = raw.get("dispatch")
-    if not d or "seconds" not in d.get("plain", {}) or "seconds" not in d.get("dtensor", {}):
+    run = timed_pair(raw, "runtime", "plain", "runtime")
+    if run is not None:
+        record, plain_s, runtime_s = run
+        return max(0.0, (runtime_s - plain_s) / record["passes"])
+    d = timed_pair(raw, "dispatch", "plain", "dtensor")
+    if d is None:
         return None
-    return max(0.0, (d["dtensor"]["seconds"] - d["plain"]["seconds"]) / (2 * d["ops"]))
+    record, plain_s, dtensor_s = d
+    return max(0.0, (dtensor_s - plain_s) / (2 * record["ops"]))
 
 
 def fsdp_call_overhead(raw: Mapping[str, Any]) -> float | None:
@@ -110,11 +112,11 @@ def fsdp_call_overhead(raw: Mapping[str, Any]) -> float | None:
     the ``fsdp_unit`` measurement (:mod:`costmodel.profiling.runtime_costs`):
     the sharded step's extra seconds over its units' calls; None when it was
     not measured."""
-    f = raw.get("fsdp_unit")
-    if not f or "seconds" not in f.get("plain", {}) or "seconds" not in f.get("sharded", {}):
+    f = timed_pair(raw, "fsdp_unit", "plain", "sharded")
+    if f is None:
         return None
-    return max(0.0, (f["sharded"]["seconds"] - f["plain"]["seconds"])
-               / (f["units"] * f["calls_per_unit"]))
+    record, plain_s, sharded_s = f
+    return max(0.0, (sharded_s - plain_s) / (record["units"] * record["calls_per_unit"]))
 
 
 def pipeline_actions(raw: Mapping[str, Any], link: Link) -> dict[str, float | None]:

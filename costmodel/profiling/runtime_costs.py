@@ -47,7 +47,7 @@ from costmodel.schedules.timing import simulate
 __all__ = ["DISPATCH_CHAIN", "FSDP_CALLS_PER_UNIT", "FSDP_UNITS", "PIPELINE_MICROBATCHES",
            "dispatch_steps", "dropping_gradients", "fit_action_overhead", "fsdp_unit_steps",
            "pipeline_action_overhead", "pipeline_steps", "runtime_pipeline_action",
-           "SPLIT_GROUPS", "split_backward_group_overhead", "split_backward_steps"]
+           "SPLIT_GROUPS", "split_backward_group_overhead", "split_backward_steps", "timed_pair"]
 
 #: Elementwise ops in the dispatch chain (plus the final sum).
 DISPATCH_CHAIN = 16
@@ -104,6 +104,17 @@ def dropping_gradients(step: Callable[[], Any], params: Callable[[], Any]) -> Ca
         for p in params():
             p.grad = None
     return run
+
+
+def timed_pair(raw: Mapping[str, Any], key: str, plain: str, timed: str
+               ) -> tuple[Mapping[str, Any], float, float] | None:
+    """The record ``raw[key]`` of one of these pairs of steps, with the
+    seconds of its ``plain`` and its ``timed`` step; None where the record or
+    either step's time is missing (not measured)."""
+    rec = raw.get(key)
+    if not rec or "seconds" not in rec.get(plain, {}) or "seconds" not in rec.get(timed, {}):
+        return None
+    return rec, rec[plain]["seconds"], rec[timed]["seconds"]
 
 
 def fsdp_unit_steps(r: Any, out: dict[str, Any]) -> Steps:
@@ -193,14 +204,15 @@ def pipeline_action_overhead(raw: Mapping[str, Any], link: Link) -> float | None
     ``pipeline`` measurement: :func:`fit_action_overhead` with each forward
     and backward its plain share of the measured layer's time and each send
     ``link``'s latency and bytes; None when it was not measured."""
-    pipe = raw.get("pipeline")
-    if not pipe or "seconds" not in pipe.get("plain", {}) or "seconds" not in pipe.get("pipelined", {}):
+    pair = timed_pair(raw, "pipeline", "plain", "pipelined")
+    if pair is None:
         return None
+    pipe, plain_s, pipelined_s = pair
     m = pipe["microbatches"]
-    action = pipe["plain"]["seconds"] / (2 * m)
+    action = plain_s / (2 * m)
     return fit_action_overhead(pipe["schedule"], pipe["stages"], m, action, action,
                                link.latency + pipe["activation_bytes"] / link.bandwidth,
-                               pipe["pipelined"]["seconds"])
+                               pipelined_s)
 
 
 def runtime_pipeline_action(raw: Mapping[str, Any], link: Link, runtime: str) -> float | None:
@@ -255,7 +267,8 @@ def split_backward_group_overhead(raw: Mapping[str, Any]) -> float | None:
     """Seconds a split backward adds per parameter group, from the
     ``split_backward`` measurement: the split step's extra seconds over the
     whole one, per layer; None when it was not measured."""
-    rec = raw.get("split_backward")
-    if not rec or "seconds" not in rec.get("whole", {}) or "seconds" not in rec.get("split", {}):
+    pair = timed_pair(raw, "split_backward", "whole", "split")
+    if pair is None:
         return None
-    return max(0.0, (rec["split"]["seconds"] - rec["whole"]["seconds"]) / rec["groups"])
+    rec, whole_s, split_s = pair
+    return max(0.0, (split_s - whole_s) / rec["groups"])
