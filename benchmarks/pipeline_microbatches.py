@@ -14,8 +14,9 @@ stage on that mesh accumulating the micro-batches' gradients (``--zero``,
 and with ``--recompute`` every layer checkpointed or none, each a run of its
 own), once priced eager and once priced compiled, and each is run as priced
 (``training.launch.launch``, ``--steps`` steps, the first two dropped: the
-compiled program compiles in them). Writes ``benchmarks/results/pipeline_microbatches.json``: per run the
-plan's layout, its predicted step and breakdown, and its measured median.
+compiled program compiles in them). Writes
+``benchmarks/results/pipeline_microbatches.json``: per run the plan's
+layout, its predicted step and breakdown, and its measured median.
 Units: seconds.
 """
 
