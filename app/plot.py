@@ -142,7 +142,8 @@ def plot_stage_times(plan: Plan, path: str) -> str:
     pipe, stages = _pipeline_stages(plan)
     parts = (("forward_s", "forward"), ("backward_input_s", "backward (input gradients)"),
              ("backward_weight_s", "backward (weight gradients)"),
-             ("grad_sync_s", "gradient sync, once a step"), ("update_s", "optimizer, once a step"))
+             ("grad_sync_s", "gradient sync, once a step"), ("update_s", "optimizer, once a step"),
+             ("accumulate_s", "gradient accumulation, a step"))
     labels = [f"stage {st.index}\n(rank {st.pp_rank})" for st in stages]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.9 * len(stages) + 3), 4.5))
     _stacked_bars(ax, labels, [(name, [float(st.predicted.get(key, 0.0)) * 1e3

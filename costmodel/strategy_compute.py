@@ -99,6 +99,17 @@ class ComputePricing(StrategySettings):
             return 0.0
         return nbytes / self.cluster.device.streaming_bandwidth
 
+    def accumulate_time(self, node: Node, s: Strategy) -> float:
+        """Seconds of adding one micro-batch's gradient of this device's part of
+        a parameter into the gradient of the step's micro-batches before it
+        (autograd's in-place accumulation): a memory-bound pass reading both and
+        writing one, in the master dtype, over the whole local gradient, or
+        under ZeRO-3 (reduce-scattered every micro-batch) over its shard."""
+        numel = local_numel(node.output, s.outputs[0], self.mesh_shape)
+        if self.zero_stage == 3:
+            numel /= self.state_shards
+        return 3 * numel * self.precision.master_bytes / self.cluster.device.streaming_bandwidth
+
     def cast_time(self, node: Node, s: Strategy) -> float:
         """Seconds of a mixed-precision step's two casts of a parameter: the
         master copy to the compute dtype before the forward reads it, and its

@@ -73,6 +73,7 @@ class PredictedStep(TypedDict, total=False):
     p2p_s: float               # pipelines: stage-to-stage sends
     grad_sync_s: float         # pipelines: once-per-step gradient reduction
     update_s: float            # pipelines: optimizer update and parameter casts
+    accumulate_s: float        # pipelines: adding micro-batches' gradients, a step
     memory_bytes_per_device: MemoryReport
 
 
@@ -148,8 +149,9 @@ class StagePlan:
             all-gathered once per step: Megatron's distributed optimizer,
             run by :class:`codegen.zero1.ShardedStateOptimizer`).
         predicted: per micro-batch ``forward_s``, ``backward_input_s``,
-            ``backward_weight_s``; per step ``grad_sync_s`` and ``update_s``
-            (optimizer update and parameter casts); and
+            ``backward_weight_s``; per step ``grad_sync_s``, ``update_s``
+            (optimizer update and parameter casts) and ``accumulate_s``
+            (adding each micro-batch's gradients after the first); and
             ``memory_bytes_per_device`` (bytes, by kind).
     """
 

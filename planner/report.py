@@ -186,7 +186,8 @@ def _pipeline_lines(plan: Plan) -> list[str]:
              f"stage mesh {'x'.join(map(str, pipe.stage_mesh['shape']))}; bubble "
              f"{_seconds(pred.get('bubble_s', 0.0))}, p2p {_seconds(pred.get('p2p_s', 0.0))}, "
              f"gradient sync {_seconds(pred.get('grad_sync_s', 0.0))}, optimizer update "
-             f"{_seconds(pred.get('update_s', 0.0))}"]
+             f"{_seconds(pred.get('update_s', 0.0))}, gradient accumulation "
+             f"{_seconds(pred.get('accumulate_s', 0.0))}"]
     rows = []
     for st in pipe.stages:
         p = st.predicted

@@ -21,8 +21,9 @@ from planner.search import pipeline_search as pipeline_search
 from planner.search.context import SearchContext
 from planner.search.settings import SearchSettings
 from planner.api import PlanningError, pipeline_plan, plan
-from planner.search.stage_dp import (PipelineCandidate, StageTimes, exhaustive_split, in_flight,
+from planner.search.stage_dp import (PipelineCandidate, exhaustive_split, in_flight,
                               layer_signature, split_layers)
+from planner.search.stage_times import StageTimes
 from planner.ilp.intra_op import (MemoryInfeasibleError, prepare_intra_op, solve_intra_op,
                               solve_prepared)
 
@@ -503,3 +504,25 @@ def test_eager_zero_bubble_stages_pay_their_split_backward():
                                                       **kw).predicted["step_time_s"]
     assert weight_passes(split, "1f1b")[0] == weight_passes(base, "1f1b")[0]
     assert weight_passes(split, compile=True)[0] == weight_passes(base, compile=True)[0]
+
+
+def test_each_microbatch_after_the_first_adds_its_gradients_at_memory_speed():
+    """llama-tiny, pp=2, 4 micro-batches of one device a stage: autograd adds
+    each micro-batch's gradients after the first into the step's (reading
+    both, writing one, fp32), so the stages pay three passes over their
+    parameters' gradients at the device's streaming bandwidth, and the step
+    waits for the slowest stage's."""
+    import dataclasses
+
+    model, inputs = build_model("llama-tiny", device="meta")
+    cluster = load_cluster("local-cpu:2")
+    kw = dict(example_inputs=inputs, pp=2, stage_mesh=(1,), num_microbatches=4, zero_stage=0,
+              schedule="1f1b", time_limit_s=10)
+    p = pipeline_plan(model, cluster, **kw)
+    params = sum(t.numel() for t in model.parameters())
+    stages = [st.predicted["accumulate_s"] for st in p.pipeline.stages]
+    assert sum(stages) == pytest.approx(3 * 3 * 4 * params / cluster.device.streaming_bandwidth)
+    assert p.predicted["accumulate_s"] == max(stages) > 0
+    fast = dataclasses.replace(cluster, device=dataclasses.replace(
+        cluster.device, memory_bandwidth=1e3 * cluster.device.memory_bandwidth))
+    assert p.predicted["step_time_s"] > pipeline_plan(model, fast, **kw).predicted["step_time_s"]

@@ -35,8 +35,8 @@ from planner.search.microbatch_programs import MicrobatchProgram
 from planner.search.pipeline_search import p2p_seconds, schedule_action_s, simulate_step
 from planner.search.plan_assembly import build_plan
 from planner.search.settings import SearchSettings
-from planner.search.stage_dp import (PipelineCandidate, StageMeshOption, StageTimes,
-                                     stage_mesh_options)
+from planner.search.stage_dp import PipelineCandidate, StageMeshOption, stage_mesh_options
+from planner.search.stage_times import StageTimes
 
 __all__ = ["PAD_HINT", "chunk_bounds", "pipeline_plan", "stage_copies"]
 
@@ -275,14 +275,18 @@ class _Chunks:
 def _chunk_times(results: Sequence[IntraOpResult], ctx: SearchContext, mesh: StageMeshOption,
                  cfg: MegatronConfig, stage_cluster: Cluster, link: Link | None
                  ) -> tuple[list[StageTimes], float]:
-    """Each chunk's times on ``mesh``, with context parallelism's exchange
+    """Each chunk's times on ``mesh`` as Megatron runs it (no gradient
+    accumulation pass), with context parallelism's exchange
     (:func:`planner.search.cp_search.context_parallel_seconds` over ``link``)
     added to its forward and backward; and the largest K/V buffers of that
     exchange, bytes per device (0 without cp)."""
     times = []
     held = 0.0  # the largest K/V buffers of context parallelism, bytes per device
     for r in results:
-        t = ctx.pricing.times_of(r, mesh)
+        # Megatron's weight-gradient GEMMs add into its fp32 main_grad buffers
+        # themselves (gradient_accumulation_fusion, on by default): no separate
+        # pass adds a micro-batch's gradients, as autograd's does in our runtime
+        t = dataclasses.replace(ctx.pricing.times_of(r, mesh), accumulate_s=0.0)
         if cfg.cp > 1:
             cost = IntraOpCost(r.graph, stage_cluster, r.mesh_shape, ctx.settings.dtype,
                                ctx.settings.optimizer)

@@ -29,7 +29,8 @@ from planner.search.microbatch_programs import (MicrobatchProgram, MicrobatchPro
 from planner.search.phase_runner import Phase, SearchExecutor, default_executor
 from planner.search.search_caches import SearchCaches, pricing_scope, profile_key, reference_key
 from planner.search.settings import SearchSettings
-from planner.search.stage_dp import ZERO_TIMES, LayerProfile, StageMeshOption, StageTimes
+from planner.search.stage_dp import LayerProfile, StageMeshOption
+from planner.search.stage_times import ZERO_TIMES, StageTimes
 from planner.search.stage_pricing import StagePricing
 from planner.search.stage_reuse import moved_result, total_memory
 

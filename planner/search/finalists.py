@@ -18,7 +18,8 @@ from costmodel.schedules.specs import schedule_spec
 from costmodel.strategy_cost import IntraOpCost
 from ir.graph import INPUT
 from ir.placements import placement_strs
-from planner.search.stage_dp import PipelineCandidate, StageTimes
+from planner.search.stage_dp import PipelineCandidate
+from planner.search.stage_times import StageTimes
 from planner.ilp.solve import InfeasibleError
 from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError
 from planner.search.microbatch_programs import MicrobatchProgram
@@ -359,6 +360,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
                        "backward_weight_s": t.backward_weight_s + split_s[s],
                        "grad_sync_s": t.grad_sync_s,
                        "update_s": t.update_s,
+                       "accumulate_s": (cand.num_microbatches - 1) * t.accumulate_s,
                        "in_flight_microbatches": exact.copies[s],
                        "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))
     first = parts[0]
@@ -416,6 +418,7 @@ def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> d
         "p2p_s": sum(exact.p2p),
         "grad_sync_s": max(t.grad_sync_s for t in exact.times),
         "update_s": max(t.update_s for t in exact.times),
+        "accumulate_s": max((m - 1) * t.accumulate_s for t in exact.times),
         "memory_bytes_per_device": memory,
     }
 

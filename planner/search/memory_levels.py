@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from planner.search.stage_dp import LayerProfile, StageTimes
+from planner.search.stage_dp import LayerProfile
+from planner.search.stage_times import StageTimes
 from planner.ilp.intra_op import IntraOpResult
 
 PROFILE_LEVELS = 4

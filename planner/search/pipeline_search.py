@@ -81,9 +81,11 @@ def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes
                   action_s: float = 0.0, split_s: Sequence[float] | None = None
                   ) -> tuple[float, float]:
     """(step seconds including the slowest gradient sync and optimizer update,
-    bubble seconds). ``book``: as for :func:`stage_in_flight`; ``action_s``:
-    :func:`schedule_action_s`, added to each stage's forward and backward;
-    ``split_s``: :func:`split_backward_s`, added to each stage's weight pass."""
+    each stage's after its gradient accumulation over the ``m - 1`` micro-batches
+    after the first, bubble seconds). ``book``: as for :func:`stage_in_flight`;
+    ``action_s``: :func:`schedule_action_s`, added to each stage's forward and
+    backward; ``split_s``: :func:`split_backward_s`, added to each stage's
+    weight pass."""
     if schedule == NO_PIPELINE:
         return times[0].microbatch_s + times[0].step_end_s, 0.0
     split_s = split_s or [0.0] * len(times)
@@ -91,7 +93,7 @@ def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes
                  [t.backward_input_s + action_s for t in times],
                  [t.backward_weight_s + s for t, s in zip(times, split_s)],
                  p2p if p2p else 0.0, stages_per_rank=v, timeline=False, book=book)
-    end = max(t.step_end_s for t in times)
+    end = max(t.step_end_s + (m - 1) * t.accumulate_s for t in times)
     return r.step_time + end, r.step_time - max(r.busy)
 
 

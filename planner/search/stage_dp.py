@@ -44,6 +44,7 @@ from ir.graph import INPUT, OP, PARAM, Graph
 from ir.layers import PipelineLayer
 from ir.strategy import moved_arguments
 from planner.ilp.intra_op import IntraOpResult
+from planner.search.stage_times import ZERO_TIMES, StageTimes
 
 # Schedules the search tries, in this order (ties keep the earlier one).
 SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv",
@@ -54,62 +55,6 @@ class PipelineInfeasibleError(RuntimeError):
     """No pipeline configuration fits in memory."""
 
 
-@dataclass(frozen=True)
-class StageTimes:
-    """Seconds of one stage: per micro-batch ``forward_s``, ``backward_input_s``
-    (input gradients, activation-gradient collectives, recomputation) and
-    ``backward_weight_s``; per step ``grad_sync_s`` (parameter-gradient
-    reduction) and ``update_s`` (the optimizer's update and the mixed-precision
-    casts of the parameters). ``state_bytes`` (parameters, gradients, optimizer
-    states), ``activation_bytes`` (one micro-batch's saved activations) and
-    ``transient_bytes`` (the largest gradient its backward holds beside them,
-    :meth:`costmodel.strategy_memory.MemoryPricing.backward_transient`) per
-    device. ``weight_groups``: its parameter groups under a split backward
-    (:attr:`ir.graph.Graph.weight_groups`), each of which costs an eager
-    zero-bubble schedule's weight pass a call. Layers add up into a stage,
-    but for their transients: the stage holds one at a time, its largest, as
-    its own intra-op solve counts it."""
-
-    forward_s: float
-    backward_input_s: float
-    backward_weight_s: float
-    grad_sync_s: float
-    state_bytes: float
-    activation_bytes: float
-    update_s: float = 0.0
-    transient_bytes: float = 0.0
-    weight_groups: int = 0
-
-    @property
-    def microbatch_s(self) -> float:
-        return self.forward_s + self.backward_input_s + self.backward_weight_s
-
-    @property
-    def step_end_s(self) -> float:
-        """What the stage does once per step after its last backward."""
-        return self.grad_sync_s + self.update_s
-
-    @property
-    def total_s(self) -> float:
-        """One micro-batch and the once-per-step work: the intra-op ILP's objective."""
-        return self.microbatch_s + self.step_end_s
-
-    def memory(self, copies: float) -> float:
-        """Bytes per device with ``copies`` micro-batches in flight."""
-        return self.state_bytes + copies * self.activation_bytes + self.transient_bytes
-
-    def __add__(self, other: "StageTimes") -> "StageTimes":
-        return StageTimes(*(a + b for a, b in zip(self._values(), other._values())),
-                          transient_bytes=max(self.transient_bytes, other.transient_bytes),
-                          weight_groups=self.weight_groups + other.weight_groups)
-
-    def _values(self) -> tuple[float, ...]:
-        """The fields that add up over layers, in field order."""
-        return (self.forward_s, self.backward_input_s, self.backward_weight_s, self.grad_sync_s,
-                self.state_bytes, self.activation_bytes, self.update_s)
-
-
-ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 def step_collectives(result: IntraOpResult, cost: IntraOpCost) -> float:
@@ -134,7 +79,8 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     recomputation in the backward; weight-gradient compute in the weight
     backward; once per step, the reduction of the parameters' gradients over
     mesh axis 0 (and under ZeRO, ``zero_stage``, the parameters' all-gather;
-    see :class:`IntraOpCost`). ``pricer``: the
+    see :class:`IntraOpCost`); per micro-batch after the first, adding its
+    parameter gradients to the step's. ``pricer``: the
     :class:`ReshardPricer` of this mesh to share (its prices are memoised).
     ``cost``: the :class:`IntraOpCost` the result was solved with, to share
     (its node prices are kept; it prices as these arguments would).
@@ -143,7 +89,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     if cost is None:
         cost = IntraOpCost(graph, cluster, result.mesh_shape, dtype, optimizer,
                            zero_stage=zero_stage, pricer=pricer)
-    f = b = w = update = 0.0
+    f = b = w = update = accumulate = 0.0
     zero_bytes = 0.0  # bytes of the parameters ZeRO's collectives move
     layer_bytes = 0.0  # of which ZeRO-3 gathers layer by layer
     for n in graph.nodes:
@@ -156,6 +102,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
             if n.name not in cost.pass_params:
                 layer_bytes += nbytes
             update += cost.prices(n, s).compute_s  # optimizer update and casts, once a step
+            accumulate += cost.accumulate_time(n, s)
         if n.kind != OP:
             continue
         prices = cost.prices(n, s)
@@ -200,7 +147,7 @@ def stage_times(result: IntraOpResult, cluster: Cluster, dtype: str, optimizer: 
     activations = memory.get("activations", 0.0)
     transient = memory.get("backward_transient", 0.0)
     state = sum(v for k, v in memory.items() if k not in ("activations", "backward_transient"))
-    return StageTimes(f, b, w, sync, state, activations, update, transient,
+    return StageTimes(f, b, w, sync, state, activations, update, accumulate, transient,
                       weight_groups=graph.weight_groups)
 
 
@@ -530,14 +477,9 @@ def _split_result(prefix: list[list[StageTimes]], layers: list[list[StageTimes]]
         bounds.append((i, j))
         i = j
     lv = [int(level[s, a, b]) for s, (a, b) in enumerate(bounds)]
-    times = [replace(_diff(prefix[l][b], prefix[l][a]), transient_bytes=max(
+    times = [replace(prefix[l][b] - prefix[l][a], transient_bytes=max(
         t.transient_bytes for t in layers[l][a:b])) for l, (a, b) in zip(lv, bounds)]
     return SplitResult(bounds, lv, times, objective)
-
-
-def _diff(a: StageTimes, b: StageTimes) -> StageTimes:
-    return StageTimes(*(x - y for x, y in zip(a._values(), b._values())),
-                      weight_groups=a.weight_groups - b.weight_groups)
 
 
 def in_flight(schedule: str, pp: int, m: int, v: int,

@@ -21,7 +21,8 @@ from planner.search.cp_search import pinned_strategies
 from planner.search.microbatch_programs import MicrobatchProgram
 from planner.search.search_caches import SearchCaches
 from planner.search.settings import SearchSettings
-from planner.search.stage_dp import StageMeshOption, StageTimes, stage_times, step_collectives
+from planner.search.stage_dp import StageMeshOption, stage_times, step_collectives
+from planner.search.stage_times import StageTimes
 
 __all__ = ["StagePricing"]
 
