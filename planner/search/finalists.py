@@ -23,8 +23,8 @@ from planner.search.stage_times import StageTimes
 from planner.ilp.solve import InfeasibleError
 from planner.ilp.intra_op import IntraOpResult, MemoryInfeasibleError
 from planner.search.microbatch_programs import MicrobatchProgram
-from planner.search.pipeline_search import (accumulates, p2p_seconds, schedule_action_s, simulate_step,
-                                            split_backward_s, stage_in_flight)
+from planner.search.pipeline_search import (accumulates, p2p_seconds, runtime_step,
+                                            schedule_action_s, split_backward_s, stage_in_flight)
 from plan.format import PipelinePlan, Plan, SolverReport, StagePlan, training_precision
 from planner.search.context import SearchContext
 from planner.search.phase_runner import Phase, PhaseTask
@@ -116,10 +116,8 @@ def _exact_pipeline(ctx: SearchContext, cand: PipelineCandidate, prog: Microbatc
     if times is None:
         times = [ctx.pricing.times_of(r, cand.mesh) for r in results]
     p2p = p2p_seconds(prog, bounds, cand.mesh, ctx.settings.cluster)
-    step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
-                                 cand.stages_per_rank, times, p2p, ctx.schedule_book,
-                                 schedule_action_s(cand.schedule, ctx.settings.cluster),
-                                 split_backward_s(cand.schedule, ctx.settings.cluster, times))
+    step, bubble = runtime_step(ctx, cand.schedule, cand.pp, cand.num_microbatches,
+                                cand.stages_per_rank, times, p2p)
     return ExactPipeline(cand, prog, bounds, results, times, copies, step, bubble, p2p)
 
 

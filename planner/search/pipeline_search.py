@@ -97,6 +97,17 @@ def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes
     return r.step_time + end, r.step_time - max(r.busy)
 
 
+def runtime_step(ctx: SearchContext, schedule: str, pp: int, m: int, v: int,
+                 times: list[StageTimes], p2p: list[float]) -> tuple[float, float]:
+    """:func:`simulate_step` of a pipeline as the planner's runtime runs it on
+    the search's cluster: each action pays :func:`schedule_action_s` and each
+    eager stage's weight pass :func:`split_backward_s`."""
+    cluster = ctx.settings.cluster
+    return simulate_step(schedule, pp, m, v, times, p2p, ctx.schedule_book,
+                         schedule_action_s(schedule, cluster),
+                         split_backward_s(schedule, cluster, times))
+
+
 def _microbatch_options(global_batch: int, pp: int, v: int, schedule: str,
                         limit: int, stage_devices: int = 1) -> list[int]:
     """Micro-batch counts tried, fewest first: the batch split into
@@ -451,9 +462,7 @@ def _price(ctx: SearchContext, pp: int, v: int, mesh: StageMeshOption, schedule:
     if split is None:
         return None
     p2p = p2p_seconds(prog, split.bounds, mesh, ctx.settings.cluster)
-    step, bubble = simulate_step(schedule, pp, m, v, split.times, p2p, ctx.schedule_book,
-                                 schedule_action_s(schedule, ctx.settings.cluster),
-                                 split_backward_s(schedule, ctx.settings.cluster, split.times))
+    step, bubble = runtime_step(ctx, schedule, pp, m, v, split.times, p2p)
     return PipelineCandidate(pp, v, mesh, schedule, m, split, step, bubble, sum(p2p))
 
 

@@ -55,8 +55,6 @@ class PipelineInfeasibleError(RuntimeError):
     """No pipeline configuration fits in memory."""
 
 
-
-
 def step_collectives(result: IntraOpResult, cost: IntraOpCost) -> float:
     """Seconds of the collectives in ``result``'s communication that run once
     per step, not per micro-batch: the reduction of the parameters' gradients

@@ -5,7 +5,7 @@ Units: seconds (times), bytes (memory).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 __all__ = ["StageTimes", "ZERO_TIMES"]
 
@@ -72,10 +72,8 @@ class StageTimes:
 
     def _values(self) -> tuple[float, ...]:
         """The fields that add up over layers, in field order."""
-        return tuple(getattr(self, f.name) for f in fields(self)[:_ADDING_FIELDS])
+        return (self.forward_s, self.backward_input_s, self.backward_weight_s, self.grad_sync_s,
+                self.state_bytes, self.activation_bytes, self.update_s, self.accumulate_s)
 
-
-#: StageTimes' leading fields that add up over layers (through ``accumulate_s``)
-_ADDING_FIELDS = 8
 
 ZERO_TIMES = StageTimes(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)

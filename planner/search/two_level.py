@@ -37,10 +37,9 @@ from planner.search.finalists import (ACCUMULATING_MARGIN, ExactPipeline, assemb
                                       fastest_key, solve_exact, solve_finalists,
                                       split_far_finalists)
 from planner.search.forked_workers import can_fork, run_beside
-from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions,
-                                            accumulates, refine, schedule_action_s, search,
-                                            simulate_step, split_backward_s,
-                                            whole_batch_allowed, zero_variants)
+from planner.search.pipeline_search import (NO_PIPELINE, SearchOptions, accumulates, refine,
+                                            runtime_step, search, whole_batch_allowed,
+                                            zero_variants)
 from planner.search.plan_assembly import (build_plan, model_record, training_record,
                                           whole_batch_price)
 from planner.search.settings import SearchSettings
@@ -526,10 +525,8 @@ def _with_exchange(exact: ExactPipeline, ctx: SearchContext, cp: int, comm_type:
                                          backward_input_s=t.backward_input_s + b))
         extra.append(f + b)
         held = max(held, kv)
-    step, bubble = simulate_step(cand.schedule, cand.pp, cand.num_microbatches,
-                                 cand.stages_per_rank, times, exact.p2p, ctx.schedule_book,
-                                 schedule_action_s(cand.schedule, ctx.settings.cluster),
-                                 split_backward_s(cand.schedule, ctx.settings.cluster, times))
+    step, bubble = runtime_step(ctx, cand.schedule, cand.pp, cand.num_microbatches,
+                                cand.stages_per_rank, times, exact.p2p)
     return (dataclasses.replace(exact, times=times, step_time_s=step, bubble_s=bubble),
             {"comm_type": comm_type, "kv_buffer_bytes": held,
              "exchange_s_per_microbatch": extra})
