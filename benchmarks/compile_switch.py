@@ -8,13 +8,18 @@ eagerly, both run compiled: does the measured step agree with the switch?
 
 Plans ``--model`` on ``local-cpu:RANKS`` twice (eager pricing, compiled
 pricing), runs each plan compiled (``training.launch.launch(compile=True)``,
-first step dropped: it compiles) in alternating rounds, and writes
+the first ``--warmup`` steps of each run dropped: the first compiles) in
+rounds, the order of the plans reversed every other round, and writes
 ``benchmarks/results/compile_switch.json``: each plan's layout, its predicted
 step as the search priced it, its predicted compiled step (the eager pick
 planned again under ``compile=True`` with its layout pinned: mesh, stages,
 micro-batches, ZeRO stage, schedule) and its measured median; with
 ``--eager-too`` each plan also runs eager in the same rounds, beside its eager
 prediction (the compiled pick planned again eagerly, pinned the same way).
+Each round gives each plan a median; ``paired`` is the compiled pick's step
+over the eager pick's, round by round (the machine's drift falls on both),
+with a bootstrap interval: the switch is ``shown`` when the whole interval
+lies below 1.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ if __package__ in (None, ""):
 
 from benchmarks.common import (load_average, machine_block, report_results,  # noqa: E402
                                torch_speed_probe)
-from benchmarks.stats import median_after_warmup  # noqa: E402
+from benchmarks.stats import median_after_warmup, paired_ratio  # noqa: E402
 from models.source import build_model  # noqa: E402
 from planner.api import plan  # noqa: E402
 from training.launch import launch  # noqa: E402
@@ -75,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="llama-tiny")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8, help="steps per run (the first is dropped)")
+    ap.add_argument("--steps", type=int, default=8, help="steps per run")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="steps dropped at the start of each run (the first compiles)")
     ap.add_argument("--rounds", type=int, default=2, help="alternating runs of each plan")
     ap.add_argument("--cluster", default=None,
                     help="cluster the plans are priced on: a preset or a `planner profile` "
@@ -112,31 +119,40 @@ def main(argv: list[str] | None = None) -> int:
             rows[name] = {"layout": plan_layout(p),
                           "predicted_as_priced_s": p.predicted["step_time_s"],
                           "predicted_compiled_s": compiled.predicted["step_time_s"],
-                          "steps_s": []}
+                          "steps_s": [], "round_medians_s": []}
             if args.eager_too:
                 eager = p if name == "eager" else plan(model, cluster, **{**kw, **_pinned(p)})
                 rows[name].update(predicted_eager_s=eager.predicted["step_time_s"],
-                                  eager_steps_s=[])
-        runtimes = [(True, "steps_s")] + ([(False, "eager_steps_s")] if args.eager_too else [])
-        for _ in range(args.rounds):
-            for (compiles, key), (name, path) in itertools.product(runtimes, paths.items()):
+                                  eager_steps_s=[], eager_round_medians_s=[])
+        runtimes = [(True, "")] + ([(False, "eager_")] if args.eager_too else [])
+        for round_index in range(args.rounds):
+            order = list(paths.items())[::-1 if round_index % 2 else 1]
+            for (compiles, key), (name, path) in itertools.product(runtimes, order):
                 res = launch(path, steps=args.steps, check=False, compile=compiles,
                              timeout_s=900)
-                rows[name][key] += res["step_times_s"][1:]
+                kept = res["step_times_s"][args.warmup:] or res["step_times_s"][-1:]
+                rows[name][key + "steps_s"] += kept
+                rows[name][key + "round_medians_s"].append(median_after_warmup(kept, 0))
     for row in rows.values():
         row["measured_median_s"] = median_after_warmup(row["steps_s"], 0)
         if args.eager_too:
             row["measured_eager_median_s"] = median_after_warmup(row["eager_steps_s"], 0)
+    paired = paired_ratio(rows["compiled"]["round_medians_s"], rows["eager"]["round_medians_s"])
     faster_measured = min(rows, key=lambda k: rows[k]["measured_median_s"])
     result = {"benchmark": "compile_switch",
               "machine": machine_block(load_before, speed_before=speed_before),
               "model": args.model, "cluster": cluster, "batch_size": args.batch_size,
               "memory_budget_mib": args.memory_budget_mib, "pp": args.pp,
               "profiled_cluster": _cluster_file(cluster),
-              "plans": rows, "same_layout": rows["eager"]["layout"] == rows["compiled"]["layout"],
+              "steps": args.steps, "warmup_steps_dropped": args.warmup,
+              "rounds": args.rounds, "plans": rows,
+              "same_layout": rows["eager"]["layout"] == rows["compiled"]["layout"],
               "faster_measured": faster_measured,
               "switch_agrees": faster_measured == "compiled"
               or rows["eager"]["layout"] == rows["compiled"]["layout"],
+              "paired_compiled_over_eager_pick": paired,
+              "shown": rows["eager"]["layout"] != rows["compiled"]["layout"]
+              and paired["high"] < 1.0,
               **({"faster_measured_eager": min(
                   rows, key=lambda k: rows[k]["measured_eager_median_s"])}
                  if args.eager_too else {}),
@@ -147,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         f"compiled {row['predicted_compiled_s'] * 1e3:.1f} ms)"
         + (f"; eager measured {row['measured_eager_median_s'] * 1e3:.1f} ms "
            f"(predicted {row['predicted_eager_s'] * 1e3:.1f} ms)" if args.eager_too else "")
-        for name, row in rows.items()])
+        for name, row in rows.items()] + [
+        f"compiled pick / eager pick, paired by round: {paired['geomean']:.3f} "
+        f"(90 % interval {paired['low']:.3f}-{paired['high']:.3f})"])
 
 
 if __name__ == "__main__":
