@@ -171,8 +171,11 @@ class ContextParallelRuntime:
                 f"return the log-sum-exp), not on {mesh.device_type}; plan without it")
         self.layout = layout
         self.local_tokens = local_tokens
+        #: the program's fused attention ops (names), each run across the cp group
+        self.attention_ops = {n.name for n in program.nodes
+                              if n.op == "call_function" and n.target is SDPA}
         for n in program.nodes:
-            if n.op == "call_function" and n.target is SDPA:
+            if n.name in self.attention_ops:
                 self._check_attention(plan, n)
         aranges = {n.name for n in program.nodes if _is_positions(n, local_tokens)}
         carried = self._check_rows(plan, graph)
@@ -262,6 +265,22 @@ class ContextParallelRuntime:
         if entry is None or any(not p or p[0] != "S(0)" for p in entry.inputs[:3]):
             raise PlanMismatchError(f"attention {node.name}'s q, k and v must be S(0) on mesh "
                                     f"axis 0 under context parallelism; re-plan")
+
+    def positions_region(self, calls: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
+        """The ops of ``calls`` (in their order) that compute the token
+        positions' values, and the ops those read that no row reaches
+        (constants, parameters' values): a compiled program runs them first,
+        eager, as one region (:class:`codegen.program_code.EagerRegion`)."""
+        named = {n.name: n for n in calls}
+        wanted = [named[name] for name in self.position_aranges | self.position_values
+                  if name in named]
+        region: set[torch.fx.Node] = set()
+        while wanted:
+            n = wanted.pop()
+            if n not in region:
+                region.add(n)
+                wanted.extend(a for a in n.all_input_nodes if a.name in named)
+        return [n for n in calls if n in region]
 
     # ------------------------------------------------------------ at run time
     def constant(self, node: torch.fx.Node, value: Any) -> Any:

@@ -38,8 +38,6 @@ Placement strings are the plan's (:mod:`ir.placements`): ``R``, ``S(d)``, ``P``
 
 from __future__ import annotations
 
-import operator
-import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -49,19 +47,19 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from codegen.capture import (CapturedProgram, PlanMismatchError, capture_program,
                              check_plan_fits_program)
-from codegen.compiled_program import CompileReport, CompiledRegion, RegionCompile
-from codegen.checkpointed_layers import (checkpoint_segments, checkpointed, run_checkpointed,
-                                         segment_boundary)
+from codegen.compiled_program import CompileReport, CompiledRegion
+from codegen.checkpointed_layers import checkpoint_segments, run_checkpointed
 from codegen.context_parallel import ContextParallelRuntime, cut_sequences, layout_of
 from codegen.lowered_program import lower
-from codegen.node_runner import NodeRunner, public_binding, tensor_leaves
+from codegen.node_runner import NodeRunner, tensor_leaves
 from codegen.placement_record import PlacementRecord
+from codegen.program_code import CheckpointedLayer, program_code, segment_program
 from codegen.program_inputs import InputPlacer, Materialize
 from codegen.redistribution import plan_on_mesh
 from codegen.zero3_units import UnitRun, run_unit
 from ir.exported_graph import tied_parameters
 from ir.precision import cast_float
-from ir.torch_compat import (fake_store_type, is_assertion_op, register_fused_attention_sharding,
+from ir.torch_compat import (fake_store_type, register_fused_attention_sharding,
                              register_zeros_like_input_sharding, tree_leaves)
 from plan.format import Plan
 
@@ -307,15 +305,11 @@ class PlanExecutor:
         if self.local:
             program = self._compile()
         else:
-            if self.context_parallel_layout is not None:
-                self._compile_refused = True
-                self._report_eager("context parallelism's attention runs its own exchange, "
-                                   "which does not compile yet")
-                return
             if self._units:  # each ZeRO-3 unit compiles; the ops between them are few
                 self._compile_refused = True
                 return
-            program = lower(self._compile(), self.plan, self.mesh)
+            program = lower(self._compile(), self.plan, self.mesh,
+                            context_parallel=self._runner.context_parallel)
             self._compile_checkpointed_layers(program)
         self._use_program(CompiledRegion(program, self._region_name(), self.compile_report,
                                          eager=self._interpreted))
@@ -324,9 +318,9 @@ class PlanExecutor:
         """Give each checkpointed layer of lowered ``program`` its own compiled
         region, run inside an eager checkpoint: torch's compiler traces a
         checkpoint over DTensors but saves the ``DeviceMesh`` among the
-        backward's tensors and fails (:class:`_CheckpointedLayer`)."""
+        backward's tensors and fails (:class:`codegen.program_code.CheckpointedLayer`)."""
         for name, layer in program.named_children():
-            if isinstance(layer, _CheckpointedLayer):
+            if isinstance(layer, CheckpointedLayer):
                 layer.region = CompiledRegion(
                     layer.program, f"{self._region_name()}'s checkpointed layer {name}",
                     self.compile_report)
@@ -337,15 +331,18 @@ class PlanExecutor:
         inside the unit's module so that FSDP2's hooks gather and free its
         parameters around it, as torchtitan compiles its blocks. Done after the
         first forward, which records the units' placements interpreted."""
-        if not (self.plan.compiles and self._units and not self.record.recording
-                and self.context_parallel_layout is None):
+        if not (self.plan.compiles and self._units and not self.record.recording):
             return
         memo: dict[Any, Any] = {}
         for unit in self._units.values():
             if unit.program is not None:
                 continue
-            program, external, _ = _segment_program(unit.segment, memo)
-            region = CompiledRegion(lower(program, self.plan, self.mesh),
+            cp = self._runner.context_parallel
+            program, external, _ = segment_program(
+                unit.segment, memo,
+                eager_first=cp.positions_region(unit.segment) if cp else ())
+            region = CompiledRegion(lower(program, self.plan, self.mesh,
+                                          context_parallel=self._runner.context_parallel),
                                     f"{self._region_name()}'s unit {unit.name}",
                                     self.compile_report)
             unit.program_inputs = [v.name for v in external]
@@ -376,39 +373,19 @@ class PlanExecutor:
         """The program's name in compile log lines."""
         return "the program"
 
-    def _report_eager(self, why: str) -> None:
-        """Say, once, that the program runs eager though the plan compiles, and why."""
-        outcome = RegionCompile(self._region_name(), False, 0.0, reason=why)
-        self.compile_report.regions.append(outcome)
-        warnings.warn(outcome.line(), stacklevel=3)
-
     def _compile(self) -> torch.fx.GraphModule:
         """The program (:meth:`_program_calls`) as Python code
         (``torch.fx.GraphModule``): it runs the same ops in the same order as
         :meth:`_execute` without interpreting each node, takes the values they
         read from outside as arguments named as in the captured program, and
-        returns :meth:`_program_outputs`. A checkpointed
-        layer is one submodule run under ``torch.utils.checkpoint`` (as
-        :func:`codegen.checkpointed_layers.run_checkpointed` runs it). Each op is
-        called through the public function that dispatches its overload where
-        one does (:func:`codegen.node_runner.public_binding`)."""
-        outputs = self._program_outputs()
-        root, graph = torch.nn.Module(), torch.fx.Graph()
-        copied: dict[torch.fx.Node, torch.fx.Node] = {}
-        for value in self._program_inputs():
-            copied[value] = graph.placeholder(value.name)
-            copied[value].meta.update(value.meta)
-        segment_of = {n.name: first for first, seg in self._segments.items() for n in seg}
-        memo: dict[Any, Any] = {}
-        for node in self._calls:
-            first = segment_of.get(node.name)
-            if first is None:
-                copied[node] = graph.node_copy(node, copied.__getitem__)
-            elif first == node.name:
-                _call_segment(graph, root, self._segments[first], copied, memo)
-        graph.output(torch.fx.node.map_arg(outputs, copied.__getitem__))
-        _bind_publicly(graph, memo)
-        return torch.fx.GraphModule(root, graph)
+        returns :meth:`_program_outputs` (:func:`codegen.program_code.program_code`:
+        a checkpointed layer is one submodule run under
+        ``torch.utils.checkpoint``; context parallelism's token positions one
+        run eager, first)."""
+        cp = self._runner.context_parallel
+        return program_code(self._calls, self._program_inputs(), self._program_outputs(), {},
+                            layers=list(self._segments.values()),
+                            eager_first=cp.positions_region(self._calls) if cp else ())
 
     def _program_inputs(self) -> list[torch.fx.Node]:
         """The values the program takes (graph nodes, in argument order): here
@@ -494,75 +471,6 @@ class PlanExecutor:
         this: the result, fed back, makes every reshard explicit.
         """
         return self.record.recorded_plan(self.plan, self.graph)
-
-
-class _CheckpointedLayer(torch.nn.Module):
-    """A checkpointed layer's program (its external values in, the values read
-    after it out, as a tuple) run as :func:`codegen.checkpointed_layers.run_checkpointed`
-    runs it (:func:`codegen.checkpointed_layers.checkpointed`).
-
-    On one device, compiled with the program around it, the checkpoint
-    traces into the program's graph, the recomputation too. On a mesh
-    :attr:`region` is set instead: the layer's own compiled region, run inside
-    a checkpoint the program's compile leaves out (its graph breaks there)."""
-
-    def __init__(self, program: torch.fx.GraphModule):
-        super().__init__()
-        self.program = program
-        self.region: CompiledRegion | None = None
-
-    def forward(self, *values: Any) -> tuple:
-        if self.region is None:
-            return checkpointed(self.program, *values)
-        return _checkpointed_region(self.region, *values)
-
-
-@torch.compiler.disable
-def _checkpointed_region(region: CompiledRegion, *values: Any) -> tuple:
-    """``region`` (compiled on its own) under an eager checkpoint."""
-    return checkpointed(region, *values)
-
-
-def _call_segment(graph: torch.fx.Graph, root: torch.nn.Module, segment: Sequence[torch.fx.Node],
-                  copied: dict[torch.fx.Node, torch.fx.Node], memo: dict[Any, Any]) -> None:
-    """Append to ``graph`` a call of checkpointed layer ``segment`` (its op
-    nodes), a new submodule of ``root``, on the copies of the values it reads;
-    the values read after it are copied as the items of the call's result."""
-    program, external, outputs = _segment_program(segment, memo)
-    name = f"checkpointed_{len(list(root.children()))}"
-    root.add_module(name, _CheckpointedLayer(program))
-    call = graph.call_module(name, tuple(copied[v] for v in external))
-    for i, out in enumerate(outputs):
-        copied[out] = graph.call_function(operator.getitem, (call, i))
-        copied[out].meta.update(out.meta)
-
-
-def _segment_program(segment: Sequence[torch.fx.Node], memo: dict[Any, Any]
-                     ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[torch.fx.Node]]:
-    """The op nodes of ``segment`` as a program of their own, each op called as
-    :func:`_bind_publicly` binds it. Returns it, the values it reads from
-    outside (its inputs, in first use order) and those read after it (its
-    outputs, a tuple)."""
-    external, outputs = segment_boundary(segment)
-    graph = torch.fx.Graph()
-    copied: dict[torch.fx.Node, torch.fx.Node] = {}
-    for value in external:
-        copied[value] = graph.placeholder(value.name)
-        copied[value].meta.update(value.meta)
-    for node in segment:
-        copied[node] = graph.node_copy(node, copied.__getitem__)
-    graph.output(tuple(copied[n] for n in outputs))
-    _bind_publicly(graph, memo)
-    return torch.fx.GraphModule(torch.nn.Module(), graph), external, outputs
-
-
-def _bind_publicly(graph: torch.fx.Graph, memo: dict[Any, Any]) -> None:
-    """Call each aten op of ``graph`` through the public function that
-    dispatches its overload, where one does (:func:`codegen.node_runner.public_binding`)."""
-    for node in graph.nodes:
-        # an assertion keeps its aten op: the lowering drops it by its schema
-        if node.op == "call_function" and not is_assertion_op(node.target):
-            node.target = public_binding(node, memo) or node.target
 
 
 def record_plan(plan: Plan, model: torch.nn.Module, example_inputs: Any) -> Plan:

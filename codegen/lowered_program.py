@@ -14,9 +14,18 @@ hold; dynamo resolves each call's placement comparison when it traces, and
 the redistributions become functional collectives in the compiled graph.
 
 What the lowered program does not do (the interpreter decides it per op at
-run time): run an op DTensor cannot shard replicated, context parallelism's
-attention (such a program runs interpreted, and says so). A ZeRO-3 unit is lowered on its own (one
-compiled program per unit, inside the unit's FSDP2 module).
+run time): run an op DTensor cannot shard replicated. A ZeRO-3 unit is
+lowered on its own (one compiled program per unit, inside the unit's FSDP2
+module).
+
+Under context parallelism (:class:`codegen.context_parallel.ContextParallelRuntime`)
+the program's token positions become the rank's own (:class:`RankPositions`),
+and each op of them and each fused attention is a call into the runtime
+(:class:`ContextParallelOp`), as the interpreter makes it. The positions'
+ops run eager, first, as one region (:class:`codegen.program_code.EagerRegion`); so does each
+attention's exchange across the cp group (ring or all-gather, with its own
+backward): the program's graph breaks at each attention, and the code
+between them compiles.
 
 A redistribution *to* a partial sum (a replicated bias meeting a row-parallel
 matmul's partial output) is left to DTensor's op, which makes it itself, with
@@ -42,7 +51,7 @@ from codegen.redistribution import keep_layout, reachable_target, redistribute, 
 from ir.torch_compat import SDPA, is_assertion_op, is_mask_partial
 from plan.format import Plan
 
-__all__ = ["ToPlacement", "lower"]
+__all__ = ["ContextParallelOp", "RankPositions", "ToPlacement", "lower"]
 
 
 class ToPlacement(nn.Module):
@@ -83,19 +92,60 @@ def _reachable(value: DTensor, want: Sequence[str]) -> tuple[Placement, ...]:
                  for have, to in zip(value.placements, target))
 
 
-def lower(program: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh) -> torch.fx.GraphModule:
+class RankPositions(nn.Module):
+    """The token positions this rank holds under context parallelism, in
+    place of the program's ``arange`` (its value gives dtype and device)."""
+
+    def __init__(self, runtime: Any):
+        super().__init__()
+        self.runtime = runtime
+
+    def forward(self, value: torch.Tensor) -> torch.Tensor:
+        return self.runtime.positions.to(device=value.device, dtype=value.dtype)
+
+
+class ContextParallelOp(nn.Module):
+    """Op ``node`` run by the context-parallel runtime: an op of the token
+    positions (:meth:`ContextParallelRuntime.run_positions`) or, with
+    ``attention``, fused attention across the cp group
+    (:meth:`ContextParallelRuntime.attention`), which runs eager."""
+
+    def __init__(self, runtime: Any, node: torch.fx.Node, *, attention: bool):
+        super().__init__()
+        self.runtime = runtime
+        self.node = node
+        self.attention = attention
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.attention:
+            return _exchanged_attention(self.runtime, self.node, args, kwargs)
+        return self.runtime.run_positions(self.node, args, kwargs)
+
+
+@torch.compiler.disable
+def _exchanged_attention(runtime: Any, node: torch.fx.Node, args: tuple, kwargs: dict) -> Any:
+    """Attention across the cp group, eager: its exchange does not trace."""
+    return runtime.attention(node, args, kwargs)
+
+
+def lower(program: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh, *,
+          context_parallel: Any = None) -> torch.fx.GraphModule:
     """``program`` (and the program of each checkpointed layer in it) with the
-    plan's placements written in: in place, and returned."""
+    plan's placements written in, and the ops ``context_parallel`` (the
+    plan's :class:`codegen.context_parallel.ContextParallelRuntime`, None
+    without cp) runs: in place, and returned."""
     modules = [program] + [m.program for m in program.children()
                            if isinstance(getattr(m, "program", None), torch.fx.GraphModule)]
     for module in modules:
-        _place(module, plan, mesh)
+        _place(module, plan, mesh, context_parallel)
         module.recompile()
     return program
 
 
-def _place(module: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh) -> None:
-    """Insert the placement calls into ``module``'s graph (see :func:`lower`)."""
+def _place(module: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh,
+           context_parallel: Any) -> None:
+    """Insert the placement calls, and ``context_parallel``'s, into
+    ``module``'s graph (see :func:`lower`)."""
     graph = module.graph
     cached: dict[tuple[tuple[str, ...], bool], str] = {}
 
@@ -128,17 +178,47 @@ def _place(module: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh) -> None:
                     return graph.call_module(placer(want, False), (arg,))
             node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
                                                            place_argument)
-        after = _after(node, entry, placer)
+        cp_call = _context_parallel_call(module, node, context_parallel)
+        after = _after(node, entry, placer, runtime_attention=cp_call == "attention")
+        if cp_call == "positions":
+            name = f"rank_positions_{node.name}"
+            module.add_module(name, RankPositions(context_parallel))
+            after.insert(0, ("module", name))
         if after:
             _wrap_output(graph, node, after)
+        if cp_call in ("attention", "op"):
+            name = f"context_parallel_{node.name}"
+            module.add_module(name, ContextParallelOp(context_parallel, node,
+                                                      attention=cp_call == "attention"))
+            with graph.inserting_before(node):
+                call = graph.call_module(name, node.args, node.kwargs)
+            call.meta.update(node.meta)
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
 
 
-def _after(node: torch.fx.Node, entry: Any, placer: Any) -> list[tuple[str, Any]]:
+def _context_parallel_call(module: torch.fx.GraphModule, node: torch.fx.Node,
+                           runtime: Any) -> str | None:
+    """What ``runtime`` (the plan's context parallelism, or None) makes of op
+    ``node``: ``"positions"`` (the program's token positions: the rank's own
+    instead), ``"op"`` (an op of them), ``"attention"`` or None (nothing)."""
+    if runtime is None:
+        return None
+    if node.name in runtime.position_aranges:
+        return "positions"
+    if node.name in runtime.position_values:
+        return "op"
+    return "attention" if node.name in runtime.attention_ops else None
+
+
+def _after(node: torch.fx.Node, entry: Any, placer: Any, *,
+           runtime_attention: bool = False) -> list[tuple[str, Any]]:
     """The calls to apply to ``node``'s (single) output, in order: the
-    attention's captured layout, a view's contiguous gradient, the plan's
-    output placement."""
+    attention's captured layout (which ``runtime_attention``, context
+    parallelism's, gives its output itself), a view's contiguous gradient,
+    the plan's output placement."""
     calls: list[tuple[str, Any]] = []
-    if node.target is SDPA and has_fused_attention_layout(node):
+    if node.target is SDPA and not runtime_attention and has_fused_attention_layout(node):
         calls.append(("function", fused_attention_layout))
     if node.target is SDPA and attention_mask(node.args, node.kwargs) is not None:
         calls.append(("function", attention_gradient_placements))

@@ -97,6 +97,31 @@ def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
     assert "runs eager" not in output and "parts run eager" not in output
 
 
+
+@pytest.mark.multiprocess
+def test_context_parallel_plan_compiles_around_its_attention_exchange(tmp_path):
+    """A cp plan's program compiles: the rank's token positions are computed
+    eager first, each attention's ring exchange runs eager between the
+    graphs, and the rest compiles; it trains as one eager process does."""
+    from models.source import build_model
+    from planner.api import plan
+
+    model, inputs = build_model("gpt-tiny", device="meta")
+    made = plan(model, "local-cpu:2", example_inputs=inputs, context_parallel=(2,),
+                model_source="gpt-tiny", time_limit_s=5, compile=True)
+    assert made.training["context_parallel"]["size"] == 2 and made.pipeline is None
+    path = tmp_path / "cp.json"
+    made.save(path)
+
+    result = launch(path, check=True, steps=2, timeout_s=400)
+    assert result["passed"], result.get("output")
+    assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
+    output = result["output"]
+    assert "compile: the program compiled in" in output, output
+    assert "in 3 graphs (parts run eager)" in output, output  # gpt-tiny's 2 attentions
+    assert "runs eager:" not in output
+
+
 _COMPILE_ONCE = """
 import json
 import torch, torch.distributed as dist

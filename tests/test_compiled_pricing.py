@@ -274,3 +274,22 @@ def test_a_fused_chain_reads_through_a_tuple_projection():
         totals[compiled] = sum(cost.forward_time(ns.node, ns.strategies[0])
                                for ns in prepared.strategies if ns.node.kind == OP)
     assert 0 < totals[True] < totals[False]
+
+
+def test_each_cp_attention_breaks_the_compiled_program_once(llama_graph):
+    """Context parallelism's attention exchange runs eager between a compiled
+    program's graphs (``codegen.lowered_program``): each attention op adds one
+    compiled call to the forward it prices, and nothing to the backward."""
+    from planner.search.cp_search import context_parallel_seconds
+
+    compiled = load_cluster("local-cpu:2").running_compiled()
+    free = replace(compiled, device=replace(compiled.device, compiled_call_overhead=0.0))
+    result = solve_prepared(prepare_intra_op(llama_graph, compiled, (2,)))
+    priced = [context_parallel_seconds(result, IntraOpCost(result.graph, c, (2,), "float32"), 2,
+                                       "p2p", c.intra_node) for c in (compiled, free)]
+    attentions = sum(n.target == "aten.scaled_dot_product_attention.default"
+                     for n in result.graph.nodes)
+    assert attentions == 2
+    assert priced[0][0] - priced[1][0] == pytest.approx(
+        attentions * compiled.device.compiled_call_overhead)
+    assert priced[0][1] == pytest.approx(priced[1][1])

@@ -147,7 +147,7 @@ def test_compiled_steps_match_the_interpreted_step(one_rank_group, checkpoint):
             p.grad = None
     assert executor._compiled is not None  # made by the first forward, run by the second
     layers = [m for m in executor._compiled.children()
-              if type(m).__name__ == "_CheckpointedLayer"]
+              if type(m).__name__ == "CheckpointedLayer"]
     assert len(layers) == len(checkpoint)
     (loss0, g0), (loss1, g1) = grads
     torch.testing.assert_close(loss1, loss0, rtol=0, atol=0)

@@ -158,7 +158,10 @@ def context_parallel_seconds(result: IntraOpResult, cost: IntraOpCost, cp: int, 
     * ``all_gather``: forward ag(cp kv) + (cp - 1) t_f; backward
       ag(cp kv) + (cp - 1) t_b + rs(cp kv); buffers 2 cp kv (K/V and dK/dV
       gathered);
-    * a checkpointed layer's attention adds its forward seconds to the backward.
+    * a checkpointed layer's attention adds its forward seconds to the backward;
+    * in a compiled program each attention runs eager between the compiled
+      graphs (:mod:`codegen.lowered_program`): one more compiled call
+      (``compiled_call_overhead``) in its forward.
 
     The buffers are the largest one attention op holds (ops run one at a time).
     """
@@ -166,6 +169,8 @@ def context_parallel_seconds(result: IntraOpResult, cost: IntraOpCost, cp: int, 
         return 0.0, 0.0, 0.0
     graph = result.graph
     recomputed = graph.layer_ops(result.checkpointed)
+    device = cost.cluster.device
+    graph_break = device.compiled_call_overhead if device.compiled else 0.0
     forward = backward = buffers = 0.0
     for n in graph.nodes:
         if n.target != FUSED_ATTENTION:
@@ -182,6 +187,7 @@ def context_parallel_seconds(result: IntraOpResult, cost: IntraOpCost, cp: int, 
             gather = collective_time("all_gather", cp * kv, cp, link)
             f = gather + (cp - 1) * t_f
             b = gather + (cp - 1) * t_b + collective_time("reduce_scatter", cp * kv, cp, link)
+        f += graph_break
         forward += f
         backward += b + (f if n.name in recomputed else 0.0)
         buffers = max(buffers, _held(kv, cp, comm_type))
