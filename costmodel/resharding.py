@@ -53,8 +53,9 @@ from ir.torch_compat import is_strided_shard
 from .cluster import Link, check_mesh_shape
 from .collectives import collective_time
 
-__all__ = ["ReshardStep", "ReshardPricer", "reshard_steps", "reshard_staging_bytes", "reshard_time",
-           "gradient_placements", "weight_gradient_placements"]
+__all__ = ["ReshardStep", "ReshardPricer", "reshard_collectives", "reshard_steps",
+           "reshard_staging_bytes", "reshard_time", "gradient_placements",
+           "weight_gradient_placements"]
 
 PlacementLike = Union[Placement, str]
 
@@ -285,6 +286,18 @@ def reshard_steps(
     return [ReshardStep(s.mesh_axis, placement_str(s.src), placement_str(s.dst), s.collective,
                         s.nbytes(shape, itemsize))
             for s in _plan(src, dst, len(shape), mesh)]
+
+
+def reshard_collectives(src: Sequence[PlacementLike], dst: Sequence[PlacementLike],
+                        mesh_shape: Sequence[int]) -> list[str]:
+    """The collectives (``all_gather``...) DTensor issues to take a tensor
+    from ``src`` to ``dst`` placements on a mesh of ``mesh_shape``, in order;
+    a step on an axis of one device moves nothing and is left out."""
+    mesh = tuple(mesh_shape)
+    shard_dims = [p.dim for p in _normalize([*src, *dst], 64, "src/dst") if type(p) is Shard]
+    ndim = max(shard_dims, default=0) + 1
+    return [s.collective for s in _plan(src, dst, ndim, mesh)
+            if s.collective is not None and mesh[s.mesh_axis] > 1]
 
 
 def reshard_staging_bytes(steps: Sequence[ReshardStep], mesh_shape: Sequence[int],

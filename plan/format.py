@@ -59,6 +59,7 @@ class TrainingRecord(TypedDict, total=False):
     global_batch: int          # sequences per step
     manual: dict[str, Any]     # a Megatron baseline's configuration (Megatron's names)
     compile: bool              # the per-rank program runs through torch.compile (absent: eager)
+    compile_collectives: dict[str, Any]  # compiled: collectives in the graphs and outside them
 
 
 class PredictedStep(TypedDict, total=False):
@@ -256,12 +257,20 @@ class Plan:
         return bool(self.training.get("compile", False))
 
     def with_compile(self, compile: bool) -> "Plan":
-        """This plan with ``training.compile`` set to ``compile`` (removed when
-        False, as an eager plan records it)."""
-        training = {k: v for k, v in self.training.items() if k != "compile"}
+        """This plan with ``training.compile`` set to ``compile``, and which of
+        its collectives then run in the compiled graphs
+        (``training.compile_collectives``,
+        :func:`plan.compiled_collectives.compiled_collectives`); both removed
+        when False, as an eager plan records them."""
+        from plan.compiled_collectives import compiled_collectives
+
+        training = {k: v for k, v in self.training.items()
+                    if k not in ("compile", "compile_collectives")}
+        plan = dataclasses.replace(self, training=training)
         if compile:
             training["compile"] = True
-        return dataclasses.replace(self, training=training)
+            training["compile_collectives"] = compiled_collectives(plan)
+        return plan
 
     @property
     def world_size(self) -> int:

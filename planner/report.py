@@ -6,6 +6,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from plan.compiled_collectives import compiled_collectives
 from plan.format import Plan
 
 
@@ -93,6 +94,26 @@ def _context_parallel_runs(plan: Plan) -> str:
             f"attention per block), not yet run on a GPU by this project")
 
 
+def _compile_lines(plan: Plan) -> list[str]:
+    """One line on where a compiled plan's collectives run (none for an eager
+    plan; a plan made before it recorded them gets them worked out)."""
+    if not plan.compiles:
+        return []
+    record = plan.training.get("compile_collectives") or compiled_collectives(plan)
+    inside = ", ".join(f"{n} {kind}" for kind, n in record["in_graph"].items()) or "none"
+    outside = record["outside_graph"]
+    parts = []
+    if "gradient_reduction" in outside:
+        reductions = outside["gradient_reduction"].values()
+        parts.append(f"gradients {' / '.join('+'.join(c) for c in reductions)}")
+    if "p2p" in outside:
+        parts.append("pipeline send/recv")
+    if "context_parallel" in outside:
+        parts.append(f"cp {outside['context_parallel']} K/V exchange")
+    return [f"compiled: collectives in the graphs {inside} (reshards, per forward); outside "
+            f"them {', '.join(parts) or 'none'}"]
+
+
 def format_plan(plan: Plan, verbose: bool = False) -> str:
     """Summary of a plan: mesh, predicted step, memory, parameter placements, reshards."""
     pred = plan.predicted
@@ -109,6 +130,7 @@ def format_plan(plan: Plan, verbose: bool = False) -> str:
         _step_line(plan),
         *([_NO_PARALLELISM] if _replicated_everywhere(plan) else []),
         *_context_parallel_lines(plan),
+        *_compile_lines(plan),
         "activation checkpointing: " + (", ".join(plan.checkpoint) if plan.checkpoint else "none"),
         "memory per device: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in mem.items()),
         _margin_line(memory_margin(plan)),

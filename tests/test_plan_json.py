@@ -79,3 +79,27 @@ def test_public_api_names():
     from plan.format import Plan
 
     assert planner.Plan is Plan
+
+
+def test_a_compiled_plan_records_which_collectives_run_in_its_graphs():
+    """``training.compile_collectives``: the reshard points' collectives run in
+    the compiled graphs; the gradient reduction (by ZeRO stage) and a
+    pipeline's sends run outside them; an eager plan records none."""
+    from planner.report import format_plan
+
+    model, inputs = build_model("gpt-tiny", device="meta")
+    kw = dict(example_inputs=inputs, model_source="gpt-tiny", time_limit_s=5, compile=True)
+    data_parallel = plan(model, "local-cpu:2", mesh_shape=(2,), zero_stages=(0,), **kw)
+    record = data_parallel.training["compile_collectives"]
+    assert record["outside_graph"] == {"gradient_reduction": {"0": ["all_reduce"]}}
+    assert sum(record["in_graph"].values()) >= sum(
+        r.src != r.dst for r in data_parallel.reshards if "P" in r.src)
+    assert "compiled: collectives in the graphs" in format_plan(data_parallel)
+    assert "compile_collectives" not in data_parallel.with_compile(False).training
+
+    sharded = plan(model, "local-cpu:2", pp=(1,), zero_stages=(3,), **kw)
+    assert sharded.training["compile_collectives"]["outside_graph"]["gradient_reduction"] == {
+        "3": ["all_gather", "reduce_scatter"]}
+    piped = plan(model, "local-cpu:2", pp=(2,), schedules=("1f1b",), **kw)
+    assert piped.training["compile_collectives"] == {"in_graph": {},
+                                                     "outside_graph": {"p2p": "send_recv"}}
