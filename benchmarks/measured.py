@@ -14,7 +14,8 @@
    the whole two-level search), the plans each :data:`RECIPES` entry pins (one
    stage on all ranks: the mesh's own ILP choice, ZeRO-1/2/3, every layer
    recomputed, 4 accumulated micro-batches; a 2-stage pipeline under GPipe and
-   under 1F1B), and every Megatron configuration
+   under 1F1B; one stage whose sequences context parallelism splits over
+   2 ranks), and every Megatron configuration
    (``planner.baselines.megatron.megatron_configs`` / ``megatron_plan``: DP,
    TP, TP with sequence parallelism). Plans that come out identical (same
    placements everywhere) are run once.
@@ -93,6 +94,7 @@ RECIPES: dict[str, dict[str, Any]] = {
                   "zero_stages": (0,), "context_parallel": (1,)},
     "pp2-1f1b": {"pp": (2,), "schedules": ("1f1b",), "num_microbatches": (4,),
                  "zero_stages": (0,), "context_parallel": (1,)},
+    "cp-2": {"pp": (1,), "context_parallel": (2,)},
 }
 
 
