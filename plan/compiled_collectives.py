@@ -26,12 +26,9 @@ same record); ``planner show`` prints it.
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from costmodel.resharding import reshard_collectives
-
-if TYPE_CHECKING:
-    from plan.format import Plan
 
 __all__ = ["GRADIENT_REDUCTION", "compiled_collectives"]
 
@@ -41,8 +38,9 @@ GRADIENT_REDUCTION = {0: ["all_reduce"], 1: ["reduce_scatter", "all_gather"],
                       2: ["all_gather", "reduce_scatter"], 3: ["all_gather", "reduce_scatter"]}
 
 
-def compiled_collectives(plan: "Plan") -> dict[str, Any]:
+def compiled_collectives(plan: Any) -> dict[str, Any]:
     """``{"in_graph": {collective: count}, "outside_graph": {...}}`` of ``plan``
+    (a :class:`plan.format.Plan`, which calls this from ``with_compile``)
     run compiled (see the module doc). ``in_graph`` counts the collectives of
     the plan's reshard points, one forward of every stage; ``outside_graph``
     names the gradient reduction (``gradient_reduction``: ZeRO stage -> its

@@ -71,6 +71,16 @@ def test_a_checkpointed_layer_traces_into_the_compiled_graph():
     torch.testing.assert_close(got, x.grad)
 
 
+def _checked_run(made, path) -> str:
+    """Save plan ``made`` at ``path``, run two steps of it checked against one
+    eager process (within :data:`RTOL`); the ranks' output."""
+    made.save(path)
+    result = launch(path, check=True, steps=2, timeout_s=400)
+    assert result["passed"], result.get("output")
+    assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
+    return result["output"]
+
+
 @pytest.mark.multiprocess
 def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
     """The DTensor program, lowered (the plan's placements written into it) and
@@ -85,13 +95,7 @@ def test_compiled_two_rank_plan_matches_one_eager_process(tmp_path):
                 model_source="gpt-tiny", time_limit_s=10, compile=True, recompute="all")
     assert made.training["compile"] is True and made.compiles and len(made.checkpoint) == 2
     assert "compile" not in made.with_compile(False).training
-    path = tmp_path / "compiled.json"
-    made.save(path)
-
-    result = launch(path, check=True, steps=2, timeout_s=400)
-    assert result["passed"], result.get("output")
-    assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
-    output = result["output"]
+    output = _checked_run(made, tmp_path / "compiled.json")
     assert "in 2 graphs around 2 region(s) compiled on their own" in output, output
     assert output.count("compile: the program's checkpointed layer") == 2
     assert "runs eager" not in output and "parts run eager" not in output
@@ -110,13 +114,7 @@ def test_context_parallel_plan_compiles_around_its_attention_exchange(tmp_path):
     made = plan(model, "local-cpu:2", example_inputs=inputs, context_parallel=(2,),
                 model_source="gpt-tiny", time_limit_s=5, compile=True)
     assert made.training["context_parallel"]["size"] == 2 and made.pipeline is None
-    path = tmp_path / "cp.json"
-    made.save(path)
-
-    result = launch(path, check=True, steps=2, timeout_s=400)
-    assert result["passed"], result.get("output")
-    assert result["max_loss_rel_err"] <= RTOL and result["max_rel_grad_err"] <= RTOL
-    output = result["output"]
+    output = _checked_run(made, tmp_path / "cp.json")
     assert "compile: the program compiled in" in output, output
     assert "in 3 graphs (parts run eager)" in output, output  # gpt-tiny's 2 attentions
     assert "runs eager:" not in output
