@@ -235,16 +235,20 @@ class IntraOpCost(ComputePricing, GradientSyncPricing, MemoryPricing):
                                        if n.kind == OP and n.name not in inside)
 
     def region_calls(self, checkpointed: Sequence[str]) -> tuple[int, int]:
-        """Calls of compiled regions in one pass of a compiled stage whose
-        layers ``checkpointed`` are checkpointed: ``(forward, backward)``. On
-        one device the checkpoints trace into the program's one region; on a
-        mesh each such layer is a region of its own, called in the forward and
-        again for its recomputation in the backward (ZeRO-3: its unit's region,
-        called again). :mod:`codegen.executor` compiles them so."""
+        """Compiled calls (dynamo frames entered) in one pass of a compiled
+        stage whose layers ``checkpointed`` are checkpointed: ``(forward,
+        backward)``. On one device the checkpoints trace into the program's one
+        region. On a mesh each such layer is a region of its own, run inside an
+        eager checkpoint the program's compile leaves out
+        (:class:`codegen.program_code.CheckpointedLayer`): the layer's call
+        enters three frames in the forward (the layer module's, whose body
+        breaks; its region's; the program's again, resumed after it) and its
+        region once more for the recomputation in the backward (ZeRO-3: its
+        unit's region, called again)."""
         if self.zero_stage == 3:
             return self.compiled_regions, len(checkpointed)
         if math.prod(self.mesh_shape) > 1:
-            return self.compiled_regions + len(checkpointed), len(checkpointed)
+            return self.compiled_regions + 3 * len(checkpointed), len(checkpointed)
         return self.compiled_regions, 0
 
     def _set_precision(self, dtype: str) -> None:

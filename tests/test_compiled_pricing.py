@@ -158,8 +158,9 @@ def test_a_fused_share_takes_its_bytes_or_its_elements_whichever_is_slower():
 def test_a_checkpointed_layer_recomputes_compiled(llama_graph):
     """A compiled program re-runs a checkpointed layer compiled (traced into
     the program's graph on one device, its own region on a mesh): the re-run
-    is the compiled forward; on a mesh each such layer's region is called in
-    the forward and again in the backward, on one device nothing more."""
+    is the compiled forward; on a mesh each such layer enters three frames in
+    the forward (its module's, its region's, the program's resumed after it)
+    and its region again in the backward, on one device nothing more."""
     from costmodel.compute import compiled_call_seconds
 
     eager = load_cluster("local-cpu:2")
@@ -176,9 +177,9 @@ def test_a_checkpointed_layer_recomputes_compiled(llama_graph):
     assert cost_c.recompute_each(node, [s]) == [pytest.approx(cost_c.forward_time(node, s))]
     assert cost_c.forward_time(node, s) < cost_e.forward_time(node, s)  # fused, undispatched
     layers = ["layers.0", "layers.1"]
-    assert cost_c.region_calls(layers) == (3, 2)
+    assert cost_c.region_calls(layers) == (7, 2)  # each layer: 3 frames, and its re-run
     assert compiled_call_seconds(llama_graph, compiled.device,
-                                 cost_c.region_calls(layers)) == pytest.approx((3e-3, 2e-3))
+                                 cost_c.region_calls(layers)) == pytest.approx((7e-3, 2e-3))
     one = load_cluster("local-cpu:1")
     one_device = IntraOpCost(llama_graph, replace(one, device=compiled.device), (1,), "float32")
     assert one_device.region_calls(layers) == (1, 0)
