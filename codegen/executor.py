@@ -334,15 +334,14 @@ class PlanExecutor:
         if not (self.plan.compiles and self._units and not self.record.recording):
             return
         memo: dict[Any, Any] = {}
+        cp = self._runner.context_parallel
         for unit in self._units.values():
             if unit.program is not None:
                 continue
-            cp = self._runner.context_parallel
             program, external, _ = segment_program(
                 unit.segment, memo,
                 eager_first=cp.positions_region(unit.segment) if cp else ())
-            region = CompiledRegion(lower(program, self.plan, self.mesh,
-                                          context_parallel=self._runner.context_parallel),
+            region = CompiledRegion(lower(program, self.plan, self.mesh, context_parallel=cp),
                                     f"{self._region_name()}'s unit {unit.name}",
                                     self.compile_report)
             unit.program_inputs = [v.name for v in external]

@@ -178,7 +178,7 @@ def _place(module: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh,
                     return graph.call_module(placer(want, False), (arg,))
             node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs),
                                                            place_argument)
-        cp_call = _context_parallel_call(module, node, context_parallel)
+        cp_call = _context_parallel_call(node, context_parallel)
         after = _after(node, entry, placer, runtime_attention=cp_call == "attention")
         if cp_call == "positions":
             name = f"rank_positions_{node.name}"
@@ -197,8 +197,7 @@ def _place(module: torch.fx.GraphModule, plan: Plan, mesh: DeviceMesh,
             graph.erase_node(node)
 
 
-def _context_parallel_call(module: torch.fx.GraphModule, node: torch.fx.Node,
-                           runtime: Any) -> str | None:
+def _context_parallel_call(node: torch.fx.Node, runtime: Any) -> str | None:
     """What ``runtime`` (the plan's context parallelism, or None) makes of op
     ``node``: ``"positions"`` (the program's token positions: the rank's own
     instead), ``"op"`` (an op of them), ``"attention"`` or None (nothing)."""

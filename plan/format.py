@@ -266,11 +266,10 @@ class Plan:
 
         training = {k: v for k, v in self.training.items()
                     if k not in ("compile", "compile_collectives")}
-        plan = dataclasses.replace(self, training=training)
         if compile:
             training["compile"] = True
-            training["compile_collectives"] = compiled_collectives(plan)
-        return plan
+            training["compile_collectives"] = compiled_collectives(self)
+        return dataclasses.replace(self, training=training)
 
     @property
     def world_size(self) -> int:

@@ -358,7 +358,7 @@ def assemble(exact: ExactPipeline, ctx: SearchContext,
                        "backward_weight_s": t.backward_weight_s + split_s[s],
                        "grad_sync_s": t.grad_sync_s,
                        "update_s": t.update_s,
-                       "accumulate_s": (cand.num_microbatches - 1) * t.accumulate_s,
+                       "accumulate_s": t.accumulation_s(cand.num_microbatches),
                        "in_flight_microbatches": exact.copies[s],
                        "memory_bytes_per_device": part.predicted["memory_bytes_per_device"]}))
     first = parts[0]
@@ -416,7 +416,7 @@ def _predicted(exact: ExactPipeline, parts: list[Plan], ctx: SearchContext) -> d
         "p2p_s": sum(exact.p2p),
         "grad_sync_s": max(t.grad_sync_s for t in exact.times),
         "update_s": max(t.update_s for t in exact.times),
-        "accumulate_s": max((m - 1) * t.accumulate_s for t in exact.times),
+        "accumulate_s": max(t.accumulation_s(m) for t in exact.times),
         "memory_bytes_per_device": memory,
     }
 

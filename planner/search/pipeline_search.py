@@ -93,7 +93,7 @@ def simulate_step(schedule: str, pp: int, m: int, v: int, times: list[StageTimes
                  [t.backward_input_s + action_s for t in times],
                  [t.backward_weight_s + s for t, s in zip(times, split_s)],
                  p2p if p2p else 0.0, stages_per_rank=v, timeline=False, book=book)
-    end = max(t.step_end_s + (m - 1) * t.accumulate_s for t in times)
+    end = max(t.step_end_s + t.accumulation_s(m) for t in times)
     return r.step_time + end, r.step_time - max(r.busy)
 
 

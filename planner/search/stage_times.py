@@ -49,6 +49,11 @@ class StageTimes:
         """What the stage does once per step after its last backward."""
         return self.grad_sync_s + self.update_s
 
+    def accumulation_s(self, microbatches: int) -> float:
+        """Seconds a step of ``microbatches`` micro-batches spends adding the
+        gradients of each one after the first into the step's."""
+        return (microbatches - 1) * self.accumulate_s
+
     @property
     def total_s(self) -> float:
         """One micro-batch and the once-per-step work: the intra-op ILP's objective."""
